@@ -1,0 +1,51 @@
+"""omnidraft: one small on-device drafter, any target LM, cross-vocabulary speculative decoding.
+
+    import omnidraft as od
+    pair = od.Drafter.load("smollm2-135m").pair(od.LocalTarget.load("qwen2.5-coder-0.5b"))
+    out = pair.generate("def fib(n):", max_new_tokens=128)
+
+Heavy modules (torch, transformers) load on first use of a name, so `import omnidraft` stays light.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+__all__ = [
+    "DecodeConfig",
+    "Drafter",
+    "Generation",
+    "LocalTarget",
+    "OmnidraftError",
+    "Pairing",
+    "PRESETS",
+    "Rule",
+    "load_model",
+]
+__all__.sort()
+__version__ = "0.1.0"
+
+_WHERE = {
+    "DecodeConfig": "session",
+    "Drafter": "drafter",
+    "Generation": "session",
+    "LocalTarget": "target",
+    "OmnidraftError": "errors",
+    "Pairing": "session",
+    "PRESETS": "presets",
+    "Rule": "target",
+    "load_model": "models",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'omnidraft' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,22 @@
+"""The one exception hierarchy of omnidraft. Input mistakes raise ValueError/TypeError; domain
+failures (a missing model package, a corrupt profile file) raise an OmnidraftError subclass."""
+
+from __future__ import annotations
+
+__all__ = ["CorruptFileError", "IncompatibleError", "MissingModelError", "OmnidraftError"]
+
+
+class OmnidraftError(Exception):
+    """Base class of every domain failure raised by omnidraft."""
+
+
+class MissingModelError(OmnidraftError):
+    """A preset's model package is not installed; the message names the pip command to run."""
+
+
+class CorruptFileError(OmnidraftError):
+    """A saved artefact is truncated, foreign or of an unknown format version."""
+
+
+class IncompatibleError(OmnidraftError):
+    """An artefact was made for another tokenizer or model than the one it is loaded for."""

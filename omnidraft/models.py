@@ -1,0 +1,84 @@
+"""Load a causal LM and its tokenizer from a preset name, a local HF directory or id, or a .gguf file.
+
+GGUF files are dequantised once (15-50 s) and the result is cached as safetensors under
+`presets.cache_dir()/converted/`, so every later load is a plain fp32 safetensors load. This module
+does no decoding; it only hands back `(model, tokenizer)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import presets
+
+__all__ = ["LoadedModel", "load_model"]
+
+log = logging.getLogger(__name__)
+
+
+class LoadedModel:
+    """A model in eval mode with its tokenizer and the name it was loaded under."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str) -> None:
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+
+    def __repr__(self) -> str:
+        n = sum(p.numel() for p in self.model.parameters())
+        return f"LoadedModel({self.name!r}, {n / 1e6:.0f}M params, vocab {len(self.tokenizer)})"
+
+
+def load_model(spec: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load `spec`: a preset name (see `presets.PRESETS`), a `.gguf` path, a local dir or an HF id."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
+    if spec in presets.PRESETS:
+        return _load_gguf(presets.gguf_path(spec), spec, dtype)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        return _load_gguf(path, path.stem, dtype)
+    if spec.startswith(("smollm", "qwen", "gemma")) and not path.exists():
+        raise ValueError(f"unknown preset {spec!r}; known presets: {', '.join(sorted(presets.PRESETS))}")
+    return _load_hf(spec, spec, dtype)
+
+
+def _load_hf(source: str, name: str, dtype: torch.dtype, **kwargs: Any) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, tokenizer, name)
+
+
+def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
+    converted = presets.cache_dir() / "converted" / f"{name}-{path.stat().st_size}"
+    if (converted / "config.json").exists():
+        return _load_hf(str(converted), name, dtype)
+    started = time.perf_counter()
+    loaded = _load_hf(str(path.parent), name, dtype, gguf_file=path.name)
+    log.info("dequantised %s in %.1f s; caching safetensors in %s", path.name, time.perf_counter() - started, converted)
+    tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _forget_gguf_origin(loaded.model)
+    loaded.model.save_pretrained(tmp)
+    loaded.tokenizer.save_pretrained(tmp)
+    shutil.rmtree(converted, ignore_errors=True)
+    os.replace(tmp, converted)
+    return loaded
+
+
+def _forget_gguf_origin(model: Any) -> None:
+    """The dequantised weights are plain fp32; drop the GGUF marker that blocks save_pretrained."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config

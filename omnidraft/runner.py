@@ -1,0 +1,58 @@
+"""One token sequence of one HF causal LM with its KV cache: feed new tokens, crop back.
+
+Both the drafter and a local target are a `CausalRunner` underneath. It knows token ids only:
+no tokenizer, no acceptance rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["CausalRunner"]
+
+
+class CausalRunner:
+    """`ids` is the sequence; the KV cache holds its first `kv_len` tokens."""
+
+    def __init__(self, model: Any, ids: list[int]) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.ids: list[int] = list(ids)
+        self.cache = DynamicCache(config=model.config)
+        self.kv_len = 0
+
+    def extend(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+
+    @torch.inference_mode()
+    def forward(self, keep: int = 1) -> torch.Tensor:
+        """Feed every token not yet in the cache; return logits (keep, V) of the last `keep` positions."""
+        if not 1 <= keep <= len(self.ids):
+            raise ValueError(f"asked for logits of {keep} positions of a {len(self.ids)}-token sequence")
+        if len(self.ids) - self.kv_len < keep:  # re-feed cached tokens whose logits are needed again
+            self.crop_cache(len(self.ids) - keep)
+        new = self.ids[self.kv_len :]
+        out = self.model(
+            input_ids=torch.tensor([new], dtype=torch.long),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        self.kv_len = len(self.ids)
+        return out.logits[0, -keep:]
+
+    def crop(self, n: int) -> None:
+        """Keep only the first `n` tokens (sequence and cache)."""
+        if not 0 <= n <= len(self.ids):
+            raise ValueError(f"cannot crop a sequence of {len(self.ids)} tokens to {n}")
+        del self.ids[n:]
+        self.crop_cache(n)
+
+    def crop_cache(self, n: int) -> None:
+        """Drop cached positions past `n` (the sequence itself is kept)."""
+        if self.kv_len > n:
+            self.cache.crop(n - self.kv_len)  # transformers 5.x: a negative count of tokens to drop
+            self.kv_len = n

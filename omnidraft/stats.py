@@ -1,0 +1,96 @@
+"""Per-round records of a speculative generation, the statistics made from them, and JSONL traces.
+
+One vocabulary everywhere (DESIGN.md "Metrics"): acceptance rate is accepted / proposed target
+tokens averaged over rounds; tau is committed tokens per target forward (bonus included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from statistics import fmean
+from typing import Iterable
+
+__all__ = ["GenerationStats", "RoundRecord", "read_trace", "write_trace"]
+
+TRACE_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundRecord:
+    """One draft-translate-verify-resync round. Times in seconds; counts in target tokens except
+    `drafted` (drafter tokens) and `context` (committed target tokens before the round)."""
+
+    context: int
+    drafted: int
+    proposed: int
+    accepted: int
+    emitted: int
+    from_cache: int
+    t_draft: float
+    t_translate: float
+    t_verify: float
+    t_resync: float
+
+    @property
+    def seconds(self) -> float:
+        return self.t_draft + self.t_translate + self.t_verify + self.t_resync
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationStats:
+    rounds: int
+    new_tokens: int
+    seconds: float
+    acceptance_rate: float
+    mean_accepted_length: float
+    ngram_hits_per_round: float
+    time_split: dict[str, float]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @classmethod
+    def from_rounds(cls, rounds: list[RoundRecord], new_tokens: int, seconds: float) -> GenerationStats:
+        proposing = [r.accepted / r.proposed for r in rounds if r.proposed > 0]
+        total = sum(r.seconds for r in rounds) or 1.0
+        split = {name: sum(getattr(r, f"t_{name}") for r in rounds) / total
+                 for name in ("draft", "translate", "verify", "resync")}
+        return cls(
+            rounds=len(rounds),
+            new_tokens=new_tokens,
+            seconds=seconds,
+            acceptance_rate=fmean(proposing) if proposing else 0.0,
+            mean_accepted_length=new_tokens / len(rounds) if rounds else 0.0,
+            ngram_hits_per_round=fmean(r.from_cache for r in rounds) if rounds else 0.0,
+            time_split=split,
+        )
+
+
+def write_trace(path: str | os.PathLike[str], rounds: Iterable[RoundRecord], meta: dict | None = None) -> None:
+    """Append one JSONL trace: a header line, then one line per round."""
+    with Path(path).open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"trace": "omnidraft", "version": TRACE_VERSION, **(meta or {})}) + "\n")
+        for r in rounds:
+            fh.write(json.dumps(asdict(r)) + "\n")
+
+
+def read_trace(path: str | os.PathLike[str]) -> list[RoundRecord]:
+    """Rounds of every trace in a JSONL file; a malformed line raises ValueError naming its number."""
+    names = {f.name for f in fields(RoundRecord)}
+    rounds = []
+    with Path(path).open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            try:
+                doc = json.loads(line)
+                if "trace" in doc:
+                    continue
+                if set(doc) != names:
+                    raise ValueError(f"fields {sorted(set(doc) ^ names)} differ from a round record")
+                rounds.append(RoundRecord(**doc))
+            except (json.JSONDecodeError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{number}: not a round record: {exc}") from exc
+    return rounds

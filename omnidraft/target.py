@@ -1,0 +1,134 @@
+"""The target side: the `Target` protocol and `LocalTarget`, an HF model in this process.
+
+A target session holds the committed target tokens and the target's KV cache. `verify` runs one
+forward over the pending token and the proposal, applies the acceptance rule from `verify.py`,
+keeps the accepted tokens in the cache (rollback of the rest) and appends the emitted token. A
+remote target implements the same protocol over HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from . import verify as V
+from .models import load_model
+from .runner import CausalRunner
+from .translate.codec import ByteCodec
+from .translate.token_bytes import TokenBytes, build_token_bytes
+
+__all__ = ["LocalTarget", "Rule", "Target", "TargetSession"]
+
+MODES = ("greedy", "match", "exact", "omnidraft")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """How proposals are accepted: `mode` (see verify.py) at `temperature` (0 for greedy)."""
+
+    mode: str = "greedy"
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"verification mode must be one of {MODES}, got {self.mode!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if (self.mode == "greedy") != (self.temperature == 0):
+            raise ValueError(
+                f"mode {self.mode!r} with temperature {self.temperature}: greedy needs temperature 0, "
+                "sampling modes need temperature > 0"
+            )
+
+
+@runtime_checkable
+class TargetSession(Protocol):
+    """One generation on a target. `ids` are the committed target tokens (prompt included)."""
+
+    ids: list[int]
+
+    def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> V.Verdict: ...
+
+
+@runtime_checkable
+class Target(Protocol):
+    """Anything that can verify: a tokenizer's byte view plus sessions."""
+
+    name: str
+    tokenizer: Any
+    token_bytes: TokenBytes
+    codec: ByteCodec
+    eos_ids: frozenset[int]
+
+    def begin(self, prompt_ids: list[int]) -> TargetSession: ...
+
+
+class _LocalSession:
+    def __init__(self, model: Any, prompt_ids: list[int]) -> None:
+        self.runner = CausalRunner(model, prompt_ids)
+        self.forwards = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return self.runner.ids
+
+    def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> V.Verdict:
+        """proposal (M,) int64; q (M, Vt) draft rows, needed by the rejection modes only."""
+        base, m = len(self.runner.ids), int(proposal.shape[0])
+        self.runner.extend(proposal.tolist())
+        logits = self.runner.forward(keep=m + 1)
+        self.forwards += 1
+        verdict = _judge(logits, proposal, rule, q, generator)
+        self.runner.crop(base + verdict.accepted)
+        self.runner.extend([verdict.token])
+        return verdict
+
+
+def _judge(logits: torch.Tensor, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None,
+           generator: torch.Generator | None) -> V.Verdict:
+    if rule.mode == "greedy":
+        return V.greedy(logits, proposal)
+    probs = V.probabilities(logits, rule.temperature)
+    if rule.mode == "match" or len(proposal) == 0:
+        return V.match(probs, proposal, generator)
+    if q is None:
+        raise ValueError(f"mode {rule.mode!r} needs the draft rows q")
+    return V.rejection(probs, q, proposal, generator)
+
+
+class LocalTarget:
+    """An HF causal LM in this process, used as a target."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str = "target") -> None:
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.token_bytes = build_token_bytes(tokenizer, model.config.vocab_size)
+        self.token_bytes.require_byte_coverage(name)
+        self.codec = ByteCodec(tokenizer, self.token_bytes)
+        self.eos_ids = frozenset(_eos_ids(model, tokenizer))
+
+    @classmethod
+    def load(cls, spec: str) -> LocalTarget:
+        """Load a target by preset name, .gguf path, local dir or HF id."""
+        loaded = load_model(spec)
+        return cls(loaded.model, loaded.tokenizer, loaded.name)
+
+    def begin(self, prompt_ids: list[int]) -> _LocalSession:
+        return _LocalSession(self.model, prompt_ids)
+
+    def __repr__(self) -> str:
+        return f"LocalTarget({self.name!r}, vocab {len(self.token_bytes)})"
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

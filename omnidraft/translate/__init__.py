@@ -1,0 +1,1 @@
+"""Vocabulary translation between a drafter and a target: bytes of tokens, direct map, n-gram cache."""

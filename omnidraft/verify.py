@@ -1,0 +1,86 @@
+"""Acceptance maths of speculative decoding, as pure tensor functions.
+
+Each function takes the target's scores at the M+1 verified positions and the M proposed target
+ids, and returns an immutable `Verdict`: how many proposals were accepted and the one token the
+target emits after them (a correction, or a bonus token when all M were accepted). No models, no
+tokenizers, no per-token Python loops. Shapes: M proposed tokens, Vt target vocabulary.
+
+| rule      | accepted while ...                                   | lossless |
+|-----------|------------------------------------------------------|----------|
+| greedy    | proposal == argmax p                                  | yes      |
+| match     | proposal == a sample from p                          | yes      |
+| rejection | u < p(t)/q'(t); then resample norm(max(0, p - q'))   | yes if the proposals were drawn from q' |
+
+`rejection` is exact when each proposed token was sampled from the row of `q` given for it (the
+`exact` mode: drafter sampling restricted to the shared vocabulary). With OmniDraft's n-gram rows
+(eq. 1-2) the drafter did not sample from q' itself, so the result is an approximation of the
+target distribution: the `omnidraft` mode documents that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Verdict", "greedy", "match", "probabilities", "rejection"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """`accepted` of the proposals were accepted; `token` is what the target emits next."""
+
+    accepted: int
+    token: int
+
+
+def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Softmax of `logits` (..., V) at `temperature` > 0, in float32."""
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def _first_false(ok: torch.Tensor) -> int:
+    """Index of the first False in a (M,) bool tensor, or M if all are True."""
+    return int(ok.long().cumprod(0).sum())
+
+
+def greedy(logits: torch.Tensor, proposal: torch.Tensor) -> Verdict:
+    """Greedy verification. logits (M+1, Vt), proposal (M,) int64."""
+    best = logits.argmax(dim=-1)
+    n = _first_false(best[:-1] == proposal)
+    return Verdict(n, int(best[n]))
+
+
+def match(probs: torch.Tensor, proposal: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
+    """`match` sampling: sample every position from p (M+1, Vt); accept while the sample equals the proposal.
+
+    Lossless for any proposal: the emitted tokens are the target's own samples.
+    """
+    samples = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    n = _first_false(samples[:-1] == proposal)
+    return Verdict(n, int(samples[n]))
+
+
+def rejection(
+    probs: torch.Tensor, q: torch.Tensor, proposal: torch.Tensor, generator: torch.Generator | None = None
+) -> Verdict:
+    """Speculative rejection sampling (Leviathan et al. 2023; OmniDraft §3.1).
+
+    probs (M+1, Vt) target distribution; q (M, Vt) the draft distribution each proposal was drawn
+    from, in target space; proposal (M,). Accept t_i with probability min(1, p(t_i)/q'(t_i)); at the
+    first rejection emit a sample of norm(max(0, p - q')); if all are accepted, a sample of p[M].
+    """
+    m = proposal.shape[0]
+    rows = torch.arange(m)
+    p_t, q_t = probs[rows, proposal], q[rows, proposal]
+    u = torch.rand(m, generator=generator, dtype=probs.dtype)
+    ratio = torch.where(q_t > 0, p_t / q_t.clamp_min(1e-30), torch.zeros_like(p_t))
+    n = _first_false(u < ratio)
+    if n == m:
+        residual = probs[m]
+    else:
+        residual = (probs[n] - q[n]).clamp_min(0)
+        if float(residual.sum()) <= 0:  # p == q' on this row: any sample of p is right
+            residual = probs[n]
+    token = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    return Verdict(n, int(token))
