@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from .models import load_model
+from .models import load_model, quantize_int8
 from .runner import CausalRunner
 from .translate.codec import ByteCodec
 from .translate.token_bytes import build_token_bytes
@@ -95,10 +95,17 @@ class Drafter:
         self.stop_ids = frozenset(i for i in (tokenizer.eos_token_id,) if isinstance(i, int))
 
     @classmethod
-    def load(cls, spec: str) -> Drafter:
-        """Load a drafter by preset name, .gguf path, local dir or HF id."""
+    def load(cls, spec: str, *, quantize: str | None = "int8") -> Drafter:
+        """Load a drafter by preset name, .gguf path, local dir or HF id.
+
+        `quantize="int8"` (default) applies dynamic int8 to its linear layers: about 2x faster per
+        token on CPU. It changes only what is proposed, never what the target commits.
+        """
+        if quantize not in (None, "int8"):
+            raise ValueError(f"drafter quantize must be None or 'int8', got {quantize!r}")
         loaded = load_model(spec)
-        return cls(loaded.model, loaded.tokenizer, loaded.name)
+        model = quantize_int8(loaded.model) if quantize == "int8" else loaded.model
+        return cls(model, loaded.tokenizer, loaded.name)
 
     def begin(self, ids: list[int]) -> _TorchDraftSession:
         return _TorchDraftSession(self.model, ids, self.stop_ids)

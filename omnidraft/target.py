@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from . import verify as V
+from .fastlinear import use_dual_linear
 from .models import load_model
 from .runner import CausalRunner
 from .translate.codec import ByteCodec
@@ -111,9 +112,15 @@ class LocalTarget:
         self.eos_ids = frozenset(_eos_ids(model, tokenizer))
 
     @classmethod
-    def load(cls, spec: str) -> LocalTarget:
-        """Load a target by preset name, .gguf path, local dir or HF id."""
+    def load(cls, spec: str, *, dual_linear: bool = True) -> LocalTarget:
+        """Load a target by preset name, .gguf path, local dir or HF id.
+
+        `dual_linear` (default) routes multi-token forwards through oneDNN (see fastlinear.py):
+        weights and single-token steps are untouched, verification of k tokens gets cheaper.
+        """
         loaded = load_model(spec)
+        if dual_linear:
+            use_dual_linear(loaded.model)
         return cls(loaded.model, loaded.tokenizer, loaded.name)
 
     def begin(self, prompt_ids: list[int]) -> _LocalSession:

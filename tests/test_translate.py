@@ -1,0 +1,190 @@
+"""translate/: token bytes, byte codec, direct map, n-gram cache, translator (eq. 1-2, re-sync)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from omnidraft.errors import CorruptFileError, IncompatibleError
+from omnidraft.translate.codec import ByteCodec
+from omnidraft.translate.ngram_cache import NgramCache, NgramCacheConfig
+from omnidraft.translate.token_bytes import build_token_bytes
+from omnidraft.translate.translator import Source, Translator
+from omnidraft.translate.vocab_map import build_vocab_map
+
+SAMPLES = [
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.",
+    "def f(x):\n\tif x:\n        return {'a': [1, 2]}  # café\n\n\n",
+    "   leading and trailing spaces   ",
+    "unicode: 日本語のテキスト, emoji 🦜🔥, Ünïcödé, ‰ ∑ √",
+    "literal special text <|endoftext|> stays text",
+    "\r\n\t \u00a0mixed\u2003whitespace\n",
+]
+
+
+@pytest.fixture(scope="module")
+def draft_codec(draft_tokenizer):
+    return ByteCodec(draft_tokenizer, build_token_bytes(draft_tokenizer))
+
+
+@pytest.fixture(scope="module")
+def target_codec(target_tokenizer):
+    return ByteCodec(target_tokenizer, build_token_bytes(target_tokenizer))
+
+
+def test_every_token_decodes_to_its_bytes(draft_tokenizer, draft_codec):
+    tb = draft_codec.token_bytes
+    assert tb.scheme == "byte_level" and tb.missing_bytes == []
+    for i, data in enumerate(tb.table):
+        if data is None:
+            assert i in tb.special
+            continue
+        text = draft_tokenizer.decode([i])
+        if text != "\ufffd":  # a lone token ending mid-character decodes to the replacement char
+            assert text.encode() == data, i
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_codec_round_trips_exact_bytes(draft_codec, target_codec, text):
+    for codec in (draft_codec, target_codec):
+        ids = codec.encode(text.encode())
+        assert codec.token_bytes.join(ids) == text.encode()
+        assert codec.token_bytes.special.keys().isdisjoint(ids)  # no BOS, no special parsed from text
+
+
+def test_codec_spells_invalid_utf8_with_byte_tokens(draft_codec):
+    data = "ab日".encode()[:-1] + b"\xff" + "c".encode()
+    assert draft_codec.token_bytes.join(draft_codec.encode(data)) == data
+
+
+def test_vocab_map_is_byte_equality_and_specials_by_role(draft_tokenizer, target_tokenizer, draft_codec, target_codec):
+    vmap = build_vocab_map(draft_codec.token_bytes, target_codec.token_bytes, draft_tokenizer, target_tokenizer)
+    for i in range(len(vmap.d2t)):
+        j = int(vmap.d2t[i])
+        if j >= 0 and i not in draft_codec.token_bytes.special:
+            assert draft_codec.token_bytes.table[i] == target_codec.token_bytes.table[j]
+    eos_d, eos_t = draft_tokenizer.eos_token_id, target_tokenizer.eos_token_id
+    assert vmap.d2t[eos_d] == eos_t and vmap.t2d[eos_t] == eos_d
+    assert 256 <= vmap.shared <= 400 and "shared" in vmap.summary()
+
+
+# ----- n-gram cache -------------------------------------------------------------------------
+def test_cache_never_exceeds_entry_and_byte_bounds():
+    cache = NgramCache(NgramCacheConfig(max_entries=50, max_bytes=4000))
+    for i in range(2000):
+        cache.add((i, i + 1, i % 7), i)
+        assert len(cache) <= 50 and cache.nbytes <= 4000
+    assert cache.evictions > 0
+
+
+def test_lfu_keeps_frequent_entries_under_pressure():
+    cache = NgramCache(NgramCacheConfig(max_entries=20, policy="lfu"))
+    hot = [(1, k) for k in range(10)]
+    for key in hot:
+        cache.add(key, 7)
+        for _ in range(5):
+            cache.use(key)
+    for i in range(500):
+        cache.add((2, i), 9)
+    assert all(key in cache for key in hot)
+    lru = NgramCache(NgramCacheConfig(max_entries=20, policy="lru"))
+    for key in hot:
+        lru.add(key, 7)
+    for i in range(500):
+        lru.add((2, i), 9)
+    assert not any(key in lru for key in hot)
+
+
+def test_cache_save_load_round_trip(tmp_path):
+    cache = NgramCache(NgramCacheConfig(max_entries=100), fingerprint="d:t")
+    for i in range(30):
+        cache.add((i, i + 1), 100 + i)
+    cache.save(tmp_path / "c.json")
+    back = NgramCache.load(tmp_path / "c.json", fingerprint="d:t")
+    assert sorted(back.items()) == sorted(cache.items()) and back.config == cache.config
+
+
+def test_truncated_or_foreign_cache_is_refused_and_previous_file_survives(tmp_path, monkeypatch):
+    path = tmp_path / "c.json"
+    cache = NgramCache(fingerprint="d:t")
+    cache.add((1, 2), 3)
+    cache.save(path)
+    good = path.read_bytes()
+    (tmp_path / "trunc.json").write_bytes(good[: len(good) // 2])
+    with pytest.raises(CorruptFileError, match="truncated"):
+        NgramCache.load(tmp_path / "trunc.json")
+    (tmp_path / "foreign.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CorruptFileError, match="not an omnidraft n-gram cache"):
+        NgramCache.load(tmp_path / "foreign.json")
+    with pytest.raises(IncompatibleError, match="another drafter/target pairing"):
+        NgramCache.load(path, fingerprint="x:y")
+    import omnidraft.atomic as atomic
+
+    def crash(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.os, "replace", crash)
+    cache.add((4, 5), 6)
+    with pytest.raises(KeyboardInterrupt):
+        cache.save(path)
+    assert path.read_bytes() == good and list(tmp_path.glob(".c.json.*")) == []
+
+
+@pytest.mark.parametrize("bad", [dict(policy="fifo"), dict(max_entries=0), dict(max_len=1)])
+def test_cache_config_names_bad_values(bad):
+    with pytest.raises(ValueError, match=list(bad)[0]):
+        NgramCacheConfig(**bad)
+
+
+# ----- translator ---------------------------------------------------------------------------
+def _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, strategy):
+    vmap = build_vocab_map(draft_codec.token_bytes, target_codec.token_bytes, draft_tokenizer, target_tokenizer)
+    return Translator(draft_codec, target_codec, vmap, NgramCache(), strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", ["text", "ngram"])
+def test_translation_spells_the_draft_bytes(draft_tokenizer, target_tokenizer, draft_codec, target_codec, strategy):
+    tr = _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, strategy)
+    for text in SAMPLES:
+        draft = draft_codec.encode(text.encode())
+        proposal = tr.translate(draft)
+        assert target_codec.token_bytes.join(proposal.ids.tolist()) == draft_codec.token_bytes.join(draft)
+
+
+def test_learned_ngrams_merge_drafter_runs(draft_tokenizer, target_tokenizer, draft_codec, target_codec):
+    tr = _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, "ngram")
+    text = " Natalia sold clips altogether"
+    draft, target = draft_codec.encode(text.encode()), target_codec.encode(text.encode())
+    assert len(target) < len(draft), "the bigger vocabulary should merge some drafter tokens"
+    before = tr.translate(draft)
+    assert before.from_cache == 0
+    assert tr.learn(draft, target) > 0
+    after = tr.translate(draft)
+    assert after.ids.tolist() == target and after.from_cache > 0
+    assert all(s in (Source.DIRECT, Source.NGRAM) for s in after.sources)
+
+
+def test_draft_probs_follow_eq1_and_eq2(draft_tokenizer, target_tokenizer, draft_codec, target_codec):
+    tr = _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, "ngram")
+    text = " clips"
+    draft, target = draft_codec.encode(text.encode()), target_codec.encode(text.encode())
+    tr.learn(draft, target)
+    proposal = tr.translate(draft, aligned_only=True)
+    q = torch.softmax(torch.randn(len(draft), len(draft_codec.token_bytes)), -1)
+    rows = tr.draft_probs(proposal, draft, q)
+    (a, b) = proposal.spans[0]
+    prod = q[torch.arange(a, b), torch.tensor(draft[a:b])].prod()
+    assert torch.allclose(rows[0, proposal.ids[0]], prod)  # eq. 1
+    prefix = tr.map.d2t[draft[a]]
+    if prefix >= 0:  # eq. 2: the prefix sub-token keeps q(d_a) - prod q(d_j)
+        assert torch.allclose(rows[0, prefix], (q[a, draft[a]] - prod).clamp_min(0))
+
+
+def test_resync_keeps_matching_prefix_and_encodes_only_the_tail(draft_tokenizer, target_tokenizer, draft_codec, target_codec):
+    tr = _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, "text")
+    draft = draft_codec.encode(b" sold 48 clips")
+    committed = draft_codec.token_bytes.join(draft[:2]) + b" apples"
+    keep, tail = tr.resync(draft, committed)
+    assert keep == 2 and draft_codec.token_bytes.join(draft[:keep] + tail) == committed
