@@ -38,7 +38,7 @@ class DraftSession(Protocol):
     """One generation on a drafter (the protocol an ONNX drafter implements too)."""
 
     def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> Draft: ...
+                generator: torch.Generator | None = None, stop_confidence: float = 0.0) -> Draft: ...
 
     def commit(self, keep: int, tail: list[int]) -> None: ...
 
@@ -50,8 +50,10 @@ class _TorchDraftSession:
         self._base = len(ids)
 
     def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> Draft:
-        """Draft up to k tokens; `allowed` (Vd,) bool restricts sampling to those tokens."""
+                generator: torch.Generator | None = None, stop_confidence: float = 0.0) -> Draft:
+        """Draft up to k tokens; `allowed` (Vd,) bool restricts sampling to those tokens. Drafting
+        stops after a token the drafter gave less than `stop_confidence` probability: the next
+        drafter step would most likely be wasted."""
         if k < 1:
             raise ValueError(f"draft length k must be >= 1, got {k}")
         self._base = len(self.runner.ids)
@@ -63,7 +65,7 @@ class _TorchDraftSession:
             if probs is not None:
                 rows.append(probs)
             self.runner.extend([token])
-            if token in self.stop_ids:
+            if token in self.stop_ids or (stop_confidence > 0 and _confidence(logits, token, probs) < stop_confidence):
                 break
         return Draft(ids, torch.stack(rows) if rows else None)
 
@@ -72,6 +74,11 @@ class _TorchDraftSession:
         self.runner.crop(self._base + keep)
         self.runner.extend(tail)
         self._base = len(self.runner.ids)
+
+
+def _confidence(logits: torch.Tensor, token: int, probs: torch.Tensor | None) -> float:
+    """Drafter probability of the token it just drafted."""
+    return float(probs[token] if probs is not None else torch.softmax(logits.float(), -1)[token])
 
 
 def _pick(logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None,

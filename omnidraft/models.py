@@ -18,7 +18,7 @@ import torch
 
 from . import presets
 
-__all__ = ["LoadedModel", "load_model", "quantize_int8"]
+__all__ = ["LoadedModel", "load_model", "load_tokenizer", "quantize_int8"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,23 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
     return _load_hf(spec, spec, dtype)
 
 
+def load_tokenizer(spec: str) -> Any:
+    """Only the tokenizer of `spec` (a preset, .gguf path, local dir or HF id): no weights."""
+    from transformers import AutoTokenizer
+
+    if spec in presets.PRESETS or spec.endswith(".gguf"):
+        path = presets.gguf_path(spec) if spec in presets.PRESETS else Path(spec)
+        converted = _converted_dir(path, spec if spec in presets.PRESETS else path.stem)
+        if (converted / "config.json").exists():
+            return AutoTokenizer.from_pretrained(str(converted))
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(spec)
+
+
+def _converted_dir(path: Path, name: str) -> Path:
+    return presets.cache_dir() / "converted" / f"{name}-{path.stat().st_size}"
+
+
 def _load_hf(source: str, name: str, dtype: torch.dtype, **kwargs: Any) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -60,7 +77,7 @@ def _load_hf(source: str, name: str, dtype: torch.dtype, **kwargs: Any) -> Loade
 
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
-    converted = presets.cache_dir() / "converted" / f"{name}-{path.stat().st_size}"
+    converted = _converted_dir(path, name)
     if (converted / "config.json").exists():
         return _load_hf(str(converted), name, dtype)
     started = time.perf_counter()

@@ -28,12 +28,14 @@ __all__ = ["DecodeConfig", "Generation", "Pairing"]
 @dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
     """How a pairing decodes. `k`: drafter tokens per round. `mode`/`temperature`: see verify.py.
-    `strategy`: draft-to-target translation ("text" or "ngram", see translator.py)."""
+    `strategy`: draft-to-target translation ("text" or "ngram", see translator.py).
+    `stop_confidence`: end a draft early after a token the drafter gives less probability than this."""
 
-    k: int = 4
+    k: int = 6
     mode: str = "greedy"
     temperature: float = 0.0
     strategy: str = "text"
+    stop_confidence: float = 0.3
     ngram: NgramCacheConfig = field(default_factory=NgramCacheConfig)
 
     def __post_init__(self) -> None:
@@ -41,6 +43,8 @@ class DecodeConfig:
             raise ValueError(f"draft length k must be an integer >= 1, got {self.k!r}")
         if self.strategy not in ("text", "ngram"):
             raise ValueError(f"translation strategy must be 'text' or 'ngram', got {self.strategy!r}")
+        if not 0.0 <= self.stop_confidence < 1.0:
+            raise ValueError(f"stop_confidence must be in [0, 1), got {self.stop_confidence}")
         Rule(mode=self.mode, temperature=self.temperature)  # validates mode and temperature
 
     @property
@@ -114,7 +118,8 @@ class Pairing:
         produced = 0
         while produced < max_new_tokens:
             t0 = time.perf_counter()
-            draft = dsession.propose(self.config.k, temperature=rule.temperature, allowed=allowed, generator=generator)
+            draft = dsession.propose(self.config.k, temperature=rule.temperature, allowed=allowed, generator=generator,
+                                     stop_confidence=self.config.stop_confidence)
             t1 = time.perf_counter()
             proposal = translator.translate(draft.ids, aligned_only=aligned)
             proposal = proposal.cut(min(len(proposal), max_new_tokens - produced - 1))

@@ -1,0 +1,1 @@
+"""Benchmarks: prompts, same-process baselines (target alone, HF assisted generation), reports."""

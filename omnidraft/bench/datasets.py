@@ -1,0 +1,50 @@
+"""Benchmark prompts: GSM8K, HumanEval, or any JSONL file with a "prompt" field.
+
+Data is read from $OMNIDRAFT_DATA, else the first `shared/data` found beside or above the working
+directory. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+__all__ = ["data_dir", "load_prompts"]
+
+
+def data_dir() -> Path:
+    if env := os.environ.get("OMNIDRAFT_DATA"):
+        return Path(env)
+    here = Path.cwd().resolve()
+    for base in (here, *here.parents):
+        for candidate in (base / "shared" / "data", base.parent / "shared" / "data"):
+            if (candidate / "gsm8k").is_dir():
+                return candidate
+    raise FileNotFoundError("no shared/data with gsm8k/ found; set OMNIDRAFT_DATA to the data directory")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:
+    """First `n` prompts of `dataset`: "gsm8k", "gsm8k:train", "humaneval" or a .jsonl path."""
+    if n < 1:
+        raise ValueError(f"number of prompts n must be >= 1, got {n}")
+    name, _, part = dataset.partition(":")
+    if name == "gsm8k":
+        rows = _jsonl(data_dir() / "gsm8k" / f"{part or split}.jsonl")
+        return [f"Question: {r['question']}\nAnswer: Let's think step by step." for r in rows[:n]]
+    if name == "humaneval":
+        return [r["prompt"] for r in _jsonl(data_dir() / "humaneval" / "HumanEval.jsonl.gz")[:n]]
+    path = Path(dataset)
+    if path.suffix in (".jsonl", ".gz") and path.is_file():
+        rows = _jsonl(path)
+        if not rows or any("prompt" not in r for r in rows):
+            raise ValueError(f"{path}: every line needs a \"prompt\" field")
+        return [r["prompt"] for r in rows[:n]]
+    raise ValueError(f"unknown dataset {dataset!r}: use gsm8k, gsm8k:train, humaneval or a path to a .jsonl file")

