@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
@@ -48,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--name", default="bench")
     b.add_argument("--trace", default=None, help="append per-round JSONL traces to this file")
     decoding(b)
+    c = sub.add_parser("calibrate", help="time the real models; write a device_sim device profile")
+    c.add_argument("--pair", default=f"{DRAFTER}:{TARGET}")
+    c.add_argument("--out", required=True, help="profile JSON to write (device_sim --profiles FILE)")
+    c.add_argument("--max-tokens", type=int, default=12)
+    decoding(c)
+
+    s = sub.add_parser("simulate", help="python -m device_sim with the same arguments", add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
 
@@ -133,14 +142,32 @@ def _bench(args: argparse.Namespace) -> None:
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 
+def _calibrate(args: argparse.Namespace) -> None:
+    import json
+
+    from .atomic import atomic_write_bytes
+    from .calibrate import calibrate
+
+    profile = calibrate(_load_pair(*_split_pair(args.pair), args), max_tokens=args.max_tokens)
+    atomic_write_bytes(Path(args.out), json.dumps({"devices": [profile]}, indent=1).encode())
+    print(json.dumps(profile, indent=1))
+
+
+def _simulate(args: argparse.Namespace) -> None:
+    from device_sim.__main__ import main as simulate_main
+
+    simulate_main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    if getattr(args, "n", 1) < 1 or args.max_new_tokens < 1:
+    if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
         raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and {args.max_new_tokens}")
-    {"generate": _generate, "demo": _demo, "bench": _bench}[args.command](args)
+    commands = {"generate": _generate, "demo": _demo, "bench": _bench, "calibrate": _calibrate, "simulate": _simulate}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -113,7 +113,8 @@ class Pairing:
         target, translator, rule = self.target, self.translator, self.config.rule
         tsession = target.begin(target.tokenizer(prompt)["input_ids"])
         dsession = self.drafter.begin(self.drafter.tokenizer(prompt)["input_ids"])
-        aligned = rule.mode in ("exact", "omnidraft")
+        only = {"exact": "direct", "omnidraft": "aligned"}.get(rule.mode, "any")
+        aligned = only != "any"
         allowed = self._shared if rule.mode == "exact" else None
         produced = 0
         while produced < max_new_tokens:
@@ -121,7 +122,7 @@ class Pairing:
             draft = dsession.propose(self.config.k, temperature=rule.temperature, allowed=allowed, generator=generator,
                                      stop_confidence=self.config.stop_confidence)
             t1 = time.perf_counter()
-            proposal = translator.translate(draft.ids, aligned_only=aligned)
+            proposal = translator.translate(draft.ids, only=only)
             proposal = proposal.cut(min(len(proposal), max_new_tokens - produced - 1))
             q = translator.draft_probs(proposal, draft.ids, draft.q) if aligned and draft.q is not None else None
             t2 = time.perf_counter()

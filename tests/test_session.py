@@ -137,3 +137,29 @@ def test_target_without_byte_coverage_is_refused(texts):
     with pytest.raises(ValueError, match="lacks byte coverage"):
         od.LocalTarget(tiny_llama(len(hf), seed=0), hf, "wordlevel")
     assert build_token_bytes(hf).missing_bytes
+
+
+def test_bookkeeping_never_touches_the_whole_context(tiny_drafter, tiny_target, monkeypatch):
+    """Translate and re-sync see only the draft and the newly committed bytes: the largest input
+    either codec encodes stays bounded by a few tokens, however long the context grows."""
+    pair = tiny_drafter.pair(tiny_target, k=4)
+    seen: list[int] = []
+    for codec in (pair.translator.draft, pair.translator.target):
+        original = codec.encode
+        monkeypatch.setattr(codec, "encode", lambda data, _f=original: (seen.append(len(data)), _f(data))[1])
+    long_prompt = " ".join(gsm8k_texts("test", 4))
+    out = pair.generate(long_prompt, max_new_tokens=60)
+    longest_token = max(len(b or b"") for b in tiny_target.token_bytes.table)
+    assert len(long_prompt) > 1000 and seen
+    assert max(seen) <= (4 + 1) * max(longest_token, max(len(b or b"") for b in tiny_drafter.token_bytes.table))
+    assert out.stats.rounds == len(out.rounds)
+
+
+def test_omnidraft_sampling_mode_runs_with_ngram_merges(tiny_drafter, tiny_target):
+    """The approximate mode (eq. 1-2 rows): runs, respects limits, same seed gives the same text."""
+    def run() -> list[int]:  # a fresh pairing each time: the n-gram cache learns as it goes
+        pair = tiny_drafter.pair(tiny_target, k=4, mode="omnidraft", temperature=0.8, strategy="ngram")
+        return pair.generate(PROMPTS[0], max_new_tokens=16, generator=torch.Generator().manual_seed(3)).token_ids
+
+    runs = [run(), run()]
+    assert runs[0] == runs[1] and len(runs[0]) == 16

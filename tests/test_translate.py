@@ -171,7 +171,7 @@ def test_draft_probs_follow_eq1_and_eq2(draft_tokenizer, target_tokenizer, draft
     text = " clips"
     draft, target = draft_codec.encode(text.encode()), target_codec.encode(text.encode())
     tr.learn(draft, target)
-    proposal = tr.translate(draft, aligned_only=True)
+    proposal = tr.translate(draft, only="aligned")
     q = torch.softmax(torch.randn(len(draft), len(draft_codec.token_bytes)), -1)
     rows = tr.draft_probs(proposal, draft, q)
     (a, b) = proposal.spans[0]
@@ -188,3 +188,15 @@ def test_resync_keeps_matching_prefix_and_encodes_only_the_tail(draft_tokenizer,
     committed = draft_codec.token_bytes.join(draft[:2]) + b" apples"
     keep, tail = tr.resync(draft, committed)
     assert keep == 2 and draft_codec.token_bytes.join(draft[:keep] + tail) == committed
+
+
+def test_direct_translation_depends_on_nothing_but_each_token(draft_tokenizer, target_tokenizer, draft_codec, target_codec):
+    """`exact` sampling: token i of the proposal is d2t[d_i], whatever follows it."""
+    tr = _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, "text")
+    draft = draft_codec.encode(b" Natalia sold clips")
+    tr.learn(draft, target_codec.encode(b" Natalia sold clips"))
+    proposal = tr.translate(draft, only="direct")
+    assert proposal.ids.tolist() == [int(tr.map.d2t[d]) for d in draft]
+    assert all(s == Source.DIRECT for s in proposal.sources)
+    with pytest.raises(ValueError, match="only"):
+        tr.translate(draft, only="sometimes")

@@ -72,17 +72,27 @@ class Translator:
         self._d2t = vocab_map.d2t.tolist()
 
     # ----- drafter -> target -------------------------------------------------------------
-    def translate(self, draft: list[int], *, aligned_only: bool = False) -> Proposal:
-        """Target-space proposal for drafter ids `draft` (K,). With `aligned_only` the proposal stops
-        at the first token that has no drafter span (no q' exists for it: sampling modes)."""
-        if self.strategy == "ngram":
-            out = self._by_ngram(draft, allow_text=not aligned_only)
-        else:
-            out = self._by_text(draft)
-        if aligned_only:
-            m = next((i for i, s in enumerate(out.spans) if s is None), len(out))
-            out = out.cut(m)
+    def translate(self, draft: list[int], *, only: str = "any") -> Proposal:
+        """Target-space proposal for drafter ids `draft` (K,).
+
+        `only="any"` (greedy, `match`): every strategy output. `only="aligned"` (`omnidraft`): stop
+        at the first token with no drafter span (no q' exists for it). `only="direct"` (`exact`):
+        the direct map alone, stopping at the first unmapped token; nothing may depend on later
+        drafter samples, or the accepted tokens would no longer follow q'.
+        """
+        if only not in ("any", "aligned", "direct"):
+            raise ValueError(f"translate(only=...) must be 'any', 'aligned' or 'direct', got {only!r}")
+        if only == "direct":
+            return self._direct(draft)
+        out = self._by_ngram(draft, allow_text=only == "any") if self.strategy == "ngram" else self._by_text(draft)
+        if only == "aligned":
+            out = out.cut(next((i for i, s in enumerate(out.spans) if s is None), len(out)))
         return out
+
+    def _direct(self, draft: list[int]) -> Proposal:
+        ids = [self._d2t[d] for d in draft]
+        m = next((i for i, t in enumerate(ids) if t < 0), len(ids))
+        return Proposal(torch.tensor(ids[:m], dtype=torch.long), (Source.DIRECT,) * m, tuple((i, i + 1) for i in range(m)))
 
     def _by_ngram(self, draft: list[int], *, allow_text: bool) -> Proposal:
         ids, sources, spans = [], [], []
@@ -143,7 +153,7 @@ class Translator:
         rows = torch.zeros(len(proposal), len(self.map.t2d), dtype=q.dtype)
         for i, span in enumerate(proposal.spans):
             if span is None:
-                raise ValueError("rejection sampling needs aligned proposals; translate with aligned_only=True")
+                raise ValueError("rejection sampling needs aligned proposals; translate with only='aligned' or 'direct'")
             a, b = span
             rows[i].index_add_(0, d2t[mapped], q[a, mapped])
             if b - a > 1:

@@ -1,0 +1,78 @@
+"""device_sim: exact replay arithmetic, trace validation, and no torch import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from device_sim import DeviceProfile, NetworkProfile, Scenario, read_trace, simulate, sweep_k
+from device_sim.simulate import acceptance_per_position
+
+DEVICE = DeviceProfile(name="paper", source="hand-built", drafter_ms=10.0, target_ms=(100.0, 120.0, 130.0, 140.0),
+                       prefill_ms_per_token=2.0, bookkeeping_ms_per_round=1.0)
+ROUND = dict(from_cache=0, t_draft=0.01, t_translate=0.0, t_verify=0.1, t_resync=0.0)
+
+
+def _trace(tmp_path, rounds):
+    path = tmp_path / "t.jsonl"
+    lines = [json.dumps({"trace": "omnidraft", "version": 1})] + [json.dumps({**ROUND, **r}) for r in rounds]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_replay_is_the_arithmetic_on_paper(tmp_path):
+    path = _trace(tmp_path, [dict(context=11, drafted=3, proposed=3, accepted=3, emitted=4),
+                             dict(context=15, drafted=3, proposed=2, accepted=0, emitted=1)])
+    r = simulate(read_trace(path), Scenario(device=DEVICE))
+    # round 1: draft 3*10 + prefill 2*10 + forward of 4 tokens 140 + bookkeeping 1 = 191 ms
+    # round 2: draft 3*10 + forward of 3 tokens 130 + bookkeeping 1 = 161 ms
+    assert r.seconds == pytest.approx(0.352) and r.ttft_s == pytest.approx(0.191) and r.tokens == 5
+    # target alone: prefill 2*10 + first forward 100, then 4 more tokens at 100 ms = 520 ms
+    assert r.baseline_seconds == pytest.approx(0.520) and r.speedup == pytest.approx(0.520 / 0.352)
+
+
+def test_remote_placement_adds_one_exchange_per_round(tmp_path):
+    path = _trace(tmp_path, [dict(context=1, drafted=2, proposed=2, accepted=2, emitted=3)])
+    net = NetworkProfile(name="n", source="hand-built", rtt_ms=50.0, bandwidth_mbps=8.0, loss=0.0, overhead_bytes=0)
+    r = simulate(read_trace(path), Scenario(device=DEVICE, server=DEVICE, network=net, id_bytes=4, reply_bytes=16))
+    # up = 4*(2 + 1) = 12 bytes, down 16: (12+16)*8 bits / 8000 bits per ms = 0.028 ms
+    # draft 2*10 + forward of 3 tokens 130 + bookkeeping 1 + exchange 50.028 (no prefill: a 1-token prompt)
+    assert r.seconds * 1000 == pytest.approx(20 + 130 + 1 + 50.028)
+    assert r.bytes_sent == 12
+
+
+def test_loss_costs_expected_resends():
+    net = NetworkProfile(name="n", source="x", rtt_ms=100, loss=0.5, bandwidth_mbps=1e9, overhead_bytes=0)
+    assert net.exchange_ms(0, 0) == pytest.approx(200.0)
+
+
+def test_sweep_uses_the_fitted_acceptance(tmp_path):
+    path = _trace(tmp_path, [dict(context=5, drafted=4, proposed=4, accepted=a, emitted=a + 1) for a in (4, 2, 3, 0)])
+    runs = read_trace(path)
+    alpha = acceptance_per_position(runs)
+    assert alpha == pytest.approx(9 / (9 + 3))
+    rows = sweep_k(runs, Scenario(device=DEVICE), range(1, 5))
+    assert rows[0][1] == pytest.approx(1 + alpha)
+
+
+@pytest.mark.parametrize("bad, line", [('{"context": 1}', 2), ("not json", 2), ('{"trace": "omnidraft"}\n{"context": 1, "dr', 3)])
+def test_malformed_or_truncated_traces_name_the_line(tmp_path, bad, line):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"trace": "omnidraft", "version": 1}\n' + bad)
+    with pytest.raises(ValueError, match=f"bad.jsonl:{line}:"):
+        read_trace(path)
+
+
+def test_profiles_check_their_numbers():
+    with pytest.raises(ValueError, match="target_ms"):
+        DeviceProfile(name="x", source="y", drafter_ms=1, target_ms=(), prefill_ms_per_token=0)
+    with pytest.raises(ValueError, match="loss"):
+        NetworkProfile(name="x", source="y", loss=1.5)
+
+
+def test_device_sim_imports_no_torch():
+    code = "import device_sim, device_sim.__main__, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
