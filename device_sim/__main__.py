@@ -66,7 +66,7 @@ def _validate(runs, args, cat) -> None:
     print(f"{'scenario':<44}{'predicted s':>12}{'measured s':>12}{'error':>8}")
     for label, sc in _scenarios(args, cat):
         predicted = simulate(runs, sc).seconds
-        measured = sum(r.measured_s for run in runs for r in run)
+        measured = sum(r.seconds for run in runs for r in run)
         print(f"{label:<44}{predicted:>12.2f}{measured:>12.2f}{(predicted - measured) / measured:>+8.1%}")
 
 

@@ -1,6 +1,6 @@
 """Replay recorded rounds under a scenario: exact arithmetic on the profile's costs, no wall clock.
 
-Each round costs: drafting (device), one target forward over the pending token plus the proposal
+Traces are omnidraft's per-round JSONL (`omnidraft.stats`, which imports nothing heavy). Each round costs: drafting (device), one target forward over the pending token plus the proposal
 (the first round also prefills the prompt), the bookkeeping, and in a remote placement one network
 exchange. The target-alone baseline is charged the same prefill and one forward (and one exchange)
 per token. Jitter is mean-zero and so does not move an expected latency; loss adds expected resends.
@@ -8,63 +8,14 @@ per token. Jitter is mean-zero and so does not move an expected latency; loss ad
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
+
+from omnidraft.stats import RoundRecord as TraceRound
+from omnidraft.stats import read_trace
 
 from .profiles import LOCAL, DeviceProfile, NetworkProfile
 
 __all__ = ["Scenario", "SimResult", "TraceRound", "acceptance_per_position", "read_trace", "simulate", "sweep_k"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class TraceRound:
-    """One round as omnidraft records it (times in seconds, as measured)."""
-
-    context: int
-    drafted: int
-    proposed: int
-    accepted: int
-    emitted: int
-    from_cache: int
-    t_draft: float
-    t_translate: float
-    t_verify: float
-    t_resync: float
-
-    @property
-    def measured_s(self) -> float:
-        return self.t_draft + self.t_translate + self.t_verify + self.t_resync
-
-
-_FIELDS = {f.name for f in fields(TraceRound)}
-
-
-def read_trace(path: str | Path) -> list[list[TraceRound]]:
-    """Generations of a JSONL trace (a header line starts each). Bad lines name their number."""
-    runs: list[list[TraceRound]] = []
-    with Path(path).open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            try:
-                doc = json.loads(line)
-                if not isinstance(doc, dict):
-                    raise ValueError("not a JSON object")
-                if doc.get("trace") == "omnidraft":
-                    runs.append([])
-                    continue
-                if not runs:
-                    raise ValueError("round before any trace header")
-                if set(doc) != _FIELDS:
-                    raise ValueError(f"fields differ from a round record: {sorted(set(doc) ^ _FIELDS)}")
-                r = TraceRound(**doc)
-                if min(r.context, r.drafted, r.proposed, r.accepted, r.emitted) < 0 or r.accepted > r.proposed:
-                    raise ValueError("counts out of range")
-                runs[-1].append(r)
-            except (json.JSONDecodeError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{number}: malformed trace line: {exc}") from exc
-    if not runs or not any(runs):
-        raise ValueError(f"{path}: no rounds in trace")
-    return [r for r in runs if r]
 
 
 @dataclass(frozen=True, kw_only=True)

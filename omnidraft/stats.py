@@ -39,6 +39,9 @@ class RoundRecord:
         return self.t_draft + self.t_translate + self.t_verify + self.t_resync
 
 
+_FIELDS = {f.name for f in fields(RoundRecord)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerationStats:
     rounds: int
@@ -78,19 +81,32 @@ def write_trace(path: str | os.PathLike[str], rounds: Iterable[RoundRecord], met
             fh.write(json.dumps(asdict(r)) + "\n")
 
 
-def read_trace(path: str | os.PathLike[str]) -> list[RoundRecord]:
-    """Rounds of every trace in a JSONL file; a malformed line raises ValueError naming its number."""
-    names = {f.name for f in fields(RoundRecord)}
-    rounds = []
+def read_trace(path: str | os.PathLike[str]) -> list[list[RoundRecord]]:
+    """The generations of a JSONL trace, each a list of rounds (a header line starts each one).
+
+    A malformed, truncated or out-of-range line raises ValueError naming the file and line number.
+    Imports nothing heavy: device_sim reads traces through this function.
+    """
+    runs: list[list[RoundRecord]] = []
     with Path(path).open(encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             try:
                 doc = json.loads(line)
-                if "trace" in doc:
+                if not isinstance(doc, dict):
+                    raise ValueError("not a JSON object")
+                if doc.get("trace") == "omnidraft":
+                    runs.append([])
                     continue
-                if set(doc) != names:
-                    raise ValueError(f"fields {sorted(set(doc) ^ names)} differ from a round record")
-                rounds.append(RoundRecord(**doc))
+                if not runs:
+                    raise ValueError("round before any trace header")
+                if set(doc) != _FIELDS:
+                    raise ValueError(f"fields differ from a round record: {sorted(set(doc) ^ _FIELDS)}")
+                r = RoundRecord(**doc)
+                if min(r.context, r.drafted, r.proposed, r.accepted, r.emitted) < 0 or r.accepted > r.proposed:
+                    raise ValueError("counts out of range")
+                runs[-1].append(r)
             except (json.JSONDecodeError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{number}: not a round record: {exc}") from exc
-    return rounds
+                raise ValueError(f"{path}:{number}: malformed trace line: {exc}") from exc
+    if not any(runs):
+        raise ValueError(f"{path}: no rounds in trace")
+    return [run for run in runs if run]
