@@ -18,12 +18,11 @@ __all__ = [
     "Generation",
     "LocalTarget",
     "OmnidraftError",
-    "Pairing",
     "PRESETS",
+    "Pairing",
     "Rule",
     "load_model",
 ]
-__all__.sort()
 __version__ = "0.1.0"
 
 _WHERE = {

@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-if not SHARED.exists():  # CI clones main with shared/ beside it
-    SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SHARED = Path(__file__).resolve().parents[2] / "shared"  # CI clones the repo with shared/ beside it
 
 
 def gsm8k_texts(split: str = "train", n: int = 1500) -> list[str]:

@@ -1,0 +1,95 @@
+"""Per-target LoRA adapters (peft) on the shared, frozen drafter, and an int8 drafting twin.
+
+Training needs the fp32 drafter with peft LoRA layers; drafting is twice as fast on the int8 base
+(models.quantize_int8). `int8_twin` builds the drafting copy: every base linear is quantized, and
+every LoRA module is *the same object* as in the training model, so an optimizer step is live for
+drafting at no copy cost and switching targets is `set_adapter` on both. Only adapter parameters
+ever require gradients; the base weights are shared by all targets.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["AdapterConfig", "add_adapter", "adapter_state", "int8_twin", "load_adapter_state", "set_active"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterConfig:
+    """LoRA rank and scale, and which projections get adapters (attention by default)."""
+
+    rank: int = 32
+    alpha: int = 64
+    modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.alpha < 1:
+            raise ValueError(f"LoRA rank and alpha must be >= 1, got rank={self.rank}, alpha={self.alpha}")
+        if not self.modules:
+            raise ValueError("LoRA needs at least one target module name")
+
+
+def add_adapter(model: Any, name: str, config: AdapterConfig = AdapterConfig()) -> Any:
+    """Add adapter `name` (a fresh LoRA, B = 0 so the drafter is unchanged) and make it active.
+
+    `model` is a plain HF model (it is wrapped by peft) or a peft model from an earlier call.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=list(config.modules), lora_dropout=0.0,
+                      bias="none")
+    if isinstance(model, PeftModel):
+        model.add_adapter(name, lora)
+    else:
+        model = get_peft_model(model, lora, adapter_name=name)
+    set_active(model, name)
+    return model
+
+
+def set_active(model: Any, name: str) -> None:
+    """Make `name` the active adapter; only its parameters require gradients."""
+    if name not in model.peft_config:
+        raise KeyError(f"no adapter {name!r}; this drafter has {sorted(model.peft_config)}")
+    model.set_adapter(name)
+    for pname, param in model.named_parameters():
+        param.requires_grad_(f".{name}." in pname and "lora_" in pname)
+
+
+def adapter_state(model: Any, name: str) -> dict[str, torch.Tensor]:
+    """The adapter's tensors (what a profile saves)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
+
+
+def load_adapter_state(model: Any, name: str, state: dict[str, torch.Tensor]) -> None:
+    """Load tensors saved by `adapter_state` into adapter `name`."""
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, state, adapter_name=name)
+    unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if unexpected:
+        raise ValueError(f"adapter state does not fit this drafter: unexpected keys {unexpected[:3]}")
+
+
+def int8_twin(model: Any) -> Any:
+    """An int8 copy of a peft model for drafting that shares its LoRA modules (see module doc)."""
+    from peft.tuners.lora import LoraLayer
+
+    twin = copy.deepcopy(model)
+    originals = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    for name, layer in twin.named_modules():
+        if isinstance(layer, LoraLayer):
+            layer.lora_A, layer.lora_B = originals[name].lora_A, originals[name].lora_B  # shared, not copied
+    base_linears = {n for n, m in twin.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in n}
+    spec = {n: torch.ao.quantization.default_dynamic_qconfig for n in base_linears}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.ao.quantization.quantize_dynamic(twin, qconfig_spec=spec, dtype=torch.qint8, inplace=True)
+    return twin.eval()
