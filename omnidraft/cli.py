@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["main"]
 
@@ -90,7 +90,8 @@ def _generate(args: argparse.Namespace) -> None:
           f"τ {s.mean_accepted_length:.2f}, n-gram hits/round {s.ngram_hits_per_round:.2f}]", file=sys.stderr)
 
 
-def _run(pair_spec: str, datasets: list[str], args: argparse.Namespace, hf: bool, trace: str | None) -> tuple[list, dict]:
+def _run(pair_spec: str, datasets: list[str], args: argparse.Namespace, hf: bool, trace: str | None,
+         partial: Callable[[list, dict], None] = lambda *_: None) -> tuple[list, dict]:
     from tqdm import tqdm
 
     from .bench.datasets import load_prompts
@@ -103,12 +104,17 @@ def _run(pair_spec: str, datasets: list[str], args: argparse.Namespace, hf: bool
         prompts = load_prompts(dataset, args.n)
         bar = tqdm(total=len(prompts), desc=f"{pair_spec} {dataset}", file=sys.stderr)
         record = (lambda i, out: write_trace(trace, out.rounds, {"pair": pair_spec, "dataset": dataset, "prompt": i})) if trace else None
-        results = run_prompts(pair, prompts, args.max_new_tokens, hf=hf, trace=record,
+        head = {"pair": pair_spec, "dataset": dataset, "k": pair.config.k, "stop_confidence": pair.config.stop_confidence,
+                "max_new_tokens": args.max_new_tokens}
+
+        def done(results: list, head: dict = head, key: str = f"{pair_spec}/{dataset}") -> None:
+            per_prompt[key] = [r.as_dict() for r in results]
+            partial([*summaries, {**head, **summarize(results)}], per_prompt)
+
+        results = run_prompts(pair, prompts, args.max_new_tokens, hf=hf, trace=record, done=done,
                               progress=lambda msg: (bar.set_postfix_str(msg), bar.update(msg.endswith("omnidraft"))))
         bar.close()
-        summaries.append({"pair": pair_spec, "dataset": dataset, "k": pair.config.k, "max_new_tokens": args.max_new_tokens,
-                          **summarize(results)})
-        per_prompt[f"{pair_spec}/{dataset}"] = [r.as_dict() for r in results]
+        summaries.append({**head, **summarize(results)})
     return summaries, per_prompt
 
 
@@ -134,7 +140,8 @@ def _bench(args: argparse.Namespace) -> None:
     pairs = args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]
     summaries, per_prompt = [], {}
     for pair_spec in pairs:
-        s, p = _run(pair_spec, args.dataset or ["gsm8k", "humaneval"], args, hf=not args.no_hf, trace=args.trace)
+        s, p = _run(pair_spec, args.dataset or ["gsm8k", "humaneval"], args, hf=not args.no_hf, trace=args.trace,
+                    partial=lambda rows, prompts: write_report(args.out, args.name, [*summaries, *rows], {**per_prompt, **prompts}))
         summaries += s
         per_prompt.update(p)
         paths = write_report(args.out, args.name, summaries, per_prompt)  # rewritten after each pair

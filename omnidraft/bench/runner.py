@@ -42,8 +42,10 @@ class PromptResult:
 
 def run_prompts(pair: Pairing, prompts: list[str], max_new_tokens: int, *, hf: bool = True,
                 trace: Callable[[int, Any], None] | None = None,
-                progress: Callable[[str], None] = lambda _: None) -> list[PromptResult]:
-    """Time omnidraft, the target alone and (if `hf`) HF assisted generation on every prompt."""
+                progress: Callable[[str], None] = lambda _: None,
+                done: Callable[[list[PromptResult]], None] = lambda _: None) -> list[PromptResult]:
+    """Time omnidraft, the target alone and (if `hf`) HF assisted generation on every prompt;
+    `done` sees the results so far after each prompt (for partial reports of long runs)."""
     warm = prompts[0]
     pair.generate(warm, max_new_tokens=8)
     target_alone(pair.target, warm, 8)
@@ -66,6 +68,7 @@ def run_prompts(pair: Pairing, prompts: list[str], max_new_tokens: int, *, hf: b
             hf_identical=hf_run.token_ids == ref.token_ids if hf_run else None, hf_tau=hf_tau,
             time_split=out.stats.time_split,
         ))
+        done(results)
     return results
 
 
