@@ -89,22 +89,26 @@ class Pairing:
         _check_request(prompt, max_new_tokens, stop)
         started = time.perf_counter()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        hold = max(map(len, stop), default=1) - 1  # a stop string may begin in text not yet shown
         out: list[int] = []
         rounds: list[RoundRecord] = []
-        text, reason = "", "length"
+        text, shown, reason = "", 0, "length"
         for new, record in self._rounds(prompt, max_new_tokens, generator):
             rounds.append(record)
             out += new
-            piece = decoder.decode(self.target.token_bytes.join(new))
-            if stop and (cut := _stop_at(text, piece, stop)) is not None:
-                piece, reason = piece[:cut], "stop"
-            text += piece
-            if piece:
-                yield piece
-            if reason == "stop":
+            text += decoder.decode(self.target.token_bytes.join(new))
+            if stop and (cut := _first_stop(text, max(0, shown - hold), stop)) is not None:
+                text, reason = text[:cut], "stop"
                 break
-            if out and out[-1] in self.target.eos_ids:
+            if out[-1:] and out[-1] in self.target.eos_ids:
                 reason = "eos"
+            if len(text) - hold > shown:
+                yield text[shown : len(text) - hold]
+                shown = len(text) - hold
+        if reason != "stop":
+            text += decoder.decode(b"", final=True)
+        if len(text) > shown:
+            yield text[shown:]
         stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
         self.last = Generation(text, out, stats, rounds, reason)
 
@@ -157,10 +161,7 @@ def _check_request(prompt: str, max_new_tokens: int, stop: tuple[str, ...]) -> N
         raise ValueError(f"stop must be a tuple of non-empty strings, got {stop!r}")
 
 
-def _stop_at(before: str, piece: str, stop: tuple[str, ...]) -> int | None:
-    """Offset in `piece` where the first stop string ends the text, or None."""
-    window = before[-max(map(len, stop)) :] + piece
-    hits = [window.find(s) for s in stop if s in window]
-    if not hits:
-        return None
-    return max(0, min(hits) - (len(window) - len(piece)))
+def _first_stop(text: str, start: int, stop: tuple[str, ...]) -> int | None:
+    """Where the earliest stop string found at or after `start` begins in `text`, or None."""
+    hits = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    return min(hits) if hits else None

@@ -163,3 +163,18 @@ def test_omnidraft_sampling_mode_runs_with_ngram_merges(tiny_drafter, tiny_targe
 
     runs = [run(), run()]
     assert runs[0] == runs[1] and len(runs[0]) == 16
+
+
+def test_a_stop_string_spanning_two_rounds_is_never_streamed(tiny_drafter, tiny_target):
+    """Text is held back by len(stop) - 1 characters, so no part of a stop string is ever yielded."""
+    pair = tiny_drafter.pair(tiny_target, k=2)
+    full = pair.generate(PROMPTS[4], max_new_tokens=30)
+    ends, total = [], 0
+    for r in full.rounds:  # text length at the end of each round
+        total += r.emitted
+        ends.append(len(tiny_target.token_bytes.join(full.token_ids[:total]).decode(errors="replace")))
+    first = next(e for e in ends if 2 <= e < len(full.text) - 3)
+    stop = full.text[first - 1 : first + 2]  # begins in one round, ends in the next
+    cut = full.text.find(stop)
+    pieces = list(pair.stream(PROMPTS[4], max_new_tokens=30, stop=(stop,)))
+    assert "".join(pieces) == full.text[:cut] == pair.last.text and pair.last.finish_reason == "stop"
