@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--stop-confidence", type=float, default=0.3,
                        help="end a draft after a token the drafter gives less probability than this (0: never)")
         q.add_argument("--strategy", choices=["text", "ngram"], default="text")
+        q.add_argument("--adaptive-k", type=int, default=None, metavar="K_MAX",
+                       help="move the draft length with acceptance (hysteresis), up to K_MAX; default: fixed --k")
         q.add_argument("--max-new-tokens", type=int, default=128)
 
     g = sub.add_parser("generate", help="stream one speculative generation")
@@ -74,6 +76,10 @@ def _load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) ->
     drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
     logging.getLogger("omnidraft").info("loaded %s and %s in %.1f s", drafter, target, time.perf_counter() - started)
     extra = {"mode": getattr(args, "mode", "greedy"), "temperature": getattr(args, "temperature", 0.0)}
+    if args.adaptive_k is not None:
+        from .adaptive.policy import Hysteresis
+
+        extra["adaptive"] = Hysteresis(k_min=2, k_max=args.adaptive_k)
     return drafter.pair(target, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy, **extra)
 
 
@@ -105,6 +111,7 @@ def _run(pair_spec: str, datasets: list[str], args: argparse.Namespace, hf: bool
         bar = tqdm(total=len(prompts), desc=f"{pair_spec} {dataset}", file=sys.stderr)
         record = (lambda i, out: write_trace(trace, out.rounds, {"pair": pair_spec, "dataset": dataset, "prompt": i})) if trace else None
         head = {"pair": pair_spec, "dataset": dataset, "k": pair.config.k, "stop_confidence": pair.config.stop_confidence,
+                "adaptive_k_max": pair.config.adaptive.k_max if pair.config.adaptive else None,
                 "max_new_tokens": args.max_new_tokens}
 
         def done(results: list, head: dict = head, key: str = f"{pair_spec}/{dataset}") -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from .adaptive.policy import Hysteresis
 from .stats import GenerationStats, RoundRecord
 from .target import Rule
 from .translate.ngram_cache import NgramCache, NgramCacheConfig
@@ -29,13 +30,16 @@ __all__ = ["DecodeConfig", "Generation", "Pairing"]
 class DecodeConfig:
     """How a pairing decodes. `k`: drafter tokens per round. `mode`/`temperature`: see verify.py.
     `strategy`: draft-to-target translation ("text" or "ngram", see translator.py).
-    `stop_confidence`: end a draft early after a token the drafter gives less probability than this."""
+    `stop_confidence`: end a draft early after a token the drafter gives less probability than this.
+    `adaptive`: a Hysteresis policy that moves the draft length (starting at k) with acceptance;
+    None keeps k fixed."""
 
     k: int = 6
     mode: str = "greedy"
     temperature: float = 0.0
     strategy: str = "text"
     stop_confidence: float = 0.3
+    adaptive: Hysteresis | None = None
     ngram: NgramCacheConfig = field(default_factory=NgramCacheConfig)
 
     def __post_init__(self) -> None:
@@ -120,10 +124,10 @@ class Pairing:
         only = {"exact": "direct", "omnidraft": "aligned"}.get(rule.mode, "any")
         aligned = only != "any"
         allowed = self._shared if rule.mode == "exact" else None
-        produced = 0
+        produced, k = 0, self.config.k
         while produced < max_new_tokens:
             t0 = time.perf_counter()
-            draft = dsession.propose(self.config.k, temperature=rule.temperature, allowed=allowed, generator=generator,
+            draft = dsession.propose(k, temperature=rule.temperature, allowed=allowed, generator=generator,
                                      stop_confidence=self.config.stop_confidence)
             t1 = time.perf_counter()
             proposal = translator.translate(draft.ids, only=only)
@@ -143,6 +147,8 @@ class Pairing:
             translator.learn(draft.ids[:keep] + tail, new)
             t4 = time.perf_counter()
             produced += len(new)
+            if self.config.adaptive is not None:
+                k = self.config.adaptive.next_k(k, len(proposal), verdict.accepted)
             yield new, RoundRecord(
                 context=context, drafted=len(draft.ids), proposed=len(proposal), accepted=verdict.accepted,
                 emitted=len(new), from_cache=sum(1 for s in proposal.sources[: verdict.accepted] if s == Source.NGRAM),
