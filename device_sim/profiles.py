@@ -9,7 +9,7 @@ Profiles are JSON; `profiles/*.json` beside this file ship the measured and what
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["DeviceProfile", "NetworkProfile", "load_profiles"]
@@ -94,7 +94,3 @@ def load_profiles(*paths: str | Path) -> _Catalogue:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}: not a device_sim profile file: {exc}") from exc
     return cat
-
-
-def dump_device(profile: DeviceProfile) -> dict:
-    return asdict(profile)

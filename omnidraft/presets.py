@@ -10,7 +10,6 @@ import hashlib
 import importlib
 import importlib.util
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,9 +157,3 @@ def _check_gguf(path: Path) -> None:
         raise CorruptFileError(f"{path.name} is not a readable GGUF file: {exc}") from exc
     if end > path.stat().st_size:
         raise CorruptFileError(f"{path.name} is truncated: tensors need {end} bytes, file has {path.stat().st_size}")
-
-
-def clear_assembled(name: str) -> None:
-    """Remove a preset's reassembled .gguf and converted weights from the cache."""
-    shutil.rmtree(cache_dir() / "converted" / name, ignore_errors=True)
-    (cache_dir() / "gguf" / PRESETS[name].gguf_name).unlink(missing_ok=True)

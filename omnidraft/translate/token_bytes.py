@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["TokenBytes", "build_token_bytes", "tokenizer_fingerprint"]
+__all__ = ["TokenBytes", "build_token_bytes"]
 
 _SPM_SPACE = "\u2581"
 
@@ -153,8 +153,3 @@ def _byte_tokens(table: list[bytes | None], pieces: list[str], scheme: str) -> t
             if b not in best or (_is_byte_fallback(pieces, i, scheme) and not _is_byte_fallback(pieces, best[b], scheme)):
                 best[b] = i
     return tuple(best.get(b) for b in range(256))
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A short stable hash of a tokenizer's byte table (what profiles and caches are keyed by)."""
-    return build_token_bytes(tokenizer).fingerprint

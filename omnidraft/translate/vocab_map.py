@@ -37,10 +37,6 @@ class VocabMap:
         vd, vt = len(self.d2t), len(self.t2d)
         return f"shared {self.shared} tokens ({self.shared / vd:.1%} of drafter {vd}, {self.shared / vt:.1%} of target {vt})"
 
-    def shared_target_mask(self) -> torch.Tensor:
-        """(Vt,) bool: target tokens that have a drafter counterpart."""
-        return self.t2d >= 0
-
 
 def build_vocab_map(
     draft: TokenBytes, target: TokenBytes, draft_tokenizer: Any = None, target_tokenizer: Any = None
