@@ -20,7 +20,9 @@ __all__ = [
     "OmnidraftError",
     "PRESETS",
     "Pairing",
+    "RemoteTarget",
     "Rule",
+    "TrainConfig",
     "load_model",
 ]
 __version__ = "0.1.0"
@@ -33,7 +35,9 @@ _WHERE = {
     "OmnidraftError": "errors",
     "Pairing": "session",
     "PRESETS": "presets",
+    "RemoteTarget": "remote.client",
     "Rule": "target",
+    "TrainConfig": "distill.trainer",
     "load_model": "models",
 }
 

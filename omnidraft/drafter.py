@@ -2,12 +2,19 @@
 
 `Drafter.begin(ids)` opens a draft session over the drafter's view of the committed text;
 `propose(k)` drafts up to k tokens (greedy or sampled, optionally restricted to the vocabulary the
-target shares) and `commit(keep, tail)` rolls the session back to what the target accepted. LoRA
-adapters per target (peft) plug in here; this module does not know about targets' tokenizers.
+target shares) and `commit(keep, tail)` rolls the session back to what the target accepted.
+
+Per-target LoRA adapters (peft) live here, on one frozen base shared by every target: training
+runs on an fp32 peft model, drafting on its int8 twin whose LoRA modules are the same objects
+(distill/adapters.py), so a step is live for drafting at no copy cost. `activate(name)` switches
+both in milliseconds; `activate(None)` drafts with the bare base. This module does not know about
+targets' tokenizers.
 """
 
 from __future__ import annotations
 
+import re
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -19,6 +26,9 @@ from .translate.codec import ByteCodec
 from .translate.token_bytes import build_token_bytes
 
 if TYPE_CHECKING:
+    from .distill.adapters import AdapterConfig
+    from .distill.trainer import TrainConfig
+    from .profiles import ProfileStore
     from .session import DecodeConfig, Pairing
     from .target import Target
 
@@ -44,9 +54,10 @@ class DraftSession(Protocol):
 
 
 class _TorchDraftSession:
-    def __init__(self, model: Any, ids: list[int], stop_ids: frozenset[int]) -> None:
+    def __init__(self, model: Any, ids: list[int], stop_ids: frozenset[int], lock: threading.RLock) -> None:
         self.runner = CausalRunner(model, ids)
         self.stop_ids = stop_ids
+        self.lock = lock
         self._base = len(ids)
 
     def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
@@ -56,6 +67,11 @@ class _TorchDraftSession:
         drafter step would most likely be wasted."""
         if k < 1:
             raise ValueError(f"draft length k must be >= 1, got {k}")
+        with self.lock:  # an optimizer step in another thread waits for the draft, and vice versa
+            return self._propose(k, temperature, allowed, generator, stop_confidence)
+
+    def _propose(self, k: int, temperature: float, allowed: torch.Tensor | None, generator: torch.Generator | None,
+                 stop_confidence: float) -> Draft:
         self._base = len(self.runner.ids)
         ids, rows = [], []
         for step in range(k):
@@ -95,11 +111,18 @@ def _pick(logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None
 class Drafter:
     """A small causal LM shared by every pairing; per-target state lives in the pairing."""
 
-    def __init__(self, model: Any, tokenizer: Any, name: str = "drafter") -> None:
+    def __init__(self, model: Any, tokenizer: Any, name: str = "drafter", *, spec: str | None = None,
+                 int8: bool = False) -> None:
+        """`model` drafts. With `int8`, it is a quantized copy and training reloads fp32 weights
+        from `spec`; otherwise `model` itself is trained when adapters are added."""
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.token_bytes = build_token_bytes(tokenizer, model.config.vocab_size)
         self.codec = ByteCodec(tokenizer, self.token_bytes)
         self.stop_ids = frozenset(i for i in (tokenizer.eos_token_id,) if isinstance(i, int))
+        self.lock = threading.RLock()
+        self._spec, self._int8 = spec, int8
+        self.trainable: Any = None  # the fp32 peft model, once an adapter exists
+        self.active: str | None = None
 
     @classmethod
     def load(cls, spec: str, *, quantize: str | None = "int8") -> Drafter:
@@ -112,17 +135,72 @@ class Drafter:
             raise ValueError(f"drafter quantize must be None or 'int8', got {quantize!r}")
         loaded = load_model(spec)
         model = quantize_int8(loaded.model) if quantize == "int8" else loaded.model
-        return cls(model, loaded.tokenizer, loaded.name)
+        return cls(model, loaded.tokenizer, loaded.name, spec=spec, int8=quantize == "int8")
 
     def begin(self, ids: list[int]) -> _TorchDraftSession:
-        return _TorchDraftSession(self.model, ids, self.stop_ids)
+        return _TorchDraftSession(self.model, ids, self.stop_ids, self.lock)
 
-    def pair(self, target: Target, config: DecodeConfig | None = None, **overrides: Any) -> Pairing:
-        """Pair this drafter with `target`; keyword overrides go into `DecodeConfig`."""
+    def pair(self, target: Target, config: DecodeConfig | None = None, *, user: str | None = None,
+             learn: bool = False, train: TrainConfig | None = None, adapter: AdapterConfig | None = None,
+             store: ProfileStore | None = None, **overrides: Any) -> Pairing:
+        """Pair this drafter with `target`; keyword overrides go into `DecodeConfig`.
+
+        `user` loads (and `Pairing.save` writes) that user's profile for this target: n-gram cache,
+        LoRA adapter, metrics. `learn=True` distils every verified request into the pairing's
+        adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA shape).
+        """
         from .session import DecodeConfig, Pairing
 
         config = config or DecodeConfig(**overrides)
-        return Pairing(self, target, config)
+        return Pairing(self, target, config, user=user, learn=learn, train=train, adapter=adapter, store=store)
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    @staticmethod
+    def adapter_name(target: str, user: str | None) -> str:
+        """A peft-safe adapter name for a (target, user) pairing."""
+        return re.sub(r"[^A-Za-z0-9]", "_", f"{target}__{user or 'default'}")
+
+    def add_adapter(self, name: str, config: AdapterConfig | None = None,
+                    state: dict[str, torch.Tensor] | None = None) -> None:
+        """Create adapter `name` (fresh, or loaded from `state`) if it does not exist yet."""
+        from .distill.adapters import AdapterConfig, add_adapter, int8_twin, load_adapter_state
+
+        with self.lock:
+            if self.trainable is not None and name in self.trainable.peft_config:
+                return
+            base = self.trainable
+            if base is None:
+                if self._int8 and self._spec is None:
+                    raise ValueError("this int8 drafter was built without a spec to reload fp32 weights from")
+                base = load_model(self._spec).model if self._int8 else self.model
+                for p in base.parameters():
+                    p.requires_grad_(False)
+            self.trainable = add_adapter(base, name, config or AdapterConfig())
+            if state is not None:
+                load_adapter_state(self.trainable, name, state)
+            self.model = int8_twin(self.trainable) if self._int8 else self.trainable
+            self.active = None
+            self.activate(name)
+
+    def activate(self, name: str | None) -> None:
+        """Draft (and train) with adapter `name`, or with the bare base for None."""
+        if name == self.active:
+            return
+        from .distill.adapters import set_active
+
+        with self.lock:
+            if self.trainable is None:
+                if name is not None:
+                    raise KeyError(f"no adapter {name!r}: this drafter has none yet")
+                return
+            for model in {id(self.trainable): self.trainable, id(self.model): self.model}.values():
+                if name is None:
+                    model.base_model.disable_adapter_layers()
+                else:
+                    model.base_model.enable_adapter_layers()
+                    set_active(model, name)
+            self.active = name
 
     def __repr__(self) -> str:
         return f"Drafter({self.name!r}, vocab {len(self.token_bytes)})"

@@ -3,7 +3,8 @@ failures (a missing model package, a corrupt profile file) raise an OmnidraftErr
 
 from __future__ import annotations
 
-__all__ = ["CorruptFileError", "IncompatibleError", "MissingModelError", "OmnidraftError"]
+__all__ = ["CorruptFileError", "IncompatibleError", "MissingModelError", "OmnidraftError", "RemoteRequestError",
+           "TargetError", "TargetUnavailableError"]
 
 
 class OmnidraftError(Exception):
@@ -20,3 +21,18 @@ class CorruptFileError(OmnidraftError):
 
 class IncompatibleError(OmnidraftError):
     """An artefact was made for another tokenizer or model than the one it is loaded for."""
+
+
+class TargetError(OmnidraftError):
+    """A target failed mid-generation. `partial` is the Generation committed up to that point
+    (set by the pairing; None if it failed before the first round)."""
+
+    partial = None
+
+
+class TargetUnavailableError(TargetError):
+    """A remote target could not be reached after the allowed retries."""
+
+
+class RemoteRequestError(TargetError):
+    """A remote target refused a request (4xx); the message carries the server's reason."""

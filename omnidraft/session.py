@@ -8,11 +8,13 @@ from __future__ import annotations
 import codecs
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from .adaptive.policy import Hysteresis
+from .errors import TargetError
 from .stats import GenerationStats, RoundRecord
 from .target import Rule
 from .translate.ngram_cache import NgramCache, NgramCacheConfig
@@ -20,7 +22,10 @@ from .translate.translator import Source, Translator
 from .translate.vocab_map import build_vocab_map
 
 if TYPE_CHECKING:
+    from .distill.adapters import AdapterConfig
+    from .distill.trainer import TrainConfig
     from .drafter import Drafter
+    from .profiles import ProfileStore
     from .target import Target
 
 __all__ = ["DecodeConfig", "Generation", "Pairing"]
@@ -68,16 +73,63 @@ class Generation:
 
 
 class Pairing:
-    """A drafter and a target with their translator (direct map + n-gram cache)."""
+    """A drafter and a target with their translator (direct map + n-gram cache) and, per user, a
+    profile: the n-gram cache, a LoRA adapter on the drafter and metrics (see profiles.py)."""
 
-    def __init__(self, drafter: Drafter, target: Target, config: DecodeConfig) -> None:
-        self.drafter, self.target, self.config = drafter, target, config
+    def __init__(self, drafter: Drafter, target: Target, config: DecodeConfig, *, user: str | None = None,
+                 learn: bool = False, train: TrainConfig | None = None, adapter: AdapterConfig | None = None,
+                 store: ProfileStore | None = None) -> None:
+        from .profiles import ProfileStore
+
+        self.drafter, self.target, self.config, self.user = drafter, target, config, user
         vmap = build_vocab_map(drafter.token_bytes, target.token_bytes, drafter.tokenizer, target.tokenizer)
-        fingerprint = f"{drafter.token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
-        self.translator = Translator(drafter.codec, target.codec, vmap, NgramCache(config.ngram, fingerprint=fingerprint),
-                                     strategy=config.strategy)
+        self.fingerprint = f"{drafter.token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
+        self.store = store or ProfileStore()
+        profile = self.store.load(drafter.name, target.name, user, fingerprint=self.fingerprint) if user else None
+        cache = NgramCache(config.ngram, fingerprint=self.fingerprint)
+        if profile is not None and profile.ngram is not None:
+            cache = NgramCache.from_doc(profile.ngram, where=f"profile of {user!r}", fingerprint=self.fingerprint,
+                                        config=config.ngram)
+        self.translator = Translator(drafter.codec, target.codec, vmap, cache, strategy=config.strategy)
         self._shared = vmap.d2t >= 0
+        self.metrics: list[dict[str, Any]] = list(profile.metrics) if profile else []
+        self._steps0 = profile.steps if profile else 0
+        self.adapter: str | None = None
+        saved = profile.tensors.get("adapter") if profile else None
+        if learn or saved is not None:
+            self.adapter = drafter.adapter_name(target.name, user)
+            drafter.add_adapter(self.adapter, adapter, saved)
+        self.learner = None
+        if learn:
+            from .distill.learner import Learner
+            from .distill.trainer import TrainConfig
+
+            self.learner = Learner(drafter, self.adapter, vmap.t2d, target.token_bytes, train or TrainConfig())
         self.last: Generation | None = None
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps this pairing's adapter has had, over every session of its profile."""
+        return self._steps0 + (self.learner.steps if self.learner else 0)
+
+    def save(self) -> Path:
+        """Write this user's profile (adapter, n-gram cache, metrics) atomically; returns its directory."""
+        from .distill.adapters import adapter_state
+        from .profiles import PairingProfile
+
+        if self.user is None:
+            raise ValueError("this pairing has no user profile: pair(target, user=...) to save one")
+        tensors = {}
+        if self.learner is not None:
+            self.learner.wait()
+        if self.adapter is not None:
+            with self.drafter.lock:
+                tensors["adapter"] = adapter_state(self.drafter.trainable, self.adapter)
+        metrics = self.metrics + (self.learner.metrics if self.learner else [])
+        profile = PairingProfile(drafter=self.drafter.name, target=self.target.name, user=self.user,
+                                 fingerprint=self.fingerprint, steps=self.steps, metrics=metrics,
+                                 ngram=self.translator.cache.to_doc(), tensors=tensors)
+        return self.store.save(profile)
 
     def generate(self, prompt: str, max_new_tokens: int = 128, *, stop: tuple[str, ...] = (),
                  generator: torch.Generator | None = None) -> Generation:
@@ -97,30 +149,50 @@ class Pairing:
         out: list[int] = []
         rounds: list[RoundRecord] = []
         text, shown, reason = "", 0, "length"
-        for new, record in self._rounds(prompt, max_new_tokens, generator):
-            rounds.append(record)
-            out += new
-            text += decoder.decode(self.target.token_bytes.join(new))
-            if stop and (cut := _first_stop(text, max(0, shown - hold), stop)) is not None:
-                text, reason = text[:cut], "stop"
-                break
-            if out[-1:] and out[-1] in self.target.eos_ids:
-                reason = "eos"
-            if len(text) - hold > shown:
-                yield text[shown : len(text) - hold]
-                shown = len(text) - hold
+        try:
+            for new, record in self._rounds(prompt, max_new_tokens, generator):
+                rounds.append(record)
+                out += new
+                text += decoder.decode(self.target.token_bytes.join(new))
+                if stop and (cut := _first_stop(text, max(0, shown - hold), stop)) is not None:
+                    text, reason = text[:cut], "stop"
+                    break
+                if out[-1:] and out[-1] in self.target.eos_ids:
+                    reason = "eos"
+                if len(text) - hold > shown:
+                    yield text[shown : len(text) - hold]
+                    shown = len(text) - hold
+        except TargetError as exc:  # e.g. a remote target gone: keep what was committed
+            stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
+            self.last = exc.partial = Generation(text + decoder.decode(b"", final=True), out, stats, rounds, "error")
+            raise
         if reason != "stop":
             text += decoder.decode(b"", final=True)
         if len(text) > shown:
             yield text[shown:]
         stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
         self.last = Generation(text, out, stats, rounds, reason)
+        if self.learner is not None and out:
+            self.learner.observe(self._verified(prompt, out, rounds), stats.acceptance_rate, stats.mean_accepted_length)
 
     def _rounds(self, prompt: str, max_new_tokens: int,
                 generator: torch.Generator | None) -> Iterator[tuple[list[int], RoundRecord]]:
-        target, translator, rule = self.target, self.translator, self.config.rule
-        tsession = target.begin(target.tokenizer(prompt)["input_ids"])
+        tsession = self.target.begin(self.target.tokenizer(prompt)["input_ids"])
+        if hasattr(self.drafter, "activate"):  # drafters without adapters (a fake, an exported graph) have none
+            self.drafter.activate(self.adapter)
         dsession = self.drafter.begin(self.drafter.tokenizer(prompt)["input_ids"])
+        topk = self.learner.config.topk if self.learner is not None else 0
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            yield from self._loop(tsession, dsession, max_new_tokens, generator, topk)
+        finally:
+            close = getattr(tsession, "close", None)
+            if close is not None:
+                close()  # a remote session frees its server-side KV cache now
+
+    def _loop(self, tsession: Any, dsession: Any, max_new_tokens: int, generator: torch.Generator | None,
+              topk: int) -> Iterator[tuple[list[int], RoundRecord]]:
+        target, translator, rule = self.target, self.translator, self.config.rule
         only = {"exact": "direct", "omnidraft": "aligned"}.get(rule.mode, "any")
         aligned = only != "any"
         allowed = self._shared if rule.mode == "exact" else None
@@ -135,12 +207,14 @@ class Pairing:
             q = translator.draft_probs(proposal, draft.ids, draft.q) if aligned and draft.q is not None else None
             t2 = time.perf_counter()
             context = len(tsession.ids)
-            verdict = tsession.verify(proposal.ids, rule, q, generator)
+            verdict = tsession.verify(proposal.ids, rule, q, generator, topk=topk)
             t3 = time.perf_counter()
             new = tsession.ids[context:]
             eos = next((i for i, t in enumerate(new) if t in target.eos_ids), None)
             if eos is not None:
                 new = new[: eos + 1]
+            if topk:
+                self._rows.append((verdict.topk[0][: len(new)], verdict.topk[1][: len(new)]))
             committed = target.token_bytes.join(new)
             keep, tail = translator.resync(draft.ids, committed)
             dsession.commit(keep, tail)
@@ -156,6 +230,15 @@ class Pairing:
             )
             if new and new[-1] in target.eos_ids:
                 return
+
+
+    def _verified(self, prompt: str, out: list[int], rounds: list[RoundRecord]) -> Any:
+        """The finished request as distillation input (committed tokens with the target's rows)."""
+        from .distill.buffer import VerifiedRequest
+
+        ids, logp = (torch.cat(parts)[: len(out)] for parts in zip(*self._rows))
+        positions = [j + 1 for r in rounds for j in range(r.emitted)][: len(out)]
+        return VerifiedRequest(prompt, out, ids, logp, positions)
 
 
 def _check_request(prompt: str, max_new_tokens: int, stop: tuple[str, ...]) -> None:

@@ -8,7 +8,7 @@ remote target implements the same protocol over HTTP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -51,7 +51,10 @@ class TargetSession(Protocol):
     ids: list[int]
 
     def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> V.Verdict: ...
+               generator: torch.Generator | None = None, *, topk: int = 0) -> V.Verdict:
+        """Accept a prefix of `proposal` and emit one token; with `topk` > 0 the verdict carries
+        the target's top-k log-probabilities at every committed position (see Verdict)."""
+        ...
 
 
 @runtime_checkable
@@ -77,13 +80,16 @@ class _LocalSession:
         return self.runner.ids
 
     def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> V.Verdict:
+               generator: torch.Generator | None = None, *, topk: int = 0) -> V.Verdict:
         """proposal (M,) int64; q (M, Vt) draft rows, needed by the rejection modes only."""
         base, m = len(self.runner.ids), int(proposal.shape[0])
         self.runner.extend(proposal.tolist())
         logits = self.runner.forward(keep=m + 1)
         self.forwards += 1
         verdict = _judge(logits, proposal, rule, q, generator)
+        if topk > 0:
+            logp, ids = torch.log_softmax(logits[: verdict.accepted + 1].float(), -1).topk(topk, dim=-1)
+            verdict = replace(verdict, topk=(ids, logp))
         self.runner.crop(base + verdict.accepted)
         self.runner.extend([verdict.token])
         return verdict

@@ -19,7 +19,7 @@ target distribution: the `omnidraft` mode documents that.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,10 +28,13 @@ __all__ = ["Verdict", "greedy", "match", "probabilities", "rejection"]
 
 @dataclass(frozen=True)
 class Verdict:
-    """`accepted` of the proposals were accepted; `token` is what the target emits next."""
+    """`accepted` of the proposals were accepted; `token` is what the target emits next.
+    `topk`, when the caller asked for it, is the target's (ids, log-probs), each (accepted + 1, K):
+    row i is its distribution over the i-th committed token (what distillation learns from)."""
 
     accepted: int
     token: int
+    topk: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
 
 def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:

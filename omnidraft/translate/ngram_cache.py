@@ -120,12 +120,15 @@ class NgramCache:
         return {"entries": len(self), "bytes": self.nbytes, "hits": self.hits, "misses": self.misses,
                 "evictions": self.evictions}
 
+    def to_doc(self) -> dict:
+        """The cache as a JSON-ready document (what `save` writes and a profile embeds)."""
+        return {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
+                "config": asdict(self.config), "stats": self.stats(),
+                "entries": [[list(k), v] for k, v in self.items()]}
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically: a crash mid-write leaves the previous file loadable."""
-        doc = {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
-               "config": asdict(self.config), "stats": self.stats(),
-               "entries": [[list(k), v] for k, v in self.items()]}
-        atomic_write_bytes(Path(path), json.dumps(doc, separators=(",", ":")).encode())
+        atomic_write_bytes(Path(path), json.dumps(self.to_doc(), separators=(",", ":")).encode())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, fingerprint: str | None = None) -> NgramCache:
@@ -135,16 +138,22 @@ class NgramCache:
             doc = json.loads(path.read_bytes())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CorruptFileError(f"n-gram cache file {path} is truncated or not JSON: {exc}") from exc
+        return cls.from_doc(doc, where=str(path), fingerprint=fingerprint)
+
+    @classmethod
+    def from_doc(cls, doc: object, *, where: str = "n-gram cache", fingerprint: str | None = None,
+                 config: NgramCacheConfig | None = None) -> NgramCache:
+        """A cache from `to_doc` output; `config` overrides the saved bounds (entries beyond them are evicted)."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise CorruptFileError(f"{path} is not an omnidraft n-gram cache (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+            raise CorruptFileError(f"{where} is not an omnidraft n-gram cache (format {doc.get('format') if isinstance(doc, dict) else None!r})")
         if doc.get("version") != VERSION:
-            raise CorruptFileError(f"{path} has n-gram cache format version {doc.get('version')}, this omnidraft reads {VERSION}")
+            raise CorruptFileError(f"{where} has n-gram cache format version {doc.get('version')}, this omnidraft reads {VERSION}")
         if fingerprint is not None and doc.get("fingerprint") != fingerprint:
             raise IncompatibleError(
-                f"{path} was built for tokenizers {doc.get('fingerprint')!r}, not {fingerprint!r}; "
+                f"{where} was built for tokenizers {doc.get('fingerprint')!r}, not {fingerprint!r}; "
                 "it belongs to another drafter/target pairing"
             )
-        cache = cls(NgramCacheConfig(**doc["config"]), fingerprint=doc.get("fingerprint", ""))
+        cache = cls(config or NgramCacheConfig(**doc["config"]), fingerprint=doc.get("fingerprint", ""))
         for key, value in doc["entries"]:
             cache.add(tuple(key), int(value))
         return cache

@@ -1,0 +1,153 @@
+"""Online distillation of the drafter (OmniDraft Algorithm 2): examples in, optimizer steps out.
+
+`OnlineTrainer` owns one optimizer over the parameters that require gradients (the active LoRA
+adapter, or every weight for full fine-tuning) and the hybrid loss of losses.py:
+    L = KL(direct tokens) + lambda * NLL(n-gram sub-tokens)
+Every `interval` requests it runs `epochs` passes over its buffer in batches, then empties it.
+Weights change only inside `step_lock`, which drafting also holds while it proposes: a draft never
+reads half-updated weights, whichever thread trains. Losses never change what the target commits.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .buffer import Buffer, Example
+from .losses import direct_kl, ngram_approx_kl, ngram_nll, position_weights
+
+__all__ = ["OnlineTrainer", "TrainConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Algorithm 2's knobs. `interval`: requests between updates (I); `epochs`: passes over the
+    buffer per update. `lam`: weight of the n-gram term, or "dynamic" for the target's p(t) per
+    token; `kl`/`ngram_loss` switch terms for ablations ("nll", "approx_kl" or "none").
+    `beta` > 0 adds EvoSpec's position weights exp(-beta * L * (j - 1)) with L = `draft_len`.
+    `topk`: target log-probabilities kept per position. `background`: train in a thread."""
+
+    interval: int = 8
+    batch_size: int = 8
+    epochs: int = 1
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    lam: float | str = 0.2
+    kl: bool = True
+    ngram_loss: str = "nll"
+    beta: float = 0.0
+    draft_len: int = 6
+    topk: int = 32
+    capacity: int = 256
+    background: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "batch_size", "epochs", "topk", "capacity", "draft_len"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not self.lr > 0 or self.weight_decay < 0 or self.beta < 0:
+            raise ValueError(f"need lr > 0, weight_decay >= 0, beta >= 0; got {self.lr}, {self.weight_decay}, {self.beta}")
+        if self.lam != "dynamic" and not (isinstance(self.lam, (int, float)) and self.lam >= 0):
+            raise ValueError(f"lam must be a number >= 0 or 'dynamic', got {self.lam!r}")
+        if self.ngram_loss not in ("nll", "approx_kl", "none"):
+            raise ValueError(f"ngram_loss must be 'nll', 'approx_kl' or 'none', got {self.ngram_loss!r}")
+        if not self.kl and self.ngram_loss == "none":
+            raise ValueError("TrainConfig with kl=False and ngram_loss='none' has no loss to train on")
+
+
+class OnlineTrainer:
+    """Trains the parameters of `model` that require gradients; `t2d` (Vt,) maps target ids to
+    drafter ids (-1 where none). `model` is a peft model or a plain HF causal LM."""
+
+    def __init__(self, model: Any, t2d: torch.Tensor, config: TrainConfig = TrainConfig(),
+                 step_lock: threading.RLock | None = None) -> None:
+        self.model, self.t2d, self.config = model, t2d, config
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("this model has no parameters that require gradients: add an adapter or unfreeze it")
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        self.buffer = Buffer(config.capacity)
+        self.step_lock = step_lock or threading.RLock()
+        self.steps, self.requests, self.history = 0, 0, []  # history: one dict per optimizer step
+        self._rng = random.Random(config.seed)
+
+    def add(self, example: Example) -> bool:
+        """Buffer one request's example; True when `interval` requests have come since the last update."""
+        self.buffer.add(example)
+        self.requests += 1
+        return self.requests % self.config.interval == 0
+
+    def update(self) -> list[dict[str, float]]:
+        """`epochs` passes over the buffer, one optimizer step per batch; then the buffer is emptied."""
+        logs = []
+        for _ in range(self.config.epochs):
+            for batch in self.buffer.batches(self.config.batch_size, self._rng):
+                logs.append(self.step(batch))
+        self.buffer.clear()
+        return logs
+
+    def step(self, batch: list[Example]) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.train()
+        try:
+            total, parts = self.loss(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            total.backward()
+            with self.step_lock:
+                self.optimizer.step()
+        finally:
+            self.model.train(was_training)
+        self.steps += 1
+        log = {"step": self.steps, "loss": float(total.detach()), **parts}
+        self.history.append(log)
+        return log
+
+    def loss(self, batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The hybrid loss of one batch, and its terms as floats."""
+        cfg = self.config
+        logits, kl_logits, ng_logits = self._logits(batch)
+        cat = lambda name: torch.cat([getattr(e, name) for e in batch])  # noqa: E731
+        total, parts = logits.sum() * 0.0, {}
+        if cfg.kl and len(kl_logits):
+            w = position_weights(cat("kl_pos"), cfg.beta, cfg.draft_len) if cfg.beta > 0 else None
+            term = direct_kl(kl_logits, cat("kl_ids"), cat("kl_logp"), self.t2d, w)
+            total, parts["kl"] = total + term, float(term.detach())
+        if cfg.ngram_loss != "none" and len(ng_logits):
+            term = self._ngram_term(batch, ng_logits)
+            lam = 1.0 if cfg.lam == "dynamic" else float(cfg.lam)
+            total, parts["ngram"] = total + lam * term, float(term.detach())
+        return total, parts
+
+    def _ngram_term(self, batch: list[Example], logits: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        tokens = torch.cat([e.ng_tokens for e in batch])
+        if cfg.ngram_loss == "approx_kl":
+            shift = torch.tensor([0] + [e.ng_logp.numel() for e in batch[:-1]]).cumsum(0)
+            group = torch.cat([e.ng_group + s for e, s in zip(batch, shift)])
+            return ngram_approx_kl(logits, tokens, group, torch.cat([e.ng_logp for e in batch]))
+        weights = torch.ones(len(tokens))
+        if cfg.lam == "dynamic":
+            weights = torch.cat([e.ng_logp[e.ng_group].exp() for e in batch])
+        if cfg.beta > 0:
+            weights = weights * position_weights(torch.cat([e.ng_pos for e in batch]), cfg.beta, cfg.draft_len)
+        return ngram_nll(logits, tokens, weights)
+
+    def _logits(self, batch: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits of every labelled row of the right-padded batch: all (R, Vd), then the direct
+        rows (A, Vd) and the n-gram rows (B, Vd), each in batch order."""
+        width = max(len(e.ids) for e in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for b, e in enumerate(batch):
+            ids[b, : len(e.ids)], mask[b, : len(e.ids)] = e.ids, 1
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        hidden = base.model(input_ids=ids, attention_mask=mask).last_hidden_state.flatten(0, 1)
+        kl = torch.cat([e.kl_rows + b * width for b, e in enumerate(batch)])
+        ng = torch.cat([e.ng_rows + b * width for b, e in enumerate(batch)])
+        logits = base.lm_head(hidden[torch.cat([kl, ng])])  # only rows a loss reads: the wide head is costly
+        return logits, logits[: len(kl)], logits[len(kl) :]

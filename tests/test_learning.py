@@ -1,0 +1,183 @@
+"""Online distillation end to end on tiny models: labelling, the trainer's loss, learning pairings,
+adapter switching between targets, and profiles that survive save/load."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from omnidraft import Drafter
+from omnidraft.distill.adapters import AdapterConfig, adapter_state
+from omnidraft.distill.buffer import VerifiedRequest, build_example
+from omnidraft.distill.losses import direct_kl, ngram_nll
+from omnidraft.distill.trainer import OnlineTrainer, TrainConfig
+from omnidraft.profiles import ProfileStore
+from omnidraft.translate.vocab_map import build_vocab_map
+
+from .conftest import target_greedy, tiny_llama
+
+PROMPTS = ["Question: Tom has 3 apples and buys 5 more.", "Question: A train travels 60 miles in 2 hours.",
+           "Question: Sara reads 12 pages a day for a week."]
+SMALL = AdapterConfig(rank=4, alpha=8)
+
+
+@pytest.fixture()
+def drafter(draft_tokenizer):
+    """A fresh drafter per test: learning wraps and changes it."""
+    return Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+
+
+def _request(drafter, target, prompt: str, n: int = 24) -> VerifiedRequest:
+    """The target's greedy continuation with its top-k rows, like a live verified request."""
+    tokens = target_greedy(target, prompt, n)
+    ids = target.tokenizer(prompt)["input_ids"] + tokens
+    with torch.no_grad():
+        logits = target.model(torch.tensor([ids])).logits[0, len(ids) - len(tokens) - 1 : -1]
+    logp, top = torch.log_softmax(logits, -1).topk(8, dim=-1)
+    return VerifiedRequest(prompt, tokens, top, logp, [1 + i % 3 for i in range(len(tokens))])
+
+
+def test_examples_label_each_target_token_by_how_drafter_tokens_spell_it(drafter, tiny_target):
+    vmap = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer)
+    request = _request(drafter, tiny_target, PROMPTS[0])
+    ex = build_example(request, drafter, tiny_target.token_bytes, vmap.t2d)
+    # naive reference: walk both tokenizations of the continuation's bytes
+    tb, db = tiny_target.token_bytes.table, drafter.token_bytes.table
+    cont = drafter.codec.encode(b"".join(tb[t] or b"" for t in request.tokens))
+    d_edges, acc = {0: 0}, 0
+    for i, d in enumerate(cont):
+        acc += len(db[d])
+        d_edges[acc] = i + 1
+    direct, ngram, a = 0, 0, 0
+    for t in request.tokens:
+        b = a + len(tb[t] or b"")
+        if a != b and a in d_edges and b in d_edges:
+            span = d_edges[b] - d_edges[a]
+            direct += span == 1
+            ngram += span if span > 1 else 0
+        a = b
+    assert (len(ex.kl_rows), len(ex.ng_rows)) == (direct, ngram)
+    assert direct > 0 and ngram > 0  # the two tokenizers differ enough to exercise both kinds
+    prompt_len = len(drafter.tokenizer(PROMPTS[0])["input_ids"])
+    assert torch.equal(ex.ids[ex.ng_rows + 1], ex.ng_tokens)  # row r predicts ids[r + 1]
+    assert int(ex.kl_rows.min()) >= prompt_len - 1
+
+
+def test_trainer_loss_equals_the_reference_formula(drafter, tiny_target):
+    vmap = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer)
+    drafter.add_adapter("t", SMALL)
+    examples = [build_example(_request(drafter, tiny_target, p), drafter, tiny_target.token_bytes, vmap.t2d)
+                for p in PROMPTS]
+    trainer = OnlineTrainer(drafter.trainable, vmap.t2d, TrainConfig(lam=0.2))
+    total, parts = trainer.loss(examples)
+    # reference: one unpadded forward per example, full logits, then the formulas of losses.py
+    with torch.no_grad():
+        logits = [drafter.trainable(e.ids[None]).logits[0] for e in examples]
+    kl = direct_kl(torch.cat([lg[e.kl_rows] for lg, e in zip(logits, examples)]),
+                   torch.cat([e.kl_ids for e in examples]), torch.cat([e.kl_logp for e in examples]), vmap.t2d)
+    nll = ngram_nll(torch.cat([lg[e.ng_rows] for lg, e in zip(logits, examples)]), torch.cat([e.ng_tokens for e in examples]))
+    assert parts["kl"] == pytest.approx(float(kl), rel=1e-4)
+    assert parts["ngram"] == pytest.approx(float(nll), rel=1e-4)
+    assert float(total) == pytest.approx(float(kl + 0.2 * nll), rel=1e-4)
+
+
+def test_learning_pairing_stays_identical_and_updates_only_its_adapter(drafter, tiny_target, tmp_path):
+    base_before = {n: p.clone() for n, p in drafter.model.named_parameters()}
+    pair = drafter.pair(tiny_target, k=4, user="alice", learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
+                        train=TrainConfig(interval=1, lr=1e-2))
+    lora_before = adapter_state(drafter.trainable, pair.adapter)
+    for prompt in PROMPTS:
+        out = pair.generate(prompt, max_new_tokens=20)
+        assert out.token_ids == target_greedy(tiny_target, prompt, 20)  # learning changes speed, never output
+    assert pair.steps == 3
+    lora_after = adapter_state(drafter.trainable, pair.adapter)
+    assert any(not torch.equal(lora_before[k], lora_after[k]) for k in lora_after)
+    for name, p in drafter.trainable.named_parameters():
+        if "lora_" not in name:
+            key = name.replace("base_model.model.", "").replace(".base_layer", "")
+            assert torch.equal(p, base_before[key]), name  # the shared base is frozen
+
+
+def test_learning_raises_acceptance_on_what_it_has_seen(drafter, tiny_target, tmp_path):
+    torch.manual_seed(0)  # LoRA A matrices start random
+    pair = drafter.pair(tiny_target, k=4, learn=True, adapter=AdapterConfig(rank=8, alpha=16, modules=("q_proj", "v_proj")),
+                        train=TrainConfig(interval=1, epochs=60, lr=5e-2), store=ProfileStore(tmp_path))
+    before = pair.generate(PROMPTS[1], max_new_tokens=24).stats.acceptance_rate
+    after = pair.generate(PROMPTS[1], max_new_tokens=24).stats.acceptance_rate
+    assert after > before + 0.2, (before, after)
+
+
+def test_switching_target_switches_adapter_and_cache(drafter, tiny_target, target_tokenizer, tmp_path):
+    from omnidraft import LocalTarget
+
+    other = LocalTarget(tiny_llama(len(target_tokenizer), seed=5, logit_scale=30.0), target_tokenizer, "tiny-other")
+    store = ProfileStore(tmp_path)
+    a = drafter.pair(tiny_target, k=4, user="u", learn=True, adapter=SMALL, store=store, train=TrainConfig(interval=1, lr=1e-2))
+    b = drafter.pair(other, k=4, user="u", learn=True, adapter=SMALL, store=store, train=TrainConfig(interval=1, lr=1e-2))
+    assert a.adapter != b.adapter and a.translator.cache is not b.translator.cache
+    b.generate(PROMPTS[0], max_new_tokens=16)
+    assert drafter.active == b.adapter
+    out = a.generate(PROMPTS[2], max_new_tokens=16)
+    assert drafter.active == a.adapter and out.token_ids == target_greedy(tiny_target, PROMPTS[2], 16)
+    plain = drafter.pair(tiny_target, k=4)
+    assert plain.generate(PROMPTS[2], max_new_tokens=16).token_ids == out.token_ids
+    assert drafter.active is None  # a pairing without a profile drafts with the bare base
+
+
+def test_profile_save_and_load_restore_adapter_cache_and_metrics(drafter, tiny_target, draft_tokenizer, tmp_path):
+    store = ProfileStore(tmp_path)
+    pair = drafter.pair(tiny_target, k=4, user="alice", learn=True, adapter=SMALL, store=store,
+                        train=TrainConfig(interval=2, lr=1e-2))
+    for prompt in PROMPTS + PROMPTS[:1]:
+        pair.generate(prompt, max_new_tokens=16)
+    pair.save()
+    saved = adapter_state(drafter.trainable, pair.adapter)
+    fresh = Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    again = fresh.pair(tiny_target, k=4, user="alice", adapter=SMALL, store=store)
+    loaded = adapter_state(fresh.trainable, again.adapter)
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert again.translator.cache.items() == pair.translator.cache.items()
+    assert again.metrics == pair.learner.metrics and again.steps == pair.steps == 2
+    with pytest.raises(ValueError, match="no user profile"):
+        fresh.pair(tiny_target).save()
+
+
+def test_background_training_never_changes_the_output(drafter, tiny_target, tmp_path):
+    pair = drafter.pair(tiny_target, k=4, user="bob", learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
+                        train=TrainConfig(interval=1, lr=1e-2, background=True))
+    for prompt in PROMPTS * 2:
+        assert pair.generate(prompt, max_new_tokens=16).token_ids == target_greedy(tiny_target, prompt, 16)
+    pair.save()  # waits for the update in flight
+    assert pair.steps == 6
+
+
+def test_bad_train_config_names_the_value():
+    with pytest.raises(ValueError, match="interval"):
+        TrainConfig(interval=0)
+    with pytest.raises(ValueError, match="lam"):
+        TrainConfig(lam="sometimes")
+    with pytest.raises(ValueError, match="no loss"):
+        TrainConfig(kl=False, ngram_loss="none")
+
+
+def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp_path):
+    import json
+
+    from omnidraft.bench.adapt import run_adapt
+
+    torch.manual_seed(0)
+    kwargs = dict(train="gsm8k:train", evaluation="gsm8k:test", n_train=4, n_eval=2, max_new_tokens=12, steps=2,
+                  eval_every=1, config=TrainConfig(interval=2, batch_size=2, lr=1e-2), rank=4, k=4,
+                  stop_confidence=0.0, out=tmp_path, name="adapt")
+    result = run_adapt(drafter, tiny_target, variants=["none", "dm", "hybrid", "full"], **kwargs)
+    assert set(result["variants"]) == {"none", "dm", "hybrid", "full"}
+    for name in ("dm", "hybrid", "full"):
+        steps = [p["step"] for p in result["variants"][name]["curve"]]
+        assert steps == [0, 1, 2], (name, steps)
+    assert {p.suffix for p in tmp_path.iterdir()} >= {".json", ".md", ".png", ".safetensors"}
+    assert json.loads((tmp_path / "adapt.json").read_text())["n_eval"] == 2
+    assert "| hybrid | 2 |" in (tmp_path / "adapt.md").read_text()
+    recorded = sorted(tmp_path.glob("traces-*"))
+    stamp = [p.stat().st_mtime_ns for p in recorded]
+    run_adapt(drafter, tiny_target, variants=["none"], **kwargs)  # traces are reused, not recorded again
+    assert [p.stat().st_mtime_ns for p in recorded] == stamp
