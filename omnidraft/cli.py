@@ -50,7 +50,40 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench_out")
     b.add_argument("--name", default="bench")
     b.add_argument("--trace", default=None, help="append per-round JSONL traces to this file")
+    b.add_argument("--remote", action="store_true",
+                   help="serve the target on loopback and verify over HTTP with --rtt injected per round trip")
+    b.add_argument("--rtt", type=float, action="append", metavar="MS", help="round-trip time(s) in ms for --remote")
     decoding(b)
+    a = sub.add_parser("adapt", help="online distillation: acceptance and τ against training steps, held-out")
+    a.add_argument("--pair", default=f"{DRAFTER}:qwen2.5-coder-0.5b")
+    a.add_argument("--train", default="gsm8k:train", help="dataset of training prompts")
+    a.add_argument("--eval", default="gsm8k:test", help="dataset of held-out prompts")
+    a.add_argument("--n-train", type=int, default=300)
+    a.add_argument("--n-eval", type=int, default=50)
+    a.add_argument("--steps", type=int, default=40, help="optimizer steps per variant")
+    a.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every this many steps")
+    a.add_argument("--variant", action="append", choices=["none", "dm", "hybrid", "full"],
+                   help="repeatable; default: none and hybrid. dm = KL only; full = full fine-tuning")
+    a.add_argument("--interval", type=int, default=8, help="requests between updates (Algorithm 2's I)")
+    a.add_argument("--batch-size", type=int, default=8)
+    a.add_argument("--epochs", type=int, default=1, help="passes over the buffer per update")
+    a.add_argument("--lr", type=float, default=1e-4)
+    a.add_argument("--lam", default="0.2", help="n-gram loss weight, or 'dynamic'")
+    a.add_argument("--rank", type=int, default=32)
+    a.add_argument("--cache-ablation", action="store_true", help="also measure the n-gram cache by size and policy")
+    a.add_argument("--out", default="adapt_out")
+    a.add_argument("--name", default="adapt")
+    decoding(a)
+
+    v = sub.add_parser("serve", help="a verification server for remote pairing (RemoteTarget)")
+    v.add_argument("--target", default=TARGET)
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key-file", default=None, help="file holding the API key clients must send")
+    v.add_argument("--no-auth", action="store_true", help="serve without an API key (loopback development only)")
+    v.add_argument("--max-sessions", type=int, default=64)
+    v.add_argument("--ttl", type=float, default=600.0, help="seconds an idle session is kept")
+
     c = sub.add_parser("calibrate", help="time the real models; write a device_sim device profile")
     c.add_argument("--pair", default=f"{DRAFTER}:{TARGET}")
     c.add_argument("--out", required=True, help="profile JSON to write (device_sim --profiles FILE)")
@@ -141,8 +174,46 @@ def _demo(args: argparse.Namespace) -> None:
               f"{s['speedup']:>8.2f}×  {s['identical_rate']:.0%}")
 
 
+def _bench_remote(args: argparse.Namespace) -> None:
+    import json
+
+    from tqdm import tqdm
+
+    from .atomic import atomic_write_bytes
+    from .bench.datasets import load_prompts
+    from .bench.remote import run_remote
+
+    rows = []
+    for pair_spec in args.pair or [f"{DRAFTER}:{TARGET}"]:
+        drafter_spec, target_spec = _split_pair(pair_spec)
+        import omnidraft as od
+
+        drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
+        for dataset in args.dataset or ["gsm8k", "humaneval"]:
+            bar = tqdm(desc=f"{pair_spec} {dataset} remote", file=sys.stderr)
+            for row in run_remote(drafter, target, load_prompts(dataset, args.n), args.max_new_tokens,
+                                  [ms / 1000 for ms in args.rtt or [20, 50, 100]], k=args.k,
+                                  stop_confidence=args.stop_confidence, progress=bar.set_postfix_str):
+                rows.append({"pair": pair_spec, "dataset": dataset, **row})
+            bar.close()
+    out = Path(args.out)
+    table = ("| pair | dataset | RTT ms | τ | omnidraft tok/s | remote target alone tok/s | speedup | bytes sent/token "
+             "(omnidraft) | bytes sent/token (alone) | identical |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    for r in rows:
+        table += (f"| {r['pair']} | {r['dataset']} | {r['rtt_ms']:.0f} | {r['tau']:.2f} | {r['omnidraft_tok_s']:.2f} | "
+                  f"{r['alone_tok_s']:.2f} | {r['speedup']:.2f}× | {r['omnidraft_bytes_per_token']:.0f} | "
+                  f"{r['alone_bytes_per_token']:.0f} | {r['identical']}/{r['prompts']} |\n")
+    atomic_write_bytes(out / f"{args.name}.json", json.dumps(rows, indent=1).encode())
+    atomic_write_bytes(out / f"{args.name}.md", table.encode())
+    print(table)
+    print(f"wrote {out / args.name}.json and .md")
+
+
 def _bench(args: argparse.Namespace) -> None:
     from .bench.report import markdown_table, write_report
+
+    if args.remote:
+        return _bench_remote(args)
 
     pairs = args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]
     summaries, per_prompt = [], {}
@@ -154,6 +225,46 @@ def _bench(args: argparse.Namespace) -> None:
         paths = write_report(args.out, args.name, summaries, per_prompt)  # rewritten after each pair
     print(markdown_table(summaries))
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
+def _adapt(args: argparse.Namespace) -> None:
+    import omnidraft as od
+
+    from .bench.adapt import markdown, run_adapt
+    from .distill.trainer import TrainConfig
+
+    if min(args.n_train, args.n_eval, args.steps, args.eval_every, args.rank) < 1:
+        raise SystemExit("--n-train, --n-eval, --steps, --eval-every and --rank must be >= 1")
+    drafter_spec, target_spec = _split_pair(args.pair)
+    drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec, dual_linear=False)
+    lam = args.lam if args.lam == "dynamic" else float(args.lam)
+    config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam)
+    result = run_adapt(drafter, target, train=args.train, evaluation=args.eval, n_train=args.n_train, n_eval=args.n_eval,
+                       max_new_tokens=args.max_new_tokens, steps=args.steps, eval_every=args.eval_every,
+                       variants=args.variant or ["none", "hybrid"], config=config, rank=args.rank, k=args.k,
+                       stop_confidence=args.stop_confidence, out=Path(args.out), name=args.name,
+                       cache_study=args.cache_ablation, on_point=lambda p: print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                         for k, v in p.items()), flush=True))
+    print(markdown(result))
+    print(f"wrote {Path(args.out) / args.name}.json, .md and .png")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    import omnidraft as od
+
+    from .remote.server import ServerConfig, create_app
+
+    if args.api_key_file is None and not args.no_auth:
+        raise SystemExit("serve needs --api-key-file FILE (or --no-auth for a loopback-only development server)")
+    key = None
+    if args.api_key_file is not None:
+        key = Path(args.api_key_file).read_text().strip()
+        if not key:
+            raise SystemExit(f"{args.api_key_file} is empty: put the API key in it")
+    config = ServerConfig(api_key=key, max_sessions=args.max_sessions, ttl_s=args.ttl)
+    uvicorn.run(create_app(od.LocalTarget.load(args.target), config), host=args.host, port=args.port, log_level="warning")
 
 
 def _calibrate(args: argparse.Namespace) -> None:
@@ -180,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
         raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and {args.max_new_tokens}")
-    commands = {"generate": _generate, "demo": _demo, "bench": _bench, "calibrate": _calibrate, "simulate": _simulate}
+    commands = {"generate": _generate, "demo": _demo, "bench": _bench, "adapt": _adapt, "serve": _serve, "calibrate": _calibrate,
+                "simulate": _simulate}
     commands[args.command](args)
 
 

@@ -1,0 +1,1 @@
+"""Remote targets: the wire protocol, a verification server and the RemoteTarget client."""

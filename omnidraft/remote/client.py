@@ -1,0 +1,136 @@
+"""`RemoteTarget`: a target behind a verification server, with the same protocol as LocalTarget.
+
+    target = od.RemoteTarget("http://127.0.0.1:8000", api_key="...")
+    pair = drafter.pair(target)
+
+The tokenizer comes from the server (or pass `tokenizer=` to use a local copy); its byte-view
+fingerprint must match the server's or pairing is refused. One keep-alive HTTP connection is
+reused; each call has a timeout; transport failures and 502/503/504 are retried a bounded number
+of times, which is safe because a verify request names the committed length it builds on (see
+protocol.py). When the server stays unreachable the call raises `TargetUnavailableError`; the
+pairing keeps what was committed so far (`error.partial`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import IncompatibleError, RemoteRequestError, TargetUnavailableError
+from ..translate.codec import ByteCodec
+from ..translate.token_bytes import build_token_bytes
+from ..verify import Verdict
+from .protocol import InfoReply, OpenReply, OpenRequest, SparseRow, VerifyReply, VerifyRequest
+
+__all__ = ["RemoteTarget"]
+
+_RETRY_STATUS = (502, 503, 504)
+
+
+class RemoteTarget:
+    """A target served by `omnidraft serve` (see remote/server.py)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, tokenizer: Any = None, timeout: float = 30.0,
+                 retries: int = 2, client: Any = None) -> None:
+        import httpx
+
+        if retries < 0 or timeout <= 0:
+            raise ValueError(f"need retries >= 0 and timeout > 0, got {retries} and {timeout}")
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url, self.retries = url, retries
+        self.http = client if client is not None else httpx.Client(base_url=url, timeout=timeout)
+        self.http.headers.update(headers)
+        info = InfoReply.model_validate(self._call("GET", "/v1/info"))
+        self.name, self.eos_ids = info.name, frozenset(info.eos_ids)
+        self.tokenizer = tokenizer if tokenizer is not None else self._fetch_tokenizer()
+        self.token_bytes = build_token_bytes(self.tokenizer, info.vocab_size)
+        if self.token_bytes.fingerprint != info.fingerprint:
+            raise IncompatibleError(f"the tokenizer used here ({self.token_bytes.fingerprint}) is not the server's "
+                                    f"({info.fingerprint}) for target {info.name!r}")
+        self.codec = ByteCodec(self.tokenizer, self.token_bytes)
+
+    def begin(self, prompt_ids: list[int]) -> _RemoteSession:
+        reply = OpenReply.model_validate(self._call("POST", "/v1/sessions", OpenRequest(prompt_ids=list(prompt_ids))))
+        return _RemoteSession(self, reply.session, list(prompt_ids))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _fetch_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        files = self._call("GET", "/v1/tokenizer")["files"]
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, text in files.items():
+                (Path(tmp) / Path(name).name).write_text(text, encoding="utf-8")
+            return AutoTokenizer.from_pretrained(tmp)
+
+    def _call(self, method: str, path: str, message: Any = None) -> Any:
+        import httpx
+
+        content = message.model_dump_json(exclude_none=True) if message is not None else None
+        last: str = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(2.0, 0.1 * 2**attempt))
+            try:
+                response = self.http.request(method, path, content=content,
+                                             headers={"content-type": "application/json"} if content else None)
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code in _RETRY_STATUS:
+                last = f"HTTP {response.status_code}: {_reason(response)}"
+                continue
+            if response.status_code >= 400:
+                raise RemoteRequestError(f"{self.url}{path} refused the request: HTTP {response.status_code}: "
+                                             f"{_reason(response)}")
+            return response.json()
+        raise TargetUnavailableError(f"{self.url}{path} unreachable after {self.retries + 1} attempts ({last})")
+
+    def __repr__(self) -> str:
+        return f"RemoteTarget({self.name!r} at {self.url})"
+
+
+def _reason(response: Any) -> str:
+    try:
+        return str(response.json().get("error", response.text))
+    except ValueError:
+        return response.text[:200]
+
+
+class _RemoteSession:
+    def __init__(self, owner: RemoteTarget, sid: str, ids: list[int]) -> None:
+        self.owner, self.sid, self.ids = owner, sid, ids
+        self.forwards = 0
+
+    def verify(self, proposal: torch.Tensor, rule: Any, q: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, *, topk: int = 0) -> Verdict:
+        ids = [int(t) for t in proposal.tolist()]
+        seed = None if rule.mode == "greedy" else int(torch.randint(0, 2**62, (1,), generator=generator))
+        rows = None
+        if q is not None and rule.mode in ("exact", "omnidraft"):
+            rows = [SparseRow(ids=nz.tolist(), probs=row[nz].tolist()) for row in q for nz in [row.nonzero().flatten()]]
+        request = VerifyRequest(committed=len(self.ids), proposal=ids, mode=rule.mode, temperature=rule.temperature,
+                                q=rows, seed=seed, topk=topk)
+        reply = VerifyReply.model_validate(self.owner._call("POST", f"/v1/sessions/{self.sid}/verify", request))
+        self.ids += ids[: reply.accepted] + [reply.token]
+        self.forwards += 1
+        if reply.committed != len(self.ids):
+            raise TargetUnavailableError(f"session {self.sid} is out of step: the server has {reply.committed} "
+                                         f"committed tokens, this device {len(self.ids)}")
+        top = None
+        if reply.topk_ids is not None and reply.topk_logp is not None:
+            top = (torch.tensor(reply.topk_ids, dtype=torch.long), torch.tensor(reply.topk_logp))
+        return Verdict(reply.accepted, reply.token, top)
+
+    def close(self) -> None:
+        """Free the server's KV cache for this session now (it would expire anyway)."""
+        try:
+            self.owner._call("DELETE", f"/v1/sessions/{self.sid}")
+        except (TargetUnavailableError, RemoteRequestError):
+            pass  # the server is gone or already dropped it: nothing left to free

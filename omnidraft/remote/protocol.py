@@ -1,0 +1,86 @@
+"""The wire format between a device (RemoteTarget) and a verification server, version 1.
+
+A session is opened with the prompt's target ids; the server keeps the committed ids and the KV
+cache. Each verify request names the committed length it builds on. The server applies a request
+only when that length is its own; a retry of the request it applied last (same length, same
+proposal) gets the stored reply again, and anything else is refused as stale: a request is never
+applied twice. Replies carry the accepted count, the emitted token and, when asked, the target's
+top-k log-probabilities per committed position (what distillation needs: K pairs, not 150k floats).
+Draft rows q' for rejection sampling travel sparse: only the target ids with q' > 0.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["VERSION", "ErrorReply", "InfoReply", "OpenReply", "OpenRequest", "SparseRow", "VerifyReply",
+           "VerifyRequest"]
+
+VERSION = 1
+MAX_PROMPT = 32_768
+MAX_PROPOSAL = 64
+MAX_TOPK = 64
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: int = VERSION
+
+    @model_validator(mode="after")
+    def _version(self) -> _Message:
+        if self.version != VERSION:
+            raise ValueError(f"protocol version {self.version} is not supported; this server speaks {VERSION}")
+        return self
+
+
+class InfoReply(_Message):
+    """What a device needs to pair with the server's target."""
+
+    name: str
+    vocab_size: int
+    fingerprint: str
+    eos_ids: list[int]
+
+
+class OpenRequest(_Message):
+    prompt_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT)
+
+
+class OpenReply(_Message):
+    session: str
+    committed: int
+
+
+class SparseRow(_Message):
+    """One draft distribution q' over target ids: ids with their probabilities (the rest is 0)."""
+
+    ids: list[int] = Field(max_length=300_000)
+    probs: list[float] = Field(max_length=300_000)
+
+    @model_validator(mode="after")
+    def _same_length(self) -> SparseRow:
+        if len(self.ids) != len(self.probs):
+            raise ValueError(f"a sparse row needs as many probs as ids, got {len(self.ids)} and {len(self.probs)}")
+        return self
+
+
+class VerifyRequest(_Message):
+    committed: int = Field(ge=1)
+    proposal: list[int] = Field(max_length=MAX_PROPOSAL)
+    mode: str = "greedy"
+    temperature: float = Field(default=0.0, ge=0.0)
+    q: list[SparseRow] | None = None
+    seed: int | None = None
+    topk: int = Field(default=0, ge=0, le=MAX_TOPK)
+
+
+class VerifyReply(_Message):
+    committed: int  # the committed length after this round
+    accepted: int
+    token: int
+    topk_ids: list[list[int]] | None = None
+    topk_logp: list[list[float]] | None = None
+
+
+class ErrorReply(_Message):
+    error: str

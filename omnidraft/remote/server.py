@@ -1,0 +1,278 @@
+"""A verification server: one target model, many device sessions, over HTTP (FastAPI + uvicorn).
+
+    POST   /v1/sessions                 OpenRequest  -> OpenReply
+    POST   /v1/sessions/{id}/verify     VerifyRequest -> VerifyReply
+    DELETE /v1/sessions/{id}
+    GET    /v1/info, /v1/tokenizer      what a device needs to pair (name, vocab, fingerprint, files)
+    GET    /health, /metrics            liveness; Prometheus text
+
+Every /v1 route needs `Authorization: Bearer <key>` when the server has a key (compared in
+constant time; missing or wrong -> 401). Bodies are read with a size cap (413) and validated by
+the protocol models (422 with the reason); ids outside the vocabulary are refused (422). Sessions
+expire after `ttl_s` idle, and a cap on sessions and on committed tokens across sessions (KV memory)
+answers 503 rather than exhausting the host. One model forward runs at a time (a CPU has no spare
+parallelism to give); requests queue in the thread pool. See protocol.py for the idempotency rule.
+"""
+
+from __future__ import annotations
+
+import hmac
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from ..target import Rule
+from .protocol import VERSION, InfoReply, OpenReply, OpenRequest, VerifyReply, VerifyRequest
+
+__all__ = ["ServerConfig", "create_app"]
+
+_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    api_key: str | None = None
+    max_sessions: int = 64
+    ttl_s: float = 600.0
+    max_body_bytes: int = 8 << 20
+    max_tokens: int = 262_144  # committed tokens over all sessions: bounds KV-cache memory
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1 or self.ttl_s <= 0 or self.max_body_bytes < 1024 or self.max_tokens < 1:
+            raise ValueError(f"server limits must be positive (body >= 1 KiB), got {self}")
+
+
+@dataclass
+class _Session:
+    inner: Any
+    used: float
+    last: tuple[int, tuple[int, ...], VerifyReply] | None = None  # (committed before, proposal, reply)
+
+
+@dataclass
+class _Metrics:
+    opened: int = 0
+    rounds: int = 0
+    accepted: int = 0
+    rejected_requests: int = 0
+    latency: list[int] = field(default_factory=lambda: [0] * (len(_BUCKETS) + 1))
+    latency_sum: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.latency[next((i for i, b in enumerate(_BUCKETS) if seconds <= b), len(_BUCKETS))] += 1
+        self.latency_sum += seconds
+
+    def text(self, sessions: int) -> str:
+        lines = ["# TYPE omnidraft_sessions gauge", f"omnidraft_sessions {sessions}",
+                 "# TYPE omnidraft_sessions_opened_total counter", f"omnidraft_sessions_opened_total {self.opened}",
+                 "# TYPE omnidraft_rounds_total counter", f"omnidraft_rounds_total {self.rounds}",
+                 "# TYPE omnidraft_accepted_tokens_total counter", f"omnidraft_accepted_tokens_total {self.accepted}",
+                 "# TYPE omnidraft_rejected_requests_total counter",
+                 f"omnidraft_rejected_requests_total {self.rejected_requests}",
+                 "# TYPE omnidraft_verify_seconds histogram"]
+        running = 0
+        for bound, count in zip((*map(str, _BUCKETS), "+Inf"), self.latency):
+            running += count
+            lines.append(f'omnidraft_verify_seconds_bucket{{le="{bound}"}} {running}')
+        lines += [f"omnidraft_verify_seconds_sum {self.latency_sum:.6f}", f"omnidraft_verify_seconds_count {running}"]
+        return "\n".join(lines) + "\n"
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class _Service:
+    """The server's state, independent of the web framework (so it can be tested directly)."""
+
+    def __init__(self, target: Any, config: ServerConfig) -> None:
+        self.target, self.config = target, config
+        self.vocab = len(target.token_bytes)
+        self.sessions: dict[str, _Session] = {}
+        self.metrics = _Metrics()
+        self.table_lock, self.model_lock = threading.Lock(), threading.Lock()
+        with tempfile.TemporaryDirectory() as tmp:
+            target.tokenizer.save_pretrained(tmp)
+            self.tokenizer_files = {p.name: p.read_text(encoding="utf-8") for p in Path(tmp).iterdir() if p.is_file()}
+
+    def info(self) -> InfoReply:
+        return InfoReply(name=self.target.name, vocab_size=self.vocab, fingerprint=self.target.token_bytes.fingerprint,
+                         eos_ids=sorted(self.target.eos_ids))
+
+    def open(self, request: OpenRequest) -> OpenReply:
+        self._check_ids(request.prompt_ids, "prompt")
+        with self.table_lock:
+            self._expire()
+            if len(self.sessions) >= self.config.max_sessions:
+                raise _HTTPError(503, f"the server holds its maximum of {self.config.max_sessions} sessions; retry later")
+            self._reserve(len(request.prompt_ids))
+            sid = uuid.uuid4().hex
+            self.sessions[sid] = _Session(self.target.begin(list(request.prompt_ids)), time.monotonic())
+            self.metrics.opened += 1
+        return OpenReply(session=sid, committed=len(request.prompt_ids))
+
+    def verify(self, sid: str, request: VerifyRequest) -> VerifyReply:
+        session = self._session(sid)
+        self._check_ids(request.proposal, "proposal")
+        try:
+            rule = Rule(mode=request.mode, temperature=request.temperature)
+        except ValueError as exc:
+            raise _HTTPError(422, str(exc)) from exc
+        proposal = tuple(request.proposal)
+        with self.model_lock:  # also serializes requests of one session: the committed check below is race-free
+            committed = len(session.inner.ids)
+            if request.committed != committed:
+                if session.last is not None and session.last[:2] == (request.committed, proposal):
+                    return session.last[2]  # a retry of the request applied last: same answer, applied once
+                self.metrics.rejected_requests += 1
+                raise _HTTPError(409, f"stale request: it builds on {request.committed} committed tokens, "
+                                      f"the session has {committed}")
+            with self.table_lock:
+                self._reserve(len(proposal) + 1)
+            q = self._dense(request) if rule.mode in ("exact", "omnidraft") and proposal else None
+            generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
+            started = time.perf_counter()
+            verdict = session.inner.verify(torch.tensor(proposal, dtype=torch.long), rule, q, generator, topk=request.topk)
+            self.metrics.observe(time.perf_counter() - started)
+        self.metrics.rounds += 1
+        self.metrics.accepted += verdict.accepted
+        reply = VerifyReply(committed=len(session.inner.ids), accepted=verdict.accepted, token=verdict.token,
+                            topk_ids=verdict.topk[0].tolist() if verdict.topk else None,
+                            topk_logp=verdict.topk[1].tolist() if verdict.topk else None)
+        session.last, session.used = (request.committed, proposal, reply), time.monotonic()
+        return reply
+
+    def close(self, sid: str) -> None:
+        with self.table_lock:
+            if self.sessions.pop(sid, None) is None:
+                raise _HTTPError(404, f"no session {sid!r} (closed, expired or never opened)")
+
+    def _session(self, sid: str) -> _Session:
+        with self.table_lock:
+            self._expire()
+            session = self.sessions.get(sid)
+            if session is None:
+                raise _HTTPError(404, f"no session {sid!r} (closed, expired or never opened)")
+            session.used = time.monotonic()
+            return session
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for sid in [s for s, v in self.sessions.items() if now - v.used > self.config.ttl_s]:
+            del self.sessions[sid]
+
+    def _reserve(self, extra: int) -> None:
+        held = sum(len(s.inner.ids) for s in self.sessions.values())
+        if held + extra > self.config.max_tokens:
+            raise _HTTPError(503, f"the server's KV budget of {self.config.max_tokens} tokens is in use; retry later")
+
+    def _check_ids(self, ids: Any, what: str) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab]
+        if bad:
+            raise _HTTPError(422, f"{what} has token ids outside the vocabulary [0, {self.vocab}): {bad[:5]}")
+
+    def _dense(self, request: VerifyRequest) -> torch.Tensor:
+        if request.q is None or len(request.q) != len(request.proposal):
+            raise _HTTPError(422, f"mode {request.mode!r} needs one draft row q per proposed token")
+        q = torch.zeros(len(request.q), self.vocab)
+        for i, row in enumerate(request.q):
+            self._check_ids(row.ids, "q")
+            q[i, torch.tensor(row.ids, dtype=torch.long)] = torch.tensor(row.probs)
+        return q
+
+
+def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
+    """The ASGI app serving `target` (a LocalTarget)."""
+    service = _Service(target, config)
+    app = FastAPI(title="omnidraft verification server", version=str(VERSION))
+    app.state.service = service
+
+    def fail(status: int, message: str) -> JSONResponse:
+        if status != 404:
+            service.metrics.rejected_requests += 1
+        return JSONResponse({"version": VERSION, "error": message}, status_code=status)
+
+    def authorized(request: Request) -> bool:
+        if config.api_key is None:
+            return True
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        return hmac.compare_digest(given.encode(), config.api_key.encode())
+
+    async def body(request: Request, model: type) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > config.max_body_bytes):
+            raise _HTTPError(413, f"request body over the limit of {config.max_body_bytes} bytes")
+        data = b""
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > config.max_body_bytes:
+                raise _HTTPError(413, f"request body over the limit of {config.max_body_bytes} bytes")
+        try:
+            return model.model_validate_json(data)
+        except ValidationError as exc:
+            reasons = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+            raise _HTTPError(422, f"invalid {model.__name__}: {reasons}") from exc
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Any:
+        if request.url.path.startswith("/v1/") and not authorized(request):
+            return fail(401, "missing or wrong API key (send Authorization: Bearer <key>)")
+        try:
+            return await call_next(request)
+        except _HTTPError as exc:
+            return fail(exc.status, exc.message)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "sessions": len(service.sessions)}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(service.metrics.text(len(service.sessions)), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/info")
+    async def info() -> dict:
+        return service.info().model_dump()
+
+    @app.get("/v1/tokenizer")
+    async def tokenizer() -> dict:
+        return {"version": VERSION, "files": service.tokenizer_files}
+
+    @app.post("/v1/sessions")
+    async def open_session(request: Request) -> Any:
+        try:
+            reply = await run_in_threadpool(service.open, await body(request, OpenRequest))
+        except _HTTPError as exc:
+            return fail(exc.status, exc.message)
+        return reply.model_dump()
+
+    @app.post("/v1/sessions/{sid}/verify")
+    async def verify(sid: str, request: Request) -> Any:
+        try:
+            reply = await run_in_threadpool(service.verify, sid, await body(request, VerifyRequest))
+        except _HTTPError as exc:
+            return fail(exc.status, exc.message)
+        return reply.model_dump(exclude_none=True)
+
+    @app.delete("/v1/sessions/{sid}")
+    async def close(sid: str) -> Any:
+        try:
+            service.close(sid)
+        except _HTTPError as exc:
+            return fail(exc.status, exc.message)
+        return {"version": VERSION, "closed": sid}
+
+    return app

@@ -1,0 +1,205 @@
+"""Remote target: a verification server (in-process, and over loopback) and the RemoteTarget client."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from omnidraft.errors import IncompatibleError, RemoteRequestError, TargetUnavailableError
+from omnidraft.remote.client import RemoteTarget
+from omnidraft.remote.server import ServerConfig, create_app
+
+from .conftest import target_greedy
+
+KEY = "s3cret-key"
+PROMPTS = ["Question: Tom has 3 apples and buys 5 more.", "Question: A farmer sells 12 eggs a day."]
+
+
+@pytest.fixture(scope="module")
+def app(tiny_target):
+    return create_app(tiny_target, ServerConfig(api_key=KEY, max_body_bytes=64 << 10, max_sessions=40))
+
+
+@pytest.fixture()
+def http(app):
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as client:
+        yield client
+
+
+def _remote(http, **kw) -> RemoteTarget:
+    return RemoteTarget("http://testserver", api_key=KEY, client=http, **kw)
+
+
+def _open(http, ids) -> str:
+    r = http.post("/v1/sessions", json={"prompt_ids": ids}, headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    return r.json()["session"]
+
+
+def test_remote_greedy_is_token_identical_to_local(http, tiny_drafter, tiny_target):
+    remote = _remote(http)
+    assert remote.token_bytes.fingerprint == tiny_target.token_bytes.fingerprint  # tokenizer came from the server
+    pair = tiny_drafter.pair(remote, k=4)
+    for prompt in PROMPTS:
+        assert pair.generate(prompt, max_new_tokens=24).token_ids == target_greedy(tiny_target, prompt, 24)
+    assert http.get("/health").json()["sessions"] == 0  # every finished generation closed its session
+
+
+def test_remote_sampling_modes_are_reproducible_by_seed(http, tiny_drafter):
+    for mode in ("match", "exact"):
+        pair = tiny_drafter.pair(_remote(http), k=3, mode=mode, temperature=0.8)
+        runs = [pair.generate(PROMPTS[0], max_new_tokens=12, generator=torch.Generator().manual_seed(7)).token_ids
+                for _ in range(2)]
+        assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+def test_remote_verdicts_carry_topk_rows_for_learning(http, draft_tokenizer, tiny_target, tmp_path):
+    from omnidraft import Drafter
+    from omnidraft.distill.adapters import AdapterConfig
+    from omnidraft.distill.trainer import TrainConfig
+    from omnidraft.profiles import ProfileStore
+
+    from .conftest import tiny_llama
+
+    drafter = Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    pair = drafter.pair(_remote(http), k=4, user="alice", learn=True, adapter=AdapterConfig(rank=4, alpha=8),
+                        train=TrainConfig(interval=1, lr=1e-2), store=ProfileStore(tmp_path))
+    out = pair.generate(PROMPTS[1], max_new_tokens=16)
+    assert out.token_ids == target_greedy(tiny_target, PROMPTS[1], 16) and pair.steps == 1
+
+
+def test_bad_requests_get_4xx_with_a_reason(http, tiny_target):
+    auth = {"authorization": f"Bearer {KEY}"}
+    assert http.get("/v1/info").status_code == 401
+    assert http.get("/v1/info", headers={"authorization": "Bearer wrong"}).status_code == 401
+    assert http.post("/v1/sessions/nope/verify", json={"committed": 1, "proposal": []}, headers=auth).status_code == 404
+    big = http.post("/v1/sessions", content=b"[" + b"1," * 40000 + b"1]", headers=auth)
+    assert big.status_code == 413 and "limit" in big.json()["error"]
+    assert http.post("/v1/sessions", json={"prompt_ids": [10**6]}, headers=auth).status_code == 422
+    bad_json = http.post("/v1/sessions", content=b'{"prompt_ids": [1, 2', headers=auth)
+    assert bad_json.status_code == 422 and "OpenRequest" in bad_json.json()["error"]
+    sid = _open(http, [5, 6, 7])
+    ok = http.post(f"/v1/sessions/{sid}/verify", json={"committed": 3, "proposal": [9]}, headers=auth)
+    assert ok.status_code == 200
+    again = http.post(f"/v1/sessions/{sid}/verify", json={"committed": 3, "proposal": [9]}, headers=auth)
+    assert again.json() == ok.json()  # a retried request is answered, not applied twice
+    stale = http.post(f"/v1/sessions/{sid}/verify", json={"committed": 3, "proposal": [8]}, headers=auth)
+    assert stale.status_code == 409 and "stale" in stale.json()["error"]
+    assert http.post(f"/v1/sessions/{sid}/verify", json={"committed": ok.json()["committed"], "proposal": [1],
+                                                          "mode": "greedy", "temperature": 0.5}, headers=auth).status_code == 422
+    assert http.delete(f"/v1/sessions/{sid}", headers=auth).status_code == 200
+    with pytest.raises(RemoteRequestError, match="401"):
+        RemoteTarget("http://testserver", api_key="wrong", client=http)
+
+
+def test_the_server_keeps_serving_after_hundreds_of_malformed_bodies(http, tiny_drafter, tiny_target):
+    auth = {"authorization": f"Bearer {KEY}"}
+    sid = _open(http, [5, 6, 7])
+    rng = random.Random(0)
+    bodies = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))) for _ in range(150)]
+    bodies += [json.dumps(x).encode() for x in ([], {}, {"committed": "x"}, {"proposal": [-1], "committed": 3},
+                                                 {"committed": 3, "proposal": [1] * 500}, {"version": 9}, None, 3.5)] * 19
+    for i, body in enumerate(bodies):
+        path = "/v1/sessions" if i % 2 else f"/v1/sessions/{sid}/verify"
+        status = http.post(path, content=body, headers=auth).status_code
+        assert 400 <= status < 500, (body[:40], status)
+    assert len(bodies) >= 300
+    metrics = http.get("/metrics").text
+    assert "omnidraft_rejected_requests_total" in metrics and "omnidraft_verify_seconds_bucket" in metrics
+    pair = tiny_drafter.pair(_remote(http), k=4)
+    assert pair.generate(PROMPTS[0], max_new_tokens=10).token_ids == target_greedy(tiny_target, PROMPTS[0], 10)
+
+
+class _Flaky:
+    """An httpx client stand-in: fails after `ok` requests (the server is gone), or loses the first
+    verify response after the server applied it (a timeout on the way back)."""
+
+    def __init__(self, inner, ok: int = 10**9, lose_first_verify: bool = False) -> None:
+        self.inner, self.ok, self.lose = inner, ok, lose_first_verify
+        self.headers = inner.headers
+
+    def request(self, method, path, **kw):
+        self.ok -= 1
+        if self.ok < 0:
+            raise httpx.ConnectError("connection refused")
+        response = self.inner.request(method, path, **kw)
+        if self.lose and path.endswith("/verify"):
+            self.lose = False
+            raise httpx.ReadTimeout("timed out")
+        return response
+
+
+def test_a_lost_reply_is_retried_safely(http, tiny_drafter, tiny_target):
+    remote = _remote(http)
+    remote.http = _Flaky(http, lose_first_verify=True)
+    out = tiny_drafter.pair(remote, k=4).generate(PROMPTS[1], max_new_tokens=16)
+    assert out.token_ids == target_greedy(tiny_target, PROMPTS[1], 16)
+
+
+def test_server_gone_raises_a_clear_error_and_keeps_the_committed_text(http, tiny_drafter, tiny_target):
+    remote = _remote(http, retries=1)
+    remote.http = _Flaky(http, ok=4)  # open + 3 verify rounds, then nothing answers
+    pair = tiny_drafter.pair(remote, k=2)
+    with pytest.raises(TargetUnavailableError, match="unreachable after 2 attempts") as info:
+        pair.generate(PROMPTS[0], max_new_tokens=30)
+    partial = info.value.partial
+    assert partial is pair.last and partial.finish_reason == "error" and len(partial.token_ids) >= 3
+    assert partial.token_ids == target_greedy(tiny_target, PROMPTS[0], 30)[: len(partial.token_ids)]
+
+
+def test_a_tokenizer_that_is_not_the_servers_is_refused(http, draft_tokenizer):
+    with pytest.raises(IncompatibleError, match="not the server's"):
+        _remote(http, tokenizer=draft_tokenizer)
+
+
+def test_32_concurrent_sessions_over_loopback(app, tiny_target):
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        prompts = [f"Question: item {i} costs {i + 3} dollars." for i in range(32)]
+        references = [target_greedy(tiny_target, p, 12) for p in prompts]
+        results: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            remote = RemoteTarget(f"http://127.0.0.1:{port}", api_key=KEY, tokenizer=tiny_target.tokenizer)
+            session = remote.begin(tiny_target.tokenizer(prompts[i])["input_ids"])
+            start = len(session.ids)
+            from omnidraft.target import Rule
+
+            while len(session.ids) - start < 12:
+                done = len(session.ids) - start
+                guess = references[i][done : done + 3]
+                guess = guess[:1] + [(guess[1] + 1) % 700] + guess[2:] if i % 2 and len(guess) > 1 else guess
+                session.verify(torch.tensor(guess, dtype=torch.long), Rule())
+            results[i] = session.ids[start : start + 12]
+            session.close()
+            remote.close()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert sorted(results) == list(range(32))
+        assert all(results[i] == references[i] for i in range(32))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
