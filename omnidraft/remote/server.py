@@ -136,7 +136,6 @@ class _Service:
             if request.committed != committed:
                 if session.last is not None and session.last[:2] == (request.committed, proposal):
                     return session.last[2]  # a retry of the request applied last: same answer, applied once
-                self.metrics.rejected_requests += 1
                 raise _HTTPError(409, f"stale request: it builds on {request.committed} committed tokens, "
                                       f"the session has {committed}")
             with self.table_lock:
