@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import threading
-import time
 
 import httpx
 import pytest
@@ -162,28 +160,19 @@ def test_a_tokenizer_that_is_not_the_servers_is_refused(http, draft_tokenizer):
 
 
 def test_32_concurrent_sessions_over_loopback(app, tiny_target):
-    import uvicorn
+    from omnidraft.bench.remote import serve_in_thread
+    from omnidraft.target import Rule
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    url, stop = serve_in_thread(app)
     try:
-        deadline = time.time() + 30
-        while not server.started and time.time() < deadline:
-            time.sleep(0.05)
         prompts = [f"Question: item {i} costs {i + 3} dollars." for i in range(32)]
         references = [target_greedy(tiny_target, p, 12) for p in prompts]
         results: dict[int, list[int]] = {}
 
         def run(i: int) -> None:
-            remote = RemoteTarget(f"http://127.0.0.1:{port}", api_key=KEY, tokenizer=tiny_target.tokenizer)
+            remote = RemoteTarget(url, api_key=KEY, tokenizer=tiny_target.tokenizer)
             session = remote.begin(tiny_target.tokenizer(prompts[i])["input_ids"])
             start = len(session.ids)
-            from omnidraft.target import Rule
-
             while len(session.ids) - start < 12:
                 done = len(session.ids) - start
                 guess = references[i][done : done + 3]
@@ -201,5 +190,4 @@ def test_32_concurrent_sessions_over_loopback(app, tiny_target):
         assert sorted(results) == list(range(32))
         assert all(results[i] == references[i] for i in range(32))
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        stop()

@@ -46,14 +46,14 @@ class LatencyClient:
         self.inner.close()
 
 
-def serve_in_thread(target: Any, config: ServerConfig) -> tuple[str, Any]:
-    """Serve `target` on a free loopback port; returns (url, stop function)."""
+def serve_in_thread(app: Any) -> tuple[str, Any]:
+    """Serve an ASGI `app` on a free loopback port in a thread; returns (url, stop function)."""
     import uvicorn
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(target, config), host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60
@@ -81,7 +81,7 @@ def _alone(remote: RemoteTarget, prompt: str, max_new_tokens: int) -> list[int]:
 def run_remote(drafter: Any, target: Any, prompts: list[str], max_new_tokens: int, rtts: list[float], *, k: int,
                stop_confidence: float, progress: Any = lambda msg: None) -> list[dict[str, Any]]:
     """One row per round-trip time: tokens/s of omnidraft and of the remote target alone, bytes per token."""
-    url, stop = serve_in_thread(target, ServerConfig(api_key=None))
+    url, stop = serve_in_thread(create_app(target, ServerConfig(api_key=None)))
     rows = []
     try:
         for rtt in rtts:
