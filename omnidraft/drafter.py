@@ -26,6 +26,7 @@ from .translate.codec import ByteCodec
 from .translate.token_bytes import build_token_bytes
 
 if TYPE_CHECKING:
+    from .adaptive.head import Stopper
     from .distill.adapters import AdapterConfig
     from .distill.trainer import TrainConfig
     from .profiles import ProfileStore
@@ -48,7 +49,8 @@ class DraftSession(Protocol):
     """One generation on a drafter (the protocol an ONNX drafter implements too)."""
 
     def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
-                generator: torch.Generator | None = None, stop_confidence: float = 0.0) -> Draft: ...
+                generator: torch.Generator | None = None, stop_confidence: float = 0.0,
+                stopper: Stopper | None = None) -> Draft: ...
 
     def commit(self, keep: int, tail: list[int]) -> None: ...
 
@@ -61,27 +63,30 @@ class _TorchDraftSession:
         self._base = len(ids)
 
     def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
-                generator: torch.Generator | None = None, stop_confidence: float = 0.0) -> Draft:
+                generator: torch.Generator | None = None, stop_confidence: float = 0.0,
+                stopper: Stopper | None = None) -> Draft:
         """Draft up to k tokens; `allowed` (Vd,) bool restricts sampling to those tokens. Drafting
-        stops after a token the drafter gave less than `stop_confidence` probability: the next
-        drafter step would most likely be wasted."""
+        stops after a token the drafter gave less than `stop_confidence` probability (the next
+        drafter step would most likely be wasted), or when `stopper` (an acceptance head's rule,
+        fed each token's hidden state) says so."""
         if k < 1:
             raise ValueError(f"draft length k must be >= 1, got {k}")
         with self.lock:  # an optimizer step in another thread waits for the draft, and vice versa
-            return self._propose(k, temperature, allowed, generator, stop_confidence)
+            return self._propose(k, temperature, allowed, generator, stop_confidence, stopper)
 
     def _propose(self, k: int, temperature: float, allowed: torch.Tensor | None, generator: torch.Generator | None,
-                 stop_confidence: float) -> Draft:
+                 stop_confidence: float, stopper: Stopper | None) -> Draft:
         self._base = len(self.runner.ids)
         ids, rows = [], []
         for step in range(k):
-            logits = self.runner.forward(keep=1)[0]
+            logits = self.runner.forward(keep=1, hidden=stopper is not None)[0]
             token, probs = _pick(logits, temperature, allowed, generator)
             ids.append(token)
             if probs is not None:
                 rows.append(probs)
             self.runner.extend([token])
-            if token in self.stop_ids or (stop_confidence > 0 and _confidence(logits, token, probs) < stop_confidence):
+            halt = stopper is not None and stopper.stop_after(step, token, logits, self.runner.hidden[0])
+            if halt or token in self.stop_ids or (stop_confidence > 0 and _confidence(logits, token, probs) < stop_confidence):
                 break
         return Draft(ids, torch.stack(rows) if rows else None)
 
@@ -136,6 +141,18 @@ class Drafter:
         loaded = load_model(spec)
         model = quantize_int8(loaded.model) if quantize == "int8" else loaded.model
         return cls(model, loaded.tokenizer, loaded.name, spec=spec, int8=quantize == "int8")
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the hidden state an acceptance head reads."""
+        return int(self.model.config.hidden_size)
+
+    @staticmethod
+    def load_onnx(path: str, *, threads: int | None = None) -> Any:
+        """An exported drafter (`omnidraft export`) running on onnxruntime; pairs like this class."""
+        from .export.ort_drafter import OrtDrafter
+
+        return OrtDrafter.load(path, threads=threads)
 
     def begin(self, ids: list[int]) -> _TorchDraftSession:
         return _TorchDraftSession(self.model, ids, self.stop_ids, self.lock)

@@ -28,8 +28,11 @@ class CausalRunner:
         self.ids.extend(ids)
 
     @torch.inference_mode()
-    def forward(self, keep: int = 1) -> torch.Tensor:
-        """Feed every token not yet in the cache; return logits (keep, V) of the last `keep` positions."""
+    def forward(self, keep: int = 1, *, hidden: bool = False) -> torch.Tensor:
+        """Feed every token not yet in the cache; return logits (keep, V) of the last `keep` positions.
+
+        With `hidden`, `self.hidden` becomes the last layer's hidden states (keep, d) of those positions.
+        """
         if not 1 <= keep <= len(self.ids):
             raise ValueError(f"asked for logits of {keep} positions of a {len(self.ids)}-token sequence")
         if len(self.ids) - self.kv_len < keep:  # re-feed cached tokens whose logits are needed again
@@ -40,8 +43,11 @@ class CausalRunner:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=keep,
+            output_hidden_states=hidden,
         )
         self.kv_len = len(self.ids)
+        if hidden:
+            self.hidden = out.hidden_states[-1][0, -keep:]
         return out.logits[0, -keep:]
 
     def crop(self, n: int) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from .adaptive.head import AcceptanceHead, CostModel, HeadConfig, Stopper, head_state
 from .adaptive.policy import Hysteresis
 from .errors import TargetError
 from .stats import GenerationStats, RoundRecord
@@ -37,7 +38,9 @@ class DecodeConfig:
     `strategy`: draft-to-target translation ("text" or "ngram", see translator.py).
     `stop_confidence`: end a draft early after a token the drafter gives less probability than this.
     `adaptive`: a Hysteresis policy that moves the draft length (starting at k) with acceptance;
-    None keeps k fixed."""
+    None keeps k fixed. `head`: an acceptance head per pairing decides each draft's length (see
+    adaptive/head.py); until it has seen `head.warmup` labelled tokens the hysteresis fallback
+    (or `adaptive`) does."""
 
     k: int = 6
     mode: str = "greedy"
@@ -45,6 +48,7 @@ class DecodeConfig:
     strategy: str = "text"
     stop_confidence: float = 0.3
     adaptive: Hysteresis | None = None
+    head: HeadConfig | None = None
     ngram: NgramCacheConfig = field(default_factory=NgramCacheConfig)
 
     def __post_init__(self) -> None:
@@ -96,9 +100,20 @@ class Pairing:
         self._steps0 = profile.steps if profile else 0
         self.adapter: str | None = None
         saved = profile.tensors.get("adapter") if profile else None
+        if (learn or saved is not None) and not hasattr(drafter, "add_adapter"):
+            if learn:
+                raise ValueError(f"{drafter!r} cannot learn (no adapters): pair a PyTorch Drafter to learn")
+            saved = None  # an exported drafter carries the adapter it was exported with
         if learn or saved is not None:
+            from .distill.adapters import config_from_state
+
             self.adapter = drafter.adapter_name(target.name, user)
-            drafter.add_adapter(self.adapter, adapter, saved)
+            drafter.add_adapter(self.adapter, config_from_state(saved) if saved is not None else adapter, saved)
+        self.cost = CostModel()
+        self.head: AcceptanceHead | None = None
+        self.head_trainer: Any = None
+        if config.head is not None:
+            self._init_head(config.head, profile.tensors.get("head") if profile else None)
         self.learner = None
         if learn:
             from .distill.learner import Learner
@@ -106,6 +121,29 @@ class Pairing:
 
             self.learner = Learner(drafter, self.adapter, vmap.t2d, target.token_bytes, train or TrainConfig())
         self.last: Generation | None = None
+
+    def _init_head(self, config: HeadConfig, saved: dict[str, torch.Tensor] | None) -> None:
+        from .adaptive.trainer import HeadTrainer
+
+        size = getattr(self.drafter, "hidden_size", None)
+        if size is None:
+            raise ValueError(f"an acceptance head needs a drafter that exposes hidden states; {self.drafter!r} does not")
+        torch.manual_seed(config.seed)
+        self.head = AcceptanceHead(size, config.width, config.depth).eval()
+        self.head_trainer = HeadTrainer(self.head, config)
+        if saved is not None:
+            saved = dict(saved)
+            self.head_trainer.trained = self.head_trainer.seen = int(saved.pop("meta.trained", torch.tensor(0)))
+            try:
+                self.head.load_state_dict(saved)
+            except RuntimeError as exc:
+                raise ValueError(f"the saved acceptance head does not fit this drafter or head config: {exc}") from None
+        self._fallback = self.config.adaptive or Hysteresis(k_min=max(2, config.k_min), k_max=config.k_max)
+
+    @property
+    def head_ready(self) -> bool:
+        """Whether the acceptance head (not the fallback) decides draft lengths now."""
+        return self.head is not None and self.head_trainer.trained >= self.config.head.warmup
 
     @property
     def steps(self) -> int:
@@ -124,7 +162,10 @@ class Pairing:
             self.learner.wait()
         if self.adapter is not None:
             with self.drafter.lock:
-                tensors["adapter"] = adapter_state(self.drafter.trainable, self.adapter)
+                alpha = self.drafter.trainable.peft_config[self.adapter].lora_alpha
+                tensors["adapter"] = {**adapter_state(self.drafter.trainable, self.adapter), "meta.alpha": torch.tensor(alpha)}
+        if self.head is not None:
+            tensors["head"] = {**head_state(self.head), "meta.trained": torch.tensor(self.head_trainer.trained)}
         metrics = self.metrics + (self.learner.metrics if self.learner else [])
         profile = PairingProfile(drafter=self.drafter.name, target=self.target.name, user=self.user,
                                  fingerprint=self.fingerprint, steps=self.steps, metrics=metrics,
@@ -172,6 +213,8 @@ class Pairing:
             yield text[shown:]
         stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
         self.last = Generation(text, out, stats, rounds, reason)
+        if self.head_trainer is not None and self.config.head.train is not None:
+            self._head_update()
         if self.learner is not None and out:
             self.learner.observe(self._verified(prompt, out, rounds), stats.acceptance_rate, stats.mean_accepted_length)
 
@@ -197,10 +240,21 @@ class Pairing:
         aligned = only != "any"
         allowed = self._shared if rule.mode == "exact" else None
         produced, k = 0, self.config.k
+        hc = self.config.head
+        stopper = Stopper(self.head, hc, self._shared, self.cost) if hc is not None else None
+        first = True
         while produced < max_new_tokens:
             t0 = time.perf_counter()
-            draft = dsession.propose(k, temperature=rule.temperature, allowed=allowed, generator=generator,
-                                     stop_confidence=self.config.stop_confidence)
+            extra: dict[str, Any] = {}
+            stop_confidence = self.config.stop_confidence
+            if stopper is not None:
+                stopper.reset()
+                stopper.decide = self.head_ready  # before warm-up it only records features; the fallback decides
+                extra["stopper"] = stopper
+                stop_confidence = 0.0 if stopper.decide else stop_confidence
+            draft = dsession.propose(hc.k_max if stopper is not None and stopper.decide else k,
+                                     temperature=rule.temperature, allowed=allowed, generator=generator,
+                                     stop_confidence=stop_confidence, **extra)
             t1 = time.perf_counter()
             proposal = translator.translate(draft.ids, only=only)
             proposal = proposal.cut(min(len(proposal), max_new_tokens - produced - 1))
@@ -221,7 +275,14 @@ class Pairing:
             translator.learn(draft.ids[:keep] + tail, new)
             t4 = time.perf_counter()
             produced += len(new)
-            if self.config.adaptive is not None:
+            if not first:  # the first verification also prefills the prompt: not a verification cost
+                self.cost.observe(len(draft.ids), t1 - t0, len(proposal) + 1, t3 - t2)
+            first = False
+            if stopper is not None:
+                if hc.train is not None:
+                    self.head_trainer.add(stopper.features(), keep)
+                k = self._fallback.next_k(k, len(proposal), verdict.accepted)
+            elif self.config.adaptive is not None:
                 k = self.config.adaptive.next_k(k, len(proposal), verdict.accepted)
             yield new, RoundRecord(
                 context=context, drafted=len(draft.ids), proposed=len(proposal), accepted=verdict.accepted,
@@ -231,6 +292,18 @@ class Pairing:
             if new and new[-1] in target.eos_ids:
                 return
 
+
+    def _head_update(self) -> None:
+        """Interleaved: the head's own cadence. Joint: in step with the adapter's updates."""
+        trainer = self.head_trainer
+        if self.config.head.train == "interleaved":
+            row = trainer.end_request()
+        else:
+            trainer.requests += 1
+            interval = self.learner.config.interval if self.learner is not None else self.config.head.interval
+            row = trainer.update() if trainer.requests % interval == 0 else None
+        if row is not None:
+            self.metrics.append({"head_update": trainer.steps, **row})
 
     def _verified(self, prompt: str, out: list[int], rounds: list[RoundRecord]) -> Any:
         """The finished request as distillation input (committed tokens with the target's rows)."""

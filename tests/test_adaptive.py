@@ -35,3 +35,112 @@ def test_draft_length_grows_under_full_acceptance(tiny_target):
     out = od.Pairing(OracleDrafter(tiny_target, ref), tiny_target, config).generate(PROMPTS[0], max_new_tokens=60)
     assert out.token_ids == ref
     assert [r.drafted for r in out.rounds[:5]] == [2, 3, 4, 5, 6]
+
+
+# -- acceptance head (adaptive/head.py, adaptive/trainer.py) --------------------------------------
+
+from omnidraft.adaptive.head import EXTRA_FEATURES, AcceptanceHead, CostModel, HeadConfig, Stopper  # noqa: E402
+from omnidraft.adaptive.trainer import HeadTrainer, round_labels  # noqa: E402
+from omnidraft.profiles import ProfileStore  # noqa: E402
+
+import torch  # noqa: E402
+
+
+class FixedHead(AcceptanceHead):
+    """Returns preset acceptance probabilities, one per call, whatever the features."""
+
+    def __init__(self, probs):
+        super().__init__(hidden_size=3, width=4, depth=1)
+        self.queue = list(probs)
+
+    def forward(self, features):
+        p = torch.tensor([self.queue.pop(0) for _ in range(len(features))])
+        return torch.log(p) - torch.log1p(-p)
+
+
+def _draft(stopper, n):
+    """Feed n tokens; return how many were drafted before the rule stopped."""
+    stopper.reset()
+    for j in range(n):
+        if stopper.stop_after(j, 0, torch.zeros(5), torch.zeros(3)):
+            return j + 1
+    return n
+
+
+def test_head_outputs_probabilities_with_distinct_layers():
+    head = AcceptanceHead(hidden_size=16, width=8, depth=3)
+    p = head.prob(torch.randn(50, 16 + EXTRA_FEATURES) * 10)
+    assert p.shape == (50,) and bool(((p >= 0) & (p <= 1)).all())
+    weights = [layer.weight for layer in head.layers]
+    assert len(weights) == 3 and len({w.data_ptr() for w in weights}) == 3
+
+
+@pytest.mark.parametrize("probs, gamma, k_min, k_max, stops_at", [
+    ([0.9, 0.9, 0.9, 0.5, 0.9], 0.5, 1, 8, 4),     # 1 - .9^3 = .271, 1 - .9^3*.5 = .636 > .5
+    ([0.9, 0.9, 0.9, 0.5, 0.9, 0.9], 0.7, 1, 8, 6),  # 1 - .9^4*.5 = .672 < .7; then .705 > .7
+    ([0.1, 0.9, 0.9], 0.5, 2, 8, 2),               # would stop at 1 but k_min = 2
+    ([0.99] * 10, 0.5, 1, 6, 6),                   # k_max bounds a confident draft
+])
+def test_stopping_rule_is_eq_6_7(probs, gamma, k_min, k_max, stops_at):
+    config = HeadConfig(gamma=gamma, k_min=k_min, k_max=k_max)
+    stopper = Stopper(FixedHead(probs), config, direct=torch.ones(5, dtype=torch.bool))
+    assert _draft(stopper, len(probs)) == stops_at
+
+
+def test_cost_aware_threshold_is_the_marginal_rate_rule():
+    cost = CostModel(decay=0.0)
+    cost.observe(drafted=1, t_draft=0.05, verified=1, t_verify=0.30)
+    cost.observe(drafted=1, t_draft=0.05, verified=5, t_verify=0.50)
+    assert cost.verify_cost(3) == pytest.approx(0.40) and cost.verify_cost(7) == pytest.approx(0.60)
+    stopper = Stopper(FixedHead([0.8]), HeadConfig(gamma="cost"), torch.ones(5, dtype=torch.bool), cost)
+    stopper.stop_after(0, 0, torch.zeros(5), torch.zeros(3))
+    # after one token: E[tau] = 1 + 0.8; cost 0.05 + V(2) = 0.35; one more costs 0.05 + 0.05
+    rate = 1.8 / (0.05 + 0.35)
+    assert stopper.threshold(1, 0.8) == pytest.approx(1 - rate * 0.10 / 0.8)
+
+
+def test_round_labels_and_trainer_learns_a_separable_rule():
+    assert round_labels(5, 2).tolist() == [1, 1, 0] and round_labels(3, 3).tolist() == [1, 1, 1]
+    torch.manual_seed(0)
+    head = AcceptanceHead(hidden_size=8, width=16, depth=2)
+    trainer = HeadTrainer(head, HeadConfig(train="interleaved", steps=200, lr=1e-2))
+    low_entropy = 8 + 1  # the entropy feature's column
+    for _ in range(60):  # accepted while the entropy feature is < 0: kept up to the first token where it is not
+        x = torch.randn(6, 8 + EXTRA_FEATURES)
+        rejected = (x[:, low_entropy] >= 0).nonzero()
+        trainer.add(x, int(rejected[0]) if len(rejected) else 6)
+    trainer.update()
+    x = torch.randn(400, 8 + EXTRA_FEATURES)
+    assert trainer.evaluate(x, (x[:, low_entropy] < 0).float())["accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "joint"])
+def test_greedy_identity_with_a_learning_head(tiny_drafter, tiny_target, tmp_path, schedule):
+    head = HeadConfig(train=schedule, interval=1, warmup=20, k_max=8, steps=10)
+    pair = tiny_drafter.pair(tiny_target, k=3, head=head, user="u", store=ProfileStore(tmp_path))
+    for prompt in PROMPTS[:5]:
+        assert pair.generate(prompt, max_new_tokens=24).token_ids == target_greedy(tiny_target, prompt, 24)
+    assert pair.head_ready and pair.head_trainer.steps > 0
+    assert any("head_loss" in m for m in pair.metrics)
+
+
+def test_head_saves_loads_and_switches_with_the_target(tiny_drafter, tiny_target, target_tokenizer, tmp_path):
+    from omnidraft import LocalTarget
+
+    from .conftest import tiny_llama
+
+    store = ProfileStore(tmp_path)
+    config = HeadConfig(interval=1, warmup=10)
+    a = tiny_drafter.pair(tiny_target, k=3, head=config, user="u", store=store)
+    for prompt in PROMPTS[:3]:
+        a.generate(prompt, max_new_tokens=16)
+    a.save()
+    other = LocalTarget(tiny_llama(len(target_tokenizer), seed=5, logit_scale=30.0), target_tokenizer, "tiny-other")
+    b = tiny_drafter.pair(other, k=3, head=config, user="u", store=store)
+    assert b.head is not a.head and not b.head_ready  # a new target starts on the fallback
+    again = tiny_drafter.pair(tiny_target, k=3, head=config, user="u", store=store)
+    assert again.head_ready and again.head_trainer.trained == a.head_trainer.trained
+    for key, value in a.head.state_dict().items():
+        assert torch.equal(value, again.head.state_dict()[key]), key
+    with pytest.raises(ValueError, match="does not fit"):
+        tiny_drafter.pair(tiny_target, k=3, head=HeadConfig(width=7), user="u", store=store)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 __all__ = ["data_dir", "load_prompts"]
 
+HUMANEVAL_TRAIN_FROM = 64
+
 
 def data_dir() -> Path:
     if env := os.environ.get("OMNIDRAFT_DATA"):
@@ -32,7 +34,9 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:
-    """First `n` prompts of `dataset`: "gsm8k", "gsm8k:train", "humaneval" or a .jsonl path."""
+    """First `n` prompts of `dataset`: "gsm8k", "gsm8k:train", "humaneval", "humaneval:train" or a
+    .jsonl path. HumanEval has no train split: "humaneval:train" is problems 64-163, disjoint from
+    the first 64 that benchmarks evaluate on."""
     if n < 1:
         raise ValueError(f"number of prompts n must be >= 1, got {n}")
     name, _, part = dataset.partition(":")
@@ -40,7 +44,11 @@ def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:
         rows = _jsonl(data_dir() / "gsm8k" / f"{part or split}.jsonl")
         return [f"Question: {r['question']}\nAnswer: Let's think step by step." for r in rows[:n]]
     if name == "humaneval":
-        return [r["prompt"] for r in _jsonl(data_dir() / "humaneval" / "HumanEval.jsonl.gz")[:n]]
+        rows = _jsonl(data_dir() / "humaneval" / "HumanEval.jsonl.gz")
+        if part not in ("", "test", "train"):
+            raise ValueError(f"unknown HumanEval split {part!r}: use humaneval or humaneval:train")
+        rows = rows[HUMANEVAL_TRAIN_FROM:] if part == "train" else rows
+        return [r["prompt"] for r in rows[:n]]
     path = Path(dataset)
     if path.suffix in (".jsonl", ".gz") and path.is_file():
         rows = _jsonl(path)

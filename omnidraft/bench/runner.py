@@ -13,7 +13,7 @@ from typing import Any, Callable
 from ..session import Pairing
 from .baselines import Timed, hf_assisted, target_alone
 
-__all__ = ["PromptResult", "run_prompts", "summarize"]
+__all__ = ["PromptResult", "compare_pairings", "run_prompts", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,38 @@ def summarize(results: list[PromptResult]) -> dict[str, Any]:
         "hf_identical_rate": (sum(bool(r.hf_identical) for r in results) / len(results)) if results[0].hf_s else None,
         "time_split": split,
     }
+
+
+def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_tokens: int,
+                     progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Several pairings of one target, side by side: per prompt the target alone once, then each
+    pairing, all timed in one process. Rows: acceptance, τ, drafted/round, tok/s, speedup, identical."""
+    from ..stats import GenerationStats
+
+    target = next(iter(pairs.values())).target
+    for pair in pairs.values():  # warm-up (and a first cost estimate for cost-aware pairings)
+        pair.generate(prompts[0], max_new_tokens=16)
+    target_alone(target, prompts[0], 8)
+    runs: dict[str, list[Any]] = {name: [] for name in pairs}
+    identical = {name: 0 for name in pairs}
+    alone_s = alone_tokens = 0.0
+    for i, prompt in enumerate(prompts):
+        progress(f"prompt {i + 1}/{len(prompts)}: target alone")
+        ref = target_alone(target, prompt, max_new_tokens)
+        alone_s, alone_tokens = alone_s + ref.seconds, alone_tokens + len(ref.token_ids)
+        for name, pair in pairs.items():
+            progress(f"prompt {i + 1}/{len(prompts)}: {name}")
+            out = pair.generate(prompt, max_new_tokens=max_new_tokens)
+            runs[name].append(out)
+            identical[name] += out.token_ids == ref.token_ids
+    rows = []
+    for name, outs in runs.items():
+        rounds = [r for o in outs for r in o.rounds]
+        tokens, seconds = sum(len(o.token_ids) for o in outs), sum(o.stats.seconds for o in outs)
+        s = GenerationStats.from_rounds(rounds, tokens, seconds)
+        rows.append({"variant": name, "acceptance_rate": s.acceptance_rate, "tau": s.mean_accepted_length,
+                     "drafted_per_round": sum(r.drafted for r in rounds) / len(rounds),
+                     "draft_ms_per_token": 1000 * sum(r.t_draft for r in rounds) / max(1, sum(r.drafted for r in rounds)),
+                     "tok_s": tokens / seconds, "speedup": (tokens / seconds) / (alone_tokens / alone_s),
+                     "identical": identical[name], "prompts": len(prompts)})
+    return {"target_tok_s": alone_tokens / alone_s, "rows": rows}

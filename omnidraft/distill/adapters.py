@@ -66,10 +66,23 @@ def adapter_state(model: Any, name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
 
 
+def config_from_state(state: dict[str, torch.Tensor]) -> AdapterConfig:
+    """The LoRA shape a saved state was made with: rank and modules from its tensors, alpha from its
+    "meta.alpha" entry (written by `Pairing.save`; 2 x rank, the default ratio, if absent)."""
+    ranks = {int(v.shape[0]) for k, v in state.items() if "lora_A" in k}
+    if len(ranks) != 1:
+        raise ValueError(f"adapter state has no single LoRA rank (found {sorted(ranks)})")
+    rank = ranks.pop()
+    modules = sorted({part for k in state if "lora_" in k for part in k.split(".") if part.endswith("_proj")})
+    alpha = int(state["meta.alpha"]) if "meta.alpha" in state else 2 * rank
+    return AdapterConfig(rank=rank, alpha=alpha, modules=tuple(modules))
+
+
 def load_adapter_state(model: Any, name: str, state: dict[str, torch.Tensor]) -> None:
     """Load tensors saved by `adapter_state` into adapter `name`."""
     from peft import set_peft_model_state_dict
 
+    state = {k: v for k, v in state.items() if not k.startswith("meta.")}
     result = set_peft_model_state_dict(model, state, adapter_name=name)
     unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if unexpected:

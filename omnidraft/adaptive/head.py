@@ -1,0 +1,187 @@
+"""Acceptance head (OmniDraft §3.3, SpecDec++): when to stop drafting.
+
+A small MLP per target reads, for each drafted token, the drafter's last hidden state at the
+position that produced it plus four cheap features (draft position, drafter entropy, the token's
+drafter probability, whether the token maps directly into the target's vocabulary) and predicts
+p_j = P(token j accepted | tokens before it accepted). Its layers are distinct modules (SpecDec++'s
+public code applies one block n times; this one does not).
+
+The stopping rule is SpecDec++'s eq. (6)-(7): after drafting token n, stop when the probability that
+at least one of the n tokens is rejected, 1 - prod_{j<=n} p_j, exceeds gamma; the draft length stays
+within [k_min, k_max]. With a `CostModel` gamma is not a constant but comes from the measured costs
+of a drafter step and of verifying m tokens (see `Stopper.threshold`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["EXTRA_FEATURES", "AcceptanceHead", "CostModel", "HeadConfig", "Stopper", "token_features"]
+
+EXTRA_FEATURES = 4  # position / k_max, entropy (nats) / 10, drafter probability of the token, direct-mapped flag
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadConfig:
+    """Shape, stopping rule and training of a pairing's acceptance head.
+
+    `gamma`: stop once P(some drafted token is rejected) exceeds it; "cost" derives it per step from
+    the pairing's live cost model. `k_min`/`k_max` bound the draft. `width`/`depth`: the MLP.
+    `train`: "interleaved" (own replay buffer, OmniDraft Algorithm 4), "joint" (updated in step with
+    the adapter on the newest rounds only, Algorithm 3) or None (frozen). `warmup`: labelled tokens
+    seen before the head decides; until then the hysteresis fallback does.
+    """
+
+    gamma: float | str = "cost"
+    k_min: int = 1
+    k_max: int = 12
+    width: int = 128
+    depth: int = 2
+    train: str | None = "interleaved"
+    interval: int = 4
+    lr: float = 1e-3
+    batch_size: int = 256
+    steps: int = 30
+    capacity: int = 20000
+    warmup: int = 200
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.gamma == "cost" or (isinstance(self.gamma, float | int) and 0 < self.gamma < 1)):
+            raise ValueError(f"gamma must be in (0, 1) or 'cost', got {self.gamma!r}")
+        if not 1 <= self.k_min <= self.k_max:
+            raise ValueError(f"need 1 <= k_min <= k_max, got k_min={self.k_min}, k_max={self.k_max}")
+        if self.train not in (None, "interleaved", "joint"):
+            raise ValueError(f"head train must be None, 'interleaved' or 'joint', got {self.train!r}")
+        if self.width < 1 or self.depth < 1 or self.interval < 1 or self.steps < 0 or self.batch_size < 1:
+            raise ValueError("head width, depth, interval, batch_size must be >= 1 and steps >= 0")
+
+
+class AcceptanceHead(nn.Module):
+    """MLP: [hidden (d) ; extra (EXTRA_FEATURES)] -> logit of acceptance. `depth` distinct hidden layers."""
+
+    def __init__(self, hidden_size: int, width: int = 128, depth: int = 2) -> None:
+        super().__init__()
+        self.hidden_size, self.width, self.depth = hidden_size, width, depth
+        self.norm = nn.LayerNorm(hidden_size)
+        sizes = [hidden_size + EXTRA_FEATURES] + [width] * depth
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits (N,) from features (N, hidden_size + EXTRA_FEATURES)."""
+        h = torch.cat([self.norm(features[:, : self.hidden_size]), features[:, self.hidden_size :]], dim=-1)
+        for layer in self.layers:
+            h = nn.functional.silu(layer(h))
+        return self.out(h).squeeze(-1)
+
+    @torch.no_grad()
+    def prob(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.forward(features))
+
+
+def token_features(hidden: torch.Tensor, logits: torch.Tensor, token: int, position: int, k_max: int,
+                   direct: bool) -> torch.Tensor:
+    """Feature row of drafted token `token` (the `position`-th of its draft, from 0) produced from
+    `hidden` (d,) and `logits` (Vd,)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    entropy = float(-(logp.exp() * logp).sum())
+    extra = torch.tensor([position / k_max, entropy / 10, math.exp(float(logp[token])), float(direct)])
+    return torch.cat([hidden.float().reshape(-1), extra])
+
+
+class CostModel:
+    """Live costs of this pairing: a drafter step and a verification of m tokens, in seconds.
+
+    Fed by every round (drafting time / drafted tokens, verification time for proposed + 1 tokens),
+    as exponential moving averages; verification of an m never seen is interpolated linearly
+    between the nearest measured ones (or extrapolated from the fitted slope).
+    """
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.draft: float | None = None
+        self.verify: dict[int, float] = {}
+
+    def observe(self, drafted: int, t_draft: float, verified: int, t_verify: float) -> None:
+        if drafted > 0:
+            per = t_draft / drafted
+            self.draft = per if self.draft is None else self.decay * self.draft + (1 - self.decay) * per
+        old = self.verify.get(verified)
+        self.verify[verified] = t_verify if old is None else self.decay * old + (1 - self.decay) * t_verify
+
+    @property
+    def ready(self) -> bool:
+        return self.draft is not None and len(self.verify) >= 2
+
+    def verify_cost(self, m: int) -> float:
+        known = sorted(self.verify)
+        if m in self.verify:
+            return self.verify[m]
+        lo = max((x for x in known if x < m), default=None)
+        hi = min((x for x in known if x > m), default=None)
+        if lo is not None and hi is not None:
+            return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (m - lo) / (hi - lo)
+        a, b = (known[0], known[1]) if hi is not None else (known[-2], known[-1])
+        slope = max(0.0, (self.verify[b] - self.verify[a]) / (b - a))
+        edge = a if hi is not None else b
+        return max(1e-6, self.verify[edge] + slope * (m - edge))
+
+
+class Stopper:
+    """Eq. (6)-(7) over one draft: feed each drafted token's features, ask whether to stop.
+
+    `threshold(n)`: gamma, or with a cost model the cost-aware gamma_n. Drafting token n+1 costs
+    one drafter step plus the extra verification, c_d + V(n+2) - V(n+1), and adds P_{n+1} ~ P_n * p_n
+    expected accepted tokens; it pays when that gain per cost beats the round's current rate
+    R(n) = (1 + sum_{j<=n} P_j) / (n c_d + V(n+1)). So stop when P_n < R(n) * cost / p_n, i.e.
+    gamma_n = 1 - R(n) * cost / p_n.
+    """
+
+    def __init__(self, head: AcceptanceHead, config: HeadConfig, direct: torch.Tensor, cost: CostModel | None = None) -> None:
+        self.head, self.config, self.direct, self.cost = head, config, direct, cost
+        self.reset()
+
+    decide = True  # False: record features only, never stop (the fallback policy decides)
+
+    def reset(self) -> None:
+        self.survive = 1.0  # P_n = prod_{j<=n} p_j
+        self.expected = 1.0  # 1 + sum_{j<=n} P_j: expected target tokens of a round stopped now
+        self.rows: list[torch.Tensor] = []
+        self.probs: list[float] = []
+
+    def threshold(self, n: int, p_last: float) -> float:
+        gamma = self.config.gamma
+        if gamma != "cost":
+            return float(gamma)
+        if self.cost is None or not self.cost.ready:
+            return 0.5
+        c_d = self.cost.draft
+        rate = self.expected / (n * c_d + self.cost.verify_cost(n + 1))
+        more = c_d + max(0.0, self.cost.verify_cost(n + 2) - self.cost.verify_cost(n + 1))
+        return min(1.0, max(0.0, 1 - rate * more / max(p_last, 1e-6)))
+
+    def stop_after(self, position: int, token: int, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
+        """Record drafted token `position` (from 0); True if the draft should end with it."""
+        row = token_features(hidden, logits, token, position, self.config.k_max, bool(self.direct[token]))
+        self.rows.append(row)
+        p = float(self.head.prob(row[None])[0])
+        self.probs.append(p)
+        self.survive *= p
+        self.expected += self.survive
+        n = position + 1
+        if not self.decide or n < self.config.k_min:
+            return False
+        return n >= self.config.k_max or 1 - self.survive > self.threshold(n, p)
+
+    def features(self) -> torch.Tensor:
+        return torch.stack(self.rows) if self.rows else torch.zeros(0, self.head.hidden_size + EXTRA_FEATURES)
+
+
+def head_state(head: AcceptanceHead) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in head.state_dict().items()}

@@ -1,0 +1,93 @@
+"""`omnidraft bench-draft`: fixed k vs the hysteresis fallback vs acceptance heads, live.
+
+1. Train one acceptance head per schedule (joint, interleaved) on recorded target traces of a
+   training split (`adapt.traces_for`, cached): the engine runs against a `ReplayTarget`, so the
+   labels are exactly what live greedy verification would give, with drafter forwards only.
+   While training, the head only records (the fallback policy picks the draft lengths).
+2. Evaluate live on the benchmark prompts: per prompt the target alone once, then every variant,
+   each timed, side by side in one process. Heads are frozen during evaluation and use the
+   cost-aware threshold from the pairing's live cost model.
+Without online distillation ("joint" here means the head's update schedule of Algorithm 3, fresh
+rows at the adapter's cadence; no adapter is trained, so rows compare draft policies only).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+from ..adaptive.head import HeadConfig
+from ..adaptive.policy import Hysteresis
+from ..atomic import atomic_write_bytes
+from ..distill.trace_store import ReplayTarget
+from .adapt import _prompt_text, traces_for
+from .datasets import load_prompts
+from .runner import compare_pairings
+
+__all__ = ["run_draft_policies", "train_head", "write_draft_report"]
+
+
+def train_head(drafter: Any, target: Any, train: str, n_train: int, max_new_tokens: int, cache: Path,
+               config: HeadConfig, progress: Callable[[str], None] = lambda _: None) -> Any:
+    """An acceptance head trained on the replayed training traces; cached under `cache`."""
+    from safetensors.torch import load_file, save_file
+
+    from ..adaptive.head import AcceptanceHead
+
+    path = cache / f"head-{drafter.name}-{target.name}-{train.replace(':', '-')}-{n_train}-{max_new_tokens}-{config.train}.safetensors"
+    if path.exists():
+        head = AcceptanceHead(drafter.hidden_size, config.width, config.depth)
+        head.load_state_dict(load_file(str(path)))
+        return head.eval()
+    traces = traces_for(target, train, n_train, max_new_tokens, cache)
+    replay = ReplayTarget.like(target, traces)
+    pair = drafter.pair(replay, k=4, stop_confidence=0.3, head=replace(config, warmup=10**9),
+                        adaptive=Hysteresis(k_min=2, k_max=config.k_max))
+    for i, trace in enumerate(traces):
+        pair.generate(_prompt_text(target, trace), max_new_tokens=max(1, len(trace.continuation) - 1))
+        progress(f"head ({config.train}) training prompt {i + 1}/{len(traces)}")
+    if pair.head_trainer.fresh:
+        pair.head_trainer.update()
+    save_file({k: v.contiguous() for k, v in pair.head.state_dict().items()}, str(path))
+    return pair.head
+
+
+def _variants(drafter: Any, target: Any, fixed: list[int], heads: dict[str, Any], k_max: int) -> dict[str, Any]:
+    pairs = {f"fixed k={k}": drafter.pair(target, k=k, stop_confidence=0.3) for k in fixed}
+    pairs["fallback (hysteresis)"] = drafter.pair(target, k=4, stop_confidence=0.3, adaptive=Hysteresis(k_min=2, k_max=k_max))
+    for schedule, head in heads.items():
+        pair = drafter.pair(target, k=4, head=HeadConfig(train=None, warmup=0, k_max=k_max, width=head.width, depth=head.depth))
+        pair.head.load_state_dict(head.state_dict())
+        pairs[f"head ({schedule})"] = pair
+    return pairs
+
+
+def run_draft_policies(drafter: Any, target: Any, *, dataset: str, train: str, n: int, n_train: int,
+                       max_new_tokens: int, train_tokens: int, fixed: list[int], k_max: int, cache: Path,
+                       train_only: bool = False, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any] | None:
+    """Rows: variant -> acceptance, τ, tokens/s, speedup over the target alone, identical count.
+    `train_only` stops after training (and caching) the heads: that part needs no idle machine."""
+    heads = {}
+    for schedule in ("joint", "interleaved"):
+        config = HeadConfig(train=schedule, k_max=k_max, interval=4 if schedule == "interleaved" else 1,
+                            steps=30 if schedule == "interleaved" else 5)
+        heads[schedule] = train_head(drafter, target, train, n_train, train_tokens, cache, config, progress)
+    if train_only:
+        return None
+    pairs = _variants(drafter, target, fixed, heads, k_max)
+    result = compare_pairings(pairs, load_prompts(dataset, n), max_new_tokens, progress)
+    return {"dataset": dataset, "train": train, "n_train": n_train, "max_new_tokens": max_new_tokens, **result}
+
+
+def write_draft_report(results: list[dict[str, Any]], out: Path, name: str) -> str:
+    table = "| pair | dataset | variant | acceptance | τ | drafted/round | tok/s | speedup vs target | identical |\n" \
+            "|---|---|---|---|---|---|---|---|---|\n"
+    for res in results:
+        for r in res["rows"]:
+            table += (f"| {res['pair']} | {res['dataset']} | {r['variant']} | {r['acceptance_rate']:.3f} | {r['tau']:.2f} | "
+                      f"{r['drafted_per_round']:.1f} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n")
+    atomic_write_bytes(out / f"{name}.json", json.dumps(results, indent=1).encode())
+    atomic_write_bytes(out / f"{name}.md", table.encode())
+    return table
