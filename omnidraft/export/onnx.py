@@ -1,0 +1,220 @@
+"""Export a Llama-architecture drafter to ONNX with its KV cache as graph inputs and outputs.
+
+The graph is a plain re-statement of the Llama forward (RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU) over explicit tensors, so `torch.onnx.export` sees nothing but tensor ops:
+
+    inputs   input_ids (1, n) int64, past_key_i / past_value_i (1, kv_heads, P, head_dim) per layer
+    outputs  logits (1, V') of the last position, hidden (1, d) the last position's final hidden
+             state (what an acceptance head reads), present_key_i / present_value_i (1, kv_heads, P+n, head_dim)
+
+n and P are dynamic axes; rolling back a rejected draft is slicing the present tensors. The
+pairing's LoRA adapter is merged into the weights before export (one graph per target). The LM head
+may be pruned to the tokens the pairing can use (V' < V; the sidecar lists them). Optional dynamic
+int8 quantization uses onnxruntime's quantizer. A parity check against the PyTorch model runs at
+export time and its figures go into the JSON sidecar beside the .onnx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..atomic import atomic_write_bytes
+
+__all__ = ["SIDECAR_FORMAT", "LlamaGraph", "export_drafter", "file_sha256"]
+
+log = logging.getLogger("omnidraft")
+
+SIDECAR_FORMAT = "omnidraft.onnx-drafter"
+OPSET = 17
+
+
+class LlamaGraph(nn.Module):
+    """The Llama forward of `model` (an HF LlamaForCausalLM, adapters merged) over explicit KV tensors."""
+
+    def __init__(self, model: Any, keep_ids: Sequence[int] | None = None) -> None:
+        super().__init__()
+        cfg = model.config
+        if cfg.model_type != "llama":
+            raise ValueError(f"ONNX export supports Llama-architecture drafters; this one is {cfg.model_type!r}")
+        rope = getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"ONNX export supports default rotary embeddings, not {rope.get('rope_type')!r}")
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.layers = nn.ModuleList(layer for layer in model.model.layers)
+        self.embed, self.norm = model.model.embed_tokens, model.model.norm
+        head = model.lm_head.weight.detach()
+        head = head[torch.as_tensor(list(keep_ids))] if keep_ids is not None else head
+        self.register_buffer("lm_head_t", head.T.contiguous(), persistent=False)  # (d, V'): a plain MatMul weight
+        theta = float(rope["rope_theta"])
+        inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, input_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n, p = input_ids.shape[1], past[0].shape[2]
+        positions = torch.arange(n, dtype=torch.float32) + p
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        # causal mask over past + new: query i sees keys 0 .. p + i
+        keys = torch.arange(p + n)[None, :]
+        mask = torch.where(keys <= (torch.arange(n)[:, None] + p), 0.0, float("-inf"))
+        x = self.embed(input_ids)
+        presents = []
+        group = self.heads // self.kv_heads
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = self._rms(x, layer.input_layernorm.weight)
+            q = attn.q_proj(h).view(1, n, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            k = torch.cat([past[2 * i], k], dim=2)
+            v = torch.cat([past[2 * i + 1], v], dim=2)
+            presents += [k, v]
+            kk = k.repeat_interleave(group, dim=1) if group > 1 else k
+            vv = v.repeat_interleave(group, dim=1) if group > 1 else v
+            scores = q @ kk.transpose(2, 3) / self.head_dim ** 0.5 + mask
+            out = (torch.softmax(scores, dim=-1) @ vv).transpose(1, 2).reshape(1, n, self.heads * self.head_dim)
+            x = x + attn.o_proj(out)
+            h = self._rms(x, layer.post_attention_layernorm.weight)
+            x = x + mlp.down_proj(nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        hidden = self._rms(x[:, -1], self.norm.weight)
+        return (hidden @ self.lm_head_t, hidden, *presents)
+
+    def empty_past(self) -> list[torch.Tensor]:
+        return [torch.zeros(1, self.kv_heads, 0, self.head_dim) for _ in range(2 * len(self.layers))]
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _names(layers: int) -> tuple[list[str], list[str]]:
+    past = [f"past_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
+    return past, [name.replace("past_", "present_") for name in past]
+
+
+def _export_graph(graph: LlamaGraph, path: Path) -> None:
+    layers = len(graph.layers)
+    past_names, present_names = _names(layers)
+    ids = torch.tensor([[1, 2, 3]], dtype=torch.long)
+    past = [torch.zeros(1, graph.kv_heads, 2, graph.head_dim) for _ in range(2 * layers)]
+    axes = {"input_ids": {1: "new"}, **{n: {2: "past"} for n in past_names}, **{n: {2: "total"} for n in present_names}}
+    with torch.no_grad():
+        torch.onnx.export(graph, (ids, *past), str(path), input_names=["input_ids", *past_names],
+                          output_names=["logits", "hidden", *present_names], dynamic_axes=axes,
+                          opset_version=OPSET, dynamo=False)
+
+
+def _merged_model(model: Any, adapter: dict[str, torch.Tensor] | None, adapter_config: Any) -> Any:
+    """An fp32 copy of the drafter with `adapter` folded into its weights (`model` is not changed)."""
+    import copy
+
+    model = copy.deepcopy(model).float().eval()
+    if adapter is None:
+        return model
+    from ..distill.adapters import AdapterConfig, add_adapter, load_adapter_state
+
+    peft_model = add_adapter(model, "export", adapter_config or AdapterConfig())
+    load_adapter_state(peft_model, "export", adapter)
+    return peft_model.merge_and_unload().eval()
+
+
+def parity(model: Any, onnx_path: Path, keep_ids: Sequence[int] | None, prompts: list[list[int]], steps: int) -> dict[str, Any]:
+    """Greedy drafting with the ORT graph vs the PyTorch model over `prompts`, `steps` tokens each."""
+    from ..runner import CausalRunner
+    from .ort_drafter import OrtGraph
+
+    graph = OrtGraph(onnx_path)
+    keep = torch.as_tensor(list(keep_ids)) if keep_ids is not None else None
+    same = total = top1 = 0
+    worst = 0.0
+    for ids in prompts:
+        runner, state = CausalRunner(model, ids), graph.start()
+        logits_ort = graph.feed(state, ids)
+        torch_ids, ort_ids = [], []
+        for _ in range(steps):
+            ref = runner.forward(keep=1)[0].float()
+            ref_kept = ref[keep] if keep is not None else ref
+            got = torch.from_numpy(logits_ort)
+            worst = max(worst, float((ref_kept - got).abs().max()))
+            top1 += int(ref_kept.argmax()) == int(got.argmax())
+            total += 1
+            token = int(ref.argmax())
+            ort_token = int(keep[got.argmax()]) if keep is not None else int(got.argmax())
+            torch_ids.append(token)
+            ort_ids.append(ort_token)
+            runner.extend([token])
+            logits_ort = graph.feed(state, [token])  # follow the PyTorch path so positions compare
+        same += torch_ids == ort_ids
+    return {"prompts": len(prompts), "steps": steps, "greedy_identical": same, "top1_agreement": top1 / max(1, total),
+            "max_abs_logit_diff": worst}
+
+
+def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fingerprint: str,
+                   adapter: dict[str, torch.Tensor] | None = None, adapter_config: Any = None, adapter_id: str | None = None,
+                   quantize: str | None = None, keep_ids: Sequence[int] | None = None,
+                   parity_prompts: list[list[int]] | None = None, parity_steps: int = 16) -> dict[str, Any]:
+    """Export fp32 HF Llama `model` (drafter `name`) with `adapter` merged: writes `out` (.onnx), its
+    tokenizer beside it (OUT.tokenizer/) and the JSON sidecar (OUT.json); returns the sidecar."""
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+    out = Path(out)
+    if out.suffix != ".onnx":
+        raise ValueError(f"the export path must end in .onnx, got {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    model = _merged_model(model, adapter, adapter_config)
+    if keep_ids is not None:
+        keep_ids = sorted(set(int(i) for i in keep_ids))
+    graph = LlamaGraph(model, keep_ids).eval()
+    tmp = out.with_name(out.name + ".tmp")
+    _export_graph(graph, tmp)
+    if quantize == "int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        fp32 = tmp.with_name(tmp.name + ".fp32")
+        tmp.replace(fp32)
+        quantize_dynamic(str(fp32), str(tmp), weight_type=QuantType.QInt8)
+        fp32.unlink()
+    tmp.replace(out)
+    tokenizer.save_pretrained(str(out.with_suffix(".tokenizer")))
+    report = parity(model, out, keep_ids, parity_prompts or [], parity_steps) if parity_prompts else None
+    sidecar = {
+        "format": SIDECAR_FORMAT, "version": 1, "drafter": name, "tokenizer_fingerprint": fingerprint,
+        "vocab_size": int(model.config.vocab_size), "hidden_size": int(model.config.hidden_size),
+        "layers": len(graph.layers), "kv_heads": graph.kv_heads, "head_dim": graph.head_dim,
+        "eos_token_id": tokenizer.eos_token_id, "adapter": adapter_id, "opset": OPSET, "quantization": quantize,
+        "keep_ids": keep_ids, "onnx_sha256": file_sha256(out), "onnx_bytes": out.stat().st_size,
+        "parity": report, "export_seconds": round(time.perf_counter() - started, 1),
+    }
+    atomic_write_bytes(sidecar_path(out), json.dumps(sidecar, indent=1).encode())
+    log.info("exported %s (%.1f MB) in %.0f s", out, out.stat().st_size / 2**20, time.perf_counter() - started)
+    return sidecar
+
+
+def sidecar_path(onnx: str | Path) -> Path:
+    return Path(str(onnx) + ".json")

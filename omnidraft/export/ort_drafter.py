@@ -1,0 +1,189 @@
+"""An onnxruntime drafter: the exported graph (export/onnx.py) behind the same drafter protocol as
+the PyTorch `Drafter`, so the engine drafts with it unchanged.
+
+`OrtDrafter.load("drafter.onnx")` checks the sidecar (format, the .onnx file's SHA-256, the
+tokenizer saved beside it against the fingerprint recorded at export) before opening the graph.
+A session keeps the KV cache as numpy arrays; a rollback slices them. With a pruned LM head the
+graph's logits cover `keep_ids` only and ids are mapped back to the drafter's vocabulary here.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..drafter import Draft, _confidence, _pick
+from ..errors import CorruptFileError, IncompatibleError
+from ..translate.codec import ByteCodec
+from ..translate.token_bytes import build_token_bytes
+from .onnx import SIDECAR_FORMAT, file_sha256, sidecar_path
+
+if TYPE_CHECKING:
+    from ..adaptive.head import Stopper
+
+__all__ = ["OrtDrafter", "OrtGraph"]
+
+
+class _State:
+    def __init__(self, past: list[np.ndarray]) -> None:
+        self.past = past
+        self.hidden: np.ndarray | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.past[0].shape[2])
+
+
+class OrtGraph:
+    """An onnxruntime session over an exported drafter graph."""
+
+    def __init__(self, path: str | Path, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own types for unreadable graphs
+            raise CorruptFileError(f"{path}: onnxruntime cannot load this graph: {exc}") from None
+        inputs = self.session.get_inputs()
+        self.past_names = [i.name for i in inputs if i.name.startswith("past_")]
+        if not self.past_names or inputs[0].name != "input_ids":
+            raise CorruptFileError(f"{path}: not an omnidraft drafter graph (inputs {[i.name for i in inputs]})")
+        shape = inputs[1].shape
+        self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def start(self) -> _State:
+        return _State([np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32) for _ in self.past_names])
+
+    def feed(self, state: _State, ids: list[int]) -> np.ndarray:
+        """Feed `ids` after the state's cache; returns the last position's logits (V',)."""
+        feeds = {"input_ids": np.asarray([ids], dtype=np.int64), **dict(zip(self.past_names, state.past))}
+        logits, hidden, *present = self.session.run(self.output_names, feeds)
+        state.past, state.hidden = present, hidden[0]
+        return logits[0]
+
+    @staticmethod
+    def crop(state: _State, n: int) -> None:
+        if state.length > n:
+            state.past = [p[:, :, :n] for p in state.past]
+
+
+class _OrtDraftSession:
+    def __init__(self, owner: OrtDrafter, ids: list[int]) -> None:
+        self.owner, self.graph = owner, owner.graph
+        self.state = self.graph.start()
+        self.ids = list(ids)  # the sequence; the cache holds its first state.length tokens
+        self._base = len(self.ids)
+        self._logits: np.ndarray | None = None  # logits after the whole sequence, when the cache is full
+
+    def _forward(self) -> np.ndarray:
+        if self._logits is None:
+            if self.state.length >= len(self.ids):  # re-feed the last token to get its logits again
+                self.graph.crop(self.state, len(self.ids) - 1)
+            self._logits = self.graph.feed(self.state, self.ids[self.state.length :])
+        return self._logits
+
+    def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
+                generator: torch.Generator | None = None, stop_confidence: float = 0.0,
+                stopper: Stopper | None = None) -> Draft:
+        if k < 1:
+            raise ValueError(f"draft length k must be >= 1, got {k}")
+        with self.owner.lock:
+            return self._propose(k, temperature, allowed, generator, stop_confidence, stopper)
+
+    def _propose(self, k: int, temperature: float, allowed: torch.Tensor | None, generator: torch.Generator | None,
+                 stop_confidence: float, stopper: Stopper | None) -> Draft:
+        self._base = len(self.ids)
+        ids, rows = [], []
+        for step in range(k):
+            logits = self.owner.full_logits(self._forward())
+            token, probs = _pick(logits, temperature, allowed, generator)
+            ids.append(token)
+            if probs is not None:
+                rows.append(probs)
+            hidden = torch.from_numpy(self.state.hidden)
+            self.ids.append(token)
+            self._logits = None
+            halt = stopper is not None and stopper.stop_after(step, token, logits, hidden)
+            if halt or token in self.owner.stop_ids or (stop_confidence > 0 and _confidence(logits, token, probs) < stop_confidence):
+                break
+        return Draft(ids, torch.stack(rows) if rows else None)
+
+    def commit(self, keep: int, tail: list[int]) -> None:
+        del self.ids[self._base + keep :]
+        self.graph.crop(self.state, min(self.state.length, len(self.ids)))
+        self.ids.extend(tail)
+        self._logits = None
+        self._base = len(self.ids)
+
+
+class OrtDrafter:
+    """A drafter running an exported ONNX graph; pairs with any target like `Drafter`."""
+
+    def __init__(self, graph: OrtGraph, tokenizer: Any, sidecar: dict[str, Any], name: str) -> None:
+        self.graph, self.tokenizer, self.sidecar, self.name = graph, tokenizer, sidecar, name
+        self.vocab_size = int(sidecar["vocab_size"])
+        self.token_bytes = build_token_bytes(tokenizer, self.vocab_size)
+        self.codec = ByteCodec(tokenizer, self.token_bytes)
+        self.stop_ids = frozenset(i for i in (tokenizer.eos_token_id,) if isinstance(i, int))
+        self.lock = threading.RLock()
+        keep = sidecar.get("keep_ids")
+        self.keep_ids = torch.as_tensor(keep, dtype=torch.long) if keep is not None else None
+        self.hidden_size = int(sidecar["hidden_size"])
+
+    @classmethod
+    def load(cls, path: str | Path, *, threads: int | None = None) -> OrtDrafter:
+        """Open an exported drafter; a corrupt graph or a mismatched tokenizer is refused."""
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        meta = sidecar_path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no exported drafter at {path}")
+        try:
+            sidecar = json.loads(meta.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CorruptFileError(f"{meta}: missing or unreadable sidecar ({exc}); export the drafter again") from None
+        if sidecar.get("format") != SIDECAR_FORMAT or sidecar.get("version") != 1:
+            raise CorruptFileError(f"{meta}: not an omnidraft ONNX drafter sidecar (format {sidecar.get('format')!r})")
+        if file_sha256(path) != sidecar.get("onnx_sha256"):
+            raise CorruptFileError(f"{path}: the file's SHA-256 differs from its sidecar's: truncated or modified; export again")
+        tokenizer = AutoTokenizer.from_pretrained(str(path.with_suffix(".tokenizer")))
+        drafter = cls(OrtGraph(path, threads), tokenizer, sidecar, Path(sidecar.get("drafter") or path.stem).name)
+        if drafter.token_bytes.fingerprint != sidecar.get("tokenizer_fingerprint"):
+            raise IncompatibleError(f"{path}: the tokenizer beside the graph is not the one it was exported with "
+                                    f"(fingerprint {drafter.token_bytes.fingerprint} vs {sidecar.get('tokenizer_fingerprint')})")
+        return drafter
+
+    def full_logits(self, logits: np.ndarray) -> torch.Tensor:
+        """Graph logits as (V,) over the drafter vocabulary (-inf where a pruned head has no row)."""
+        t = torch.from_numpy(logits)
+        if self.keep_ids is None:
+            return t
+        full = torch.full((self.vocab_size,), float("-inf"))
+        full[self.keep_ids] = t
+        return full
+
+    def begin(self, ids: list[int]) -> _OrtDraftSession:
+        return _OrtDraftSession(self, ids)
+
+    def pair(self, target: Any, config: Any = None, **overrides: Any) -> Any:
+        """Pair with `target` (see `Drafter.pair`); an exported drafter drafts but does not learn."""
+        from ..session import DecodeConfig, Pairing
+
+        if overrides.pop("learn", False):
+            raise ValueError("an ONNX drafter cannot learn: learn with the PyTorch drafter, then export its adapter")
+        kwargs = {k: overrides.pop(k) for k in ("user", "store") if k in overrides}
+        return Pairing(self, target, config or DecodeConfig(**overrides), **kwargs)
+
+    def __repr__(self) -> str:
+        return f"OrtDrafter({self.name!r}, vocab {self.vocab_size}, {self.sidecar.get('quantization') or 'fp32'})"

@@ -1,0 +1,101 @@
+"""export/: the ONNX drafter graph, its onnxruntime backend, parity and refusal of bad files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import omnidraft as od
+from omnidraft.errors import CorruptFileError, IncompatibleError
+from omnidraft.export.onnx import LlamaGraph, export_drafter
+from omnidraft.export.ort_drafter import OrtDrafter
+from omnidraft.runner import CausalRunner
+
+from .conftest import target_greedy
+from .test_session import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_drafter, tmp_path_factory):
+    out = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
+    prompts = [tiny_drafter.tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    sidecar = export_drafter(tiny_drafter.model, out, name="tiny-drafter", tokenizer=tiny_drafter.tokenizer,
+                             fingerprint=tiny_drafter.token_bytes.fingerprint, parity_prompts=prompts, parity_steps=12)
+    return out, sidecar
+
+
+def test_graph_equals_the_hf_forward_with_and_without_past(tiny_drafter):
+    graph = LlamaGraph(tiny_drafter.model).eval()
+    ids = tiny_drafter.tokenizer(PROMPTS[0])["input_ids"]
+    with torch.no_grad():
+        logits, hidden, *present = graph(torch.tensor([ids[:-3]]), *graph.empty_past())
+        logits2, _, *_ = graph(torch.tensor([ids[-3:]]), *present)
+    runner = CausalRunner(tiny_drafter.model, ids[:-3])
+    torch.testing.assert_close(logits[0], runner.forward(keep=1)[0], atol=1e-4, rtol=1e-4)
+    runner.extend(ids[-3:])
+    torch.testing.assert_close(logits2[0], runner.forward(keep=1)[0], atol=1e-4, rtol=1e-4)
+    assert hidden.shape == (1, tiny_drafter.hidden_size)
+
+
+def test_export_parity_is_recorded_and_greedy_identical(exported):
+    out, sidecar = exported
+    assert sidecar["parity"]["greedy_identical"] == 3 and sidecar["parity"]["top1_agreement"] == 1.0
+    assert json.loads(out.with_name(out.name + ".json").read_text())["onnx_sha256"] == sidecar["onnx_sha256"]
+
+
+def test_ort_drafts_equal_pytorch_drafts(exported, tiny_drafter):
+    drafter = od.Drafter.load_onnx(str(exported[0]))
+    for prompt in PROMPTS[:3]:
+        ids = tiny_drafter.tokenizer(prompt)["input_ids"]
+        a, b = tiny_drafter.begin(ids), drafter.begin(ids)
+        for keep, tail in [(2, [5]), (0, []), (6, [])]:  # rollbacks of every kind between drafts
+            assert a.propose(6, stop_confidence=0).ids == b.propose(6, stop_confidence=0).ids
+            a.commit(keep, tail)
+            b.commit(keep, tail)
+
+
+def test_engine_with_the_ort_drafter_is_target_greedy(exported, tiny_target):
+    pair = od.Drafter.load_onnx(str(exported[0])).pair(tiny_target, k=4)
+    for prompt in PROMPTS[:4]:
+        assert pair.generate(prompt, max_new_tokens=24).token_ids == target_greedy(tiny_target, prompt, 24)
+
+
+def test_pruned_int8_export_maps_ids_back(tiny_drafter, tiny_target, tmp_path):
+    keep = list(range(0, len(tiny_drafter.token_bytes), 2)) + [tiny_drafter.tokenizer.eos_token_id]
+    out = tmp_path / "pruned.onnx"
+    sidecar = export_drafter(tiny_drafter.model, out, name="tiny", tokenizer=tiny_drafter.tokenizer, quantize="int8",
+                             fingerprint=tiny_drafter.token_bytes.fingerprint, keep_ids=keep,
+                             parity_prompts=[tiny_drafter.tokenizer(PROMPTS[0])["input_ids"]])
+    assert 0 <= sidecar["parity"]["top1_agreement"] <= 1 and sidecar["quantization"] == "int8"
+    drafter = od.Drafter.load_onnx(str(out))
+    draft = drafter.begin(tiny_drafter.tokenizer(PROMPTS[1])["input_ids"]).propose(8, stop_confidence=0)
+    assert all(t in set(keep) for t in draft.ids)
+    pair = drafter.pair(tiny_target, k=4)
+    assert pair.generate(PROMPTS[1], max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPTS[1], 16)
+
+
+def test_corrupt_graph_or_foreign_tokenizer_is_refused(exported, tmp_path, target_tokenizer):
+    import shutil
+
+    src, _ = exported
+    bad = tmp_path / "bad.onnx"
+    shutil.copy(src, bad)
+    shutil.copy(src.with_name(src.name + ".json"), tmp_path / "bad.onnx.json")
+    shutil.copytree(src.with_suffix(".tokenizer"), tmp_path / "bad.tokenizer")
+    bad.write_bytes(bad.read_bytes()[:1000])
+    with pytest.raises(CorruptFileError, match="SHA-256"):
+        OrtDrafter.load(bad)
+    shutil.copy(src, bad)
+    target_tokenizer.save_pretrained(str(tmp_path / "bad.tokenizer"))
+    with pytest.raises(IncompatibleError, match="tokenizer"):
+        OrtDrafter.load(bad)
+    (tmp_path / "bad.onnx.json").write_text("{not json")
+    with pytest.raises(CorruptFileError, match="sidecar"):
+        OrtDrafter.load(bad)
+
+
+def test_an_onnx_drafter_refuses_to_learn(exported, tiny_target):
+    with pytest.raises(ValueError, match="cannot learn"):
+        od.Drafter.load_onnx(str(exported[0])).pair(tiny_target, learn=True)
