@@ -191,3 +191,54 @@ def test_32_concurrent_sessions_over_loopback(app, tiny_target):
         assert all(results[i] == references[i] for i in range(32))
     finally:
         stop()
+
+
+# -- OpenAI-compatible path (remote/openai.py) against our own server's /v1/completions -------------
+
+def _openai(http, tiny_target, **kw):
+    from omnidraft.remote.openai import OpenAICompletionsTarget
+
+    return OpenAICompletionsTarget("http://testserver", model="tiny", api_key=KEY, tokenizer=tiny_target.tokenizer,
+                                   vocab_size=len(tiny_target.token_bytes), eos_ids=set(tiny_target.eos_ids),
+                                   client=http, **kw)
+
+
+def test_openai_completions_target_is_token_identical_to_local(http, tiny_drafter, tiny_target):
+    target = _openai(http, tiny_target)
+    pair = tiny_drafter.pair(target, k=4)
+    for prompt in PROMPTS:
+        assert pair.generate(prompt, max_new_tokens=24).token_ids == target_greedy(tiny_target, prompt, 24)
+    with pytest.raises(ValueError, match="greedy drafts only"):
+        tiny_drafter.pair(target, k=3, mode="match", temperature=0.8).generate(PROMPTS[0], max_new_tokens=4)
+
+
+def test_openai_endpoint_speaks_the_completions_shape(http, tiny_target):
+    auth = {"authorization": f"Bearer {KEY}"}
+    ids = tiny_target.tokenizer(PROMPTS[0])["input_ids"]
+    r = http.post("/v1/completions", headers=auth, json={"model": "tiny", "prompt": ids, "max_tokens": 3, "echo": True,
+                                                         "logprobs": 2, "temperature": 0, "user": "ignored-field"})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(len(row) == 2 for row in lp["top_logprobs"][1:])
+    greedy = target_greedy(tiny_target, PROMPTS[0], 3)
+    assert [tiny_target.token_bytes.id_of(t.encode()) for t in lp["tokens"][len(ids):]] == greedy
+    for body, reason in [({"prompt": ids, "temperature": 0.7}, "greedy"), ({"prompt": ids, "temperature": 0, "stream": True}, "stream"),
+                         ({"prompt": [10**9], "temperature": 0}, "token ids"), ({"prompt": ids, "logprobs": 99}, "logprobs")]:
+        r = http.post("/v1/completions", headers=auth, json=body)
+        assert r.status_code == 422 and reason in r.text, (body, r.text)
+
+
+def test_openai_target_feeds_learning_with_top_rows(http, draft_tokenizer, tiny_target, tmp_path):
+    from omnidraft import Drafter
+    from omnidraft.distill.adapters import AdapterConfig
+    from omnidraft.distill.trainer import TrainConfig
+    from omnidraft.profiles import ProfileStore
+
+    from .conftest import tiny_llama
+
+    drafter = Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    pair = drafter.pair(_openai(http, tiny_target), k=4, user="bob", learn=True, adapter=AdapterConfig(rank=4, alpha=8),
+                        train=TrainConfig(interval=1, lr=1e-2), store=ProfileStore(tmp_path))
+    out = pair.generate(PROMPTS[1], max_new_tokens=16)
+    assert out.token_ids == target_greedy(tiny_target, PROMPTS[1], 16) and pair.steps == 1

@@ -26,7 +26,7 @@ from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
 from .protocol import InfoReply, OpenReply, OpenRequest, SparseRow, VerifyReply, VerifyRequest
 
-__all__ = ["RemoteTarget"]
+__all__ = ["RemoteTarget", "call_json"]
 
 _RETRY_STATUS = (502, 503, 504)
 
@@ -70,30 +70,35 @@ class RemoteTarget:
             return AutoTokenizer.from_pretrained(tmp)
 
     def _call(self, method: str, path: str, message: Any = None) -> Any:
-        import httpx
-
         content = message.model_dump_json(exclude_none=True) if message is not None else None
-        last: str = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(2.0, 0.1 * 2**attempt))
-            try:
-                response = self.http.request(method, path, content=content,
-                                             headers={"content-type": "application/json"} if content else None)
-            except httpx.TransportError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if response.status_code in _RETRY_STATUS:
-                last = f"HTTP {response.status_code}: {_reason(response)}"
-                continue
-            if response.status_code >= 400:
-                raise RemoteRequestError(f"{self.url}{path} refused the request: HTTP {response.status_code}: "
-                                             f"{_reason(response)}")
-            return response.json()
-        raise TargetUnavailableError(f"{self.url}{path} unreachable after {self.retries + 1} attempts ({last})")
+        return call_json(self.http, self.url, method, path, content, self.retries)
 
     def __repr__(self) -> str:
         return f"RemoteTarget({self.name!r} at {self.url})"
+
+
+def call_json(http: Any, url: str, method: str, path: str, content: str | None, retries: int) -> Any:
+    """One JSON request with bounded retries of transport failures and 502/503/504; 4xx raises
+    RemoteRequestError with the server's reason, exhausted retries TargetUnavailableError."""
+    import httpx
+
+    last: str = ""
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(min(2.0, 0.1 * 2**attempt))
+        try:
+            response = http.request(method, path, content=content,
+                                    headers={"content-type": "application/json"} if content else None)
+        except httpx.TransportError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+            continue
+        if response.status_code in _RETRY_STATUS:
+            last = f"HTTP {response.status_code}: {_reason(response)}"
+            continue
+        if response.status_code >= 400:
+            raise RemoteRequestError(f"{url}{path} refused the request: HTTP {response.status_code}: {_reason(response)}")
+        return response.json()
+    raise TargetUnavailableError(f"{url}{path} unreachable after {retries + 1} attempts ({last})")
 
 
 def _reason(response: Any) -> str:

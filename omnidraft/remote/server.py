@@ -153,6 +153,20 @@ class _Service:
         session.last, session.used = (request.committed, proposal, reply), time.monotonic()
         return reply
 
+    def complete(self, request: Any) -> dict[str, Any]:
+        """The OpenAI-compatible /v1/completions (greedy, stateless; see remote/openai.py)."""
+        from .openai import complete
+
+        with self.model_lock:
+            started = time.perf_counter()
+            try:
+                reply = complete(self.target, request, self.config.max_tokens)
+            except ValueError as exc:
+                raise _HTTPError(422, str(exc)) from None
+            self.metrics.observe(time.perf_counter() - started)
+        self.metrics.rounds += 1
+        return reply
+
     def close(self, sid: str) -> None:
         with self.table_lock:
             if self.sessions.pop(sid, None) is None:
@@ -265,6 +279,16 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         except _HTTPError as exc:
             return fail(exc.status, exc.message)
         return reply.model_dump(exclude_none=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        from .openai import CompletionRequest
+
+        try:
+            reply = await run_in_threadpool(service.complete, await body(request, CompletionRequest))
+        except _HTTPError as exc:
+            return fail(exc.status, exc.message)
+        return reply
 
     @app.delete("/v1/sessions/{sid}")
     async def close(sid: str) -> Any:

@@ -1,0 +1,185 @@
+"""Greedy verification through an OpenAI-compatible `/v1/completions` endpoint (vLLM, llama.cpp's
+server, or `omnidraft serve`), for targets already running on a serving engine.
+
+One verify is one stateless completion request: the prompt is the committed ids plus the proposal
+(token ids, not text), `echo` returns the prompt's own log-probabilities, `logprobs` the top
+alternatives at every position, and `max_tokens=1` the token after the whole proposal. Position
+base + j's top-1 alternative is the target's greedy choice for proposal token j: the accepted prefix
+is where they agree, the correction is the first disagreement's top-1, and if all agree the
+generated token is the bonus. Sampling modes need the target's full distributions, which these
+endpoints do not return: only greedy verification is offered (a clear error otherwise).
+
+Tokens come back as strings. Ask for `return_tokens_as_token_ids` (vLLM: "token_id:123"); servers
+that ignore it return text, mapped back to ids through the tokenizer's byte view (ambiguous text is
+refused with an error naming the option). The whole sequence is re-sent every round: the engine's
+prefix cache (vLLM, llama.cpp) keeps that cheap server-side; our own server recomputes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import RemoteRequestError
+from ..translate.codec import ByteCodec
+from ..translate.token_bytes import build_token_bytes
+from ..verify import Verdict
+from .client import call_json
+
+__all__ = ["CompletionRequest", "OpenAICompletionsTarget", "complete", "token_string"]
+
+MAX_LOGPROBS = 20
+
+
+class CompletionRequest(BaseModel):
+    """The subset of OpenAI's completion request this server implements (other fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    model: str | None = None
+    prompt: list[int] | str
+    max_tokens: int = Field(16, ge=0, le=4096)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    temperature: float = 1.0
+    stream: bool = False
+    return_tokens_as_token_ids: bool = False
+
+
+def token_string(token_bytes: Any, token: int, as_ids: bool) -> str:
+    """How a token is named in a reply: "token_id:N", its text, or "bytes:\\xNN" for a UTF-8 fragment."""
+    if as_ids:
+        return f"token_id:{token}"
+    data = token_bytes.table[token] or b""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def complete(target: Any, request: CompletionRequest, max_tokens_total: int) -> dict[str, Any]:
+    """Run one greedy completion on LocalTarget `target` and shape the OpenAI reply."""
+    if request.stream:
+        raise ValueError("stream=true is not supported by this endpoint")
+    if request.temperature != 0:
+        raise ValueError("only greedy completions (temperature 0) are served on this endpoint")
+    ids = list(request.prompt) if isinstance(request.prompt, list) else target.tokenizer(request.prompt)["input_ids"]
+    vocab = len(target.token_bytes)
+    if not ids or any(not 0 <= i < vocab for i in ids):
+        raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
+    if len(ids) + request.max_tokens > max_tokens_total:
+        raise ValueError(f"prompt plus max_tokens exceeds this server's limit of {max_tokens_total} tokens")
+    k = request.logprobs
+    session = target.begin(ids)
+    runner = session.runner
+    rows = [runner.forward(keep=len(ids)).float()] if request.echo else [runner.forward(keep=1).float()]
+    generated = []
+    for step in range(request.max_tokens):
+        token = int(rows[-1][-1].argmax())
+        generated.append(token)
+        if token in target.eos_ids or step == request.max_tokens - 1:
+            break
+        runner.extend([token])
+        rows.append(runner.forward(keep=1).float())
+    logits = torch.cat(rows)  # row i predicts the token after position i (of the echoed prompt, then generated)
+    shown = (ids if request.echo else []) + generated
+    choice: dict[str, Any] = {"index": 0, "text": target.tokenizer.decode(shown), "finish_reason":
+                              "stop" if generated and generated[-1] in target.eos_ids else "length"}
+    if k is not None:
+        logp = torch.log_softmax(logits, -1)
+        first = 1 if request.echo else 0  # the first echoed token has no prediction
+        name = lambda t: token_string(target.token_bytes, t, request.return_tokens_as_token_ids)  # noqa: E731
+        predictors = [None] * first + [logp[i] for i in range(len(shown) - first)]
+        choice["logprobs"] = {
+            "tokens": [name(t) for t in shown],
+            "token_logprobs": [None if p is None else float(p[t]) for t, p in zip(shown, predictors)],
+            "top_logprobs": [None if p is None or k == 0 else
+                             {name(int(i)): float(v) for v, i in zip(*p.topk(k))} for p in predictors],
+        }
+    return {"object": "text_completion", "model": request.model or target.name, "choices": [choice],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(generated)}}
+
+
+class OpenAICompletionsTarget:
+    """A greedy-verifying `Target` over any OpenAI-compatible /v1/completions endpoint.
+
+    `tokenizer` is the served model's tokenizer (these servers do not ship it); `model` the name the
+    server knows the model by; `topk` the most alternatives it returns per position (OpenAI: 5,
+    vLLM: 20) for the distillation signal.
+    """
+
+    def __init__(self, url: str, *, model: str, tokenizer: Any, api_key: str | None = None, vocab_size: int | None = None,
+                 eos_ids: set[int] | None = None, timeout: float = 60.0, retries: int = 2, topk: int = 5,
+                 client: Any = None, name: str | None = None) -> None:
+        if not 1 <= topk <= MAX_LOGPROBS:
+            raise ValueError(f"topk must be in [1, {MAX_LOGPROBS}], got {topk}")
+        self.url, self.model, self.retries, self.topk = url, model, retries, topk
+        self.http = client if client is not None else httpx.Client(base_url=url, timeout=timeout)
+        if api_key:
+            self.http.headers.update({"authorization": f"Bearer {api_key}"})
+        self.tokenizer, self.name = tokenizer, name or model
+        self.token_bytes = build_token_bytes(tokenizer, vocab_size)
+        self.codec = ByteCodec(tokenizer, self.token_bytes)
+        eos = eos_ids if eos_ids is not None else {tokenizer.eos_token_id}
+        self.eos_ids = frozenset(i for i in eos if isinstance(i, int))
+
+    def begin(self, prompt_ids: list[int]) -> _CompletionSession:
+        if not prompt_ids:
+            raise ValueError("the prompt must have at least one token")
+        return _CompletionSession(self, list(prompt_ids))
+
+    def token_id(self, name: str) -> int:
+        """The id a reply's token string names."""
+        if name.startswith("token_id:"):
+            return int(name[9:])
+        data = (bytes.fromhex(name[6:].replace("\\x", "")) if name.startswith("bytes:") else name.encode("utf-8"))
+        token = self.token_bytes.id_of(data)
+        if token is None:
+            raise RemoteRequestError(f"{self.url} named a token {name!r} that is no single token of this tokenizer; "
+                                     "serve with return_tokens_as_token_ids support (vLLM) or check the tokenizer")
+        return token
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __repr__(self) -> str:
+        return f"OpenAICompletionsTarget({self.model!r} at {self.url})"
+
+
+class _CompletionSession:
+    def __init__(self, owner: OpenAICompletionsTarget, ids: list[int]) -> None:
+        self.owner, self.ids = owner, ids
+        self.forwards = 0
+
+    def verify(self, proposal: torch.Tensor, rule: Any, q: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, *, topk: int = 0) -> Verdict:
+        if rule.mode != "greedy":
+            raise ValueError(f"an OpenAI-compatible target verifies greedy drafts only, not mode {rule.mode!r}")
+        o, base, draft = self.owner, len(self.ids), [int(t) for t in proposal.tolist()]
+        k = max(1, min(topk, o.topk))
+        body = CompletionRequest(model=o.model, prompt=self.ids + draft, max_tokens=1, echo=True, logprobs=k,
+                                 temperature=0.0, return_tokens_as_token_ids=True)
+        reply = call_json(o.http, o.url, "POST", "/v1/completions", body.model_dump_json(), o.retries)
+        try:
+            top = reply["choices"][0]["logprobs"]["top_logprobs"]
+            tokens = reply["choices"][0]["logprobs"]["tokens"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise RemoteRequestError(f"{o.url}/v1/completions reply lacks echoed logprobs ({exc!r})") from None
+        if len(top) < base + len(draft) + 1 or len(tokens) < base + len(draft) + 1:
+            raise RemoteRequestError(f"{o.url}/v1/completions echoed {len(tokens)} tokens, expected {base + len(draft) + 1}")
+        rows = [{o.token_id(name): lp for name, lp in top[base + j].items()} for j in range(len(draft) + 1)]
+        best = [max(row, key=row.get) for row in rows]
+        accepted = next((j for j, t in enumerate(draft) if best[j] != t), len(draft))
+        token = best[accepted] if accepted < len(draft) else o.token_id(tokens[base + len(draft)])
+        self.ids += draft[:accepted] + [token]
+        self.forwards += 1
+        top_rows = None
+        if topk > 0:
+            kept = rows[: accepted + 1]
+            width = min(len(r) for r in kept)
+            ids = [sorted(r, key=r.get, reverse=True)[:width] for r in kept]
+            top_rows = (torch.tensor(ids, dtype=torch.long),
+                        torch.tensor([[r[t] for t in row] for r, row in zip(kept, ids)]))
+        return Verdict(accepted, token, top_rows)
