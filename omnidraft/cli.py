@@ -75,6 +75,39 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--name", default="adapt")
     decoding(a)
 
+    h = sub.add_parser("bench-draft", help="draft-length policies live: fixed k, hysteresis fallback, acceptance heads")
+    h.add_argument("--pair", action="append", help="DRAFTER:TARGET, repeatable")
+    h.add_argument("--dataset", action="append", help="gsm8k | humaneval, repeatable (heads train on its :train split)")
+    h.add_argument("--n", type=int, default=10, help="evaluation prompts per dataset")
+    h.add_argument("--n-train", type=int, default=100, help="training prompts per dataset for the heads")
+    h.add_argument("--max-new-tokens", type=int, default=128)
+    h.add_argument("--fixed-k", type=int, action="append", help="fixed draft lengths to compare, repeatable")
+    h.add_argument("--k-max", type=int, default=12)
+    h.add_argument("--train-tokens", type=int, default=64, help="tokens per recorded training trace")
+    h.add_argument("--train-only", action="store_true", help="train and cache the heads, skip the timed evaluation")
+    h.add_argument("--cache", default="bench_out/traces", help="where recorded training traces are kept")
+    h.add_argument("--out", default="bench_out")
+    h.add_argument("--name", default="bench-draft")
+
+    e = sub.add_parser("export", help="export the drafter (with a pairing's adapter merged) to ONNX")
+    e.add_argument("--drafter", default=DRAFTER)
+    e.add_argument("--target", default=None, help="merge this target's adapter and prune for this pairing")
+    e.add_argument("--user", default=None, help="whose profile's adapter (default: the target's default profile)")
+    e.add_argument("--out", required=True, help="path ending in .onnx; the sidecar is OUT.json")
+    e.add_argument("--quantize", choices=["int8"], default=None, help="dynamic int8 (onnxruntime quantizer)")
+    e.add_argument("--prune", action="store_true",
+                   help="keep only LM-head rows the pairing can use (shared vocabulary + n-gram sub-tokens); needs --target")
+    e.add_argument("--parity-prompts", type=int, default=4, help="prompts for the export-time parity check (0: skip)")
+
+    r = sub.add_parser("bench-drafters", help="drafting backends side by side: PyTorch fp32/int8 and exported ONNX graphs")
+    r.add_argument("--pair", default=f"{DRAFTER}:qwen2.5-coder-0.5b", help="DRAFTER:TARGET (the PyTorch drafter)")
+    r.add_argument("--onnx", action="append", default=[], metavar="LABEL=FILE", help="an exported drafter, repeatable")
+    r.add_argument("--dataset", action="append", help="gsm8k | humaneval, repeatable (none: drafter costs only)")
+    r.add_argument("--n", type=int, default=5)
+    r.add_argument("--out", default="bench_out")
+    r.add_argument("--name", default="bench-drafters")
+    decoding(r)
+
     v = sub.add_parser("serve", help="a verification server for remote pairing (RemoteTarget)")
     v.add_argument("--target", default=TARGET)
     v.add_argument("--host", default="127.0.0.1")
@@ -182,6 +215,7 @@ def _bench_remote(args: argparse.Namespace) -> None:
     from .atomic import atomic_write_bytes
     from .bench.datasets import load_prompts
     from .bench.remote import run_remote
+    from .stats import write_trace
 
     rows = []
     for pair_spec in args.pair or [f"{DRAFTER}:{TARGET}"]:
@@ -191,9 +225,12 @@ def _bench_remote(args: argparse.Namespace) -> None:
         drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
             bar = tqdm(desc=f"{pair_spec} {dataset} remote", file=sys.stderr)
+            record = (lambda rtt, i, out, dataset=dataset, pair_spec=pair_spec: write_trace(
+                args.trace, out.rounds, {"pair": pair_spec, "dataset": dataset, "prompt": i, "rtt_ms": rtt * 1000})) \
+                if args.trace else None
             for row in run_remote(drafter, target, load_prompts(dataset, args.n), args.max_new_tokens,
                                   [ms / 1000 for ms in args.rtt or [20, 50, 100]], k=args.k,
-                                  stop_confidence=args.stop_confidence, progress=bar.set_postfix_str):
+                                  stop_confidence=args.stop_confidence, progress=bar.set_postfix_str, trace=record):
                 rows.append({"pair": pair_spec, "dataset": dataset, **row})
             bar.close()
     out = Path(args.out)
@@ -249,6 +286,116 @@ def _adapt(args: argparse.Namespace) -> None:
     print(f"wrote {Path(args.out) / args.name}.json, .md and .png")
 
 
+def _bench_draft(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    import omnidraft as od
+
+    from .bench.adaptive import run_draft_policies, write_draft_report
+
+    if min(args.n_train, args.k_max) < 1 or any(k < 1 for k in args.fixed_k or []):
+        raise SystemExit("--n-train, --k-max and every --fixed-k must be >= 1")
+    results = []
+    for pair_spec in args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]:
+        drafter_spec, target_spec = _split_pair(pair_spec)
+        drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
+        for dataset in args.dataset or ["gsm8k", "humaneval"]:
+            bar = tqdm(desc=f"{pair_spec} {dataset}", file=sys.stderr)
+            res = run_draft_policies(drafter, target, dataset=dataset, train=f"{dataset}:train", n=args.n,
+                                     n_train=args.n_train, max_new_tokens=args.max_new_tokens, train_tokens=args.train_tokens,
+                                     fixed=args.fixed_k or [4, 6, 10], k_max=args.k_max, cache=Path(args.cache),
+                                     train_only=args.train_only, progress=bar.set_postfix_str)
+            bar.close()
+            if res is None:
+                continue
+            results.append({"pair": pair_spec, **res})
+            table = write_draft_report(results, Path(args.out), args.name)  # rewritten after each dataset
+    if not results:
+        print(f"heads trained and cached under {args.cache}")
+        return
+    print(table)
+    print(f"wrote {Path(args.out) / args.name}.json and .md")
+
+
+def _export(args: argparse.Namespace) -> None:
+    import json
+
+    from .bench.datasets import load_prompts
+    from .distill.adapters import config_from_state
+    from .export.onnx import export_drafter
+    from .models import load_model
+    from .translate.token_bytes import build_token_bytes
+
+    if args.prune and not args.target:
+        raise SystemExit("--prune needs --target: pruning keeps the tokens that pairing can use")
+    loaded = load_model(args.drafter)
+    tokenizer, token_bytes = loaded.tokenizer, build_token_bytes(loaded.tokenizer, loaded.model.config.vocab_size)
+    adapter, adapter_id, keep = None, None, None
+    if args.target:
+        adapter, adapter_id, keep = _pairing_for_export(loaded.name, tokenizer, token_bytes, args)
+    prompts = [tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", max(1, args.parity_prompts // 2))
+               + load_prompts("humaneval", max(1, args.parity_prompts - args.parity_prompts // 2))][: args.parity_prompts]
+    sidecar = export_drafter(loaded.model, args.out, name=loaded.name, tokenizer=tokenizer, fingerprint=token_bytes.fingerprint,
+                             adapter=adapter, adapter_config=config_from_state(adapter) if adapter else None,
+                             adapter_id=adapter_id, quantize=args.quantize, keep_ids=keep, parity_prompts=prompts or None)
+    shown = {k: v for k, v in sidecar.items() if k != "keep_ids"}
+    shown["kept_tokens"] = len(sidecar["keep_ids"]) if sidecar["keep_ids"] else None
+    print(json.dumps(shown, indent=1))
+
+
+def _pairing_for_export(drafter_name: str, tokenizer: Any, token_bytes: Any, args: argparse.Namespace) -> tuple:
+    """(adapter tensors, adapter id, kept token ids) of the (drafter, target, user) profile for export."""
+    import omnidraft as od
+
+    from .profiles import ProfileStore
+    from .translate.vocab_map import build_vocab_map
+
+    target = od.LocalTarget.load(args.target, dual_linear=False)
+    fingerprint = f"{token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
+    profile = ProfileStore().load(drafter_name, target.name, args.user or "default", fingerprint=fingerprint)
+    if profile is None and args.user:
+        raise SystemExit(f"no profile of user {args.user!r} for {drafter_name} -> {target.name}")
+    adapter = adapter_id = keep = None
+    if profile is not None and "adapter" in profile.tensors:
+        adapter, adapter_id = profile.tensors["adapter"], f"{target.name}/{profile.user}@step{profile.steps}"
+    if args.prune:
+        vmap = build_vocab_map(token_bytes, target.token_bytes, tokenizer, target.tokenizer)
+        kept = set((vmap.d2t >= 0).nonzero().flatten().tolist())
+        if profile is not None and profile.ngram is not None:
+            kept |= {t for key, _ in profile.ngram["entries"] for t in key}
+        kept |= {i for i in (tokenizer.eos_token_id, tokenizer.bos_token_id) if isinstance(i, int)}
+        keep = sorted(kept)
+    return adapter, adapter_id, keep
+
+
+def _bench_drafters(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    import omnidraft as od
+
+    from .bench.drafters import markdown, run_drafters
+    from .models import load_model
+
+    drafter_spec, target_spec = _split_pair(args.pair)
+    files = {}
+    for item in args.onnx:
+        label, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            raise SystemExit(f"--onnx takes LABEL=FILE of an exported drafter, got {item!r}")
+        files[label] = Path(path)
+    loaded = load_model(drafter_spec)
+    drafters = {"pytorch fp32": od.Drafter(loaded.model, loaded.tokenizer, loaded.name),
+                "pytorch int8": od.Drafter.load(drafter_spec)}
+    drafters.update({label: od.Drafter.load_onnx(str(path)) for label, path in files.items()})
+    target = od.LocalTarget.load(target_spec) if args.dataset else None
+    bar = tqdm(desc="bench-drafters", file=sys.stderr)
+    result = run_drafters(drafters, target, datasets=args.dataset or [], n=args.n, max_new_tokens=args.max_new_tokens,
+                          k=args.k, stop_confidence=args.stop_confidence, files=files, out=Path(args.out), name=args.name,
+                          progress=bar.set_postfix_str)
+    bar.close()
+    print(markdown(result))
+
+
 def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -291,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
         raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and {args.max_new_tokens}")
-    commands = {"generate": _generate, "demo": _demo, "bench": _bench, "adapt": _adapt, "serve": _serve, "calibrate": _calibrate,
+    commands = {"generate": _generate, "demo": _demo, "bench": _bench, "adapt": _adapt, "bench-draft": _bench_draft, "export": _export, "bench-drafters": _bench_drafters, "serve": _serve, "calibrate": _calibrate,
                 "simulate": _simulate}
     commands[args.command](args)
 

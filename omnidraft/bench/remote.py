@@ -79,8 +79,12 @@ def _alone(remote: RemoteTarget, prompt: str, max_new_tokens: int) -> list[int]:
 
 
 def run_remote(drafter: Any, target: Any, prompts: list[str], max_new_tokens: int, rtts: list[float], *, k: int,
-               stop_confidence: float, progress: Any = lambda msg: None) -> list[dict[str, Any]]:
-    """One row per round-trip time: tokens/s of omnidraft and of the remote target alone, bytes per token."""
+               stop_confidence: float, progress: Any = lambda msg: None,
+               trace: Any = None) -> list[dict[str, Any]]:
+    """One row per round-trip time: tokens/s of omnidraft and of the remote target alone, bytes per token.
+
+    `trace(rtt, index, output)`, if given, is called after each omnidraft generation (per-round traces).
+    """
     url, stop = serve_in_thread(create_app(target, ServerConfig(api_key=None)))
     rows = []
     try:
@@ -105,6 +109,8 @@ def run_remote(drafter: Any, target: Any, prompts: list[str], max_new_tokens: in
                 row["tokens"] += len(out.token_ids)
                 row["rounds"] += len(out.rounds)
                 row["identical"] += out.token_ids == reference
+                if trace is not None:
+                    trace(rtt, i, out)
             row.update(omnidraft_tok_s=row["tokens"] / row["omnidraft_s"], alone_tok_s=row["alone_tokens"] / row["alone_s"],
                        tau=row["tokens"] / max(1, row["rounds"]),
                        omnidraft_bytes_per_token=row["omnidraft_bytes"] / max(1, row["tokens"]),
