@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .profiles import load_profiles
+from .profiles import NetworkProfile, load_profiles
 from .simulate import Scenario, read_trace, simulate, sweep_k
 
 
@@ -14,19 +14,30 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profiles", action="append", default=[], help="extra profile JSON files")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("replay", "expected latency of a trace per scenario"), ("sweep", "best draft length per scenario"),
-                        ("validate", "predicted vs measured wall time of each generation in a trace")):
+                        ("validate", "predicted vs measured wall time of each generation in a trace"),
+                       ("plot", "PNG: expected speedup against round-trip time, one line per device")):
         q = sub.add_parser(name, help=help_)
         q.add_argument("trace")
         q.add_argument("--device", action="append", help="device profile name(s); default: all")
         q.add_argument("--server", default=None, help="target host profile: the target runs remotely")
         q.add_argument("--network", action="append", help="network profile name(s) (with --server)")
+        q.add_argument("--rtt", type=float, action="append", default=[], metavar="MS",
+                       help="an ad-hoc network of this round-trip time (loopback bandwidth), repeatable (with --server)")
+        q.add_argument("--select", action="append", default=[], metavar="KEY=VALUE",
+                       help="only the generations whose trace header has KEY=VALUE (e.g. dataset=gsm8k, rtt_ms=50.0)")
+        if name == "plot":
+            q.add_argument("--png", required=True, help="where to write the plot")
+            q.add_argument("--max-rtt", type=float, default=200.0)
     sub.add_parser("list", help="list the profiles and their sources")
     return p
 
 
 def _scenarios(args, cat):
     devices = args.device or sorted(cat.devices)
-    networks = args.network or (["loopback"] if args.server else ["none"])
+    for ms in args.rtt:
+        cat.networks[f"rtt-{ms:g}ms"] = NetworkProfile(name=f"rtt-{ms:g}ms", source="ad-hoc: --rtt on the command line",
+                                                       rtt_ms=ms, bandwidth_mbps=10000)
+    networks = (args.network or []) + [f"rtt-{ms:g}ms" for ms in args.rtt] or (["loopback"] if args.server else ["none"])
     for name in devices + ([args.server] if args.server else []) + networks:
         if name not in cat.devices and name not in cat.networks:
             raise SystemExit(f"unknown profile {name!r}; known: {', '.join(sorted(cat.devices) + sorted(cat.networks))}")
@@ -44,7 +55,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{p.name:<28} {p.source}")
         return
     try:
-        runs = read_trace(args.trace)
+        select = dict(item.split("=", 1) for item in args.select)
+    except ValueError:
+        raise SystemExit(f"--select takes KEY=VALUE, got {args.select}") from None
+    try:
+        runs = read_trace(args.trace, select=select)
     except (OSError, ValueError) as exc:
         raise SystemExit(str(exc)) from None
     if args.command == "replay":
@@ -58,8 +73,34 @@ def main(argv: list[str] | None = None) -> None:
             best = max(rows, key=lambda row: row[2])
             print(f"{label}: best k = {best[0]} (τ {best[1]:.2f}, {best[2]:.2f} tok/s); "
                   + ", ".join(f"k={k}:{tps:.2f}" for k, _, tps in rows))
+    elif args.command == "plot":
+        _plot(runs, args, cat)
     else:
         _validate(runs, args, cat)
+
+
+def _plot(runs, args, cat) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not args.server:
+        raise SystemExit("plot sweeps the network between device and target: give --server PROFILE")
+    rtts = [args.max_rtt * i / 40 for i in range(41)]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for d in args.device or sorted(cat.devices):
+        speedups = [simulate(runs, Scenario(device=cat.devices[d], server=cat.devices[args.server],
+                                            network=NetworkProfile(name="sweep", source="sweep", rtt_ms=r))).speedup for r in rtts]
+        ax.plot(rtts, speedups, label=d)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("round-trip time (ms)")
+    ax.set_ylabel("speedup vs remote target alone")
+    ax.set_title(f"target on {args.server}; trace {args.trace.rsplit('/', 1)[-1]}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+    print(f"wrote {args.png}")
 
 
 def _validate(runs, args, cat) -> None:

@@ -81,13 +81,16 @@ def write_trace(path: str | os.PathLike[str], rounds: Iterable[RoundRecord], met
             fh.write(json.dumps(asdict(r)) + "\n")
 
 
-def read_trace(path: str | os.PathLike[str]) -> list[list[RoundRecord]]:
+def read_trace(path: str | os.PathLike[str], *, select: dict[str, str] | None = None) -> list[list[RoundRecord]]:
     """The generations of a JSONL trace, each a list of rounds (a header line starts each one).
 
-    A malformed, truncated or out-of-range line raises ValueError naming the file and line number.
-    Imports nothing heavy: device_sim reads traces through this function.
+    `select` keeps the generations whose header has those values (compared as text), e.g.
+    {"dataset": "gsm8k", "rtt_ms": "50.0"}. A malformed, truncated or out-of-range line raises
+    ValueError naming the file and line number. Imports nothing heavy: device_sim reads traces
+    through this function.
     """
     runs: list[list[RoundRecord]] = []
+    current: list[RoundRecord] | None = None  # the generation being read (None before any header)
     with Path(path).open(encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             try:
@@ -95,18 +98,20 @@ def read_trace(path: str | os.PathLike[str]) -> list[list[RoundRecord]]:
                 if not isinstance(doc, dict):
                     raise ValueError("not a JSON object")
                 if doc.get("trace") == "omnidraft":
-                    runs.append([])
+                    current = []
+                    if all(str(doc.get(k)) == v for k, v in (select or {}).items()):
+                        runs.append(current)
                     continue
-                if not runs:
+                if current is None:
                     raise ValueError("round before any trace header")
                 if set(doc) != _FIELDS:
                     raise ValueError(f"fields differ from a round record: {sorted(set(doc) ^ _FIELDS)}")
                 r = RoundRecord(**doc)
                 if min(r.context, r.drafted, r.proposed, r.accepted, r.emitted) < 0 or r.accepted > r.proposed:
                     raise ValueError("counts out of range")
-                runs[-1].append(r)
+                current.append(r)
             except (json.JSONDecodeError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{number}: malformed trace line: {exc}") from exc
     if not any(runs):
-        raise ValueError(f"{path}: no rounds in trace")
+        raise ValueError(f"{path}: no rounds in trace" + (f" matching {select}" if select else ""))
     return [run for run in runs if run]
