@@ -15,9 +15,11 @@ from typing import Any
 __all__ = [
     "DecodeConfig",
     "Drafter",
+    "HeadConfig",
     "Generation",
     "LocalTarget",
     "OmnidraftError",
+    "OpenAICompletionsTarget",
     "PRESETS",
     "Pairing",
     "RemoteTarget",
@@ -30,9 +32,11 @@ __version__ = "0.1.0"
 _WHERE = {
     "DecodeConfig": "session",
     "Drafter": "drafter",
+    "HeadConfig": "adaptive.head",
     "Generation": "session",
     "LocalTarget": "target",
     "OmnidraftError": "errors",
+    "OpenAICompletionsTarget": "remote.openai",
     "Pairing": "session",
     "PRESETS": "presets",
     "RemoteTarget": "remote.client",

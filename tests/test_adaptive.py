@@ -144,3 +144,18 @@ def test_head_saves_loads_and_switches_with_the_target(tiny_drafter, tiny_target
         assert torch.equal(value, again.head.state_dict()[key]), key
     with pytest.raises(ValueError, match="does not fit"):
         tiny_drafter.pair(tiny_target, k=3, head=HeadConfig(width=7), user="u", store=store)
+
+
+def test_bench_draft_trains_both_heads_once_and_compares_policies(tiny_drafter, tiny_target, tmp_path):
+    from omnidraft.bench.adaptive import run_draft_policies, write_draft_report
+
+    kwargs = dict(dataset="gsm8k", train="gsm8k:train", n=2, n_train=3, max_new_tokens=12, train_tokens=12,
+                  fixed=[2, 4], k_max=6, cache=tmp_path)
+    assert run_draft_policies(tiny_drafter, tiny_target, train_only=True, **kwargs) is None
+    heads = sorted(p.name for p in tmp_path.glob("head-*"))
+    assert len(heads) == 2 and heads[0].endswith("interleaved.safetensors") and heads[1].endswith("joint.safetensors")
+    result = run_draft_policies(tiny_drafter, tiny_target, **kwargs)  # the cached heads are used
+    names = [r["variant"] for r in result["rows"]]
+    assert names == ["fixed k=2", "fixed k=4", "fallback (hysteresis)", "head (joint)", "head (interleaved)"]
+    assert all(r["identical"] == 2 for r in result["rows"])
+    assert "head (joint)" in write_draft_report([{"pair": "tiny", **result}], tmp_path, "draft")

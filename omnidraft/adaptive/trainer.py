@@ -40,6 +40,7 @@ class HeadTrainer:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.features: list[torch.Tensor] = []
         self.labels: list[torch.Tensor] = []
+        self.rows = 0  # rows in the buffer
         self.fresh = 0  # rows added since the last update
         self.seen = 0  # labelled rows over the trainer's life
         self.trained = 0  # labelled rows seen as of the last update (persisted with the head)
@@ -49,13 +50,18 @@ class HeadTrainer:
     def add(self, features: torch.Tensor, kept: int) -> None:
         """One round: the features of its drafted tokens and how many of them the target kept."""
         labels = round_labels(len(features), kept)
-        if not len(labels):
-            return
-        self.features.append(features[: len(labels)].detach().float())
+        if len(labels):
+            self.add_rows(features[: len(labels)], labels)
+
+    def add_rows(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """Labelled rows as they are (one round's, already cut after its first rejection)."""
+        self.features.append(features.detach().float())
         self.labels.append(labels)
         self.fresh += len(labels)
         self.seen += len(labels)
-        while sum(len(x) for x in self.labels) > self.config.capacity:
+        self.rows += len(labels)
+        while self.rows > self.config.capacity:
+            self.rows -= len(self.labels[0])
             self.features.pop(0)
             self.labels.pop(0)
 

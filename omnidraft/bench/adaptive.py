@@ -18,6 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from ..adaptive.head import HeadConfig
 from ..adaptive.policy import Hysteresis
 from ..atomic import atomic_write_bytes
@@ -26,32 +28,58 @@ from .adapt import _prompt_text, traces_for
 from .datasets import load_prompts
 from .runner import compare_pairings
 
-__all__ = ["run_draft_policies", "train_head", "write_draft_report"]
+__all__ = ["run_draft_policies", "train_heads", "write_draft_report"]
 
 
-def train_head(drafter: Any, target: Any, train: str, n_train: int, max_new_tokens: int, cache: Path,
-               config: HeadConfig, progress: Callable[[str], None] = lambda _: None) -> Any:
-    """An acceptance head trained on the replayed training traces; cached under `cache`."""
+def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tokens: int, cache: Path,
+                configs: dict[str, HeadConfig], progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """One acceptance head per schedule, trained on the replayed training traces; cached under `cache`.
+
+    The drafting rollout (the fallback policy picks draft lengths; features and labels are
+    recorded) runs once; each schedule then replays the same per-request rows through its own
+    update cadence, as it would have seen them online.
+    """
     from safetensors.torch import load_file, save_file
 
     from ..adaptive.head import AcceptanceHead
+    from ..adaptive.trainer import HeadTrainer
 
-    path = cache / f"head-{drafter.name}-{target.name}-{train.replace(':', '-')}-{n_train}-{max_new_tokens}-{config.train}.safetensors"
-    if path.exists():
-        head = AcceptanceHead(drafter.hidden_size, config.width, config.depth)
-        head.load_state_dict(load_file(str(path)))
-        return head.eval()
+    stem = f"head-{drafter.name}-{target.name}-{train.replace(':', '-')}-{n_train}-{max_new_tokens}"
+    paths = {name: cache / f"{stem}-{name}.safetensors" for name in configs}
+    if all(p.exists() for p in paths.values()):
+        heads = {}
+        for name, config in configs.items():
+            heads[name] = AcceptanceHead(drafter.hidden_size, config.width, config.depth)
+            heads[name].load_state_dict(load_file(str(paths[name])))
+        return heads
     traces = traces_for(target, train, n_train, max_new_tokens, cache)
-    replay = ReplayTarget.like(target, traces)
-    pair = drafter.pair(replay, k=4, stop_confidence=0.3, head=replace(config, warmup=10**9),
-                        adaptive=Hysteresis(k_min=2, k_max=config.k_max))
+    any_config = next(iter(configs.values()))
+    pair = drafter.pair(ReplayTarget.like(target, traces), k=4, stop_confidence=0.3,
+                        head=replace(any_config, warmup=10**9, steps=0, capacity=10**9),
+                        adaptive=Hysteresis(k_min=2, k_max=any_config.k_max))
+    requests = []  # (features, labels) of each request's rounds
     for i, trace in enumerate(traces):
+        before = len(pair.head_trainer.labels)
         pair.generate(_prompt_text(target, trace), max_new_tokens=max(1, len(trace.continuation) - 1))
-        progress(f"head ({config.train}) training prompt {i + 1}/{len(traces)}")
-    if pair.head_trainer.fresh:
-        pair.head_trainer.update()
-    save_file({k: v.contiguous() for k, v in pair.head.state_dict().items()}, str(path))
-    return pair.head
+        requests.append((pair.head_trainer.features[before:], pair.head_trainer.labels[before:]))
+        progress(f"head rollout {i + 1}/{len(traces)}")
+    heads = {}
+    for name, config in configs.items():
+        torch.manual_seed(config.seed)
+        head = AcceptanceHead(drafter.hidden_size, config.width, config.depth)
+        trainer = HeadTrainer(head, config)
+        for i, (features, labels) in enumerate(requests):
+            for x, y in zip(features, labels):
+                trainer.add_rows(x, y)
+            if config.train == "interleaved":
+                trainer.end_request()
+            elif (i + 1) % config.interval == 0:
+                trainer.update()
+        if trainer.fresh:
+            trainer.update()
+        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(paths[name]))
+        heads[name] = head.eval()
+    return heads
 
 
 def _variants(drafter: Any, target: Any, fixed: list[int], heads: dict[str, Any], k_max: int) -> dict[str, Any]:
@@ -69,11 +97,9 @@ def run_draft_policies(drafter: Any, target: Any, *, dataset: str, train: str, n
                        train_only: bool = False, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any] | None:
     """Rows: variant -> acceptance, τ, tokens/s, speedup over the target alone, identical count.
     `train_only` stops after training (and caching) the heads: that part needs no idle machine."""
-    heads = {}
-    for schedule in ("joint", "interleaved"):
-        config = HeadConfig(train=schedule, k_max=k_max, interval=4 if schedule == "interleaved" else 1,
-                            steps=30 if schedule == "interleaved" else 5)
-        heads[schedule] = train_head(drafter, target, train, n_train, train_tokens, cache, config, progress)
+    configs = {"joint": HeadConfig(train="joint", k_max=k_max, interval=1, steps=5),
+               "interleaved": HeadConfig(train="interleaved", k_max=k_max, interval=4, steps=30)}
+    heads = train_heads(drafter, target, train, n_train, train_tokens, cache, configs, progress)
     if train_only:
         return None
     pairs = _variants(drafter, target, fixed, heads, k_max)
