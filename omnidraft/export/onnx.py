@@ -54,7 +54,9 @@ class LlamaGraph(nn.Module):
         self.embed, self.norm = model.model.embed_tokens, model.model.norm
         head = model.lm_head.weight.detach()
         head = head[torch.as_tensor(list(keep_ids))] if keep_ids is not None else head
-        self.register_buffer("lm_head_t", head.T.contiguous(), persistent=False)  # (d, V'): a plain MatMul weight
+        # (d, V'): a parameter, so the exporter writes an initializer the int8 quantizer can see
+        # (a buffer became a Constant node that stayed fp32: a pruned head drafted slower than the full one)
+        self.lm_head_t = nn.Parameter(head.T.contiguous(), requires_grad=False)
         theta = float(rope["rope_theta"])
         inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
         self.register_buffer("inv_freq", inv, persistent=False)
