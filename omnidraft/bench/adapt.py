@@ -50,9 +50,14 @@ VARIANTS = {
 
 def traces_for(target: Any, dataset: str, n: int, max_new_tokens: int, cache: Path, batch_size: int = 8) -> list[TargetTrace]:
     """The target's traces for the first `n` prompts of `dataset`, recorded once and cached."""
-    path = cache / f"traces-{target.name}-{dataset.replace(':', '-')}-{n}-{max_new_tokens}.safetensors"
+    stem = f"traces-{target.name}-{dataset.replace(':', '-')}"
+    path = cache / f"{stem}-{n}-{max_new_tokens}.safetensors"
     if path.exists():
         return load_traces(path, target.token_bytes.fingerprint)
+    for other in sorted(cache.glob(f"{stem}-*-{max_new_tokens}.safetensors")):  # a longer recording of the same prompts
+        count = other.name[len(stem) + 1 :].split("-")[0]
+        if count.isdigit() and int(count) >= n:
+            return load_traces(other, target.token_bytes.fingerprint)[:n]
     prompts = load_prompts(dataset, n)
     started = time.perf_counter()
     traces = record_many(target, prompts, max_new_tokens, batch_size=batch_size,
@@ -84,7 +89,7 @@ def evaluate(drafter: Any, replay: ReplayTarget, traces: list[TargetTrace], prom
     s = GenerationStats.from_rounds(rounds, tokens, time.perf_counter() - started)
     return {"acceptance_rate": s.acceptance_rate, "tau": s.mean_accepted_length,
             "ngram_hits_per_round": s.ngram_hits_per_round, "rounds": len(rounds),
-            "ngram_entries": len(pair.translator.cache)}
+            "ngram_entries": len(pair.translator.cache), "ngram_bytes": pair.translator.cache.nbytes}
 
 
 def _request(trace: TargetTrace, prompt: str, topk: int) -> VerifiedRequest:
@@ -155,9 +160,28 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
                     on_point({"variant": variant, **point})
         result["variants"][variant] = {"curve": curve, "final": curve[-1], "train_s": time.perf_counter() - started,
                                        "requests": i, "trained_bytes": sum(p.numel() * p.element_size() for p in trainer.params)}
+        if variant != "full":
+            result["variants"][variant]["profile"] = profile_footprint(drafter, target, adapter)
         _write(out, name, result)
     _write(out, name, result)
     return result
+
+
+def profile_footprint(drafter: Any, target: Any, adapter: str) -> dict[str, int]:
+    """Bytes of a pairing profile holding `adapter`: on disk (every file of the saved version, with
+    an empty n-gram cache: the cache's own size is measured by `evaluate` as `ngram_bytes`) and in
+    RAM (the adapter's tensors)."""
+    import tempfile
+
+    from ..distill.adapters import adapter_state
+    from ..profiles import PairingProfile, ProfileStore
+
+    tensors = adapter_state(drafter.trainable, adapter)
+    with tempfile.TemporaryDirectory() as tmp:
+        home = ProfileStore(tmp).save(PairingProfile(drafter=drafter.name, target=target.name, user="size",
+                                                     fingerprint="size", tensors={"adapter": tensors}))
+        disk = sum(f.stat().st_size for f in Path(home).rglob("*") if f.is_file())
+    return {"disk_bytes": disk, "adapter_ram_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
 def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], *, k: int, stop_confidence: float) -> list[dict]:
@@ -195,12 +219,18 @@ def markdown(result: dict[str, Any]) -> str:
         f = v["final"]
         lines.append(f"| {name} | {f['step']} | {f['acceptance_rate']:.3f} | {f['acceptance_rate'] - base['acceptance_rate']:+.3f} | "
                      f"{f['tau']:.2f} | {f['tau'] / base['tau'] - 1:+.1%} | {f['ngram_hits_per_round']:.2f} |")
+    for name, v in result["variants"].items():
+        if "profile" in v:
+            p = v["profile"]
+            lines.append(f"\n{name}: profile {p['disk_bytes'] / 2**20:.2f} MB on disk (adapter, metadata, empty cache); "
+                         f"adapter {p['adapter_ram_bytes'] / 2**20:.2f} MB in RAM")
     for row in result.get("cache_ablation", []):
         if row is result["cache_ablation"][0]:
             lines += ["", "n-gram cache (\"ngram\" translation, unadapted drafter):", "",
-                      "| cache | policy | τ | n-gram/round | share of the full cache's τ gain |", "|---|---|---|---|---|"]
+                      "| cache | policy | τ | n-gram/round | cache KB | share of the full cache's τ gain |",
+                      "|---|---|---|---|---|---|"]
         lines.append(f"| {row['cache']} | {row.get('policy', '–')} | {row['tau']:.3f} | {row['ngram_hits_per_round']:.3f} | "
-                     f"{row['gain_kept']:.0%} |")
+                     f"{row.get('ngram_bytes', 0) / 1024:.0f} | {row['gain_kept']:.0%} |")
     return "\n".join(lines) + "\n"
 
 
