@@ -58,7 +58,9 @@ def run_drafters(drafters: dict[str, Any], target: Any, *, datasets: list[str], 
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# drafting backends for {result['target']} (k={result['k']}, stop {result['stop_confidence']})", "",
+    title = (f"# drafting backends for {result['target']} (k={result['k']}, stop {result['stop_confidence']})"
+             if result["target"] else "# drafting backends: the drafter alone")
+    lines = [title, "",
              "| drafter | ms per drafted token | file MB |", "|---|---|---|"]
     for c in result["costs"]:
         lines.append(f"| {c['drafter']} | {c['ms_per_token']:.1f} | {'%.0f' % c['file_mb'] if c['file_mb'] else '–'} |")
