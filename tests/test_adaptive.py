@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import omnidraft as od
@@ -114,6 +116,32 @@ def test_round_labels_and_trainer_learns_a_separable_rule():
     assert trainer.evaluate(x, (x[:, low_entropy] < 0).float())["accuracy"] > 0.9
 
 
+
+@pytest.mark.parametrize("schedule", ["interleaved", "joint"])
+def test_trained_head_is_calibrated_despite_the_class_weights(schedule):
+    """The cost-aware rule multiplies probabilities, so they must be calibrated: on rows where 80% of
+    tokens are accepted whatever their features, the head predicts ~0.8, not the ~0.5 the
+    class-weighted loss alone would push it to."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    head = AcceptanceHead(hidden_size=8, width=16, depth=2)
+    trainer = HeadTrainer(head, HeadConfig(train=schedule, steps=40, lr=1e-2))
+    for _ in range(40):
+        x = torch.randn(256, 8 + EXTRA_FEATURES, generator=gen)
+        trainer.add_rows(x, (torch.rand(256, generator=gen) < 0.8).float())
+        trainer.update()
+    p = head.prob(torch.randn(2000, 8 + EXTRA_FEATURES, generator=gen))
+    assert head.prior_shift.item() == pytest.approx(math.log(0.2 / 0.8), abs=0.05)  # log(w+/w-)
+    assert float(p.mean()) == pytest.approx(0.8, abs=0.05)
+
+
+def test_a_head_saved_before_the_calibration_shift_still_loads():
+    head = AcceptanceHead(hidden_size=8, width=4, depth=1)
+    old = {k: v for k, v in head.state_dict().items() if k != "prior_shift"}
+    fresh = AcceptanceHead(hidden_size=8, width=4, depth=1)
+    fresh.load_state_dict(old)
+    assert fresh.prior_shift.item() == 0.0
+
 @pytest.mark.parametrize("schedule", ["interleaved", "joint"])
 def test_greedy_identity_with_a_learning_head(tiny_drafter, tiny_target, tmp_path, schedule):
     head = HeadConfig(train=schedule, interval=1, warmup=20, k_max=8, steps=10)
@@ -153,9 +181,13 @@ def test_bench_draft_trains_both_heads_once_and_compares_policies(tiny_drafter, 
                   fixed=[2, 4], k_max=6, cache=tmp_path)
     assert run_draft_policies(tiny_drafter, tiny_target, train_only=True, **kwargs) is None
     heads = sorted(p.name for p in tmp_path.glob("head-*"))
-    assert len(heads) == 2 and heads[0].endswith("interleaved.safetensors") and heads[1].endswith("joint.safetensors")
+    assert len(heads) == 3 and heads[0].endswith("interleaved.safetensors") and heads[1].endswith("joint.safetensors")
     result = run_draft_policies(tiny_drafter, tiny_target, **kwargs)  # the cached heads are used
+    score = result["head_scores"]["joint"]  # scored online, each request before training on it
+    assert score["rows"] > 0 and 0 <= score["mean_prob"] <= 1 and score["bce"] > 0
+    assert result["head_scores"]["interleaved"]["rows"] == 0  # 3 requests: it first trains after the 4th
     names = [r["variant"] for r in result["rows"]]
     assert names == ["fixed k=2", "fixed k=4", "fallback (hysteresis)", "head (joint)", "head (interleaved)"]
     assert all(r["identical"] == 2 for r in result["rows"])
-    assert "head (joint)" in write_draft_report([{"pair": "tiny", **result}], tmp_path, "draft")
+    table = write_draft_report([{"pair": "tiny", **result}], tmp_path, "draft")
+    assert "head (joint)" in table and "BCE of the mean rate" in table

@@ -34,7 +34,9 @@ class HeadConfig:
     the pairing's live cost model. `k_min`/`k_max` bound the draft. `width`/`depth`: the MLP.
     `train`: "interleaved" (own replay buffer, OmniDraft Algorithm 4), "joint" (updated in step with
     the adapter on the newest rounds only, Algorithm 3) or None (frozen). `warmup`: labelled tokens
-    seen before the head decides; until then the hysteresis fallback does.
+    seen before the head decides; until then the hysteresis fallback does. `steps` minibatches of
+    `batch_size` rows per update: on 60 GSM8K requests (3,300 rows) 30 x 256 overfit the interleaved
+    head (held-out BCE 0.98, worse than predicting the mean rate, 0.61); 10 x 64 gives 0.53-0.56.
     """
 
     gamma: float | str = "cost"
@@ -45,8 +47,8 @@ class HeadConfig:
     train: str | None = "interleaved"
     interval: int = 4
     lr: float = 1e-3
-    batch_size: int = 256
-    steps: int = 30
+    batch_size: int = 64
+    steps: int = 10
     capacity: int = 20000
     warmup: int = 200
     seed: int = 0
@@ -63,7 +65,13 @@ class HeadConfig:
 
 
 class AcceptanceHead(nn.Module):
-    """MLP: [hidden (d) ; extra (EXTRA_FEATURES)] -> logit of acceptance. `depth` distinct hidden layers."""
+    """MLP: [hidden (d) ; extra (EXTRA_FEATURES)] -> logit of acceptance. `depth` distinct hidden layers.
+
+    `forward` gives the logit the class-weighted loss trains; `prob` gives the calibrated
+    probability the stopping rule needs. Weighting positives by w+ and negatives by w- moves the
+    loss's optimum from logit(p) to logit(p) + log(w+/w-), so the trainer stores that shift in the
+    `prior_shift` buffer and `prob` takes it off (logit adjustment, Menon et al. 2021).
+    """
 
     def __init__(self, hidden_size: int, width: int = 128, depth: int = 2) -> None:
         super().__init__()
@@ -72,6 +80,12 @@ class AcceptanceHead(nn.Module):
         sizes = [hidden_size + EXTRA_FEATURES] + [width] * depth
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
         self.out = nn.Linear(width, 1)
+        self.register_buffer("prior_shift", torch.zeros(()))
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # heads saved before the shift existed were trained and used without it: load them as shift 0
+        state_dict.setdefault(prefix + "prior_shift", torch.zeros(()))
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Logits (N,) from features (N, hidden_size + EXTRA_FEATURES)."""
@@ -82,7 +96,8 @@ class AcceptanceHead(nn.Module):
 
     @torch.no_grad()
     def prob(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.forward(features))
+        """Calibrated P(accept) (N,): the trained logit minus the class-weighting shift."""
+        return torch.sigmoid(self.forward(features) - self.prior_shift)
 
 
 def token_features(hidden: torch.Tensor, logits: torch.Tensor, token: int, position: int, k_max: int,

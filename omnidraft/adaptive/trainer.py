@@ -4,7 +4,9 @@ Labels (greedy): the drafted tokens the target kept are 1, the first one it did 
 the tokens after it are unlabelled (the head predicts acceptance given the previous ones were
 accepted). Under rejection sampling the soft label min(1, p/q') applies; this engine's greedy
 verification gives hard labels. The loss weights the two classes by the inverse of their frequency
-in the batch's buffer (SpecDec++: rejections are rarer per token and cost more when missed).
+over every row the trainer has seen (SpecDec++: rejections are rarer per token and cost more when
+missed); the head stores the matching logit shift, so its `prob` stays calibrated, which the
+cost-aware stopping rule needs (it multiplies the probabilities).
 
 Two schedules (OmniDraft Algorithms 3 and 4):
 - "joint": every adapter update also takes head steps, on the rounds since the last update only;
@@ -16,6 +18,7 @@ flow into the adapter.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -43,6 +46,7 @@ class HeadTrainer:
         self.rows = 0  # rows in the buffer
         self.fresh = 0  # rows added since the last update
         self.seen = 0  # labelled rows over the trainer's life
+        self.accepted = 0  # positive rows among them
         self.trained = 0  # labelled rows seen as of the last update (persisted with the head)
         self.requests = 0
         self.steps = 0
@@ -59,6 +63,7 @@ class HeadTrainer:
         self.labels.append(labels)
         self.fresh += len(labels)
         self.seen += len(labels)
+        self.accepted += int(labels.sum())
         self.rows += len(labels)
         while self.rows > self.config.capacity:
             self.rows -= len(self.labels[0])
@@ -82,8 +87,11 @@ class HeadTrainer:
         if not self.fresh or len(y) == 0:
             return None
         positive = float(y.mean())
-        # inverse class frequency, normalised so a balanced buffer gets weight 1 on both classes
-        w_pos, w_neg = 0.5 / max(positive, 1e-3), 0.5 / max(1 - positive, 1e-3)
+        # inverse class frequency (normalised so balanced classes get weight 1), from the trainer's
+        # whole history so the weights, and the shift that undoes them, stay put from one update to the next
+        rate = min(max(self.accepted / self.seen, 1e-3), 1 - 1e-3)
+        w_pos, w_neg = 0.5 / rate, 0.5 / (1 - rate)
+        self.head.prior_shift.fill_(math.log(w_pos / w_neg))
         self.head.train()
         total = 0.0
         for _ in range(self.config.steps):
@@ -104,7 +112,7 @@ class HeadTrainer:
     def evaluate(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         """Accuracy and mean BCE of the head on held-out rows."""
         with torch.no_grad():
-            logits = self.head(features)
+            logits = self.head(features) - self.head.prior_shift  # calibrated, as `prob` sees them
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
             accuracy = ((logits > 0).float() == labels).float().mean()
         return {"bce": float(loss), "accuracy": float(accuracy)}

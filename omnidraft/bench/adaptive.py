@@ -28,7 +28,7 @@ from .adapt import _prompt_text, traces_for
 from .datasets import load_prompts
 from .runner import compare_pairings
 
-__all__ = ["run_draft_policies", "train_heads", "write_draft_report"]
+__all__ = ["Prequential", "run_draft_policies", "train_heads", "write_draft_report"]
 
 
 def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tokens: int, cache: Path,
@@ -37,7 +37,7 @@ def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tok
 
     The drafting rollout (the fallback policy picks draft lengths; features and labels are
     recorded) runs once; each schedule then replays the same per-request rows through its own
-    update cadence, as it would have seen them online.
+    update cadence, as it would have seen them online. Returns (heads, their `Prequential` scores).
     """
     from safetensors.torch import load_file, save_file
 
@@ -46,12 +46,13 @@ def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tok
 
     stem = f"head-{drafter.name}-{target.name}-{train.replace(':', '-')}-{n_train}-{max_new_tokens}"
     paths = {name: cache / f"{stem}-{name}.safetensors" for name in configs}
-    if all(p.exists() for p in paths.values()):
+    scores_path = cache / f"{stem}-scores.json"
+    if all(p.exists() for p in paths.values()) and scores_path.exists():
         heads = {}
         for name, config in configs.items():
             heads[name] = AcceptanceHead(drafter.hidden_size, config.width, config.depth)
             heads[name].load_state_dict(load_file(str(paths[name])))
-        return heads
+        return heads, json.loads(scores_path.read_text())
     traces = traces_for(target, train, n_train, max_new_tokens, cache)
     any_config = next(iter(configs.values()))
     pair = drafter.pair(ReplayTarget.like(target, traces), k=4, stop_confidence=0.3,
@@ -63,12 +64,15 @@ def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tok
         pair.generate(_prompt_text(target, trace), max_new_tokens=max(1, len(trace.continuation) - 1))
         requests.append((pair.head_trainer.features[before:], pair.head_trainer.labels[before:]))
         progress(f"head rollout {i + 1}/{len(traces)}")
-    heads = {}
+    heads, scores = {}, {}
     for name, config in configs.items():
         torch.manual_seed(config.seed)
         head = AcceptanceHead(drafter.hidden_size, config.width, config.depth)
         trainer = HeadTrainer(head, config)
+        score = Prequential()
         for i, (features, labels) in enumerate(requests):
+            if trainer.steps and labels:  # scored before it trains on them
+                score.add(head.prob(torch.cat(features)), torch.cat(labels))
             for x, y in zip(features, labels):
                 trainer.add_rows(x, y)
             if config.train == "interleaved":
@@ -78,8 +82,34 @@ def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tok
         if trainer.fresh:
             trainer.update()
         save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(paths[name]))
-        heads[name] = head.eval()
-    return heads
+        heads[name], scores[name] = head.eval(), score.report()
+    atomic_write_bytes(scores_path, json.dumps(scores, indent=1).encode())
+    return heads, scores
+
+
+class Prequential:
+    """Online (prequential) score of a head: each request's rows are predicted before the head
+    trains on them. Reports the head's BCE, the BCE of always predicting the acceptance rate seen
+    so far (what a head must beat to be informative), and mean predicted vs observed acceptance
+    (calibration: the cost-aware stopping rule multiplies these probabilities)."""
+
+    def __init__(self) -> None:
+        self.bce = self.base = self.prob = 0.0
+        self.rows = self.accepted = 0
+
+    def add(self, probs: torch.Tensor, labels: torch.Tensor) -> None:
+        rate = min(max(self.accepted / self.rows, 1e-3), 1 - 1e-3) if self.rows else 0.5
+        bce = torch.nn.functional.binary_cross_entropy
+        self.bce += float(bce(probs.clamp(1e-6, 1 - 1e-6), labels, reduction="sum"))
+        self.base += float(bce(torch.full_like(labels, rate), labels, reduction="sum"))
+        self.prob += float(probs.sum())
+        self.rows += len(labels)
+        self.accepted += int(labels.sum())
+
+    def report(self) -> dict[str, float]:
+        n = max(self.rows, 1)
+        return {"rows": self.rows, "bce": self.bce / n, "constant_bce": self.base / n,
+                "mean_prob": self.prob / n, "accept_rate": self.accepted / n}
 
 
 def _variants(drafter: Any, target: Any, fixed: list[int], heads: dict[str, Any], k_max: int) -> dict[str, Any]:
@@ -98,13 +128,14 @@ def run_draft_policies(drafter: Any, target: Any, *, dataset: str, train: str, n
     """Rows: variant -> acceptance, τ, tokens/s, speedup over the target alone, identical count.
     `train_only` stops after training (and caching) the heads: that part needs no idle machine."""
     configs = {"joint": HeadConfig(train="joint", k_max=k_max, interval=1, steps=5),
-               "interleaved": HeadConfig(train="interleaved", k_max=k_max, interval=4, steps=30)}
-    heads = train_heads(drafter, target, train, n_train, train_tokens, cache, configs, progress)
+               "interleaved": HeadConfig(train="interleaved", k_max=k_max, interval=4, steps=10)}
+    heads, scores = train_heads(drafter, target, train, n_train, train_tokens, cache, configs, progress)
     if train_only:
         return None
     pairs = _variants(drafter, target, fixed, heads, k_max)
     result = compare_pairings(pairs, load_prompts(dataset, n), max_new_tokens, progress)
-    return {"dataset": dataset, "train": train, "n_train": n_train, "max_new_tokens": max_new_tokens, **result}
+    return {"dataset": dataset, "train": train, "n_train": n_train, "max_new_tokens": max_new_tokens,
+            "head_scores": scores, **result}
 
 
 def write_draft_report(results: list[dict[str, Any]], out: Path, name: str) -> str:
@@ -114,6 +145,13 @@ def write_draft_report(results: list[dict[str, Any]], out: Path, name: str) -> s
         for r in res["rows"]:
             table += (f"| {res['pair']} | {res['dataset']} | {r['variant']} | {r['acceptance_rate']:.3f} | {r['tau']:.2f} | "
                       f"{r['drafted_per_round']:.1f} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n")
+    table += "\nHeads scored online on their training stream (each request predicted before training on it):\n\n" \
+             "| pair | dataset | head | rows | BCE | BCE of the mean rate | mean predicted p | acceptance |\n" \
+             "|---|---|---|---|---|---|---|---|\n"
+    for res in results:
+        for schedule, sc in res.get("head_scores", {}).items():
+            table += (f"| {res['pair']} | {res['dataset']} | {schedule} | {sc['rows']} | {sc['bce']:.3f} | "
+                      f"{sc['constant_bce']:.3f} | {sc['mean_prob']:.3f} | {sc['accept_rate']:.3f} |\n")
     atomic_write_bytes(out / f"{name}.json", json.dumps(results, indent=1).encode())
     atomic_write_bytes(out / f"{name}.md", table.encode())
     return table
