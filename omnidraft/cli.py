@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 __all__ = ["main"]
 
@@ -207,6 +207,15 @@ def _demo(args: argparse.Namespace) -> None:
               f"{s['speedup']:>8.2f}×  {s['identical_rate']:.0%}")
 
 
+def _loaded_pairs(specs: list[str] | None, default: str) -> Iterator[tuple[str, Any, Any]]:
+    """(spec, drafter, target) for each DRAFTER:TARGET spec, loaded one pair at a time."""
+    import omnidraft as od
+
+    for pair_spec in specs or [default]:
+        drafter_spec, target_spec = _split_pair(pair_spec)
+        yield pair_spec, od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
+
+
 def _bench_remote(args: argparse.Namespace) -> None:
     import json
 
@@ -218,11 +227,7 @@ def _bench_remote(args: argparse.Namespace) -> None:
     from .stats import write_trace
 
     rows = []
-    for pair_spec in args.pair or [f"{DRAFTER}:{TARGET}"]:
-        drafter_spec, target_spec = _split_pair(pair_spec)
-        import omnidraft as od
-
-        drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
+    for pair_spec, drafter, target in _loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}"):
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
             bar = tqdm(desc=f"{pair_spec} {dataset} remote", file=sys.stderr)
             record = (lambda rtt, i, out, dataset=dataset, pair_spec=pair_spec: write_trace(
@@ -289,16 +294,12 @@ def _adapt(args: argparse.Namespace) -> None:
 def _bench_draft(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    import omnidraft as od
-
     from .bench.adaptive import run_draft_policies, write_draft_report
 
     if min(args.n_train, args.k_max) < 1 or any(k < 1 for k in args.fixed_k or []):
         raise SystemExit("--n-train, --k-max and every --fixed-k must be >= 1")
     results = []
-    for pair_spec in args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]:
-        drafter_spec, target_spec = _split_pair(pair_spec)
-        drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
+    for pair_spec, drafter, target in _loaded_pairs(args.pair, f"{DRAFTER}:qwen2.5-coder-0.5b"):
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
             bar = tqdm(desc=f"{pair_spec} {dataset}", file=sys.stderr)
             res = run_draft_policies(drafter, target, dataset=dataset, train=f"{dataset}:train", n=args.n,
