@@ -276,7 +276,7 @@ class Pairing:
             t4 = time.perf_counter()
             produced += len(new)
             if not first:  # the first verification also prefills the prompt: not a verification cost
-                self.cost.observe(len(draft.ids), t1 - t0, len(proposal) + 1, t3 - t2)
+                self.cost.observe(len(draft.ids), t1 - t0, len(proposal) + 1, t3 - t2, (t2 - t1) + (t4 - t3))
             first = False
             if stopper is not None:
                 if hc.train is not None:

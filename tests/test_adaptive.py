@@ -101,6 +101,30 @@ def test_cost_aware_threshold_is_the_marginal_rate_rule():
     assert stopper.threshold(1, 0.8) == pytest.approx(1 - rate * 0.10 / 0.8)
 
 
+def test_cost_model_separates_the_rounds_fixed_cost_from_the_marginal_ones():
+    """Drafting n tokens costs a catch-up forward (40 ms) plus 25 ms a token: the marginal cost of a
+    drafted token is 25 ms, not the 45 ms a 2-token round averages. A verification curve with a
+    lumpy step (V(3) = V(2)) still gets its fitted slope as the cost of one more token."""
+    cost = CostModel(decay=0.0)
+    for n, v in [(2, 0.41), (4, 0.46), (6, 0.52)]:
+        cost.observe(drafted=n, t_draft=0.040 + 0.025 * n, verified=n + 1, t_verify=v, t_other=0.002)
+    cost.observe(drafted=2, t_draft=0.090, verified=2, t_verify=0.41, t_other=0.002)
+    assert cost.draft == pytest.approx(0.025) and cost.overhead == pytest.approx(0.042)
+    assert cost.verify_cost(2) == cost.verify_cost(3) == pytest.approx(0.41)
+    assert 0.02 < cost.verify_slope < 0.03
+    stopper = Stopper(FixedHead([0.7, 0.7]), HeadConfig(gamma="cost"), torch.ones(5, dtype=torch.bool), cost)
+    for n in range(2):
+        stopper.stop_after(n, 0, torch.zeros(5), torch.zeros(3))
+    rate = (1 + 0.7 + 0.49) / (0.042 + 2 * 0.025 + cost.verify_cost(3))
+    assert stopper.threshold(2, 0.7) == pytest.approx(1 - rate * (0.025 + cost.verify_slope) / 0.7)
+
+
+def test_cost_model_with_one_length_seen_charges_the_mean_per_token():
+    cost = CostModel()
+    cost.observe(drafted=4, t_draft=0.12, verified=5, t_verify=0.3)
+    assert cost.draft == pytest.approx(0.03) and cost.overhead == 0.0 and not cost.ready
+
+
 def test_round_labels_and_trainer_learns_a_separable_rule():
     assert round_labels(5, 2).tolist() == [1, 1, 0] and round_labels(3, 3).tolist() == [1, 1, 1]
     torch.manual_seed(0)

@@ -111,28 +111,50 @@ def token_features(hidden: torch.Tensor, logits: torch.Tensor, token: int, posit
 
 
 class CostModel:
-    """Live costs of this pairing: a drafter step and a verification of m tokens, in seconds.
+    """Live costs of this pairing, in seconds: exponential moving averages per draft length and per
+    verified length, with a straight line fitted through each.
 
-    Fed by every round (drafting time / drafted tokens, verification time for proposed + 1 tokens),
-    as exponential moving averages; verification of an m never seen is interpolated linearly
-    between the nearest measured ones (or extrapolated from the fitted slope).
+    A round's drafting time is `draft_fixed + drafted * draft`: the fixed part is the drafter's
+    catch-up forward over the tokens just committed, which a longer draft does not repeat, so the
+    marginal cost of one more drafted token is the line's slope `draft`, not the round's time per
+    drafted token. `overhead` is that fixed part plus translation and resync. Verifying m tokens
+    costs `verify_cost(m)` (interpolated between measured m) and one more token costs `verify_slope`,
+    the fitted line's slope, so a lumpy m -> m+1 step of the measured curve does not decide a
+    draft's length. With one length seen, a line through the origin stands in.
     """
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
-        self.draft: float | None = None
+        self.drafting: dict[int, float] = {}
         self.verify: dict[int, float] = {}
+        self._other: float | None = None
 
-    def observe(self, drafted: int, t_draft: float, verified: int, t_verify: float) -> None:
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def observe(self, drafted: int, t_draft: float, verified: int, t_verify: float, t_other: float = 0.0) -> None:
         if drafted > 0:
-            per = t_draft / drafted
-            self.draft = per if self.draft is None else self.decay * self.draft + (1 - self.decay) * per
-        old = self.verify.get(verified)
-        self.verify[verified] = t_verify if old is None else self.decay * old + (1 - self.decay) * t_verify
+            self.drafting[drafted] = self._ema(self.drafting.get(drafted), t_draft)
+        self.verify[verified] = self._ema(self.verify.get(verified), t_verify)
+        self._other = self._ema(self._other, t_other)
 
     @property
     def ready(self) -> bool:
-        return self.draft is not None and len(self.verify) >= 2
+        return bool(self.drafting) and len(self.verify) >= 2
+
+    @property
+    def draft(self) -> float | None:
+        """Marginal cost of one more drafted token."""
+        return _line(self.drafting)[1] if self.drafting else None
+
+    @property
+    def overhead(self) -> float:
+        """Per-round cost that does not grow with the draft: catch-up forward, translation, resync."""
+        return (_line(self.drafting)[0] if self.drafting else 0.0) + (self._other or 0.0)
+
+    @property
+    def verify_slope(self) -> float:
+        return _line(self.verify)[1] if self.verify else 0.0
 
     def verify_cost(self, m: int) -> float:
         known = sorted(self.verify)
@@ -142,20 +164,32 @@ class CostModel:
         hi = min((x for x in known if x > m), default=None)
         if lo is not None and hi is not None:
             return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (m - lo) / (hi - lo)
-        a, b = (known[0], known[1]) if hi is not None else (known[-2], known[-1])
-        slope = max(0.0, (self.verify[b] - self.verify[a]) / (b - a))
-        edge = a if hi is not None else b
-        return max(1e-6, self.verify[edge] + slope * (m - edge))
+        edge = lo if lo is not None else hi
+        return max(1e-6, self.verify[edge] + self.verify_slope * (m - edge))
+
+
+def _line(points: dict[int, float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) through {x: y}, both >= 0: a negative slope is taken as flat,
+    a negative intercept as a line through the origin (and so is a single point)."""
+    n = len(points)
+    mx, my = sum(points) / n, sum(points.values()) / n
+    sxx = sum((x - mx) ** 2 for x in points)
+    if n < 2 or sxx == 0:
+        return 0.0, my / mx
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points.items()) / sxx)
+    if my - slope * mx < 0:
+        return 0.0, sum(x * y for x, y in points.items()) / sum(x * x for x in points)
+    return my - slope * mx, slope
 
 
 class Stopper:
     """Eq. (6)-(7) over one draft: feed each drafted token's features, ask whether to stop.
 
     `threshold(n)`: gamma, or with a cost model the cost-aware gamma_n. Drafting token n+1 costs
-    one drafter step plus the extra verification, c_d + V(n+2) - V(n+1), and adds P_{n+1} ~ P_n * p_n
-    expected accepted tokens; it pays when that gain per cost beats the round's current rate
-    R(n) = (1 + sum_{j<=n} P_j) / (n c_d + V(n+1)). So stop when P_n < R(n) * cost / p_n, i.e.
-    gamma_n = 1 - R(n) * cost / p_n.
+    one drafter step plus one more verified token, c = c_d + c_v (marginal costs), and adds
+    P_{n+1} ~ P_n * p_n expected accepted tokens; it pays when that gain per cost beats the round's
+    current rate R(n) = (1 + sum_{j<=n} P_j) / (o + n c_d + V(n+1)), o the round's fixed overhead.
+    So stop when P_n < R(n) * c / p_n, i.e. gamma_n = 1 - R(n) * c / p_n.
     """
 
     def __init__(self, head: AcceptanceHead, config: HeadConfig, direct: torch.Tensor, cost: CostModel | None = None) -> None:
@@ -177,8 +211,8 @@ class Stopper:
         if self.cost is None or not self.cost.ready:
             return 0.5
         c_d = self.cost.draft
-        rate = self.expected / (n * c_d + self.cost.verify_cost(n + 1))
-        more = c_d + max(0.0, self.cost.verify_cost(n + 2) - self.cost.verify_cost(n + 1))
+        rate = self.expected / (self.cost.overhead + n * c_d + self.cost.verify_cost(n + 1))
+        more = c_d + self.cost.verify_slope
         return min(1.0, max(0.0, 1 - rate * more / max(p_last, 1e-6)))
 
     def stop_after(self, position: int, token: int, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
