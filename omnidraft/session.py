@@ -242,9 +242,12 @@ class Pairing:
         produced, k = 0, self.config.k
         hc = self.config.head
         stopper = Stopper(self.head, hc, self._shared, self.cost) if hc is not None else None
-        first = True
+        first, last = True, None
         while produced < max_new_tokens:
             t0 = time.perf_counter()
+            if last is not None:  # the round's whole wall time beyond drafting and verifying is overhead
+                drafted, t_draft, verified, t_verify, started = last
+                self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
             extra: dict[str, Any] = {}
             stop_confidence = self.config.stop_confidence
             if stopper is not None:
@@ -275,8 +278,10 @@ class Pairing:
             translator.learn(draft.ids[:keep] + tail, new)
             t4 = time.perf_counter()
             produced += len(new)
-            if not first:  # the first verification also prefills the prompt: not a verification cost
-                self.cost.observe(len(draft.ids), t1 - t0, len(proposal) + 1, t3 - t2, (t2 - t1) + (t4 - t3))
+            # the first verification also prefills the prompt: not a verification cost. The round is
+            # observed when the next one starts, so its overhead includes the head's bookkeeping, the
+            # caller's handling of the yielded tokens and whatever else stands between two rounds
+            last = None if first else (len(draft.ids), t1 - t0, len(proposal) + 1, t3 - t2, t0)
             first = False
             if stopper is not None:
                 if hc.train is not None:

@@ -41,7 +41,7 @@ def test_draft_length_grows_under_full_acceptance(tiny_target):
 
 # -- acceptance head (adaptive/head.py, adaptive/trainer.py) --------------------------------------
 
-from omnidraft.adaptive.head import EXTRA_FEATURES, AcceptanceHead, CostModel, HeadConfig, Stopper  # noqa: E402
+from omnidraft.adaptive.head import EXTRA_FEATURES, AcceptanceHead, CostModel, HeadConfig, Stopper, _line  # noqa: E402
 from omnidraft.adaptive.trainer import HeadTrainer, round_labels  # noqa: E402
 from omnidraft.profiles import ProfileStore  # noqa: E402
 
@@ -117,6 +117,42 @@ def test_cost_model_separates_the_rounds_fixed_cost_from_the_marginal_ones():
         stopper.stop_after(n, 0, torch.zeros(5), torch.zeros(3))
     rate = (1 + 0.7 + 0.49) / (0.042 + 2 * 0.025 + cost.verify_cost(3))
     assert stopper.threshold(2, 0.7) == pytest.approx(1 - rate * (0.025 + cost.verify_slope) / 0.7)
+
+
+def test_cost_lines_weigh_lengths_by_how_often_and_how_lately_they_were_seen():
+    """The policy drafts 4-6 tokens every round (verify = 0.15 + 0.006 m); two early rounds, while
+    the machine was busy, verified 2 and 12 tokens slowly. Unweighted, those two stale points set
+    the slope (23 ms) for good; weighted by use, after 100 rounds the fit follows the rounds that
+    happen (6 ms)."""
+    cost = CostModel(decay=0.0)
+    cost.observe(drafted=1, t_draft=0.06, verified=2, t_verify=0.12)
+    cost.observe(drafted=11, t_draft=0.40, verified=12, t_verify=0.35)
+    for i in range(100):
+        n = 4 + i % 3
+        cost.observe(drafted=n, t_draft=0.030 + 0.025 * n, verified=n + 1, t_verify=0.15 + 0.006 * (n + 1))
+    assert cost.verify_slope == pytest.approx(0.006, abs=0.001)
+    assert cost.draft == pytest.approx(0.025, abs=0.002)
+    even = {x: 1.0 for x in cost.verify}
+    assert _line(cost.verify, even)[1] > 0.02  # what the unweighted fit would charge
+
+
+def test_round_overhead_includes_what_happens_between_rounds(tiny_drafter, tiny_target):
+    """A caller that takes 30 ms over each streamed piece makes every round 30 ms dearer; the cost
+    model must see it, or it would rate short drafts (more rounds) too cheap."""
+    import time
+
+    pair = tiny_drafter.pair(tiny_target, k=2)
+    for _piece in pair.stream(PROMPTS[0], max_new_tokens=24):
+        time.sleep(0.03)
+    assert len(pair.last.rounds) >= 4
+    assert pair.cost.overhead >= 0.025
+
+
+def test_cost_model_rejects_bad_settings():
+    with pytest.raises(ValueError, match="fade"):
+        CostModel(fade=0.0)
+    with pytest.raises(ValueError, match="decay"):
+        CostModel(decay=1.0)
 
 
 def test_cost_model_with_one_length_seen_charges_the_mean_per_token():

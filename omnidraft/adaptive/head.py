@@ -117,16 +117,27 @@ class CostModel:
     A round's drafting time is `draft_fixed + drafted * draft`: the fixed part is the drafter's
     catch-up forward over the tokens just committed, which a longer draft does not repeat, so the
     marginal cost of one more drafted token is the line's slope `draft`, not the round's time per
-    drafted token. `overhead` is that fixed part plus translation and resync. Verifying m tokens
+    drafted token. `overhead` is that fixed part plus `t_other`, the rest of the round's wall time
+    (translation, resync, the caller's handling of the tokens: the session passes all of it, since
+    a round it leaves out makes short drafts look cheaper than they are). Verifying m tokens
     costs `verify_cost(m)` (interpolated between measured m) and one more token costs `verify_slope`,
     the fitted line's slope, so a lumpy m -> m+1 step of the measured curve does not decide a
     draft's length. With one length seen, a line through the origin stands in.
+
+    Each line is weighted by how often, and how lately, its lengths were seen: every observation
+    adds 1 to its length's weight and multiplies all weights by `fade`. A length met twice at the
+    start (the machine still warm from something else) would otherwise pull the slope as hard as
+    the lengths the policy drafts every round.
     """
 
-    def __init__(self, decay: float = 0.9) -> None:
-        self.decay = decay
+    def __init__(self, decay: float = 0.9, fade: float = 0.95) -> None:
+        if not (0.0 <= decay < 1.0 and 0.0 < fade <= 1.0):
+            raise ValueError(f"CostModel needs 0 <= decay < 1 and 0 < fade <= 1, got decay={decay}, fade={fade}")
+        self.decay, self.fade = decay, fade
         self.drafting: dict[int, float] = {}
         self.verify: dict[int, float] = {}
+        self.drafting_weight: dict[int, float] = {}
+        self.verify_weight: dict[int, float] = {}
         self._other: float | None = None
 
     def _ema(self, old: float | None, new: float) -> float:
@@ -135,8 +146,15 @@ class CostModel:
     def observe(self, drafted: int, t_draft: float, verified: int, t_verify: float, t_other: float = 0.0) -> None:
         if drafted > 0:
             self.drafting[drafted] = self._ema(self.drafting.get(drafted), t_draft)
+            self._count(self.drafting_weight, drafted)
         self.verify[verified] = self._ema(self.verify.get(verified), t_verify)
+        self._count(self.verify_weight, verified)
         self._other = self._ema(self._other, t_other)
+
+    def _count(self, weights: dict[int, float], length: int) -> None:
+        for x in weights:
+            weights[x] *= self.fade
+        weights[length] = weights.get(length, 0.0) + 1.0
 
     @property
     def ready(self) -> bool:
@@ -145,16 +163,16 @@ class CostModel:
     @property
     def draft(self) -> float | None:
         """Marginal cost of one more drafted token."""
-        return _line(self.drafting)[1] if self.drafting else None
+        return _line(self.drafting, self.drafting_weight)[1] if self.drafting else None
 
     @property
     def overhead(self) -> float:
         """Per-round cost that does not grow with the draft: catch-up forward, translation, resync."""
-        return (_line(self.drafting)[0] if self.drafting else 0.0) + (self._other or 0.0)
+        return (_line(self.drafting, self.drafting_weight)[0] if self.drafting else 0.0) + (self._other or 0.0)
 
     @property
     def verify_slope(self) -> float:
-        return _line(self.verify)[1] if self.verify else 0.0
+        return _line(self.verify, self.verify_weight)[1] if self.verify else 0.0
 
     def verify_cost(self, m: int) -> float:
         known = sorted(self.verify)
@@ -168,17 +186,19 @@ class CostModel:
         return max(1e-6, self.verify[edge] + self.verify_slope * (m - edge))
 
 
-def _line(points: dict[int, float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) through {x: y}, both >= 0: a negative slope is taken as flat,
-    a negative intercept as a line through the origin (and so is a single point)."""
-    n = len(points)
-    mx, my = sum(points) / n, sum(points.values()) / n
-    sxx = sum((x - mx) ** 2 for x in points)
-    if n < 2 or sxx == 0:
+def _line(points: dict[int, float], weights: dict[int, float]) -> tuple[float, float]:
+    """Weighted least-squares (intercept, slope) through {x: y}, both >= 0: a negative slope is taken
+    as flat, a negative intercept as a line through the origin (and so is a single length)."""
+    w = {x: weights.get(x, 1.0) for x in points}
+    total = sum(w.values())
+    mx = sum(w[x] * x for x in points) / total
+    my = sum(w[x] * y for x, y in points.items()) / total
+    sxx = sum(w[x] * (x - mx) ** 2 for x in points)
+    if len(points) < 2 or sxx == 0:
         return 0.0, my / mx
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points.items()) / sxx)
+    slope = max(0.0, sum(w[x] * (x - mx) * (y - my) for x, y in points.items()) / sxx)
     if my - slope * mx < 0:
-        return 0.0, sum(x * y for x, y in points.items()) / sum(x * x for x in points)
+        return 0.0, sum(w[x] * x * y for x, y in points.items()) / sum(w[x] * x * x for x in points)
     return my - slope * mx, slope
 
 
