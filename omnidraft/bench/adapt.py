@@ -200,8 +200,14 @@ def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], *, k: i
     for policy in ("lfu", "lru"):
         rows.append({"cache": f"quarter ({quarter} entries)", "policy": policy, **run(max_entries=quarter, policy=policy)})
     for row in rows:
-        row["gain_kept"] = (row["tau"] - none["tau"]) / max(1e-9, full["tau"] - none["tau"])
+        row["gain_kept"] = gain_kept(row["tau"], none["tau"], full["tau"])
     return rows
+
+
+def gain_kept(tau: float, none: float, full: float, floor: float = 0.01) -> float | None:
+    """Share of the full cache's τ gain a smaller cache keeps; None when the full cache gains less
+    than `floor` τ (a ratio of two noise-sized numbers means nothing)."""
+    return None if full - none < floor else (tau - none) / (full - none)
 
 
 def _write(out: Path, name: str, result: dict[str, Any]) -> None:
@@ -230,8 +236,14 @@ def markdown(result: dict[str, Any]) -> str:
                       "| cache | policy | τ | n-gram/round | cache KB | share of the full cache's τ gain |",
                       "|---|---|---|---|---|---|"]
         lines.append(f"| {row['cache']} | {row.get('policy', '–')} | {row['tau']:.3f} | {row['ngram_hits_per_round']:.3f} | "
-                     f"{row.get('ngram_bytes', 0) / 1024:.0f} | {row['gain_kept']:.0%} |")
+                     f"{row.get('ngram_bytes', 0) / 1024:.0f} | {_share(row.get('gain_kept'))} |")
+    if result.get("cache_ablation") and result["cache_ablation"][1].get("gain_kept") is None:
+        lines.append("\nThe full cache gains less than 0.01 τ on these prompts, so no share of its gain is reported.")
     return "\n".join(lines) + "\n"
+
+
+def _share(kept: float | None) -> str:
+    return "–" if kept is None else f"{kept:.0%}"
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
