@@ -167,7 +167,7 @@ class CostModel:
 
     @property
     def overhead(self) -> float:
-        """Per-round cost that does not grow with the draft: catch-up forward, translation, resync."""
+        """Per-round cost that does not grow with the draft: catch-up forward and the rest of the round."""
         return (_line(self.drafting, self.drafting_weight)[0] if self.drafting else 0.0) + (self._other or 0.0)
 
     @property
