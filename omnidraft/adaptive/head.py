@@ -139,6 +139,9 @@ class CostModel:
         self.drafting_weight: dict[int, float] = {}
         self.verify_weight: dict[int, float] = {}
         self._other: float | None = None
+        # (intercept, slope) of each line, refitted once a round: the stopping rule reads them per token
+        self._draft_line: tuple[float, float] | None = None
+        self._verify_line = (0.0, 0.0)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -150,6 +153,9 @@ class CostModel:
         self.verify[verified] = self._ema(self.verify.get(verified), t_verify)
         self._count(self.verify_weight, verified)
         self._other = self._ema(self._other, t_other)
+        if self.drafting:
+            self._draft_line = _line(self.drafting, self.drafting_weight)
+        self._verify_line = _line(self.verify, self.verify_weight)
 
     def _count(self, weights: dict[int, float], length: int) -> None:
         for x in weights:
@@ -163,16 +169,16 @@ class CostModel:
     @property
     def draft(self) -> float | None:
         """Marginal cost of one more drafted token."""
-        return _line(self.drafting, self.drafting_weight)[1] if self.drafting else None
+        return self._draft_line[1] if self._draft_line else None
 
     @property
     def overhead(self) -> float:
         """Per-round cost that does not grow with the draft: catch-up forward and the rest of the round."""
-        return (_line(self.drafting, self.drafting_weight)[0] if self.drafting else 0.0) + (self._other or 0.0)
+        return (self._draft_line[0] if self._draft_line else 0.0) + (self._other or 0.0)
 
     @property
     def verify_slope(self) -> float:
-        return _line(self.verify, self.verify_weight)[1] if self.verify else 0.0
+        return self._verify_line[1]
 
     def verify_cost(self, m: int) -> float:
         known = sorted(self.verify)
