@@ -204,10 +204,13 @@ def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], *, k: i
     return rows
 
 
-def gain_kept(tau: float, none: float, full: float, floor: float = 0.01) -> float | None:
+NO_GAIN = 0.01  # τ: a full cache gaining less than this has no gain to share out
+
+
+def gain_kept(tau: float, none: float, full: float) -> float | None:
     """Share of the full cache's τ gain a smaller cache keeps; None when the full cache gains less
-    than `floor` τ (a ratio of two noise-sized numbers means nothing)."""
-    return None if full - none < floor else (tau - none) / (full - none)
+    than NO_GAIN (a ratio of two noise-sized numbers means nothing)."""
+    return None if full - none < NO_GAIN else (tau - none) / (full - none)
 
 
 def _write(out: Path, name: str, result: dict[str, Any]) -> None:
@@ -238,7 +241,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {row['cache']} | {row.get('policy', '–')} | {row['tau']:.3f} | {row['ngram_hits_per_round']:.3f} | "
                      f"{row.get('ngram_bytes', 0) / 1024:.0f} | {_share(row.get('gain_kept'))} |")
     if result.get("cache_ablation") and result["cache_ablation"][1].get("gain_kept") is None:
-        lines.append("\nThe full cache gains less than 0.01 τ on these prompts, so no share of its gain is reported.")
+        lines.append(f"\nThe full cache gains less than {NO_GAIN} τ on these prompts, so no share of its gain is reported.")
     return "\n".join(lines) + "\n"
 
 
