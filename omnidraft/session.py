@@ -190,10 +190,15 @@ class Pairing:
         out: list[int] = []
         rounds: list[RoundRecord] = []
         text, shown, reason = "", 0, "length"
+        tts = self.learner.config.tts_every if self.learner is not None else 0
+        if tts:
+            self.learner.begin_request()
         try:
             for new, record in self._rounds(prompt, max_new_tokens, generator):
                 rounds.append(record)
                 out += new
+                if tts and len(rounds) % tts == 0:
+                    self.learner.within_request(self._verified(prompt, out, rounds))
                 text += decoder.decode(self.target.token_bytes.join(new))
                 if stop and (cut := _first_stop(text, max(0, shown - hold), stop)) is not None:
                     text, reason = text[:cut], "stop"
@@ -207,6 +212,9 @@ class Pairing:
             stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
             self.last = exc.partial = Generation(text + decoder.decode(b"", final=True), out, stats, rounds, "error")
             raise
+        finally:
+            if tts:
+                self.learner.end_request()  # the request's fast steps end with it, however it ends
         if reason != "stop":
             text += decoder.decode(b"", final=True)
         if len(text) > shown:

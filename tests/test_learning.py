@@ -107,6 +107,41 @@ def test_learning_raises_acceptance_on_what_it_has_seen(drafter, tiny_target, tm
     assert after > before + 0.2, (before, after)
 
 
+def test_test_time_speculation_steps_within_a_request_and_undoes_them_at_its_end(drafter, tiny_target, tmp_path):
+    torch.manual_seed(0)
+    train = TrainConfig(interval=100, tts_every=1, tts_lr=0.5)  # no Algorithm 2 update: only the fast steps move it
+    pair = drafter.pair(tiny_target, k=4, learn=True, adapter=SMALL, train=train, store=ProfileStore(tmp_path))
+    before = adapter_state(drafter.trainable, pair.adapter)
+    moved = False
+    for piece in pair.stream(PROMPTS[0], max_new_tokens=24):
+        now = adapter_state(drafter.trainable, pair.adapter)
+        moved = moved or any(not torch.equal(before[k], now[k]) for k in now)
+    assert moved and pair.learner.fast_steps > 0
+    assert pair.last.token_ids == target_greedy(tiny_target, PROMPTS[0], 24)  # still the target's own output
+    after = adapter_state(drafter.trainable, pair.adapter)
+    assert all(torch.equal(before[k], after[k]) for k in after)  # undone at the request's end
+    assert pair.steps == 0
+
+
+def test_test_time_speculation_is_undone_when_the_request_is_abandoned(drafter, tiny_target, tmp_path):
+    torch.manual_seed(0)
+    pair = drafter.pair(tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
+                        train=TrainConfig(interval=100, tts_every=1, tts_lr=0.5))
+    before = adapter_state(drafter.trainable, pair.adapter)
+    stream = pair.stream(PROMPTS[1], max_new_tokens=24)
+    next(stream), next(stream)
+    stream.close()  # the caller stops reading mid-request
+    after = adapter_state(drafter.trainable, pair.adapter)
+    assert pair.learner.fast_steps > 0 and all(torch.equal(before[k], after[k]) for k in after)
+
+
+def test_train_config_refuses_a_bad_test_time_speculation_setting():
+    with pytest.raises(ValueError, match="tts_every"):
+        TrainConfig(tts_every=-1)
+    with pytest.raises(ValueError, match="tts_lr"):
+        TrainConfig(tts_every=2, tts_lr=0.0)
+
+
 def test_switching_target_switches_adapter_and_cache(drafter, tiny_target, target_tokenizer, tmp_path):
     from omnidraft import LocalTarget
 
@@ -179,8 +214,11 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     assert "| hybrid | 2 |" in (tmp_path / "adapt.md").read_text()
     recorded = sorted(tmp_path.glob("traces-*"))
     stamp = [p.stat().st_mtime_ns for p in recorded]
-    run_adapt(drafter, tiny_target, variants=["none"], **kwargs)  # traces are reused, not recorded again
+    # traces are reused, not recorded again; with an early stop the fixed-length figures come too
+    again = run_adapt(drafter, tiny_target, variants=["none"], **{**kwargs, "stop_confidence": 0.5})
     assert [p.stat().st_mtime_ns for p in recorded] == stamp
+    assert again["variants"]["none"]["fixed_k"] == again["baseline_fixed_k"]
+    assert "fixed draft length (k=4" in (tmp_path / "adapt.md").read_text()
 
 
 def test_cache_ablation_share_is_undefined_when_the_full_cache_gains_nothing():

@@ -5,6 +5,12 @@ request that completes the interval or in a background thread.
 An update holds the drafter's lock from start to end: drafting (of this pairing or another one on
 the same drafter) waits rather than read an adapter mid-step or the wrong active adapter. Learning
 changes how fast the pairing is, never what the target commits.
+
+Test-Time Speculation (`TrainConfig.tts_every`): a long request also teaches the drafter while it
+runs. `begin_request` keeps a copy of the adapter, `within_request` takes one fast Adam step on the
+request so far, `end_request` puts the copy back, so Algorithm 2's updates see only whole requests.
+The drafter's KV cache of the running request keeps what the older weights computed; drafting from it
+stays correct (the target decides what is committed), only slightly less well aimed.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ class Learner:
         self._recent: list[tuple[float, float]] = []  # (acceptance rate, tau) of requests since the last update
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self._saved: list[torch.Tensor] | None = None  # the adapter as it was before this request (TTS)
+        self._fast: torch.optim.Optimizer | None = None
+        self.fast_steps = 0  # Test-Time Speculation steps taken, over all requests
 
     @property
     def steps(self) -> int:
@@ -49,6 +58,40 @@ class Learner:
             self._thread.start()
         else:
             self._update()
+
+    def begin_request(self) -> None:
+        """Test-Time Speculation: remember the adapter before a request changes it (no-op when off)."""
+        if not self.config.tts_every:
+            return
+        self.wait()  # a background update must land before the copy is taken
+        with self.drafter.lock:
+            self._saved = [p.detach().clone() for p in self.trainer.params]
+        self._fast = torch.optim.Adam(self.trainer.params, lr=self.config.tts_lr)
+
+    def within_request(self, request: VerifiedRequest) -> None:
+        """One fast step on the running request's verified part (after `begin_request`)."""
+        if self._fast is None:
+            raise RuntimeError("within_request() outside a request: call begin_request() first")
+        example = build_example(request, self.drafter, self.target_bytes, self.t2d)
+        if not len(example.kl_rows) and not len(example.ng_rows):
+            return  # nothing labelled yet (e.g. only misaligned tokens)
+        with self.drafter.lock:
+            previous = self.drafter.active
+            self.drafter.activate(self.adapter)
+            try:
+                self.trainer.step([example], optimizer=self._fast)
+            finally:
+                self.drafter.activate(previous)
+        self.fast_steps += 1
+
+    def end_request(self) -> None:
+        """Undo the request's fast steps: the adapter is again what Algorithm 2 made it."""
+        saved, self._saved, self._fast = self._saved, None, None
+        if saved is None:
+            return
+        with self.drafter.lock, torch.no_grad():
+            for p, old in zip(self.trainer.params, saved):
+                p.copy_(old)
 
     def wait(self) -> None:
         """Block until a background update in flight has finished; re-raise its error, if any."""

@@ -29,7 +29,10 @@ class TrainConfig:
     buffer per update. `lam`: weight of the n-gram term, or "dynamic" for the target's p(t) per
     token; `kl`/`ngram_loss` switch terms for ablations ("nll", "approx_kl" or "none").
     `beta` > 0 adds EvoSpec's position weights exp(-beta * L * (j - 1)) with L = `draft_len`.
-    `topk`: target log-probabilities kept per position. `background`: train in a thread."""
+    `topk`: target log-probabilities kept per position. `background`: train in a thread.
+    `tts_every` > 0 turns on Test-Time Speculation: inside one request, every `tts_every` rounds a
+    fast step (Adam, fresh for each request, `tts_lr`) on what that request has verified so far,
+    undone at its end."""
 
     interval: int = 8
     batch_size: int = 8
@@ -45,6 +48,8 @@ class TrainConfig:
     capacity: int = 256
     background: bool = False
     seed: int = 0
+    tts_every: int = 0
+    tts_lr: float = 1e-3
 
     def __post_init__(self) -> None:
         for name in ("interval", "batch_size", "epochs", "topk", "capacity", "draft_len"):
@@ -52,6 +57,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not self.lr > 0 or self.weight_decay < 0 or self.beta < 0:
             raise ValueError(f"need lr > 0, weight_decay >= 0, beta >= 0; got {self.lr}, {self.weight_decay}, {self.beta}")
+        if not isinstance(self.tts_every, int) or self.tts_every < 0 or not self.tts_lr > 0:
+            raise ValueError(f"need an integer tts_every >= 0 (0: off) and tts_lr > 0; got {self.tts_every!r}, {self.tts_lr!r}")
         if self.lam != "dynamic" and not (isinstance(self.lam, (int, float)) and self.lam >= 0):
             raise ValueError(f"lam must be a number >= 0 or 'dynamic', got {self.lam!r}")
         if self.ngram_loss not in ("nll", "approx_kl", "none"):
@@ -91,17 +98,22 @@ class OnlineTrainer:
         self.buffer.clear()
         return logs
 
-    def step(self, batch: list[Example]) -> dict[str, float]:
+    def step(self, batch: list[Example], optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+        """One optimizer step on `batch`. With another `optimizer` (Test-Time Speculation's fast
+        steps) the step is not counted in `steps` or `history`: those record the lasting updates."""
+        opt = optimizer or self.optimizer
         was_training = self.model.training
         self.model.train()
         try:
             total, parts = self.loss(batch)
-            self.optimizer.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
             total.backward()
             with self.step_lock:
-                self.optimizer.step()
+                opt.step()
         finally:
             self.model.train(was_training)
+        if optimizer is not None:
+            return {"loss": float(total.detach()), **parts}
         self.steps += 1
         log = {"step": self.steps, "loss": float(total.detach()), **parts}
         self.history.append(log)
