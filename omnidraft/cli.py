@@ -62,8 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--n-eval", type=int, default=50)
     a.add_argument("--steps", type=int, default=40, help="optimizer steps per variant")
     a.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every this many steps")
-    a.add_argument("--variant", action="append", choices=["none", "dm", "hybrid", "full"],
-                   help="repeatable; default: none and hybrid. dm = KL only; full = full fine-tuning")
+    a.add_argument("--variant", action="append", choices=["none", "dm", "hybrid", "spans", "full"],
+                   help="repeatable; default: none and hybrid. dm = KL only; spans = hybrid + NLL on misaligned "
+                        "runs of target tokens; full = full fine-tuning")
     a.add_argument("--interval", type=int, default=8, help="requests between updates (Algorithm 2's I)")
     a.add_argument("--batch-size", type=int, default=8)
     a.add_argument("--epochs", type=int, default=1, help="passes over the buffer per update")

@@ -63,6 +63,43 @@ def test_examples_label_each_target_token_by_how_drafter_tokens_spell_it(drafter
     assert int(ex.kl_rows.min()) >= prompt_len - 1
 
 
+def test_spans_label_misaligned_runs_of_target_tokens_like_ngram_tokens(drafter, tiny_target):
+    vmap = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer)
+    requests = [_request(drafter, tiny_target, p) for p in PROMPTS]
+    tb, db = tiny_target.token_bytes.table, drafter.token_bytes.table
+    spans_seen = 0
+    for request in requests:
+        assert all(tb[t] for t in request.tokens)  # the reference below has no special tokens to skip
+        plain = build_example(request, drafter, tiny_target.token_bytes, vmap.t2d)
+        ex = build_example(request, drafter, tiny_target.token_bytes, vmap.t2d, spans=True)
+        # naive reference: cut the continuation at every byte offset where both tokenizations have a boundary
+        cont = drafter.codec.encode(b"".join(tb[t] for t in request.tokens))
+        d_at, t_at, acc = {0: 0}, {0: 0}, 0
+        for i, d in enumerate(cont):
+            acc += len(db[d])
+            d_at[acc] = i + 1
+        acc = 0
+        for j, t in enumerate(request.tokens):
+            acc += len(tb[t])
+            t_at[acc] = j + 1
+        cuts = sorted(set(d_at) & set(t_at))
+        prompt_rows = len(drafter.tokenizer(request.prompt)["input_ids"]) - 1
+        rows, logps = [], []
+        for x, y in zip(cuts, cuts[1:]):
+            tokens, subs = range(t_at[x], t_at[y]), range(d_at[x], d_at[y])
+            if len(tokens) == 1 and len(subs) == 1:
+                continue  # direct (or a token the drafter spells with another id): the KL term's business
+            spans_seen += len(tokens) > 1
+            rows += [prompt_rows + i for i in subs]
+            logps.append(sum(float(request.topk_logp[j][request.topk_ids[j] == request.tokens[j]][0]) for j in tokens))
+        assert torch.equal(ex.kl_rows, plain.kl_rows)  # spans add labels, never move the direct ones
+        assert ex.ng_rows.tolist() == rows
+        assert ex.ng_logp.tolist() == pytest.approx(logps, abs=1e-5)
+        assert torch.equal(ex.ids[ex.ng_rows + 1], ex.ng_tokens)
+        assert len(plain.ng_logp) == sum(1 for x, y in zip(cuts, cuts[1:]) if t_at[y] - t_at[x] == 1 and d_at[y] - d_at[x] > 1)
+    assert spans_seen > 0  # the two tokenizers disagree on boundaries somewhere, so spans are exercised
+
+
 def test_trainer_loss_equals_the_reference_formula(drafter, tiny_target):
     vmap = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer)
     drafter.add_adapter("t", SMALL)
@@ -81,10 +118,11 @@ def test_trainer_loss_equals_the_reference_formula(drafter, tiny_target):
     assert float(total) == pytest.approx(float(kl + 0.2 * nll), rel=1e-4)
 
 
-def test_learning_pairing_stays_identical_and_updates_only_its_adapter(drafter, tiny_target, tmp_path):
+@pytest.mark.parametrize("spans", [False, True])
+def test_learning_pairing_stays_identical_and_updates_only_its_adapter(drafter, tiny_target, tmp_path, spans):
     base_before = {n: p.clone() for n, p in drafter.model.named_parameters()}
     pair = drafter.pair(tiny_target, k=4, user="alice", learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
-                        train=TrainConfig(interval=1, lr=1e-2))
+                        train=TrainConfig(interval=1, lr=1e-2, spans=spans))
     lora_before = adapter_state(drafter.trainable, pair.adapter)
     for prompt in PROMPTS:
         out = pair.generate(prompt, max_new_tokens=20)

@@ -11,7 +11,8 @@
 4. Evaluate after every `eval_every` steps (curve) and at the end (before/after table, PNG).
 
 Variants (the paper's ablation): none, dm (KL only, LoRA), hybrid (KL + λ·NLL, LoRA), full (KL +
-λ·NLL, full fine-tuning of the fp32 drafter, re-quantized to int8 for drafting).
+λ·NLL, full fine-tuning of the fp32 drafter, re-quantized to int8 for drafting); and ours: spans
+(hybrid, with the NLL also on misaligned runs of target tokens, see distill/buffer.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ VARIANTS = {
     "none": None,
     "dm": {"ngram_loss": "none"},
     "hybrid": {},
+    "spans": {"spans": True},
     "full": {},
 }
 
@@ -156,7 +158,8 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
             i += 1
             if variant != "full":
                 drafter.activate(as_drafter()[1])
-            if trainer.add(build_example(_request(trace, prompt, cfg.topk), drafter, target.token_bytes, t2d)):
+            if trainer.add(build_example(_request(trace, prompt, cfg.topk), drafter, target.token_bytes, t2d,
+                                           spans=cfg.spans)):
                 before = trainer.steps
                 logs = trainer.update()
                 log.info("%s: step %d, loss %.3f (%.0f s)", variant, trainer.steps, logs[-1]["loss"] if logs else float("nan"),

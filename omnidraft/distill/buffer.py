@@ -9,8 +9,12 @@ An example is teacher-forced over the drafter's own tokenization of the same tex
 tokenizations up by bytes labels each committed target token:
 - direct: exactly one drafter token spells it: the KL term at the drafter position before it;
 - n-gram: >= 2 drafter tokens spell it exactly: the NLL term on each sub-token;
-- misaligned (the boundaries differ): no loss.
-Shapes: L drafter positions, A direct tokens, B n-gram sub-tokens, G n-gram tokens, K top-k.
+- misaligned (the boundaries differ): no loss in the paper. With `spans=True` the shortest run of
+  target tokens whose two ends are also drafter boundaries (a "span", e.g. Gemma's "\n" + "    "
+  against SmolLM2's "\n   " + " return") is labelled like an n-gram token: NLL on the drafter
+  tokens that spell it, with the span's target log-probability the sum over its tokens. An n-gram
+  token is the one-target-token case of a span.
+Shapes: L drafter positions, A direct tokens, B n-gram sub-tokens, G n-gram tokens (or spans), K top-k.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class VerifiedRequest:
 class Example:
     """ids (L,) drafter ids of prompt + continuation. Logit row r predicts ids[r + 1].
     kl_rows (A,), kl_ids/kl_logp (A, K), kl_pos (A,): direct tokens' rows, target top-k, round position.
-    ng_rows (B,), ng_tokens (B,), ng_group (B,), ng_pos (B,): n-gram sub-tokens; ng_logp (G,) target log p(t)."""
+    ng_rows (B,), ng_tokens (B,), ng_group (B,), ng_pos (B,): n-gram (or span) sub-tokens; ng_logp (G,) target
+    log p of each n-gram token (or span: the sum over its tokens)."""
 
     ids: torch.Tensor
     kl_rows: torch.Tensor
@@ -68,8 +73,9 @@ class Example:
 
 
 def build_example(request: VerifiedRequest, drafter: Any, target_bytes: Any, t2d: torch.Tensor,
-                  max_len: int = 1024) -> Example:
-    """Label `request` for the drafter (see module doc). `max_len` caps L, cutting from the end."""
+                  max_len: int = 1024, *, spans: bool = False) -> Example:
+    """Label `request` for the drafter (see module doc). `max_len` caps L, cutting from the end;
+    `spans` also labels misaligned runs of target tokens."""
     prompt = drafter.tokenizer(request.prompt)["input_ids"]
     pieces = [target_bytes.table[t] or b"" for t in request.tokens]
     cont = drafter.codec.encode(b"".join(pieces)) if any(pieces) else []
@@ -77,22 +83,29 @@ def build_example(request: VerifiedRequest, drafter: Any, target_bytes: Any, t2d
     starts = {s: i for i, s in enumerate(accumulate((len(drafter.token_bytes.table[d] or b"") for d in cont), initial=0))}
     base = len(prompt) - 1  # logit row that predicts continuation token 0
     kl, ng, ng_logp = [], [], []
+    opened: tuple[int, int, float] | None = None  # (first byte, first token, summed log p) of a span not yet closed
     for j, (t, a, b) in enumerate(zip(request.tokens, accumulate((len(p) for p in pieces), initial=0), accumulate(len(p) for p in pieces))):
         if a == b:  # special token: only a trailing one the drafter can name (EOS) is learnt
+            opened = None
             if j == len(request.tokens) - 1 and int(t2d[t]) >= 0:
                 ids.append(int(t2d[t]))
                 kl.append((base + len(cont), j))
             continue
-        i0, i1 = starts.get(a), starts.get(b)
-        if i0 is None or i1 is None:
+        if opened is None and a not in starts:
+            continue  # after a special token, inside a drafter token: no boundary to start from
+        first, j0, logp = opened or (a, j, 0.0)
+        logp += _target_logp(request, j, t)
+        if b not in starts:  # the drafter token runs on past this target token
+            opened = (first, j0, logp)
             continue
-        if i1 - i0 == 1:
+        opened = None
+        i0, i1 = starts[first], starts[b]
+        if j0 == j and i1 - i0 == 1:
             if int(t2d[t]) == cont[i0]:
                 kl.append((base + i0, j))
-        else:
-            row = request.topk_ids[j] == t
-            ng_logp.append(float(request.topk_logp[j][row][0]) if bool(row.any()) else float(request.topk_logp[j].min()))
-            ng += [(base + i, cont[i], len(ng_logp) - 1, j) for i in range(i0, i1)]
+        elif j0 == j or spans:
+            ng_logp.append(logp)
+            ng += [(base + i, cont[i], len(ng_logp) - 1, j0) for i in range(i0, i1)]
     kl = [(r, j) for r, j in kl if r + 1 < max_len]
     keep = [x for x in ng if x[0] + 1 < max_len]
     groups = sorted({g for _, _, g, _ in keep})
@@ -109,6 +122,13 @@ def build_example(request: VerifiedRequest, drafter: Any, target_bytes: Any, t2d
         ng_pos=pos[torch.tensor([x[3] for x in keep], dtype=torch.long)],
         ng_logp=torch.tensor([ng_logp[g] for g in groups], dtype=torch.float32),
     )
+
+
+def _target_logp(request: VerifiedRequest, j: int, token: int) -> float:
+    """The target's log p of its committed token j, from the top-k row (the row's minimum, an upper
+    bound, in the rare case the token fell outside the top-k)."""
+    row = request.topk_ids[j] == token
+    return float(request.topk_logp[j][row][0]) if bool(row.any()) else float(request.topk_logp[j].min())
 
 
 class Buffer:

@@ -50,7 +50,7 @@ class Learner:
     def observe(self, request: VerifiedRequest, acceptance_rate: float, tau: float) -> None:
         """Buffer one verified request; train when the interval is complete."""
         self._recent.append((acceptance_rate, tau))
-        if not self.trainer.add(build_example(request, self.drafter, self.target_bytes, self.t2d)):
+        if not self.trainer.add(build_example(request, self.drafter, self.target_bytes, self.t2d, spans=self.config.spans)):
             return
         self.wait()
         if self.config.background:
@@ -72,7 +72,7 @@ class Learner:
         """One fast step on the running request's verified part (after `begin_request`)."""
         if self._fast is None:
             raise RuntimeError("within_request() outside a request: call begin_request() first")
-        example = build_example(request, self.drafter, self.target_bytes, self.t2d)
+        example = build_example(request, self.drafter, self.target_bytes, self.t2d, spans=self.config.spans)
         if not len(example.kl_rows) and not len(example.ng_rows):
             return  # nothing labelled yet (e.g. only misaligned tokens)
         with self.drafter.lock:
