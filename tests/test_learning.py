@@ -264,3 +264,29 @@ def test_cache_ablation_share_is_undefined_when_the_full_cache_gains_nothing():
 
     assert gain_kept(2.9, none=2.5, full=3.0) == pytest.approx(0.8)
     assert gain_kept(2.49, none=2.500, full=2.496) is None  # measured on the 0.5B GSM8K run: ±0.01 τ of noise
+
+
+def test_adapt_replays_the_dataset_prompts_even_when_the_tokenizer_adds_bos(texts):
+    """Gemma's tokenizer prepends <bos> and decodes it as text, so decoding a recorded prompt and
+    encoding it again gives two BOS: adapt must take the prompt texts from the dataset instead."""
+    from types import SimpleNamespace
+
+    from tokenizers import processors
+
+    from omnidraft.bench.adapt import prompts_for
+    from omnidraft.bench.datasets import load_prompts
+    from omnidraft.distill.trace_store import TargetTrace
+
+    from .conftest import train_bpe
+
+    tokenizer = train_bpe(300, texts)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tokenizer.eos_token_id)])
+    target = SimpleNamespace(tokenizer=tokenizer, name="bos-target")
+    trace = lambda ids: TargetTrace(ids, [], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1))  # noqa: E731
+    prompts = load_prompts("gsm8k", 3)
+    traces = [trace(tokenizer(p)["input_ids"]) for p in prompts]
+    assert tokenizer(tokenizer.decode(traces[0].prompt_ids))["input_ids"] != traces[0].prompt_ids  # the trap
+    assert prompts_for(target, "gsm8k", traces) == prompts
+    with pytest.raises(ValueError, match="record them again"):
+        prompts_for(target, "gsm8k", [traces[1], traces[0]])

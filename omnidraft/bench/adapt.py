@@ -37,7 +37,7 @@ from ..translate.ngram_cache import NgramCacheConfig
 from ..translate.vocab_map import build_vocab_map
 from .datasets import load_prompts
 
-__all__ = ["VARIANTS", "cache_ablation", "evaluate", "run_adapt", "traces_for"]
+__all__ = ["VARIANTS", "cache_ablation", "evaluate", "prompts_for", "run_adapt", "traces_for"]
 
 log = logging.getLogger("omnidraft")
 
@@ -69,11 +69,16 @@ def traces_for(target: Any, dataset: str, n: int, max_new_tokens: int, cache: Pa
     return traces
 
 
-def _prompt_text(target: Any, trace: TargetTrace) -> str:
-    text = target.tokenizer.decode(trace.prompt_ids)
-    if target.tokenizer(text)["input_ids"] != trace.prompt_ids:
-        raise ValueError("a recorded prompt does not re-tokenize to the same ids; re-record the traces")
-    return text
+def prompts_for(target: Any, dataset: str, traces: list[TargetTrace]) -> list[str]:
+    """The prompt texts `traces` were recorded from (the first len(traces) of `dataset`), each
+    checked to tokenize to its recorded ids. (Decoding the ids instead is no round trip: a
+    tokenizer that adds BOS, like Gemma's, decodes it as text and would add a second one.)"""
+    prompts = load_prompts(dataset, len(traces))
+    for i, (prompt, trace) in enumerate(zip(prompts, traces)):
+        if target.tokenizer(prompt)["input_ids"] != trace.prompt_ids:
+            raise ValueError(f"recorded trace {i} of {dataset} is not of prompt {i} as {target.name} tokenizes it now; "
+                             "delete the cached traces to record them again")
+    return prompts
 
 
 def evaluate(drafter: Any, replay: ReplayTarget, traces: list[TargetTrace], prompts: list[str], *, k: int,
@@ -111,8 +116,8 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
     train_traces = traces_for(target, train, n_train, max_new_tokens, out)
     eval_traces = traces_for(target, evaluation, n_eval, max_new_tokens, out)
     replay = ReplayTarget.like(target, train_traces + eval_traces)
-    train_prompts = [_prompt_text(target, t) for t in train_traces]
-    eval_prompts = [_prompt_text(target, t) for t in eval_traces]
+    train_prompts = prompts_for(target, train, train_traces)
+    eval_prompts = prompts_for(target, evaluation, eval_traces)
     t2d = build_vocab_map(drafter.token_bytes, target.token_bytes, drafter.tokenizer, target.tokenizer).t2d
     score = lambda d, adapter=None, stop=stop_confidence: evaluate(d, replay, eval_traces, eval_prompts, k=k,  # noqa: E731
                                                                    stop_confidence=stop, adapter=adapter)
@@ -129,7 +134,8 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
     if fixed:
         result["baseline_fixed_k"] = score(drafter, stop=0.0)
     if cache_study:
-        result["cache_ablation"] = cache_ablation(drafter, target, eval_traces, k=k, stop_confidence=stop_confidence)
+        result["cache_ablation"] = cache_ablation(drafter, target, eval_traces, eval_prompts, k=k,
+                                                  stop_confidence=stop_confidence)
         _write(out, name, result)
     for variant in variants:
         if variant == "none":
@@ -197,14 +203,14 @@ def profile_footprint(drafter: Any, target: Any, adapter: str) -> dict[str, int]
     return {"disk_bytes": disk, "adapter_ram_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
-def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], *, k: int, stop_confidence: float) -> list[dict]:
+def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list[str], *, k: int,
+                   stop_confidence: float) -> list[dict]:
     """The n-gram cache's gain under the paper's "ngram" translation, by size and policy.
 
     Gain = τ with the cache minus τ with a one-entry cache (none, in effect). "full" is the default
     bound, which these prompts never fill; "quarter" holds 1/4 of the entries the full run ended with.
     """
     replay = ReplayTarget.like(target, traces)
-    prompts = [_prompt_text(target, t) for t in traces]
     run = lambda **c: evaluate(drafter, replay, traces, prompts, k=k, stop_confidence=stop_confidence,  # noqa: E731
                                strategy="ngram", ngram=NgramCacheConfig(**c))
     none, full = run(max_entries=1), run()

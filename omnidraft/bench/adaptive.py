@@ -24,7 +24,7 @@ from ..adaptive.head import HeadConfig
 from ..adaptive.policy import Hysteresis
 from ..atomic import atomic_write_bytes
 from ..distill.trace_store import ReplayTarget
-from .adapt import _prompt_text, traces_for
+from .adapt import prompts_for, traces_for
 from .datasets import load_prompts
 from .runner import compare_pairings
 
@@ -54,14 +54,15 @@ def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tok
             heads[name].load_state_dict(load_file(str(paths[name])))
         return heads, json.loads(scores_path.read_text())
     traces = traces_for(target, train, n_train, max_new_tokens, cache)
+    prompts = prompts_for(target, train, traces)
     any_config = next(iter(configs.values()))
     pair = drafter.pair(ReplayTarget.like(target, traces), k=4, stop_confidence=0.3,
                         head=replace(any_config, warmup=10**9, steps=0, capacity=10**9),
                         adaptive=Hysteresis(k_min=2, k_max=any_config.k_max))
     requests = []  # (features, labels) of each request's rounds
-    for i, trace in enumerate(traces):
+    for i, (trace, prompt) in enumerate(zip(traces, prompts)):
         before = len(pair.head_trainer.labels)
-        pair.generate(_prompt_text(target, trace), max_new_tokens=max(1, len(trace.continuation) - 1))
+        pair.generate(prompt, max_new_tokens=max(1, len(trace.continuation) - 1))
         requests.append((pair.head_trainer.features[before:], pair.head_trainer.labels[before:]))
         progress(f"head rollout {i + 1}/{len(traces)}")
     heads, scores = {}, {}
