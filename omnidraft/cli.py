@@ -63,8 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--steps", type=int, default=40, help="optimizer steps per variant")
     a.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every this many steps")
     a.add_argument("--variant", action="append", choices=["none", "dm", "hybrid", "spans", "full"],
-                   help="repeatable; default: none and hybrid. dm = KL only; spans = hybrid + NLL on misaligned "
-                        "runs of target tokens; full = full fine-tuning")
+                   help="repeatable; default: none, hybrid and spans. dm = KL only; hybrid = the paper's KL + NLL; "
+                        "spans = hybrid + NLL on misaligned runs of target tokens (what learning pairings use); "
+                        "full = full fine-tuning")
     a.add_argument("--interval", type=int, default=8, help="requests between updates (Algorithm 2's I)")
     a.add_argument("--batch-size", type=int, default=8)
     a.add_argument("--epochs", type=int, default=1, help="passes over the buffer per update")
@@ -284,7 +285,7 @@ def _adapt(args: argparse.Namespace) -> None:
     config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam)
     result = run_adapt(drafter, target, train=args.train, evaluation=args.eval, n_train=args.n_train, n_eval=args.n_eval,
                        max_new_tokens=args.max_new_tokens, steps=args.steps, eval_every=args.eval_every,
-                       variants=args.variant or ["none", "hybrid"], config=config, rank=args.rank, k=args.k,
+                       variants=args.variant or ["none", "hybrid", "spans"], config=config, rank=args.rank, k=args.k,
                        stop_confidence=args.stop_confidence, out=Path(args.out), name=args.name,
                        cache_study=args.cache_ablation, on_point=lambda p: print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                          for k, v in p.items()), flush=True))

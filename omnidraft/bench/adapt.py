@@ -43,10 +43,10 @@ log = logging.getLogger("omnidraft")
 
 VARIANTS = {
     "none": None,
-    "dm": {"ngram_loss": "none"},
-    "hybrid": {},
+    "dm": {"ngram_loss": "none", "spans": False},
+    "hybrid": {"spans": False},
     "spans": {"spans": True},
-    "full": {},
+    "full": {"spans": False},
 }
 
 
