@@ -83,7 +83,7 @@ def build_example(request: VerifiedRequest, drafter: Any, target_bytes: Any, t2d
     starts = {s: i for i, s in enumerate(accumulate((len(drafter.token_bytes.table[d] or b"") for d in cont), initial=0))}
     base = len(prompt) - 1  # logit row that predicts continuation token 0
     kl, ng, ng_logp = [], [], []
-    opened: tuple[int, int, float] | None = None  # (first byte, first token, summed log p) of a span not yet closed
+    opened: tuple[int, int] | None = None  # (first byte, first token) of a span not yet closed
     for j, (t, a, b) in enumerate(zip(request.tokens, accumulate((len(p) for p in pieces), initial=0), accumulate(len(p) for p in pieces))):
         if a == b:  # special token: only a trailing one the drafter can name (EOS) is learnt
             opened = None
@@ -93,10 +93,9 @@ def build_example(request: VerifiedRequest, drafter: Any, target_bytes: Any, t2d
             continue
         if opened is None and a not in starts:
             continue  # after a special token, inside a drafter token: no boundary to start from
-        first, j0, logp = opened or (a, j, 0.0)
-        logp += _target_logp(request, j, t)
+        first, j0 = opened or (a, j)
         if b not in starts:  # the drafter token runs on past this target token
-            opened = (first, j0, logp)
+            opened = (first, j0)
             continue
         opened = None
         i0, i1 = starts[first], starts[b]
@@ -104,7 +103,7 @@ def build_example(request: VerifiedRequest, drafter: Any, target_bytes: Any, t2d
             if int(t2d[t]) == cont[i0]:
                 kl.append((base + i0, j))
         elif j0 == j or spans:
-            ng_logp.append(logp)
+            ng_logp.append(sum(_target_logp(request, i) for i in range(j0, j + 1)))
             ng += [(base + i, cont[i], len(ng_logp) - 1, j0) for i in range(i0, i1)]
     kl = [(r, j) for r, j in kl if r + 1 < max_len]
     keep = [x for x in ng if x[0] + 1 < max_len]
@@ -124,10 +123,10 @@ def build_example(request: VerifiedRequest, drafter: Any, target_bytes: Any, t2d
     )
 
 
-def _target_logp(request: VerifiedRequest, j: int, token: int) -> float:
+def _target_logp(request: VerifiedRequest, j: int) -> float:
     """The target's log p of its committed token j, from the top-k row (the row's minimum, an upper
     bound, in the rare case the token fell outside the top-k)."""
-    row = request.topk_ids[j] == token
+    row = request.topk_ids[j] == request.tokens[j]
     return float(request.topk_logp[j][row][0]) if bool(row.any()) else float(request.topk_logp[j].min())
 
 
