@@ -18,7 +18,7 @@ import torch
 
 from . import presets
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer", "quantize_int8"]
+__all__ = ["LoadedModel", "load_model", "load_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +99,3 @@ def _forget_gguf_origin(model: Any) -> None:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-
-
-def quantize_int8(model: Any) -> Any:
-    """Dynamic int8 quantization of every nn.Linear (weights int8, activations scaled per call).
-
-    For drafters only: the per-call activation scales make a k-token forward differ from k single
-    steps, which a drafter may do (it only proposes) but a target may not (greedy identity holds
-    for fp32 or weight-only quantization).
-    """
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)

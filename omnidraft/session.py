@@ -18,6 +18,7 @@ from .adaptive.policy import Hysteresis
 from .errors import TargetError
 from .stats import GenerationStats, RoundRecord
 from .target import Rule
+from .translate.healing import Healer
 from .translate.ngram_cache import NgramCache, NgramCacheConfig
 from .translate.translator import Source, Translator
 from .translate.vocab_map import build_vocab_map
@@ -40,7 +41,9 @@ class DecodeConfig:
     `adaptive`: a Hysteresis policy that moves the draft length (starting at k) with acceptance;
     None keeps k fixed. `head`: an acceptance head per pairing decides each draft's length (see
     adaptive/head.py); until it has seen `head.warmup` labelled tokens the hysteresis fallback
-    (or `adaptive`) does."""
+    (or `adaptive`) does. `heal`: token healing of the drafter's context (translate/healing.py);
+    it acts where it is lossless and the translation re-tokenizes text: greedy and `match`
+    verification with the "text" strategy (`healing` says whether it acts)."""
 
     k: int = 6
     mode: str = "greedy"
@@ -50,6 +53,7 @@ class DecodeConfig:
     adaptive: Hysteresis | None = None
     head: HeadConfig | None = None
     ngram: NgramCacheConfig = field(default_factory=NgramCacheConfig)
+    heal: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or self.k < 1:
@@ -63,6 +67,11 @@ class DecodeConfig:
     @property
     def rule(self) -> Rule:
         return Rule(mode=self.mode, temperature=self.temperature)
+
+    @property
+    def healing(self) -> bool:
+        """Whether token healing acts under this config (see `heal`)."""
+        return self.heal and self.strategy == "text" and self.mode in ("greedy", "match")
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,7 @@ class Pairing:
             cache = NgramCache.from_doc(profile.ngram, where=f"profile of {user!r}", fingerprint=self.fingerprint,
                                         config=config.ngram)
         self.translator = Translator(drafter.codec, target.codec, vmap, cache, strategy=config.strategy)
+        self.healer = Healer(drafter.token_bytes, target.token_bytes) if config.healing else None
         self._shared = vmap.d2t >= 0
         self.metrics: list[dict[str, Any]] = list(profile.metrics) if profile else []
         self._steps0 = profile.steps if profile else 0
@@ -231,18 +241,21 @@ class Pairing:
         tsession = self.target.begin(self.target.tokenizer(prompt)["input_ids"])
         if hasattr(self.drafter, "activate"):  # drafters without adapters (a fake, an exported graph) have none
             self.drafter.activate(self.adapter)
-        dsession = self.drafter.begin(self.drafter.tokenizer(prompt)["input_ids"])
+        ids = self.drafter.tokenizer(prompt)["input_ids"]
+        dsession = self.drafter.begin(ids)
         topk = self.learner.config.topk if self.learner is not None else 0
         self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
-            yield from self._loop(tsession, dsession, max_new_tokens, generator, topk)
+            yield from self._loop(tsession, dsession, max_new_tokens, generator, topk, ids[-1] if ids else -1)
         finally:
             close = getattr(tsession, "close", None)
             if close is not None:
                 close()  # a remote session frees its server-side KV cache now
 
     def _loop(self, tsession: Any, dsession: Any, max_new_tokens: int, generator: torch.Generator | None,
-              topk: int) -> Iterator[tuple[list[int], RoundRecord]]:
+              topk: int, last: int) -> Iterator[tuple[list[int], RoundRecord]]:
+        """Algorithm 1's rounds. `last`: the drafter context's last token, which token healing may
+        let the next draft replace (translate/healing.py)."""
         target, translator, rule = self.target, self.translator, self.config.rule
         only = {"exact": "direct", "omnidraft": "aligned"}.get(rule.mode, "any")
         aligned = only != "any"
@@ -250,11 +263,12 @@ class Pairing:
         produced, k = 0, self.config.k
         hc = self.config.head
         stopper = Stopper(self.head, hc, self._shared, self.cost) if hc is not None else None
-        first, last = True, None
+        first, previous = True, None
+        draft_table = self.drafter.token_bytes.table
         while produced < max_new_tokens:
             t0 = time.perf_counter()
-            if last is not None:  # the round's whole wall time beyond drafting and verifying is overhead
-                drafted, t_draft, verified, t_verify, started = last
+            if previous is not None:  # the round's whole wall time beyond drafting and verifying is overhead
+                drafted, t_draft, verified, t_verify, started = previous
                 self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
             extra: dict[str, Any] = {}
             stop_confidence = self.config.stop_confidence
@@ -263,11 +277,16 @@ class Pairing:
                 stopper.decide = self.head_ready  # before warm-up it only records features; the fallback decides
                 extra["stopper"] = stopper
                 stop_confidence = 0.0 if stopper.decide else stop_confidence
+            if self.healer is not None and tsession.ids:
+                heal = self.healer.candidates(last, target.token_bytes.table[tsession.ids[-1]])
+                if heal is not None:
+                    extra["heal"] = heal
             draft = dsession.propose(hc.k_max if stopper is not None and stopper.decide else k,
                                      temperature=rule.temperature, allowed=allowed, generator=generator,
                                      stop_confidence=stop_confidence, **extra)
             t1 = time.perf_counter()
-            proposal = translator.translate(draft.ids, only=only)
+            held = draft_table[last] if draft.healed else b""  # committed bytes the draft starts with
+            proposal = translator.translate(draft.ids, only=only, skip=len(held))
             proposal = proposal.cut(min(len(proposal), max_new_tokens - produced - 1))
             q = translator.draft_probs(proposal, draft.ids, draft.q) if aligned and draft.q is not None else None
             t2 = time.perf_counter()
@@ -280,16 +299,16 @@ class Pairing:
                 new = new[: eos + 1]
             if topk:
                 self._rows.append((verdict.topk[0][: len(new)], verdict.topk[1][: len(new)]))
-            committed = target.token_bytes.join(new)
-            keep, tail = translator.resync(draft.ids, committed)
+            keep, tail = translator.resync(draft.ids, held + target.token_bytes.join(new))
+            translator.learn(draft.ids[:keep] + tail, new, skip=len(held))
             dsession.commit(keep, tail)
-            translator.learn(draft.ids[:keep] + tail, new)
+            last = (draft.ids[:keep] + tail or [last])[-1]
             t4 = time.perf_counter()
             produced += len(new)
             # the first verification also prefills the prompt: not a verification cost. The round is
             # observed when the next one starts, so its overhead includes the head's bookkeeping, the
             # caller's handling of the yielded tokens and whatever else stands between two rounds
-            last = None if first else (len(draft.ids), t1 - t0, len(proposal) + 1, t3 - t2, t0)
+            previous = None if first else (len(draft.ids), t1 - t0, len(proposal) + 1, t3 - t2, t0)
             first = False
             if stopper is not None:
                 if hc.train is not None:

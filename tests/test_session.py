@@ -178,3 +178,69 @@ def test_a_stop_string_spanning_two_rounds_is_never_streamed(tiny_drafter, tiny_
     cut = full.text.find(stop)
     pieces = list(pair.stream(PROMPTS[4], max_new_tokens=30, stop=(stop,)))
     assert "".join(pieces) == full.text[:cut] == pair.last.text and pair.last.finish_reason == "stop"
+
+
+def test_a_healing_drafter_replaces_its_last_token_only_when_it_prefers_a_longer_one(tiny_drafter):
+    table = tiny_drafter.token_bytes.table
+    ids = tiny_drafter.codec.encode(b"She has 3 apples and ")  # ends with " ", which longer tokens extend
+    held = table[ids[-1]]
+    longer = torch.tensor([bool(d) and d.startswith(held) and d != held for d in table])
+    assert longer.any()
+    plain = tiny_drafter.begin(ids).propose(4, stop_confidence=0)
+    kept = tiny_drafter.begin(ids).propose(4, stop_confidence=0, heal=torch.tensor([i == ids[-1] for i in range(len(table))]))
+    assert not kept.healed and kept.ids == plain.ids  # the drafter keeps its token: the usual draft
+    session = tiny_drafter.begin(ids)
+    healed = session.propose(4, stop_confidence=0, heal=longer)  # only longer tokens allowed: it must replace
+    assert healed.healed and table[healed.ids[0]].startswith(held) and table[healed.ids[0]] != held
+    session.commit(1, [])
+    assert session.runner.ids == ids[:-1] + healed.ids[:1]
+
+
+class _SpyDrafter:
+    """Wraps a drafter; records, at every propose, the drafter's context, the draft and whether it healed."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.tokenizer, self.token_bytes, self.codec, self.name = inner.tokenizer, inner.token_bytes, inner.codec, "spy"
+
+    def begin(self, ids):
+        session, calls = self.inner.begin(ids), self.calls
+
+        class Session:
+            def propose(self, k, **kw):
+                context = list(session.runner.ids)
+                draft = session.propose(k, **kw)
+                calls.append((context, draft))
+                return draft
+
+            def commit(self, keep, tail):
+                session.commit(keep, tail)
+
+        return Session()
+
+
+@pytest.mark.parametrize("prompt", [p + " " for p in PROMPTS[:3]] + ["def add(a, b):\n    return "])
+def test_healed_drafts_keep_greedy_output_and_the_drafter_context_spells_the_committed_text(tiny_drafter, tiny_target,
+                                                                                            prompt):
+    spy = _SpyDrafter(tiny_drafter)
+    pair = od.Pairing(spy, tiny_target, od.DecodeConfig(k=4))
+    table = tiny_drafter.token_bytes.table
+    # every longer token may replace the last one (no filter by the target's last token): heals often
+    pair.healer.candidates = lambda token, last: torch.tensor([bool(d) and bool(table[token]) and d.startswith(table[token]) for d in table])
+    out = pair.generate(prompt, max_new_tokens=30)
+    assert out.token_ids == target_greedy(tiny_target, prompt, 30)
+    committed, done = prompt.encode(), 0
+    for (context, draft), record in zip(spy.calls, out.rounds):
+        assert tiny_drafter.token_bytes.join(context) == committed  # context spells exactly what was committed
+        if draft.healed:
+            assert table[draft.ids[0]].startswith(table[context[-1]])
+        committed += tiny_target.token_bytes.join(out.token_ids[done : done + record.emitted])
+        done += record.emitted
+    assert any(draft.healed for _, draft in spy.calls)
+
+
+def test_healing_acts_only_where_it_is_lossless():
+    assert od.DecodeConfig().healing and od.DecodeConfig(mode="match", temperature=0.7).healing
+    assert not od.DecodeConfig(strategy="ngram").healing
+    assert not od.DecodeConfig(mode="exact", temperature=0.7).healing
+    assert not od.DecodeConfig(heal=False).healing

@@ -200,3 +200,37 @@ def test_direct_translation_depends_on_nothing_but_each_token(draft_tokenizer, t
     assert all(s == Source.DIRECT for s in proposal.sources)
     with pytest.raises(ValueError, match="only"):
         tr.translate(draft, only="sometimes")
+
+
+def test_healing_candidates_match_a_naive_scan_of_both_vocabularies(draft_codec, target_codec):
+    from omnidraft.translate.healing import Healer
+
+    d_table, t_table = draft_codec.token_bytes.table, target_codec.token_bytes.table
+    healer = Healer(draft_codec.token_bytes, target_codec.token_bytes)
+    some = [i for i, d in enumerate(d_table) if d and any(o and o != d and o.startswith(d) for o in d_table)][:40]
+    for token in some + [draft_codec.encode(b" ")[0], draft_codec.encode(b"\n")[0]]:
+        held = d_table[token]
+        for last in (None, held, b"\n", b" the"):
+            naive = torch.tensor([bool(d) and d.startswith(held) and (
+                len(d) == len(held) or last is None or not any(t and t.startswith(last + d[len(held):len(held) + 1]) for t in t_table))
+                for d in d_table])
+            got = healer.candidates(token, last)
+            if not any(len(d_table[i]) > len(held) for i in naive.nonzero().flatten().tolist()):
+                assert got is None, (held, last)
+            else:
+                assert torch.equal(got, naive), (held, last)
+    assert healer.candidates(next(i for i, d in enumerate(d_table) if d is None), None) is None  # a special token
+
+
+@pytest.mark.parametrize("text", [" the answer is 48/2 = 24 clips", " and then:\n    return x\n"])
+def test_a_healed_draft_proposes_only_the_bytes_after_the_held_ones(draft_tokenizer, target_tokenizer, draft_codec,
+                                                                    target_codec, text):
+    tr = _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, "text")
+    draft = draft_codec.encode(text.encode())
+    held = len(draft_codec.token_bytes.table[draft[0]]) - 1  # all but the first token's last byte committed
+    assert held >= 1, "pick a text whose first drafter token has several bytes"
+    proposal = tr.translate(draft, skip=held)
+    assert target_codec.token_bytes.join(proposal.ids.tolist()) == text.encode()[held:]
+    assert proposal.spans[0] is None or proposal.spans[0][0] >= 1  # the first token does not line up with the draft's start
+    with pytest.raises(ValueError, match="only='any'"):
+        tr.translate(draft, skip=1, only="direct")

@@ -105,7 +105,7 @@ def token_features(hidden: torch.Tensor, logits: torch.Tensor, token: int, posit
     """Feature row of drafted token `token` (the `position`-th of its draft, from 0) produced from
     `hidden` (d,) and `logits` (Vd,)."""
     logp = torch.log_softmax(logits.float(), -1)
-    entropy = float(-(logp.exp() * logp).sum())
+    entropy = float(-torch.special.xlogy(logp.exp(), logp.exp()).sum())  # 0 log 0 = 0 for masked-out tokens
     extra = torch.tensor([position / k_max, entropy / 10, math.exp(float(logp[token])), float(direct)])
     return torch.cat([hidden.float().reshape(-1), extra])
 

@@ -31,7 +31,8 @@ from ..atomic import atomic_write_bytes
 from ..distill.buffer import VerifiedRequest, build_example
 from ..distill.trace_store import ReplayTarget, TargetTrace, load_traces, record_many, save_traces
 from ..distill.trainer import OnlineTrainer, TrainConfig
-from ..models import load_model, quantize_int8
+from ..int8 import quantize_int8
+from ..models import load_model
 from ..stats import GenerationStats
 from ..translate.ngram_cache import NgramCacheConfig
 from ..translate.vocab_map import build_vocab_map
@@ -151,7 +152,7 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
                 model = copy.deepcopy(drafter.trainable).unload() if drafter.trainable is not None else copy.deepcopy(drafter.model)
             model.requires_grad_(True)
             trainer = OnlineTrainer(model, t2d, cfg)
-            as_drafter = lambda: (Drafter(quantize_int8(model.eval()), drafter.tokenizer, drafter.name), None)  # noqa: E731
+            as_drafter = lambda: (Drafter(quantize_int8(model.eval(), drafter.tokenizer), drafter.tokenizer, drafter.name), None)  # noqa: E731
         else:
             adapter = f"adapt_{variant}_{int(time.time())}"
             drafter.add_adapter(adapter, AdapterConfig(rank=rank, alpha=2 * rank))

@@ -1,7 +1,7 @@
 """Per-target LoRA adapters (peft) on the shared, frozen drafter, and an int8 drafting twin.
 
 Training needs the fp32 drafter with peft LoRA layers; drafting is twice as fast on the int8 base
-(models.quantize_int8). `int8_twin` builds the drafting copy: every base linear is quantized, and
+(int8.quantize_int8). `int8_twin` builds the drafting copy: every base linear is quantized, and
 every LoRA module is *the same object* as in the training model, so an optimizer step is live for
 drafting at no copy cost and switching targets is `set_adapter` on both. Only adapter parameters
 ever require gradients; the base weights are shared by all targets.
@@ -89,9 +89,12 @@ def load_adapter_state(model: Any, name: str, state: dict[str, torch.Tensor]) ->
         raise ValueError(f"adapter state does not fit this drafter: unexpected keys {unexpected[:3]}")
 
 
-def int8_twin(model: Any) -> Any:
-    """An int8 copy of a peft model for drafting that shares its LoRA modules (see module doc)."""
+def int8_twin(model: Any, tokenizer: Any | None = None) -> Any:
+    """An int8 copy of a peft model for drafting that shares its LoRA modules (see module doc);
+    with `tokenizer`, its MLPs are smoothed before quantizing (int8.py)."""
     from peft.tuners.lora import LoraLayer
+
+    from ..int8 import quantize_int8
 
     twin = copy.deepcopy(model)
     originals = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
@@ -99,10 +102,4 @@ def int8_twin(model: Any) -> Any:
         if isinstance(layer, LoraLayer):
             layer.lora_A, layer.lora_B = originals[name].lora_A, originals[name].lora_B  # shared, not copied
     base_linears = {n for n, m in twin.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in n}
-    spec = {n: torch.ao.quantization.default_dynamic_qconfig for n in base_linears}
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.ao.quantization.quantize_dynamic(twin, qconfig_spec=spec, dtype=torch.qint8, inplace=True)
-    return twin.eval()
+    return quantize_int8(twin, tokenizer, inplace=True, only=base_linears)

@@ -10,7 +10,8 @@ attention, SwiGLU) over explicit tensors, so `torch.onnx.export` sees nothing bu
 n and P are dynamic axes; rolling back a rejected draft is slicing the present tensors. The
 pairing's LoRA adapter is merged into the weights before export (one graph per target). The LM head
 may be pruned to the tokens the pairing can use (V' < V; the sidecar lists them). Optional dynamic
-int8 quantization uses onnxruntime's quantizer. A parity check against the PyTorch model runs at
+int8 quantization uses onnxruntime's quantizer (per-channel weights, MLPs smoothed first as in
+int8.py). A parity check against the PyTorch model runs at
 export time and its figures go into the JSON sidecar beside the .onnx.
 """
 
@@ -190,6 +191,10 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     model = _merged_model(model, adapter, adapter_config)
+    if quantize == "int8":  # same function in fp32; int8 loses less of it (int8.py)
+        from ..int8 import smooth_mlps
+
+        smooth_mlps(model, tokenizer)
     if keep_ids is not None:
         keep_ids = _aligned(sorted(set(int(i) for i in keep_ids)), int(model.config.vocab_size))
     graph = LlamaGraph(model, keep_ids).eval()
@@ -200,7 +205,7 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
 
         fp32 = tmp.with_name(tmp.name + ".fp32")
         tmp.replace(fp32)
-        quantize_dynamic(str(fp32), str(tmp), weight_type=QuantType.QInt8)
+        quantize_dynamic(str(fp32), str(tmp), weight_type=QuantType.QInt8, per_channel=True)
         fp32.unlink()
     tmp.replace(out)
     tokenizer.save_pretrained(str(out.with_suffix(".tokenizer")))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..drafter import Draft, _confidence, _pick
+from ..drafter import Draft, _confidence, _pick, restrict
 from ..errors import CorruptFileError, IncompatibleError
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
@@ -94,19 +94,24 @@ class _OrtDraftSession:
 
     def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
                 generator: torch.Generator | None = None, stop_confidence: float = 0.0,
-                stopper: Stopper | None = None) -> Draft:
+                stopper: Stopper | None = None, heal: torch.Tensor | None = None) -> Draft:
         if k < 1:
             raise ValueError(f"draft length k must be >= 1, got {k}")
         with self.owner.lock:
-            return self._propose(k, temperature, allowed, generator, stop_confidence, stopper)
+            return self._propose(k, temperature, allowed, generator, stop_confidence, stopper, heal)
 
     def _propose(self, k: int, temperature: float, allowed: torch.Tensor | None, generator: torch.Generator | None,
-                 stop_confidence: float, stopper: Stopper | None) -> Draft:
+                 stop_confidence: float, stopper: Stopper | None, heal: torch.Tensor | None) -> Draft:
         self._base = len(self.ids)
-        ids, rows = [], []
+        ids, rows, healed = [], [], False
         for step in range(k):
-            logits = self.owner.full_logits(self._forward())
-            token, probs = _pick(logits, temperature, allowed, generator)
+            logits = None
+            if step == 0 and heal is not None and len(self.ids) > 1:
+                logits, token, probs = self._heal_step(heal, temperature, allowed, generator)
+                healed = logits is not None
+            if logits is None:
+                logits = self.owner.full_logits(self._forward())
+                token, probs = _pick(logits, temperature, allowed, generator)
             ids.append(token)
             if probs is not None:
                 rows.append(probs)
@@ -116,7 +121,23 @@ class _OrtDraftSession:
             halt = stopper is not None and stopper.stop_after(step, token, logits, hidden)
             if halt or token in self.owner.stop_ids or (stop_confidence > 0 and _confidence(logits, token, probs) < stop_confidence):
                 break
-        return Draft(ids, torch.stack(rows) if rows else None)
+        return Draft(ids, torch.stack(rows) if rows else None, healed)
+
+    def _heal_step(self, heal: torch.Tensor, temperature: float, allowed: torch.Tensor | None,
+                   generator: torch.Generator | None) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+        """Token healing (see Drafter's session): the graph gives last-position logits only, so the
+        sequence is fed up to the last token first. (logits, token, probs) when a longer token
+        replaces it, else (None, -1, None) with the last token not fed yet."""
+        n = len(self.ids) - 1
+        self.graph.crop(self.state, min(self.state.length, n - 1))
+        back = restrict(self.owner.full_logits(self.graph.feed(self.state, self.ids[self.state.length : n])), heal)
+        token, probs = _pick(back, temperature, allowed, generator)
+        self._logits = None
+        if token == self.ids[-1]:
+            return None, -1, None
+        del self.ids[n:]
+        self._base -= 1
+        return back, token, probs
 
     def commit(self, keep: int, tail: list[int]) -> None:
         del self.ids[self._base + keep :]

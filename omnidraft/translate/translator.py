@@ -72,16 +72,22 @@ class Translator:
         self._d2t = vocab_map.d2t.tolist()
 
     # ----- drafter -> target -------------------------------------------------------------
-    def translate(self, draft: list[int], *, only: str = "any") -> Proposal:
+    def translate(self, draft: list[int], *, only: str = "any", skip: int = 0) -> Proposal:
         """Target-space proposal for drafter ids `draft` (K,).
 
         `only="any"` (greedy, `match`): every strategy output. `only="aligned"` (`omnidraft`): stop
         at the first token with no drafter span (no q' exists for it). `only="direct"` (`exact`):
         the direct map alone, stopping at the first unmapped token; nothing may depend on later
         drafter samples, or the accepted tokens would no longer follow q'.
+        `skip`: the draft's first `skip` bytes are already committed (token healing, healing.py):
+        only the bytes after them are proposed, re-tokenized as text.
         """
         if only not in ("any", "aligned", "direct"):
             raise ValueError(f"translate(only=...) must be 'any', 'aligned' or 'direct', got {only!r}")
+        if skip:
+            if only != "any":
+                raise ValueError("a healed draft (skip > 0) translates only with only='any' (greedy or match)")
+            return self._by_text(draft, skip=skip)
         if only == "direct":
             return self._direct(draft)
         out = self._by_ngram(draft, allow_text=only == "any") if self.strategy == "ngram" else self._by_text(draft)
@@ -118,14 +124,16 @@ class Translator:
                 i += 1
         return Proposal(torch.tensor(ids, dtype=torch.long), tuple(sources), tuple(spans))
 
-    def _by_text(self, draft: list[int], offset: int = 0) -> Proposal:
+    def _by_text(self, draft: list[int], offset: int = 0, skip: int = 0) -> Proposal:
         draft_table = self.draft.token_bytes.table
         stop = next((i for i, d in enumerate(draft) if draft_table[d] is None), len(draft))
-        ids = self.target.encode(self.draft.token_bytes.join(draft[:stop]))
+        ids = self.target.encode(self.draft.token_bytes.join(draft[:stop])[skip:])
         if stop < len(draft) and self._d2t[draft[stop]] >= 0:  # a drafted special (EOS) maps by role
             ids.append(self._d2t[draft[stop]])
-        d_ends = {e: j + 1 for j, e in enumerate(accumulate(len(draft_table[d] or b"") for d in draft[:stop]))}
-        d_ends[0] = 0
+        # byte offset (after the skipped bytes) where each drafter token ends -> tokens up to it
+        d_ends = {e - skip: j + 1 for j, e in enumerate(accumulate(len(draft_table[d] or b"") for d in draft[:stop]))}
+        if not skip:
+            d_ends[0] = 0
         target_table = self.target.token_bytes.table
         sources, spans, pos = [], [], 0
         for t in ids:
@@ -181,11 +189,12 @@ class Translator:
             keep, pos = keep + 1, pos + len(data)
         return keep, self.draft.encode(committed[pos:])
 
-    def learn(self, draft_ids: list[int], target_ids: list[int]) -> int:
+    def learn(self, draft_ids: list[int], target_ids: list[int], skip: int = 0) -> int:
         """Add every target token of `target_ids` that spells >= 2 consecutive tokens of
-        `draft_ids` (both spelling the same bytes from the same start) to the n-gram cache."""
+        `draft_ids` to the n-gram cache. Both spell the same bytes, the drafter's starting `skip`
+        bytes earlier (the bytes token healing held back)."""
         d_table, t_table = self.draft.token_bytes.table, self.target.token_bytes.table
-        d_starts = {s: j for j, s in enumerate(accumulate((len(d_table[d] or b"") for d in draft_ids), initial=0))}
+        d_starts = {s - skip: j for j, s in enumerate(accumulate((len(d_table[d] or b"") for d in draft_ids), initial=0))}
         added, pos = 0, 0
         for t in target_ids:
             start, pos = pos, pos + len(t_table[t] or b"")

@@ -1,0 +1,120 @@
+"""Dynamic int8 for drafters: per-channel weights, with SmoothQuant-style smoothing of the MLPs.
+
+Dynamic int8 halves a drafter's step on CPU (SmolLM2-135M: 57 -> 20 ms a token here) and costs
+acceptance, because each call scales its activations by one number and a few channels of the MLP
+activations are far larger than the rest. Two fixes, both measured on the 0.5B pair's held-out
+GSM8K traces (`omnidraft bench-replay`, k = 6): per-channel weight scales (tau 2.52 -> 2.65) and
+moving the activation outliers of each MLP into its weights before quantizing (SmoothQuant, Xiao
+et al. 2023): the down projection's input channel j is divided by s_j in the up projection's
+output and multiplied back in the down projection's weights, and likewise the gate/up input
+through the post-attention RMSNorm (tau 2.65 -> 2.90; fp32 drafts at 3.04). In fp32 both folds
+leave the model's function unchanged. Scales come from a forward over `CALIBRATION`, a few
+sentences of prose, arithmetic and code (a second or two at load time).
+
+For drafters only. The target is never quantized dynamically: per-call activation scales make a
+k-token verify differ from k single steps, so greedy identity would not hold. MLPs with a LoRA
+adapter on their projections are left unsmoothed (the fold would change what the adapter sees).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CALIBRATION", "int8_qconfig", "quantize_int8", "smooth_mlps"]
+
+CALIBRATION = (
+    "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?\nAnswer: Let's think step by step. "
+    "In May she sold 48 / 2 = 24 clips. Altogether she sold 48 + 24 = 72 clips.\n#### 72",
+    'def fib(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n'
+    "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\nprint([fib(i) for i in range(10)])\n",
+    "The committee met on Tuesday to review the budget. After a long discussion, the members agreed that "
+    "the new library would open in the spring, and that its reading rooms would stay open until ten at night.",
+    '{"id": 17, "name": "sensor-a", "values": [0.5, 1.25, -3.0], "ok": true}\n'
+    "SELECT name, COUNT(*) FROM orders WHERE total > 100 GROUP BY name ORDER BY 2 DESC;",
+)
+
+_NORM_FOLD = ("llama", "qwen2", "mistral")  # RMSNorm computes weight * x_hat: a scale folds into its weight
+
+
+def int8_qconfig() -> Any:
+    """int8 weights with one scale per output channel, activations scaled per call."""
+    return torch.ao.quantization.per_channel_dynamic_qconfig
+
+
+@torch.no_grad()
+def smooth_mlps(model: Any, tokenizer: Any, *, down_alpha: float = 0.75, gate_alpha: float = 0.5) -> int:
+    """Fold SmoothQuant scales into every plain MLP of `model` (in place); returns how many.
+
+    For the down projection s_j = a_j^alpha / w_j^(1 - alpha), a_j the largest |input| of channel
+    j over `CALIBRATION` and w_j the largest |weight| of input column j; alpha = `down_alpha`
+    (0.75 measured best of 0.5-1.0), `gate_alpha` (0.5) for the gate/up input. A model whose
+    architecture is not known to compute its norm as weight * x_hat is left as it is (returns 0).
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in _NORM_FOLD:
+        return 0
+    layers = [m for m in model.modules() if _plain_mlp(m)]
+    peak = _input_peaks(model, tokenizer, [p for layer in layers for p in (layer.mlp.gate_proj, layer.mlp.down_proj)])
+    for layer in layers:
+        mlp = layer.mlp
+        s = _scales(peak[mlp.down_proj], mlp.down_proj.weight.abs().amax(0), down_alpha)
+        mlp.down_proj.weight.mul_(s[None, :])
+        mlp.up_proj.weight.div_(s[:, None])
+        w = torch.maximum(mlp.gate_proj.weight.abs().amax(0), mlp.up_proj.weight.abs().amax(0))
+        s = _scales(peak[mlp.gate_proj], w, gate_alpha)
+        layer.post_attention_layernorm.weight.div_(s)
+        mlp.gate_proj.weight.mul_(s[None, :])
+        mlp.up_proj.weight.mul_(s[None, :])
+    return len(layers)
+
+
+def _plain_mlp(layer: nn.Module) -> bool:
+    """A decoder layer whose gated MLP projections are all plain nn.Linear (no adapter on them)."""
+    mlp, norm = getattr(layer, "mlp", None), getattr(layer, "post_attention_layernorm", None)
+    return (mlp is not None and norm is not None and isinstance(getattr(norm, "weight", None), torch.Tensor)
+            and all(type(getattr(mlp, p, None)) is nn.Linear for p in ("gate_proj", "up_proj", "down_proj")))
+
+
+def _input_peaks(model: Any, tokenizer: Any, linears: list[nn.Module]) -> dict[nn.Module, torch.Tensor]:
+    """Largest |input| per channel of each of `linears` over the calibration texts."""
+    peak: dict[nn.Module, torch.Tensor] = {}
+
+    def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        x = args[0].detach().abs().flatten(0, -2).amax(0)
+        peak[module] = torch.maximum(peak[module], x) if module in peak else x
+
+    hooks = [linear.register_forward_pre_hook(record) for linear in linears]
+    try:
+        for text in CALIBRATION:
+            model(input_ids=torch.tensor([tokenizer(text)["input_ids"]]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return peak
+
+
+def _scales(activation: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    return activation.clamp_min(1e-5) ** alpha / weight.clamp_min(1e-5) ** (1 - alpha)
+
+
+def quantize_int8(model: Any, tokenizer: Any | None = None, *, inplace: bool = False,
+                  only: set[str] | None = None) -> Any:
+    """Dynamic int8 copy of `model` (or `model` itself with `inplace`): its MLPs smoothed when a
+    `tokenizer` is given for the calibration forward, then every nn.Linear (or those named in
+    `only`) quantized with per-channel weights."""
+    if not inplace:
+        model = copy.deepcopy(model)
+    if tokenizer is not None:
+        smooth_mlps(model, tokenizer)
+    linears = {n for n, m in model.named_modules() if type(m) is nn.Linear and (only is None or n in only)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.ao.quantization.quantize_dynamic(model, {n: int8_qconfig() for n in linears}, dtype=torch.qint8,
+                                               inplace=True)
+    return model.eval()
