@@ -91,6 +91,19 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--out", default="bench_out")
     h.add_argument("--name", default="bench-draft")
 
+    r = sub.add_parser("bench-replay", help="acceptance of drafter and decoding variants on recorded greedy traces")
+    r.add_argument("--pair", default=f"{DRAFTER}:qwen2.5-coder-0.5b")
+    r.add_argument("--dataset", action="append", help="gsm8k:test | humaneval | ..., repeatable")
+    r.add_argument("--n", type=int, default=50)
+    r.add_argument("--drafter", action="append", choices=["fp32", "int8", "int8-per-channel", "int8-per-tensor"],
+                   help="drafter numerics, repeatable (default: int8)")
+    r.add_argument("--decode", action="append", help='DecodeConfig overrides such as "heal=off,k=8", repeatable '
+                                                     "(keys: k, stop, heal, strategy; default: the defaults)")
+    r.add_argument("--cache", default="bench_out/traces", help="where recorded traces are kept")
+    r.add_argument("--out", default="bench_out")
+    r.add_argument("--name", default="bench-replay")
+    decoding(r)
+
     e = sub.add_parser("export", help="export the drafter (with a pairing's adapter merged) to ONNX")
     e.add_argument("--drafter", default=DRAFTER)
     e.add_argument("--target", default=None, help="merge this target's adapter and prune for this pairing")
@@ -399,6 +412,24 @@ def _bench_drafters(args: argparse.Namespace) -> None:
     print(markdown(result))
 
 
+def _bench_replay(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    import omnidraft as od
+
+    from .bench.replay import run_replay, write_replay_report
+
+    drafter_spec, target_spec = _split_pair(args.pair)
+    bar = tqdm(desc="bench-replay", file=sys.stderr)
+    result = run_replay(drafter_spec, od.LocalTarget.load(target_spec, dual_linear=False),
+                        datasets=args.dataset or ["gsm8k:test"], n=args.n, max_new_tokens=args.max_new_tokens,
+                        schemes=args.drafter or ["int8"], decodes=args.decode or [""],
+                        base={"k": args.k, "stop_confidence": args.stop_confidence, "strategy": args.strategy},
+                        cache=Path(args.cache), progress=bar.set_postfix_str)
+    bar.close()
+    print(write_replay_report(result, Path(args.out), args.name))
+
+
 def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -441,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
         raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and {args.max_new_tokens}")
-    commands = {"generate": _generate, "demo": _demo, "bench": _bench, "adapt": _adapt, "bench-draft": _bench_draft, "export": _export, "bench-drafters": _bench_drafters, "serve": _serve, "calibrate": _calibrate,
+    commands = {"generate": _generate, "demo": _demo, "bench": _bench, "adapt": _adapt, "bench-draft": _bench_draft, "bench-replay": _bench_replay, "export": _export, "bench-drafters": _bench_drafters, "serve": _serve, "calibrate": _calibrate,
                 "simulate": _simulate}
     commands[args.command](args)
 
