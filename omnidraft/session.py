@@ -138,8 +138,7 @@ class Pairing:
         size = getattr(self.drafter, "hidden_size", None)
         if size is None:
             raise ValueError(f"an acceptance head needs a drafter that exposes hidden states; {self.drafter!r} does not")
-        torch.manual_seed(config.seed)
-        self.head = AcceptanceHead(size, config.width, config.depth).eval()
+        self.head = AcceptanceHead(size, config.width, config.depth, seed=config.seed).eval()
         self.head_trainer = HeadTrainer(self.head, config)
         if saved is not None:
             saved = dict(saved)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -75,6 +76,16 @@ def test_head_outputs_probabilities_with_distinct_layers():
     assert p.shape == (50,) and bool(((p >= 0) & (p <= 1)).all())
     weights = [layer.weight for layer in head.layers]
     assert len(weights) == 3 and len({w.data_ptr() for w in weights}) == 3
+
+
+def test_a_seeded_head_is_reproducible_and_leaves_the_global_rng_alone():
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    a, b = AcceptanceHead(16, 8, 2, seed=7), AcceptanceHead(16, 8, 2, seed=7)
+    assert torch.equal(torch.rand(4), expected)  # the caller's random stream is where it was
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(AcceptanceHead(16, 8, 2, seed=8).out.weight, a.out.weight)
 
 
 @pytest.mark.parametrize("probs, gamma, k_min, k_max, stops_at", [
@@ -238,7 +249,7 @@ def test_bench_draft_trains_both_heads_once_and_compares_policies(tiny_drafter, 
     from omnidraft.bench.adaptive import run_draft_policies, write_draft_report
 
     kwargs = dict(dataset="gsm8k", train="gsm8k:train", n=2, n_train=3, max_new_tokens=12, train_tokens=12,
-                  fixed=[2, 4], k_max=6, cache=tmp_path)
+                  fixed=[2, 4], confident=[4], k_max=6, cache=tmp_path)
     assert run_draft_policies(tiny_drafter, tiny_target, train_only=True, **kwargs) is None
     heads = sorted(p.name for p in tmp_path.glob("head-*"))
     assert len(heads) == 3 and heads[0].endswith("interleaved.safetensors") and heads[1].endswith("joint.safetensors")
@@ -247,7 +258,24 @@ def test_bench_draft_trains_both_heads_once_and_compares_policies(tiny_drafter, 
     assert score["rows"] > 0 and 0 <= score["mean_prob"] <= 1 and score["bce"] > 0
     assert result["head_scores"]["interleaved"]["rows"] == 0  # 3 requests: it first trains after the 4th
     names = [r["variant"] for r in result["rows"]]
-    assert names == ["fixed k=2", "fixed k=4", "fallback (hysteresis)", "head (joint)", "head (interleaved)"]
-    assert all(r["identical"] == 2 for r in result["rows"])
+    assert names == ["fixed k=2", "fixed k=4", "confidence stop, k≤4", "fallback (hysteresis)", "head (joint)",
+                     "head (interleaved)"]
+    assert all(r["identical"] == 2 and len(r["prompt_s"]) == 2 for r in result["rows"])
+    versus = result["against_best_fixed"]  # every policy that picks its own length, against the fastest fixed k
+    assert versus["best_fixed"] in ("fixed k=2", "fixed k=4") and sorted(versus["adaptive"]) == sorted(names[2:])
     table = write_draft_report([{"pair": "tiny", **result}], tmp_path, "draft")
-    assert "head (joint)" in table and "BCE of the mean rate" in table
+    assert "head (joint)" in table and "BCE of the mean rate" in table and "paired per prompt" in table
+
+
+def test_paired_ratio_is_the_geometric_mean_time_ratio_with_a_t_interval():
+    from omnidraft.bench.runner import paired_ratio
+
+    c = paired_ratio([1.0, 2.0, 1.0], [1.2, 2.2, 1.3])  # per prompt 1.2, 1.1, 1.3 times slower
+    assert c["ratio"] == pytest.approx((1.2 * 1.1 * 1.3) ** (1 / 3)) and c["wins"] == 3 and c["prompts"] == 3
+    logs = [math.log(x) for x in (1.2, 1.1, 1.3)]
+    mean, sd = sum(logs) / 3, statistics.stdev(logs)
+    assert c["low"] == pytest.approx(math.exp(mean - 4.30 * sd / math.sqrt(3)))  # t(0.975, df=2) = 4.30
+    assert c["high"] == pytest.approx(math.exp(mean + 4.30 * sd / math.sqrt(3)))
+    assert paired_ratio([1.0] * 40, [1.1] * 40)["low"] == pytest.approx(1.1)  # no spread: a point
+    with pytest.raises(ValueError, match="same non-empty prompts"):
+        paired_ratio([1.0], [1.0, 2.0])

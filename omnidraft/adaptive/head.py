@@ -73,13 +73,17 @@ class AcceptanceHead(nn.Module):
     `prior_shift` buffer and `prob` takes it off (logit adjustment, Menon et al. 2021).
     """
 
-    def __init__(self, hidden_size: int, width: int = 128, depth: int = 2) -> None:
+    def __init__(self, hidden_size: int, width: int = 128, depth: int = 2, seed: int | None = None) -> None:
+        """`seed` makes the initial weights reproducible without touching the caller's global RNG."""
         super().__init__()
         self.hidden_size, self.width, self.depth = hidden_size, width, depth
-        self.norm = nn.LayerNorm(hidden_size)
-        sizes = [hidden_size + EXTRA_FEATURES] + [width] * depth
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
-        self.out = nn.Linear(width, 1)
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            self.norm = nn.LayerNorm(hidden_size)
+            sizes = [hidden_size + EXTRA_FEATURES] + [width] * depth
+            self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+            self.out = nn.Linear(width, 1)
         self.register_buffer("prior_shift", torch.zeros(()))
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
