@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--n-train", type=int, default=100, help="training prompts per dataset for the heads")
     h.add_argument("--max-new-tokens", type=int, default=128)
     h.add_argument("--fixed-k", type=int, action="append", help="fixed draft lengths to compare, repeatable")
+    h.add_argument("--confidence-k", type=int, action="append",
+                   help="also draft up to this many tokens, stopping after one the drafter gives p < 0.3; repeatable")
     h.add_argument("--k-max", type=int, default=12)
     h.add_argument("--train-tokens", type=int, default=64, help="tokens per recorded training trace")
     h.add_argument("--train-only", action="store_true", help="train and cache the heads, skip the timed evaluation")
@@ -311,15 +313,16 @@ def _bench_draft(args: argparse.Namespace) -> None:
 
     from .bench.adaptive import run_draft_policies, write_draft_report
 
-    if min(args.n_train, args.k_max) < 1 or any(k < 1 for k in args.fixed_k or []):
-        raise SystemExit("--n-train, --k-max and every --fixed-k must be >= 1")
+    if min(args.n_train, args.k_max) < 1 or any(k < 1 for k in (args.fixed_k or []) + (args.confidence_k or [])):
+        raise SystemExit("--n-train, --k-max and every --fixed-k and --confidence-k must be >= 1")
     results = []
     for pair_spec, drafter, target in _loaded_pairs(args.pair, f"{DRAFTER}:qwen2.5-coder-0.5b"):
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
             bar = tqdm(desc=f"{pair_spec} {dataset}", file=sys.stderr)
             res = run_draft_policies(drafter, target, dataset=dataset, train=f"{dataset}:train", n=args.n,
                                      n_train=args.n_train, max_new_tokens=args.max_new_tokens, train_tokens=args.train_tokens,
-                                     fixed=args.fixed_k or [4, 6, 10], k_max=args.k_max, cache=Path(args.cache),
+                                     fixed=args.fixed_k or [4, 6, 10], confident=args.confidence_k or [],
+                                     k_max=args.k_max, cache=Path(args.cache),
                                      train_only=args.train_only, progress=bar.set_postfix_str)
             bar.close()
             if res is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -26,9 +26,9 @@ from ..atomic import atomic_write_bytes
 from ..distill.trace_store import ReplayTarget
 from .adapt import prompts_for, traces_for
 from .datasets import load_prompts
-from .runner import compare_pairings
+from .runner import compare_pairings, paired_ratio
 
-__all__ = ["Prequential", "run_draft_policies", "train_heads", "write_draft_report"]
+__all__ = ["Prequential", "against_best_fixed", "run_draft_policies", "train_heads", "write_draft_report"]
 
 
 def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tokens: int, cache: Path,
@@ -67,8 +67,7 @@ def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tok
         progress(f"head rollout {i + 1}/{len(traces)}")
     heads, scores = {}, {}
     for name, config in configs.items():
-        torch.manual_seed(config.seed)
-        head = AcceptanceHead(drafter.hidden_size, config.width, config.depth)
+        head = AcceptanceHead(drafter.hidden_size, config.width, config.depth, seed=config.seed)
         trainer = HeadTrainer(head, config)
         score = Prequential()
         for i, (features, labels) in enumerate(requests):
@@ -113,8 +112,13 @@ class Prequential:
                 "mean_prob": self.prob / n, "accept_rate": self.accepted / n}
 
 
-def _variants(drafter: Any, target: Any, fixed: list[int], heads: dict[str, Any], k_max: int) -> dict[str, Any]:
-    pairs = {f"fixed k={k}": drafter.pair(target, k=k, stop_confidence=0.3) for k in fixed}
+def _variants(drafter: Any, target: Any, fixed: list[int], confident: list[int], heads: dict[str, Any],
+              k_max: int) -> dict[str, Any]:
+    """Fixed k drafts exactly k tokens a round (the paper's static baseline). Every other row decides
+    its length as it drafts: the drafter's confidence alone (stop after a token it gives p < 0.3,
+    the engine's default), the hysteresis fallback, and the two heads."""
+    pairs = {f"fixed k={k}": drafter.pair(target, k=k, stop_confidence=0.0) for k in fixed}
+    pairs |= {f"confidence stop, k≤{k}": drafter.pair(target, k=k, stop_confidence=0.3) for k in confident}
     pairs["fallback (hysteresis)"] = drafter.pair(target, k=4, stop_confidence=0.3, adaptive=Hysteresis(k_min=2, k_max=k_max))
     for schedule, head in heads.items():
         pair = drafter.pair(target, k=4, head=HeadConfig(train=None, warmup=0, k_max=k_max, width=head.width, depth=head.depth))
@@ -123,20 +127,33 @@ def _variants(drafter: Any, target: Any, fixed: list[int], heads: dict[str, Any]
     return pairs
 
 
+def against_best_fixed(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each adaptive row against the fastest fixed-k row, paired per prompt (`paired_ratio`)."""
+    fixed = [r for r in rows if r["variant"].startswith("fixed k=")]
+    if not fixed:
+        return {}
+    best = max(fixed, key=lambda r: r["speedup"])
+    return {"best_fixed": best["variant"],
+            "adaptive": {r["variant"]: paired_ratio(r["prompt_s"], best["prompt_s"])
+                         for r in rows if not r["variant"].startswith("fixed k=")}}
+
+
 def run_draft_policies(drafter: Any, target: Any, *, dataset: str, train: str, n: int, n_train: int,
                        max_new_tokens: int, train_tokens: int, fixed: list[int], k_max: int, cache: Path,
-                       train_only: bool = False, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any] | None:
-    """Rows: variant -> acceptance, τ, tokens/s, speedup over the target alone, identical count.
+                       confident: Sequence[int] = (), train_only: bool = False,
+                       progress: Callable[[str], None] = lambda _: None) -> dict[str, Any] | None:
+    """Rows: variant -> acceptance, τ, tokens/s, speedup over the target alone, identical count;
+    and each adaptive variant against the best fixed k, paired per prompt.
     `train_only` stops after training (and caching) the heads: that part needs no idle machine."""
     configs = {"joint": HeadConfig(train="joint", k_max=k_max, interval=1, steps=5),
                "interleaved": HeadConfig(train="interleaved", k_max=k_max, interval=4, steps=10)}
     heads, scores = train_heads(drafter, target, train, n_train, train_tokens, cache, configs, progress)
     if train_only:
         return None
-    pairs = _variants(drafter, target, fixed, heads, k_max)
+    pairs = _variants(drafter, target, fixed, list(confident), heads, k_max)
     result = compare_pairings(pairs, load_prompts(dataset, n), max_new_tokens, progress)
     return {"dataset": dataset, "train": train, "n_train": n_train, "max_new_tokens": max_new_tokens,
-            "head_scores": scores, **result}
+            "head_scores": scores, **result, "against_best_fixed": against_best_fixed(result["rows"])}
 
 
 def write_draft_report(results: list[dict[str, Any]], out: Path, name: str) -> str:
@@ -146,6 +163,15 @@ def write_draft_report(results: list[dict[str, Any]], out: Path, name: str) -> s
         for r in res["rows"]:
             table += (f"| {res['pair']} | {res['dataset']} | {r['variant']} | {r['acceptance_rate']:.3f} | {r['tau']:.2f} | "
                       f"{r['drafted_per_round']:.1f} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n")
+    table += "\nEach adaptive policy against the best fixed k, paired per prompt (geometric mean of the fixed " \
+             "run's time over the policy's, 95% interval; above 1 = the policy is faster):\n\n" \
+             "| pair | dataset | best fixed | policy | time ratio | 95% interval | prompts faster |\n" \
+             "|---|---|---|---|---|---|---|\n"
+    for res in results:
+        versus = res.get("against_best_fixed") or {}
+        for variant, c in versus.get("adaptive", {}).items():
+            table += (f"| {res['pair']} | {res['dataset']} | {versus['best_fixed']} | {variant} | {c['ratio']:.3f} | "
+                      f"{c['low']:.3f}–{c['high']:.3f} | {c['wins']}/{c['prompts']} |\n")
     table += "\nHeads scored online on their training stream (each request predicted before training on it):\n\n" \
              "| pair | dataset | head | rows | BCE | BCE of the mean rate | mean predicted p | acceptance |\n" \
              "|---|---|---|---|---|---|---|---|\n"

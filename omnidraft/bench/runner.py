@@ -6,6 +6,7 @@ shared warm-up; the ratios compare runs made seconds apart on the same machine s
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from statistics import median
 from typing import Any, Callable
@@ -13,7 +14,7 @@ from typing import Any, Callable
 from ..session import Pairing
 from .baselines import Timed, hf_assisted, target_alone
 
-__all__ = ["PromptResult", "compare_pairings", "run_prompts", "summarize"]
+__all__ = ["PromptResult", "compare_pairings", "paired_ratio", "run_prompts", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -110,13 +111,17 @@ def summarize(results: list[PromptResult]) -> dict[str, Any]:
 def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_tokens: int,
                      progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Several pairings of one target, side by side: per prompt the target alone once, then each
-    pairing, all timed in one process. Rows: acceptance, τ, drafted/round, tok/s, speedup, identical."""
+    pairing, all timed in one process. The pairings' order rotates from prompt to prompt, so none
+    always runs first after the target (or last, when the machine has drifted most). Rows:
+    acceptance, τ, drafted/round, tok/s, speedup, identical, and each prompt's seconds (`prompt_s`,
+    for paired comparisons: `paired_ratio`)."""
     from ..stats import GenerationStats
 
     target = next(iter(pairs.values())).target
     for pair in pairs.values():  # warm-up (and a first cost estimate for cost-aware pairings)
         pair.generate(prompts[0], max_new_tokens=16)
     target_alone(target, prompts[0], 8)
+    names = list(pairs)
     runs: dict[str, list[Any]] = {name: [] for name in pairs}
     identical = {name: 0 for name in pairs}
     alone_s = alone_tokens = 0.0
@@ -124,9 +129,9 @@ def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_toke
         progress(f"prompt {i + 1}/{len(prompts)}: target alone")
         ref = target_alone(target, prompt, max_new_tokens)
         alone_s, alone_tokens = alone_s + ref.seconds, alone_tokens + len(ref.token_ids)
-        for name, pair in pairs.items():
+        for name in names[i % len(names):] + names[: i % len(names)]:
             progress(f"prompt {i + 1}/{len(prompts)}: {name}")
-            out = pair.generate(prompt, max_new_tokens=max_new_tokens)
+            out = pairs[name].generate(prompt, max_new_tokens=max_new_tokens)
             runs[name].append(out)
             identical[name] += out.token_ids == ref.token_ids
     rows = []
@@ -138,5 +143,27 @@ def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_toke
                      "drafted_per_round": sum(r.drafted for r in rounds) / len(rounds),
                      "draft_ms_per_token": 1000 * sum(r.t_draft for r in rounds) / max(1, sum(r.drafted for r in rounds)),
                      "tok_s": tokens / seconds, "speedup": (tokens / seconds) / (alone_tokens / alone_s),
-                     "identical": identical[name], "prompts": len(prompts)})
+                     "identical": identical[name], "prompts": len(prompts),
+                     "prompt_s": [o.stats.seconds for o in outs]})
     return {"target_tok_s": alone_tokens / alone_s, "rows": rows}
+
+
+def paired_ratio(faster: list[float], slower: list[float]) -> dict[str, float]:
+    """How much faster one pairing ran than another on the same prompts (same outputs, so time
+    ratios are throughput ratios): the geometric mean of slower/faster per prompt with a 95%
+    t-interval, and on how many prompts it was faster. An interval above 1 is a win the run-to-run
+    drift of this machine does not explain."""
+    if len(faster) != len(slower) or not faster:
+        raise ValueError(f"paired_ratio needs the same non-empty prompts for both, got {len(faster)} and {len(slower)}")
+    logs = [math.log(b / a) for a, b in zip(faster, slower)]
+    n, mean = len(logs), sum(logs) / len(logs)
+    spread = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1)) / math.sqrt(n) if n > 1 else math.inf
+    half = _T95[max(df for df in _T95 if df <= max(n - 1, 1))] * spread
+    return {"ratio": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half),
+            "wins": sum(x > 0 for x in logs), "prompts": n}
+
+
+# two-sided 95% Student t quantiles by degrees of freedom; a df between two keys takes the lower
+# key's (larger, so conservative) quantile, and beyond 30 the quantile at 30 (the normal's is 1.96)
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20,
+        12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09, 25: 2.06, 30: 2.04}
