@@ -3,7 +3,8 @@
 In greedy mode the target's part of every round is fixed by its recorded continuation
 (distill/trace_store.py), so each variant runs the whole engine against a `ReplayTarget`: exact
 greedy acceptance, τ and draft lengths with drafter forwards only, minutes instead of hours.
-What it cannot measure is wall time: confirm a variant that wins here with `omnidraft bench`.
+It times each drafter scheme alone (ms per drafted token, `bench.drafters`), not the variants end
+to end: confirm a variant that wins here with `omnidraft bench`.
 
 Variants are a drafter numeric scheme (`SCHEMES`) times a set of `DecodeConfig` overrides
 ("heal=off,k=8"). Used to choose the engine's defaults: token healing (translate/healing.py) and
@@ -25,6 +26,8 @@ from ..atomic import atomic_write_bytes
 from ..distill.trace_store import ReplayTarget
 from ..stats import GenerationStats
 from .adapt import prompts_for, traces_for
+from .datasets import load_prompts
+from .drafters import drafter_ms_per_token
 
 __all__ = ["SCHEMES", "parse_decode", "replay_variant", "run_replay"]
 
@@ -95,24 +98,32 @@ def run_replay(drafter_spec: str, target: Any, *, datasets: list[str], n: int, m
     from ..models import load_model
 
     fp32 = load_model(drafter_spec)
+    drafters = {scheme: drafter_for(scheme, fp32) for scheme in schemes}
+    ids = fp32.tokenizer(" ".join(load_prompts("humaneval", 3)))["input_ids"][:200]
+    costs = {}
+    for scheme, drafter in drafters.items():  # timed first, while nothing else of this run competes
+        progress(f"timing {scheme}")
+        costs[scheme] = drafter_ms_per_token(drafter, ids)
     rows = []
     for dataset in datasets:
         traces = traces_for(target, dataset, n, max_new_tokens, cache)
         prompts = prompts_for(target, dataset, traces)
         replay = ReplayTarget.like(target, traces)
-        for scheme in schemes:
-            drafter = drafter_for(scheme, fp32)
+        for scheme, drafter in drafters.items():
             for decode in decodes:
                 progress(f"{dataset} {scheme} {decode or 'defaults'}")
                 row = replay_variant(drafter, replay, traces, prompts, {**base, **parse_decode(decode)})
                 rows.append({"dataset": dataset, "drafter": scheme, "decode": decode or "defaults", **row})
-    return {"pair": f"{fp32.name}:{target.name}", "n": n, "max_new_tokens": max_new_tokens, "base": base, "rows": rows}
+    return {"pair": f"{fp32.name}:{target.name}", "n": n, "max_new_tokens": max_new_tokens, "base": base,
+            "ms_per_token": costs, "rows": rows}
 
 
 def write_replay_report(result: dict[str, Any], out: Path, name: str) -> str:
     table = (f"# {result['pair']}: replayed greedy traces, {result['n']} prompts x {result['max_new_tokens']} tokens "
              f"per dataset, base config {result['base']}\n\n"
-             "| dataset | drafter | decode | acceptance | τ | first proposal accepted | drafted/round | n-gram/round | identical |\n"
+             "| drafter | ms per drafted token |\n|---|---|\n"
+             + "".join(f"| {scheme} | {ms:.1f} |\n" for scheme, ms in result.get("ms_per_token", {}).items())
+             + "\n| dataset | drafter | decode | acceptance | τ | first proposal accepted | drafted/round | n-gram/round | identical |\n"
              "|---|---|---|---|---|---|---|---|---|\n")
     for r in result["rows"]:
         table += (f"| {r['dataset']} | {r['drafter']} | {r['decode']} | {r['acceptance_rate']:.3f} | {r['tau']:.3f} | "

@@ -43,7 +43,8 @@ class Healer:
         self.candidates = lru_cache(maxsize=4096)(self._candidates)
 
     def _range(self, prefix: bytes, keys: list[bytes] | None = None) -> tuple[int, int]:
-        """[lo, hi) of the sorted `keys` (the drafter's tokens) that start with `prefix`: a contiguous run."""
+        """[lo, hi) of the sorted `keys` (default: the drafter's token bytes) that start with `prefix`:
+        in sorted order they form one contiguous run."""
         keys = self._keys if keys is None else keys
         lo = bisect_left(keys, prefix)
         successor = prefix.rstrip(b"\xff")
