@@ -74,16 +74,15 @@ class AcceptanceHead(nn.Module):
     """
 
     def __init__(self, hidden_size: int, width: int = 128, depth: int = 2, seed: int | None = None) -> None:
-        """`seed` makes the initial weights reproducible without touching the caller's global RNG."""
+        """`seed` makes the initial weights reproducible (drawn from their own generator, so the
+        caller's global random stream is not touched); None draws them as `nn.Linear` does."""
         super().__init__()
         self.hidden_size, self.width, self.depth = hidden_size, width, depth
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
-            self.norm = nn.LayerNorm(hidden_size)
-            sizes = [hidden_size + EXTRA_FEATURES] + [width] * depth
-            self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
-            self.out = nn.Linear(width, 1)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.norm = nn.LayerNorm(hidden_size)
+        sizes = [hidden_size + EXTRA_FEATURES] + [width] * depth
+        self.layers = nn.ModuleList(_linear(a, b, generator) for a, b in zip(sizes, sizes[1:]))
+        self.out = _linear(width, 1, generator)
         self.register_buffer("prior_shift", torch.zeros(()))
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -102,6 +101,17 @@ class AcceptanceHead(nn.Module):
     def prob(self, features: torch.Tensor) -> torch.Tensor:
         """Calibrated P(accept) (N,): the trained logit minus the class-weighting shift."""
         return torch.sigmoid(self.forward(features) - self.prior_shift)
+
+
+def _linear(fan_in: int, fan_out: int, generator: torch.Generator | None) -> nn.Linear:
+    """nn.Linear with its usual initialisation, drawn from `generator` when one is given."""
+    if generator is None:
+        return nn.Linear(fan_in, fan_out)
+    linear = nn.utils.skip_init(nn.Linear, fan_in, fan_out)
+    nn.init.kaiming_uniform_(linear.weight, a=math.sqrt(5), generator=generator)
+    bound = 1 / math.sqrt(fan_in)
+    nn.init.uniform_(linear.bias, -bound, bound, generator=generator)
+    return linear
 
 
 def token_features(hidden: torch.Tensor, logits: torch.Tensor, token: int, position: int, k_max: int,
