@@ -1,13 +1,13 @@
 """Dynamic int8 for drafters: per-channel weights, with SmoothQuant-style smoothing of the MLPs.
 
-Dynamic int8 halves a drafter's step on CPU (SmolLM2-135M: 57 -> 20 ms a token here) and costs
-acceptance, because each call scales its activations by one number and a few channels of the MLP
-activations are far larger than the rest. Two fixes, both measured on the 0.5B pair's held-out
-GSM8K traces (`omnidraft bench-replay`, k = 6): per-channel weight scales (tau 2.52 -> 2.65) and
+Dynamic int8 cuts a drafter's step on CPU to about a third (SmolLM2-135M: 56 -> 20 ms a token here)
+and costs acceptance, because each call scales its activations by one number and a few channels of
+the MLP activations are far larger than the rest. Two fixes, both measured on the 0.5B pair's
+held-out GSM8K traces (`omnidraft bench-replay`, k = 6): per-channel weight scales (tau 2.53 -> 2.65) and
 moving the activation outliers of each MLP into its weights before quantizing (SmoothQuant, Xiao
 et al. 2023): the down projection's input channel j is divided by s_j in the up projection's
 output and multiplied back in the down projection's weights, and likewise the gate/up input
-through the post-attention RMSNorm (tau 2.65 -> 2.90; fp32 drafts at 3.04). In fp32 both folds
+through the post-attention RMSNorm (tau 2.65 -> 2.83; fp32 drafts at 3.04). In fp32 both folds
 leave the model's function unchanged. Scales come from a forward over `CALIBRATION`, a few
 sentences of prose, arithmetic and code (a second or two at load time).
 
@@ -42,9 +42,10 @@ CALIBRATION = (
 _NORM_FOLD = ("llama", "qwen2", "mistral")  # RMSNorm computes weight * x_hat: a scale folds into its weight
 
 
-def int8_qconfig() -> Any:
-    """int8 weights with one scale per output channel, activations scaled per call."""
-    return torch.ao.quantization.per_channel_dynamic_qconfig
+def int8_qconfig(per_channel: bool = True) -> Any:
+    """int8 weights with one scale per output channel (or per tensor), activations scaled per call."""
+    q = torch.ao.quantization
+    return q.per_channel_dynamic_qconfig if per_channel else q.default_dynamic_qconfig
 
 
 @torch.no_grad()
@@ -104,10 +105,11 @@ def _scales(activation: torch.Tensor, weight: torch.Tensor, alpha: float) -> tor
 
 
 def quantize_int8(model: Any, tokenizer: Any | None = None, *, inplace: bool = False,
-                  only: set[str] | None = None) -> Any:
+                  only: set[str] | None = None, per_channel: bool = True) -> Any:
     """Dynamic int8 copy of `model` (or `model` itself with `inplace`): its MLPs smoothed when a
     `tokenizer` is given for the calibration forward, then every nn.Linear (or those named in
-    `only`) quantized with per-channel weights."""
+    `only`) quantized with per-channel weights (one scale per tensor with `per_channel=False`,
+    kept for comparison: `omnidraft bench-replay --drafter int8-per-tensor`)."""
     if not inplace:
         model = copy.deepcopy(model)
     if tokenizer is not None:
@@ -115,6 +117,6 @@ def quantize_int8(model: Any, tokenizer: Any | None = None, *, inplace: bool = F
     linears = {n for n, m in model.named_modules() if type(m) is nn.Linear and (only is None or n in only)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.ao.quantization.quantize_dynamic(model, {n: int8_qconfig() for n in linears}, dtype=torch.qint8,
+        torch.ao.quantization.quantize_dynamic(model, {n: int8_qconfig(per_channel) for n in linears}, dtype=torch.qint8,
                                                inplace=True)
     return model.eval()

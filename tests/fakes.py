@@ -28,7 +28,7 @@ class _OracleSession:
     def __init__(self, owner: OracleDrafter) -> None:
         self.owner, self.pos, self.draft = owner, 0, []
 
-    def propose(self, k, *, temperature=0.0, allowed=None, generator=None, stop_confidence=0.0, first=None):
+    def propose(self, k, *, temperature=0.0, allowed=None, generator=None, stop_confidence=0.0, heal=None):
         o = self.owner
         i = o.starts.get(self.pos, len(o.reference))
         ids = o.reference[i : i + k] or [o.token_bytes.byte_token[ord("x")]]

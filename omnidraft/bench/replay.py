@@ -13,14 +13,10 @@ int8 drafting with per-channel weights and smoothed MLPs (int8.py).
 
 from __future__ import annotations
 
-import copy
 import json
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
-
-import torch
 
 from ..atomic import atomic_write_bytes
 from ..distill.trace_store import ReplayTarget
@@ -66,9 +62,7 @@ def drafter_for(scheme: str, fp32: Any) -> Any:
     elif scheme == "int8-per-channel":
         model = quantize_int8(model)
     elif scheme == "int8-per-tensor":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+        model = quantize_int8(model, per_channel=False)
     return Drafter(model, fp32.tokenizer, fp32.name)
 
 
