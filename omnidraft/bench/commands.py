@@ -1,0 +1,114 @@
+"""The experiment commands of `omnidraft`: adapt, bench-draft, bench-drafters and bench-replay.
+
+Each turns parsed arguments (cli.py's parser) into one run of its bench/ module and prints the
+report. Split from cli.py, which keeps the parser and the commands a user runs day to day.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..cli import DRAFTER, _loaded_pairs, _split_pair
+
+__all__ = ["adapt", "bench_draft", "bench_drafters", "bench_replay"]
+
+
+def adapt(args: argparse.Namespace) -> None:
+    import omnidraft as od
+
+    from ..distill.trainer import TrainConfig
+    from .adapt import markdown, run_adapt
+
+    if min(args.n_train, args.n_eval, args.steps, args.eval_every, args.rank) < 1:
+        raise SystemExit("--n-train, --n-eval, --steps, --eval-every and --rank must be >= 1")
+    drafter_spec, target_spec = _split_pair(args.pair)
+    drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec, dual_linear=False)
+    lam = args.lam if args.lam == "dynamic" else float(args.lam)
+    config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam)
+    result = run_adapt(drafter, target, train=args.train, evaluation=args.eval, n_train=args.n_train, n_eval=args.n_eval,
+                       max_new_tokens=args.max_new_tokens, steps=args.steps, eval_every=args.eval_every,
+                       variants=args.variant or ["none", "hybrid", "spans"], config=config, rank=args.rank, k=args.k,
+                       stop_confidence=args.stop_confidence, out=Path(args.out), name=args.name,
+                       cache_study=args.cache_ablation, on_point=lambda p: print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                         for k, v in p.items()), flush=True))
+    print(markdown(result))
+    print(f"wrote {Path(args.out) / args.name}.json, .md and .png")
+
+
+
+def bench_draft(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from .adaptive import run_draft_policies, write_draft_report
+
+    if min(args.n_train, args.k_max) < 1 or any(k < 1 for k in (args.fixed_k or []) + (args.confidence_k or [])):
+        raise SystemExit("--n-train, --k-max and every --fixed-k and --confidence-k must be >= 1")
+    results = []
+    for pair_spec, drafter, target in _loaded_pairs(args.pair, f"{DRAFTER}:qwen2.5-coder-0.5b"):
+        for dataset in args.dataset or ["gsm8k", "humaneval"]:
+            bar = tqdm(desc=f"{pair_spec} {dataset}", file=sys.stderr)
+            res = run_draft_policies(drafter, target, dataset=dataset, train=f"{dataset}:train", n=args.n,
+                                     n_train=args.n_train, max_new_tokens=args.max_new_tokens, train_tokens=args.train_tokens,
+                                     fixed=args.fixed_k or [4, 6, 10], confident=args.confidence_k or [],
+                                     k_max=args.k_max, cache=Path(args.cache),
+                                     train_only=args.train_only, progress=bar.set_postfix_str)
+            bar.close()
+            if res is None:
+                continue
+            results.append({"pair": pair_spec, **res})
+            table = write_draft_report(results, Path(args.out), args.name)  # rewritten after each dataset
+    if not results:
+        print(f"heads trained and cached under {args.cache}")
+        return
+    print(table)
+    print(f"wrote {Path(args.out) / args.name}.json and .md")
+
+
+
+def bench_drafters(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    import omnidraft as od
+
+    from ..models import load_model
+    from .drafters import markdown, run_drafters
+
+    drafter_spec, target_spec = _split_pair(args.pair)
+    files = {}
+    for item in args.onnx:
+        label, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            raise SystemExit(f"--onnx takes LABEL=FILE of an exported drafter, got {item!r}")
+        files[label] = Path(path)
+    loaded = load_model(drafter_spec)
+    drafters = {"pytorch fp32": od.Drafter(loaded.model, loaded.tokenizer, loaded.name),
+                "pytorch int8": od.Drafter.load(drafter_spec)}
+    drafters.update({label: od.Drafter.load_onnx(str(path)) for label, path in files.items()})
+    target = od.LocalTarget.load(target_spec) if args.dataset else None
+    bar = tqdm(desc="bench-drafters", file=sys.stderr)
+    result = run_drafters(drafters, target, datasets=args.dataset or [], n=args.n, max_new_tokens=args.max_new_tokens,
+                          k=args.k, stop_confidence=args.stop_confidence, files=files, out=Path(args.out), name=args.name,
+                          progress=bar.set_postfix_str)
+    bar.close()
+    print(markdown(result))
+
+
+
+def bench_replay(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    import omnidraft as od
+
+    from .replay import run_replay, write_replay_report
+
+    drafter_spec, target_spec = _split_pair(args.pair)
+    bar = tqdm(desc="bench-replay", file=sys.stderr)
+    result = run_replay(drafter_spec, od.LocalTarget.load(target_spec, dual_linear=False),
+                        datasets=args.dataset or ["gsm8k:test"], n=args.n, max_new_tokens=args.max_new_tokens,
+                        schemes=args.drafter or ["int8"], decodes=args.decode or [""],
+                        base={"k": args.k, "stop_confidence": args.stop_confidence, "strategy": args.strategy},
+                        cache=Path(args.cache), progress=bar.set_postfix_str)
+    bar.close()
+    print(write_replay_report(result, Path(args.out), args.name))
