@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-__all__ = ["main"]
+__all__ = ["DRAFTER", "loaded_pairs", "main", "split_pair"]  # the helpers serve bench/commands.py too
 
 DRAFTER = "smollm2-135m"
 TARGET = "qwen2.5-coder-1.5b"
@@ -145,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _split_pair(pair: str) -> tuple[str, str]:
+def split_pair(pair: str) -> tuple[str, str]:
+    """"DRAFTER:TARGET" -> (drafter spec, target spec); exits with the usage error otherwise."""
     drafter, sep, target = pair.partition(":")
     if not sep or not drafter or not target:
         raise SystemExit(f"--pair must be DRAFTER:TARGET, got {pair!r}")
@@ -169,7 +170,7 @@ def _load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) ->
 def _generate(args: argparse.Namespace) -> None:
     import torch
 
-    pair = _load_pair(*_split_pair(args.pair), args)
+    pair = _load_pair(*split_pair(args.pair), args)
     gen = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
     for piece in pair.stream(args.prompt, max_new_tokens=args.max_new_tokens, generator=gen):
         sys.stdout.write(piece)
@@ -187,7 +188,7 @@ def _run(pair_spec: str, datasets: list[str], args: argparse.Namespace, hf: bool
     from .bench.runner import run_prompts, summarize
     from .stats import write_trace
 
-    pair = _load_pair(*_split_pair(pair_spec), args)
+    pair = _load_pair(*split_pair(pair_spec), args)
     summaries, per_prompt = [], {}
     for dataset in datasets:
         prompts = load_prompts(dataset, args.n)
@@ -224,12 +225,12 @@ def _demo(args: argparse.Namespace) -> None:
               f"{s['speedup']:>8.2f}×  {s['identical_rate']:.0%}")
 
 
-def _loaded_pairs(specs: list[str] | None, default: str) -> Iterator[tuple[str, Any, Any]]:
+def loaded_pairs(specs: list[str] | None, default: str) -> Iterator[tuple[str, Any, Any]]:
     """(spec, drafter, target) for each DRAFTER:TARGET spec, loaded one pair at a time."""
     import omnidraft as od
 
     for pair_spec in specs or [default]:
-        drafter_spec, target_spec = _split_pair(pair_spec)
+        drafter_spec, target_spec = split_pair(pair_spec)
         yield pair_spec, od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
 
 
@@ -244,7 +245,7 @@ def _bench_remote(args: argparse.Namespace) -> None:
     from .stats import write_trace
 
     rows = []
-    for pair_spec, drafter, target in _loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}"):
+    for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}"):
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
             bar = tqdm(desc=f"{pair_spec} {dataset} remote", file=sys.stderr)
             record = (lambda rtt, i, out, dataset=dataset, pair_spec=pair_spec: write_trace(
@@ -361,7 +362,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     from .atomic import atomic_write_bytes
     from .calibrate import calibrate
 
-    profile = calibrate(_load_pair(*_split_pair(args.pair), args), max_tokens=args.max_tokens)
+    profile = calibrate(_load_pair(*split_pair(args.pair), args), max_tokens=args.max_tokens)
     atomic_write_bytes(Path(args.out), json.dumps({"devices": [profile]}, indent=1).encode())
     print(json.dumps(profile, indent=1))
 

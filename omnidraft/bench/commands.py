@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import DRAFTER, _loaded_pairs, _split_pair
+from ..cli import DRAFTER, loaded_pairs, split_pair
 
 __all__ = ["adapt", "bench_draft", "bench_drafters", "bench_replay"]
 
@@ -23,7 +23,7 @@ def adapt(args: argparse.Namespace) -> None:
 
     if min(args.n_train, args.n_eval, args.steps, args.eval_every, args.rank) < 1:
         raise SystemExit("--n-train, --n-eval, --steps, --eval-every and --rank must be >= 1")
-    drafter_spec, target_spec = _split_pair(args.pair)
+    drafter_spec, target_spec = split_pair(args.pair)
     drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec, dual_linear=False)
     lam = args.lam if args.lam == "dynamic" else float(args.lam)
     config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam)
@@ -46,7 +46,7 @@ def bench_draft(args: argparse.Namespace) -> None:
     if min(args.n_train, args.k_max) < 1 or any(k < 1 for k in (args.fixed_k or []) + (args.confidence_k or [])):
         raise SystemExit("--n-train, --k-max and every --fixed-k and --confidence-k must be >= 1")
     results = []
-    for pair_spec, drafter, target in _loaded_pairs(args.pair, f"{DRAFTER}:qwen2.5-coder-0.5b"):
+    for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:qwen2.5-coder-0.5b"):
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
             bar = tqdm(desc=f"{pair_spec} {dataset}", file=sys.stderr)
             res = run_draft_policies(drafter, target, dataset=dataset, train=f"{dataset}:train", n=args.n,
@@ -75,7 +75,7 @@ def bench_drafters(args: argparse.Namespace) -> None:
     from ..models import load_model
     from .drafters import markdown, run_drafters
 
-    drafter_spec, target_spec = _split_pair(args.pair)
+    drafter_spec, target_spec = split_pair(args.pair)
     files = {}
     for item in args.onnx:
         label, sep, path = item.partition("=")
@@ -103,7 +103,7 @@ def bench_replay(args: argparse.Namespace) -> None:
 
     from .replay import run_replay, write_replay_report
 
-    drafter_spec, target_spec = _split_pair(args.pair)
+    drafter_spec, target_spec = split_pair(args.pair)
     bar = tqdm(desc="bench-replay", file=sys.stderr)
     result = run_replay(drafter_spec, od.LocalTarget.load(target_spec, dual_linear=False),
                         datasets=args.dataset or ["gsm8k:test"], n=args.n, max_new_tokens=args.max_new_tokens,
