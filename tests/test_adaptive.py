@@ -42,7 +42,8 @@ def test_draft_length_grows_under_full_acceptance(tiny_target):
 
 # -- acceptance head (adaptive/head.py, adaptive/trainer.py) --------------------------------------
 
-from omnidraft.adaptive.head import EXTRA_FEATURES, AcceptanceHead, CostModel, HeadConfig, Stopper, _line  # noqa: E402
+from omnidraft.adaptive.head import (  # noqa: E402
+    EXTRA_FEATURES, AcceptanceHead, CostModel, HeadConfig, Stopper, _line, confidence_features)
 from omnidraft.adaptive.trainer import HeadTrainer, round_labels  # noqa: E402
 from omnidraft.profiles import ProfileStore  # noqa: E402
 
@@ -85,7 +86,7 @@ def test_a_seeded_head_is_reproducible_and_leaves_the_global_rng_alone():
     a, b = AcceptanceHead(16, 8, 2, seed=7), AcceptanceHead(16, 8, 2, seed=7)
     assert torch.equal(torch.rand(4), expected)  # the caller's random stream is where it was
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-    assert not torch.equal(AcceptanceHead(16, 8, 2, seed=8).out.weight, a.out.weight)
+    assert not torch.equal(AcceptanceHead(16, 8, 2, seed=8).layers[0].weight, a.layers[0].weight)
 
 
 @pytest.mark.parametrize("probs, gamma, k_min, k_max, stops_at", [
@@ -212,6 +213,39 @@ def test_a_head_saved_before_the_calibration_shift_still_loads():
     fresh = AcceptanceHead(hidden_size=8, width=4, depth=1)
     fresh.load_state_dict(old)
     assert fresh.prior_shift.item() == 0.0
+
+def test_an_untrained_head_predicts_the_drafters_own_probability():
+    """Before any training the head is the drafter's confidence: its calibration path starts as
+    logit(q) and its MLP's output layer at zero."""
+    head = AcceptanceHead(hidden_size=8, width=4, depth=2, seed=0)
+    x = torch.randn(50, 8 + EXTRA_FEATURES)
+    x[:, 8 + 2] = q = torch.linspace(0.01, 0.99, 50)
+    assert torch.allclose(head.prob(x), q, atol=1e-5)
+
+
+def test_a_new_class_weighting_shift_leaves_the_calibrated_probabilities_alone():
+    head = AcceptanceHead(hidden_size=8, width=4, depth=2, seed=0)
+    torch.nn.init.normal_(head.out.weight, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(30, 8 + EXTRA_FEATURES, generator=torch.Generator().manual_seed(2))
+    x[:, 8 + 2] = x[:, 8 + 2].sigmoid()
+    before = head.prob(x)
+    head.shift_prior(-1.2)
+    assert head.prior_shift.item() == pytest.approx(-1.2)
+    assert torch.allclose(head.prob(x), before, atol=1e-6)
+
+
+def test_a_head_saved_before_the_calibration_path_loads_as_its_mlp_alone():
+    head = AcceptanceHead(hidden_size=8, width=4, depth=1, seed=0)
+    torch.nn.init.normal_(head.out.weight, generator=torch.Generator().manual_seed(1))
+    old = {k: v for k, v in head.state_dict().items() if not k.startswith("calibration")}
+    fresh = AcceptanceHead(hidden_size=8, width=4, depth=1)
+    fresh.load_state_dict(old)
+    x = torch.randn(10, 8 + EXTRA_FEATURES, generator=torch.Generator().manual_seed(2))
+    x[:, 8 + 2] = x[:, 8 + 2].sigmoid()
+    with torch.no_grad():
+        mlp_alone = head(x) - head.calibration(confidence_features(x[:, 8:])).squeeze(-1)
+        assert torch.allclose(fresh(x), mlp_alone, atol=1e-6)
+
 
 @pytest.mark.parametrize("schedule", ["interleaved", "joint"])
 def test_greedy_identity_with_a_learning_head(tiny_drafter, tiny_target, tmp_path, schedule):

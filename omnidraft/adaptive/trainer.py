@@ -91,7 +91,7 @@ class HeadTrainer:
         # whole history so the weights, and the shift that undoes them, stay put from one update to the next
         rate = min(max(self.accepted / self.seen, 1e-3), 1 - 1e-3)
         w_pos, w_neg = 0.5 / rate, 0.5 / (1 - rate)
-        self.head.prior_shift.fill_(math.log(w_pos / w_neg))
+        self.head.shift_prior(math.log(w_pos / w_neg))
         self.head.train()
         total = 0.0
         for _ in range(self.config.steps):

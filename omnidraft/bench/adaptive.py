@@ -44,7 +44,8 @@ def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tok
     from ..adaptive.head import AcceptanceHead
     from ..adaptive.trainer import HeadTrainer
 
-    stem = f"head-{drafter.name}-{target.name}-{train.replace(':', '-')}-{n_train}-{max_new_tokens}"
+    # v2: heads with the confidence calibration path; a cache of older heads is not reused
+    stem = f"head-v2-{drafter.name}-{target.name}-{train.replace(':', '-')}-{n_train}-{max_new_tokens}"
     paths = {name: cache / f"{stem}-{name}.safetensors" for name in configs}
     scores_path = cache / f"{stem}-scores.json"
     if all(p.exists() for p in paths.values()) and scores_path.exists():
