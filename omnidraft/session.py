@@ -269,20 +269,8 @@ class Pairing:
             if previous is not None:  # the round's whole wall time beyond drafting and verifying is overhead
                 drafted, t_draft, verified, t_verify, started = previous
                 self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
-            extra: dict[str, Any] = {}
-            stop_confidence = self.config.stop_confidence
-            if stopper is not None:
-                stopper.reset()
-                stopper.decide = self.head_ready  # before warm-up it only records features; the fallback decides
-                extra["stopper"] = stopper
-                stop_confidence = 0.0 if stopper.decide else stop_confidence
-            if self.healer is not None and tsession.ids:
-                heal = self.healer.candidates(last, target.token_bytes.table[tsession.ids[-1]])
-                if heal is not None:
-                    extra["heal"] = heal
-            draft = dsession.propose(hc.k_max if stopper is not None and stopper.decide else k,
-                                     temperature=rule.temperature, allowed=allowed, generator=generator,
-                                     stop_confidence=stop_confidence, **extra)
+            draft = self._draft(dsession, k, stopper, last, tsession.ids[-1] if tsession.ids else None, allowed,
+                                generator)
             t1 = time.perf_counter()
             held = draft_table[last] if draft.healed else b""  # committed bytes the draft starts with
             proposal = translator.translate(draft.ids, only=only, skip=len(held))
@@ -309,12 +297,7 @@ class Pairing:
             # caller's handling of the yielded tokens and whatever else stands between two rounds
             previous = None if first else (len(draft.ids), t1 - t0, len(proposal) + 1, t3 - t2, t0)
             first = False
-            if stopper is not None:
-                if hc.train is not None:
-                    self.head_trainer.add(stopper.features(), keep)
-                k = self._fallback.next_k(k, len(proposal), verdict.accepted)
-            elif self.config.adaptive is not None:
-                k = self.config.adaptive.next_k(k, len(proposal), verdict.accepted)
+            k = self._next_length(k, stopper, len(proposal), verdict.accepted, keep)
             yield new, RoundRecord(
                 context=context, drafted=len(draft.ids), proposed=len(proposal), accepted=verdict.accepted,
                 emitted=len(new), from_cache=sum(1 for s in proposal.sources[: verdict.accepted] if s == Source.NGRAM),
@@ -323,6 +306,36 @@ class Pairing:
             if new and new[-1] in target.eos_ids:
                 return
 
+    def _draft(self, dsession: Any, k: int, stopper: Stopper | None, last: int, committed: int | None,
+               allowed: torch.Tensor | None, generator: torch.Generator | None) -> Any:
+        """One draft: up to k tokens (k_max once the head decides), stopped by the head or, until it
+        decides, by the drafter's confidence; healed when the target's last committed token
+        `committed` lets a longer drafter token replace the drafter context's `last`."""
+        extra: dict[str, Any] = {}
+        stop_confidence = self.config.stop_confidence
+        if stopper is not None:
+            stopper.reset()
+            stopper.decide = self.head_ready  # before warm-up it only records features; the fallback decides
+            extra["stopper"] = stopper
+            if stopper.decide:
+                k, stop_confidence = self.config.head.k_max, 0.0
+        if self.healer is not None and committed is not None:
+            heal = self.healer.candidates(last, self.target.token_bytes.table[committed])
+            if heal is not None:
+                extra["heal"] = heal
+        return dsession.propose(k, temperature=self.config.rule.temperature, allowed=allowed, generator=generator,
+                                stop_confidence=stop_confidence, **extra)
+
+    def _next_length(self, k: int, stopper: Stopper | None, proposed: int, accepted: int, kept: int) -> int:
+        """The fallback's (or `adaptive`'s) draft length for the next round; with a head, the round's
+        features and the `kept` drafted tokens go to its trainer first."""
+        if stopper is not None:
+            if self.config.head.train is not None:
+                self.head_trainer.add(stopper.features(), kept)
+            return self._fallback.next_k(k, proposed, accepted)
+        if self.config.adaptive is not None:
+            return self.config.adaptive.next_k(k, proposed, accepted)
+        return k
 
     def _head_update(self) -> None:
         """Interleaved: the head's own cadence. Joint: in step with the adapter's updates."""
