@@ -259,6 +259,23 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     assert "fixed draft length (k=4" in (tmp_path / "adapt.md").read_text()
 
 
+def test_a_shorter_trace_recording_is_extended_not_recorded_again(tiny_target, tmp_path, monkeypatch):
+    from omnidraft.bench import adapt
+    from omnidraft.distill.trace_store import record_many
+
+    asked = []
+    monkeypatch.setattr(adapt, "record_many", lambda target, prompts, *a, **kw: asked.append(prompts) or
+                        record_many(target, prompts, *a, **kw))
+    first = adapt.traces_for(tiny_target, "gsm8k:train", 2, 6, tmp_path)
+    more = adapt.traces_for(tiny_target, "gsm8k:train", 4, 6, tmp_path)
+    prompts = adapt.load_prompts("gsm8k:train", 4)
+    assert asked == [prompts[:2], prompts[2:]]  # only the prompts the shorter recording lacked
+    assert [t.continuation for t in more[:2]] == [t.continuation for t in first]
+    assert adapt.prompts_for(tiny_target, "gsm8k:train", more) == prompts
+    assert [t.continuation for t in adapt.traces_for(tiny_target, "gsm8k:train", 3, 6, tmp_path)] == \
+        [t.continuation for t in more[:3]] and len(asked) == 2  # a longer recording serves a shorter request
+
+
 def test_cache_ablation_share_is_undefined_when_the_full_cache_gains_nothing():
     from omnidraft.bench.adapt import gain_kept
 
