@@ -252,10 +252,13 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     assert "| hybrid | 2 |" in (tmp_path / "adapt.md").read_text()
     recorded = sorted(tmp_path.glob("traces-*"))
     stamp = [p.stat().st_mtime_ns for p in recorded]
-    # traces are reused, not recorded again; with an early stop the fixed-length figures come too
-    again = run_adapt(drafter, tiny_target, variants=["none"], **{**kwargs, "stop_confidence": 0.5})
+    # traces are reused, not recorded again; with an early stop the fixed-length figures come too;
+    # a variant's adapter starts from the same seeded weights, so a rerun trains the same way
+    again = run_adapt(drafter, tiny_target, variants=["none", "hybrid"], **{**kwargs, "stop_confidence": 0.5})
     assert [p.stat().st_mtime_ns for p in recorded] == stamp
     assert again["variants"]["none"]["fixed_k"] == again["baseline_fixed_k"]
+    losses = lambda run: [p["loss"] for p in run["variants"]["hybrid"]["curve"][1:]]  # noqa: E731
+    assert losses(again) == pytest.approx(losses(result), rel=1e-5)
     assert "fixed draft length (k=4" in (tmp_path / "adapt.md").read_text()
 
 
