@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--epochs", type=int, default=1, help="passes over the buffer per update")
     a.add_argument("--lr", type=float, default=1e-4)
     a.add_argument("--lam", default="0.2", help="n-gram loss weight, or 'dynamic'")
+    a.add_argument("--direct-nll", type=float,
+                   help="weight of an NLL on the committed token at direct positions (hard labels), added to the KL; "
+                        "default: TrainConfig's (the paper's variants dm, hybrid and full always use 0)")
     a.add_argument("--rank", type=int, default=32)
     a.add_argument("--cache-ablation", action="store_true", help="also measure the n-gram cache by size and policy")
     a.add_argument("--out", default="adapt_out")

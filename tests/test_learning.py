@@ -105,7 +105,7 @@ def test_trainer_loss_equals_the_reference_formula(drafter, tiny_target):
     drafter.add_adapter("t", SMALL)
     examples = [build_example(_request(drafter, tiny_target, p), drafter, tiny_target.token_bytes, vmap.t2d)
                 for p in PROMPTS]
-    trainer = OnlineTrainer(drafter.trainable, vmap.t2d, TrainConfig(lam=0.2))
+    trainer = OnlineTrainer(drafter.trainable, vmap.t2d, TrainConfig(lam=0.2, direct_nll=0.0))
     total, parts = trainer.loss(examples)
     # reference: one unpadded forward per example, full logits, then the formulas of losses.py
     with torch.no_grad():
@@ -116,6 +116,27 @@ def test_trainer_loss_equals_the_reference_formula(drafter, tiny_target):
     assert parts["kl"] == pytest.approx(float(kl), rel=1e-4)
     assert parts["ngram"] == pytest.approx(float(nll), rel=1e-4)
     assert float(total) == pytest.approx(float(kl + 0.2 * nll), rel=1e-4)
+
+
+def test_direct_nll_is_the_nll_of_the_target_greedy_token_at_direct_positions(drafter, tiny_target):
+    vmap = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer)
+    drafter.add_adapter("t", SMALL)
+    examples = [build_example(_request(drafter, tiny_target, p), drafter, tiny_target.token_bytes, vmap.t2d)
+                for p in PROMPTS]
+    trainer = OnlineTrainer(drafter.trainable, vmap.t2d, TrainConfig(lam=0.2, direct_nll=0.5))
+    total, parts = trainer.loss(examples)
+    with torch.no_grad():
+        logits = [drafter.trainable(e.ids[None]).logits[0] for e in examples]
+    nll, plain = [], OnlineTrainer(drafter.trainable, vmap.t2d, TrainConfig(lam=0.2, direct_nll=0.0)).loss(examples)[0]
+    for lg, e in zip(logits, examples):
+        greedy = vmap.t2d[e.kl_ids[:, 0]]  # the target's argmax, as the drafter spells it
+        assert torch.equal(greedy, e.ids[e.kl_rows + 1])  # greedy mode: what was committed
+        nll += [-torch.log_softmax(lg[r], -1)[g] for r, g in zip(e.kl_rows, greedy)]
+    reference = torch.stack(nll).mean()
+    assert parts["direct_nll"] == pytest.approx(float(reference), rel=1e-4)
+    assert float(total) == pytest.approx(float(plain + 0.5 * reference), rel=1e-4)
+    with pytest.raises(ValueError, match="direct_nll"):
+        TrainConfig(direct_nll=-1.0)
 
 
 @pytest.mark.parametrize("spans", [False, True])

@@ -12,7 +12,8 @@
 
 Variants (the paper's ablation): none, dm (KL only, LoRA), hybrid (KL + λ·NLL, LoRA), full (KL +
 λ·NLL, full fine-tuning of the fp32 drafter, re-quantized to int8 for drafting); and ours: spans
-(hybrid, with the NLL also on misaligned runs of target tokens, see distill/buffer.py).
+(hybrid, with the NLL also on misaligned runs of target tokens, see distill/buffer.py, and on the
+committed token at direct positions: TrainConfig.direct_nll).
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ __all__ = ["VARIANTS", "cache_ablation", "evaluate", "prompts_for", "run_adapt",
 
 log = logging.getLogger("omnidraft")
 
-VARIANTS = {
+VARIANTS = {  # the paper's (dm, hybrid, full) on its own labels and losses; spans: what learning pairings do
     "none": None,
-    "dm": {"ngram_loss": "none", "spans": False},
-    "hybrid": {"spans": False},
+    "dm": {"ngram_loss": "none", "spans": False, "direct_nll": 0.0},
+    "hybrid": {"spans": False, "direct_nll": 0.0},
     "spans": {"spans": True},
-    "full": {"spans": False},
+    "full": {"spans": False, "direct_nll": 0.0},
 }
 
 
@@ -248,9 +249,11 @@ def _write(out: Path, name: str, result: dict[str, Any]) -> None:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    base = result["baseline"]
+    base, cfg = result["baseline"], result["config"]
     lines = [f"# {result['pair']}: train {result['train']} ({result['n_train']} prompts), held-out {result['eval']} "
              f"({result['n_eval']} prompts), {result['max_new_tokens']} tokens, k={result['k']}\n",
+             f"Training: lr {cfg['lr']}, λ {cfg['lam']}, rank {result['rank']}; spans also weighs an NLL on the committed "
+             f"direct tokens by {cfg.get('direct_nll', 0.0)} (the paper's dm, hybrid and full: 0).\n",
              "| variant | steps | acceptance | Δ acceptance | τ | Δ τ | n-gram/round |", "|---|---|---|---|---|---|---|"]
     for name, v in result["variants"].items():
         f = v["final"]

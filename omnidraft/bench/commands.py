@@ -26,7 +26,8 @@ def adapt(args: argparse.Namespace) -> None:
     drafter_spec, target_spec = split_pair(args.pair)
     drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec, dual_linear=False)
     lam = args.lam if args.lam == "dynamic" else float(args.lam)
-    config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam)
+    hard = {} if args.direct_nll is None else {"direct_nll": args.direct_nll}
+    config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam, **hard)
     result = run_adapt(drafter, target, train=args.train, evaluation=args.eval, n_train=args.n_train, n_eval=args.n_eval,
                        max_new_tokens=args.max_new_tokens, steps=args.steps, eval_every=args.eval_every,
                        variants=args.variant or ["none", "hybrid", "spans"], config=config, rank=args.rank, k=args.k,
