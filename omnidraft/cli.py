@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="weight of an NLL on the committed token at direct positions (hard labels), added to the KL; "
                         "default: TrainConfig's (the paper's variants dm, hybrid and full always use 0)")
     a.add_argument("--rank", type=int, default=32)
+    a.add_argument("--modules", help="comma-separated projections that get LoRA adapters; default: the attention's q,k,v,o")
     a.add_argument("--cache-ablation", action="store_true", help="also measure the n-gram cache by size and policy")
     a.add_argument("--out", default="adapt_out")
     a.add_argument("--name", default="adapt")

@@ -283,6 +283,18 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     assert "fixed draft length (k=4" in (tmp_path / "adapt.md").read_text()
 
 
+def test_adapt_puts_adapters_on_the_projections_it_is_given(drafter, tiny_target, tmp_path):
+    from omnidraft.bench.adapt import run_adapt
+
+    result = run_adapt(drafter, tiny_target, train="gsm8k:train", evaluation="gsm8k:test", n_train=2, n_eval=1,
+                       max_new_tokens=8, steps=1, eval_every=1, variants=["hybrid"], rank=2, k=4, stop_confidence=0.0,
+                       config=TrainConfig(interval=2, batch_size=2), out=tmp_path, name="mlp", modules=("q_proj", "gate_proj"))
+    assert result["modules"] == ["q_proj", "gate_proj"]
+    adapted = {name.split(".")[-1] for name, m in drafter.trainable.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == {"q_proj", "gate_proj"}
+    assert "rank 2 on q_proj/gate_proj" in (tmp_path / "mlp.md").read_text()
+
+
 def test_a_shorter_trace_recording_is_extended_not_recorded_again(tiny_target, tmp_path, monkeypatch):
     from omnidraft.bench import adapt
     from omnidraft.distill.trace_store import record_many

@@ -115,7 +115,7 @@ def _request(trace: TargetTrace, prompt: str, topk: int) -> VerifiedRequest:
 
 def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train: int, n_eval: int,
               max_new_tokens: int, steps: int, eval_every: int, variants: list[str], config: TrainConfig,
-              rank: int, k: int, stop_confidence: float, out: Path, name: str,
+              rank: int, k: int, stop_confidence: float, out: Path, name: str, modules: tuple[str, ...] | None = None,
               cache_study: bool = False, on_point: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
     """Run the experiment of the module doc; write `name`.json/.md/.png under `out`."""
     from ..distill.adapters import AdapterConfig
@@ -127,12 +127,14 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
     replay = ReplayTarget.like(target, train_traces + eval_traces)
     train_prompts = prompts_for(target, train, train_traces)
     eval_prompts = prompts_for(target, evaluation, eval_traces)
+    lora = AdapterConfig(rank=rank, alpha=2 * rank, **({"modules": tuple(modules)} if modules else {}))
     t2d = build_vocab_map(drafter.token_bytes, target.token_bytes, drafter.tokenizer, target.tokenizer).t2d
     score = lambda d, adapter=None, stop=stop_confidence: evaluate(d, replay, eval_traces, eval_prompts, k=k,  # noqa: E731
                                                                    stop_confidence=stop, adapter=adapter)
     result: dict[str, Any] = {"pair": f"{drafter.name}:{target.name}", "train": train, "eval": evaluation,
                               "n_train": len(train_traces), "n_eval": len(eval_traces), "max_new_tokens": max_new_tokens,
-                              "k": k, "stop_confidence": stop_confidence, "rank": rank, "config": dict(vars(config)),
+                              "k": k, "stop_confidence": stop_confidence, "rank": rank,
+                              "modules": list(lora.modules), "config": dict(vars(config)),
                               "variants": {}}
     baseline = result["baseline"] = score(drafter)
     on_point({"variant": "none", "step": 0, **baseline})
@@ -164,7 +166,7 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
             as_drafter = lambda: (Drafter(quantize_int8(model.eval(), drafter.tokenizer), drafter.tokenizer, drafter.name), None)  # noqa: E731
         else:
             adapter = f"adapt_{variant}_{time.time_ns()}"
-            drafter.add_adapter(adapter, AdapterConfig(rank=rank, alpha=2 * rank))
+            drafter.add_adapter(adapter, lora)
             trainer = OnlineTrainer(drafter.trainable, t2d, cfg, step_lock=drafter.lock)
             as_drafter = lambda adapter=adapter: (drafter, adapter)  # noqa: E731
         curve = [{"step": 0, **baseline}]
@@ -252,8 +254,9 @@ def markdown(result: dict[str, Any]) -> str:
     base, cfg = result["baseline"], result["config"]
     lines = [f"# {result['pair']}: train {result['train']} ({result['n_train']} prompts), held-out {result['eval']} "
              f"({result['n_eval']} prompts), {result['max_new_tokens']} tokens, k={result['k']}\n",
-             f"Training: lr {cfg['lr']}, λ {cfg['lam']}, rank {result['rank']}; spans also weighs an NLL on the committed "
-             f"direct tokens by {cfg.get('direct_nll', 0.0)} (the paper's dm, hybrid and full: 0).\n",
+             f"Training: lr {cfg['lr']}, λ {cfg['lam']}, rank {result['rank']} on {'/'.join(result.get('modules', []))}; "
+             f"spans also weighs an NLL on the committed direct tokens by {cfg.get('direct_nll', 0.0)} "
+             "(the paper's dm, hybrid and full: 0).\n",
              "| variant | steps | acceptance | Δ acceptance | τ | Δ τ | n-gram/round |", "|---|---|---|---|---|---|---|"]
     for name, v in result["variants"].items():
         f = v["final"]
