@@ -100,16 +100,20 @@ def test_spans_label_misaligned_runs_of_target_tokens_like_ngram_tokens(drafter,
     assert spans_seen > 0  # the two tokenizers disagree on boundaries somewhere, so spans are exercised
 
 
-def test_trainer_loss_equals_the_reference_formula(drafter, tiny_target):
-    vmap = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer)
+def _loss_and_reference_logits(drafter, target, config: TrainConfig):
+    """The trainer's loss of the PROMPTS' examples under `config`, and for a reference: the vocab
+    map, the examples and each one's full logits from its own unpadded forward."""
+    vmap = build_vocab_map(drafter.token_bytes, target.token_bytes, drafter.tokenizer, target.tokenizer)
     drafter.add_adapter("t", SMALL)
-    examples = [build_example(_request(drafter, tiny_target, p), drafter, tiny_target.token_bytes, vmap.t2d)
-                for p in PROMPTS]
-    trainer = OnlineTrainer(drafter.trainable, vmap.t2d, TrainConfig(lam=0.2, direct_nll=0.0))
-    total, parts = trainer.loss(examples)
-    # reference: one unpadded forward per example, full logits, then the formulas of losses.py
+    examples = [build_example(_request(drafter, target, p), drafter, target.token_bytes, vmap.t2d) for p in PROMPTS]
+    total, parts = OnlineTrainer(drafter.trainable, vmap.t2d, config).loss(examples)
     with torch.no_grad():
         logits = [drafter.trainable(e.ids[None]).logits[0] for e in examples]
+    return total, parts, vmap, examples, logits
+
+
+def test_trainer_loss_equals_the_reference_formula(drafter, tiny_target):
+    total, parts, vmap, examples, logits = _loss_and_reference_logits(drafter, tiny_target, TrainConfig(lam=0.2, direct_nll=0.0))
     kl = direct_kl(torch.cat([lg[e.kl_rows] for lg, e in zip(logits, examples)]),
                    torch.cat([e.kl_ids for e in examples]), torch.cat([e.kl_logp for e in examples]), vmap.t2d)
     nll = ngram_nll(torch.cat([lg[e.ng_rows] for lg, e in zip(logits, examples)]), torch.cat([e.ng_tokens for e in examples]))
@@ -119,14 +123,7 @@ def test_trainer_loss_equals_the_reference_formula(drafter, tiny_target):
 
 
 def test_direct_nll_is_the_nll_of_the_target_greedy_token_at_direct_positions(drafter, tiny_target):
-    vmap = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer)
-    drafter.add_adapter("t", SMALL)
-    examples = [build_example(_request(drafter, tiny_target, p), drafter, tiny_target.token_bytes, vmap.t2d)
-                for p in PROMPTS]
-    trainer = OnlineTrainer(drafter.trainable, vmap.t2d, TrainConfig(lam=0.2, direct_nll=0.5))
-    total, parts = trainer.loss(examples)
-    with torch.no_grad():
-        logits = [drafter.trainable(e.ids[None]).logits[0] for e in examples]
+    total, parts, vmap, examples, logits = _loss_and_reference_logits(drafter, tiny_target, TrainConfig(lam=0.2, direct_nll=0.5))
     nll, plain = [], OnlineTrainer(drafter.trainable, vmap.t2d, TrainConfig(lam=0.2, direct_nll=0.0)).loss(examples)[0]
     for lg, e in zip(logits, examples):
         greedy = vmap.t2d[e.kl_ids[:, 0]]  # the target's argmax, as the drafter spells it
