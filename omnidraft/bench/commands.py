@@ -28,10 +28,11 @@ def adapt(args: argparse.Namespace) -> None:
     lam = args.lam if args.lam == "dynamic" else float(args.lam)
     hard = {} if args.direct_nll is None else {"direct_nll": args.direct_nll}
     config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam, **hard)
+    modules = tuple(m.strip() for m in args.modules.split(",") if m.strip()) if args.modules else None
     result = run_adapt(drafter, target, train=args.train, evaluation=args.eval, n_train=args.n_train, n_eval=args.n_eval,
                        max_new_tokens=args.max_new_tokens, steps=args.steps, eval_every=args.eval_every,
                        variants=args.variant or ["none", "hybrid", "spans"], config=config, rank=args.rank, k=args.k,
-                       modules=tuple(m.strip() for m in args.modules.split(",") if m.strip()) if args.modules else None,
+                       modules=modules,
                        stop_confidence=args.stop_confidence, out=Path(args.out), name=args.name,
                        cache_study=args.cache_ablation, on_point=lambda p: print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                          for k, v in p.items()), flush=True))
