@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--batch-size", type=int, default=8)
     a.add_argument("--epochs", type=int, default=1, help="passes over the buffer per update")
     a.add_argument("--lr", type=float, default=1e-4)
+    a.add_argument("--decay-steps", type=int, default=0,
+                   help="anneal the lr along a cosine to lr * --final-lr-ratio over this many steps (default 0: constant)")
+    a.add_argument("--final-lr-ratio", type=float, default=0.1)
     a.add_argument("--lam", default="0.2", help="n-gram loss weight, or 'dynamic'")
     a.add_argument("--direct-nll", type=float,
                    help="weight of an NLL on the committed token at direct positions (hard labels), added to the KL; "

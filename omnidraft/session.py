@@ -129,7 +129,8 @@ class Pairing:
             from .distill.learner import Learner
             from .distill.trainer import TrainConfig
 
-            self.learner = Learner(drafter, self.adapter, vmap.t2d, target.token_bytes, train or TrainConfig())
+            self.learner = Learner(drafter, self.adapter, vmap.t2d, target.token_bytes, train or TrainConfig(),
+                                   start_step=self._steps0)
         self.last: Generation | None = None
 
     def _init_head(self, config: HeadConfig, saved: dict[str, torch.Tensor] | None) -> None:

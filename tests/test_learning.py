@@ -233,6 +233,27 @@ def test_profile_save_and_load_restore_adapter_cache_and_metrics(drafter, tiny_t
         fresh.pair(tiny_target).save()
 
 
+def test_lr_schedule_anneals_along_a_cosine_and_a_reloaded_profile_resumes_it(drafter, tiny_target, tmp_path):
+    import math
+
+    cfg = TrainConfig(interval=1, lr=1e-2, decay_steps=4, final_lr_ratio=0.1)
+    assert [cfg.lr_at(s) for s in (0, 4, 9)] == [1e-2, pytest.approx(1e-3), pytest.approx(1e-3)]
+    assert cfg.lr_at(2) == pytest.approx(1e-3 + 0.9e-2 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert TrainConfig(lr=1e-2).lr_at(1000) == 1e-2  # decay_steps 0: constant, Algorithm 2's
+    store = ProfileStore(tmp_path)
+    pair = drafter.pair(tiny_target, k=4, user="carol", learn=True, adapter=SMALL, store=store, train=cfg)
+    for prompt in PROMPTS:
+        pair.generate(prompt, max_new_tokens=16)
+    assert [h["lr"] for h in pair.learner.trainer.history] == [cfg.lr_at(s) for s in range(3)]
+    pair.save()
+    again = drafter.pair(tiny_target, k=4, user="carol", learn=True, adapter=SMALL, store=store, train=cfg)
+    again.generate(PROMPTS[0], max_new_tokens=16)
+    assert again.learner.trainer.history[0]["lr"] == cfg.lr_at(3)  # the profile's 3 steps count
+    for bad in ({"decay_steps": -1}, {"decay_steps": 1.5}, {"final_lr_ratio": 2.0}):
+        with pytest.raises(ValueError, match="decay_steps"):
+            TrainConfig(**bad)
+
+
 def test_background_training_never_changes_the_output(drafter, tiny_target, tmp_path):
     pair = drafter.pair(tiny_target, k=4, user="bob", learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
                         train=TrainConfig(interval=1, lr=1e-2, background=True))

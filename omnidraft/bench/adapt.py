@@ -250,11 +250,17 @@ def _write(out: Path, name: str, result: dict[str, Any]) -> None:
     _plot(result, out / f"{name}.png")
 
 
+def _schedule(cfg: dict[str, Any]) -> str:
+    if not cfg.get("decay_steps"):
+        return f"{cfg['lr']} (constant)"
+    return f"{cfg['lr']} → {cfg['lr'] * cfg['final_lr_ratio']:.2g} (cosine over {cfg['decay_steps']} steps)"
+
+
 def markdown(result: dict[str, Any]) -> str:
     base, cfg = result["baseline"], result["config"]
     lines = [f"# {result['pair']}: train {result['train']} ({result['n_train']} prompts), held-out {result['eval']} "
              f"({result['n_eval']} prompts), {result['max_new_tokens']} tokens, k={result['k']}\n",
-             f"Training: lr {cfg['lr']}, λ {cfg['lam']}, rank {result['rank']} on {'/'.join(result.get('modules', []))}; "
+             f"Training: lr {_schedule(cfg)}, λ {cfg['lam']}, rank {result['rank']} on {'/'.join(result.get('modules', []))}; "
              f"spans also weighs an NLL on the committed direct tokens by {cfg.get('direct_nll', 0.0)} "
              "(the paper's dm, hybrid and full: 0).\n",
              "| variant | steps | acceptance | Δ acceptance | τ | Δ τ | n-gram/round |", "|---|---|---|---|---|---|---|"]

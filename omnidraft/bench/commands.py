@@ -27,7 +27,8 @@ def adapt(args: argparse.Namespace) -> None:
     drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec, dual_linear=False)
     lam = args.lam if args.lam == "dynamic" else float(args.lam)
     hard = {} if args.direct_nll is None else {"direct_nll": args.direct_nll}
-    config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam, **hard)
+    config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam,
+                         decay_steps=args.decay_steps, final_lr_ratio=args.final_lr_ratio, **hard)
     modules = tuple(m.strip() for m in args.modules.split(",") if m.strip()) if args.modules else None
     result = run_adapt(drafter, target, train=args.train, evaluation=args.eval, n_train=args.n_train, n_eval=args.n_eval,
                        max_new_tokens=args.max_new_tokens, steps=args.steps, eval_every=args.eval_every,

@@ -31,10 +31,10 @@ log = logging.getLogger("omnidraft")
 
 class Learner:
     def __init__(self, drafter: Any, adapter: str, t2d: torch.Tensor, target_bytes: Any,
-                 config: TrainConfig = TrainConfig()) -> None:
+                 config: TrainConfig = TrainConfig(), start_step: int = 0) -> None:
         self.drafter, self.adapter, self.t2d, self.target_bytes, self.config = drafter, adapter, t2d, target_bytes, config
         drafter.activate(adapter)
-        self.trainer = OnlineTrainer(drafter.trainable, t2d, config, step_lock=drafter.lock)
+        self.trainer = OnlineTrainer(drafter.trainable, t2d, config, step_lock=drafter.lock, start_step=start_step)
         self.metrics: list[dict[str, float]] = []  # one entry per update
         self._recent: list[tuple[float, float]] = []  # (acceptance rate, tau) of requests since the last update
         self._thread: threading.Thread | None = None

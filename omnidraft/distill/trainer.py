@@ -10,6 +10,7 @@ reads half-updated weights, whichever thread trains. Losses never change what th
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ class TrainConfig:
     what greedy verification accepts; the reverse KL alone may settle on another mode of p, and its
     gradient fades as q nears p). 0 gives the paper's loss; 1 is what learning pairings use (GSM8K,
     held-out fixed-k acceptance gain: 0.5B +0.160 -> +0.173, 1.5B +0.114 -> +0.124; see README).
+    `decay_steps` > 0 anneals the learning rate from `lr` to `lr * final_lr_ratio` along a cosine
+    over that many optimizer steps, then holds it there (0: constant, Algorithm 2's); the steps a
+    profile already had count (`OnlineTrainer(start_step=)`), so a reloaded profile resumes the schedule.
     `topk`: target log-probabilities kept per position. `background`: train in a thread.
     `tts_every` > 0 turns on Test-Time Speculation: inside one request, every `tts_every` rounds a
     fast step (Adam, fresh for each request, `tts_lr`) on what that request has verified so far,
@@ -48,6 +52,8 @@ class TrainConfig:
     batch_size: int = 8
     epochs: int = 1
     lr: float = 1e-4
+    decay_steps: int = 0
+    final_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     lam: float | str = 0.2
     kl: bool = True
@@ -63,6 +69,13 @@ class TrainConfig:
     tts_every: int = 0
     tts_lr: float = 1e-3
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the optimizer step that follows `step` earlier ones."""
+        if not self.decay_steps:
+            return self.lr
+        done = min(step, self.decay_steps) / self.decay_steps
+        return self.lr * (self.final_lr_ratio + (1 - self.final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
+
     def __post_init__(self) -> None:
         for name in ("interval", "batch_size", "epochs", "topk", "capacity", "draft_len"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -70,6 +83,9 @@ class TrainConfig:
         if not self.lr > 0 or self.weight_decay < 0 or self.beta < 0 or self.direct_nll < 0:
             raise ValueError(f"need lr > 0, weight_decay >= 0, beta >= 0, direct_nll >= 0; "
                              f"got {self.lr}, {self.weight_decay}, {self.beta}, {self.direct_nll}")
+        if not isinstance(self.decay_steps, int) or self.decay_steps < 0 or not 0 <= self.final_lr_ratio <= 1:
+            raise ValueError(f"need an integer decay_steps >= 0 (0: constant lr) and 0 <= final_lr_ratio <= 1; "
+                             f"got {self.decay_steps!r}, {self.final_lr_ratio!r}")
         if not isinstance(self.tts_every, int) or self.tts_every < 0 or not self.tts_lr > 0:
             raise ValueError(f"need an integer tts_every >= 0 (0: off) and tts_lr > 0; got {self.tts_every!r}, {self.tts_lr!r}")
         if self.lam != "dynamic" and not (isinstance(self.lam, (int, float)) and self.lam >= 0):
@@ -82,10 +98,11 @@ class TrainConfig:
 
 class OnlineTrainer:
     """Trains the parameters of `model` that require gradients; `t2d` (Vt,) maps target ids to
-    drafter ids (-1 where none). `model` is a peft model or a plain HF causal LM."""
+    drafter ids (-1 where none). `model` is a peft model or a plain HF causal LM. `start_step`: the
+    optimizer steps the adapter had before this trainer (a reloaded profile's), for the lr schedule."""
 
     def __init__(self, model: Any, t2d: torch.Tensor, config: TrainConfig = TrainConfig(),
-                 step_lock: threading.RLock | None = None) -> None:
+                 step_lock: threading.RLock | None = None, start_step: int = 0) -> None:
         self.model, self.t2d, self.config = model, t2d, config
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -94,6 +111,7 @@ class OnlineTrainer:
         self.buffer = Buffer(config.capacity)
         self.step_lock = step_lock or threading.RLock()
         self.steps, self.requests, self.history = 0, 0, []  # history: one dict per optimizer step
+        self.start_step = start_step
         self._rng = random.Random(config.seed)
 
     def add(self, example: Example) -> bool:
@@ -121,6 +139,9 @@ class OnlineTrainer:
             total, parts = self.loss(batch)
             opt.zero_grad(set_to_none=True)
             total.backward()
+            if optimizer is None:
+                for group in opt.param_groups:
+                    group["lr"] = self.config.lr_at(self.start_step + self.steps)
             with self.step_lock:
                 opt.step()
         finally:
@@ -128,7 +149,7 @@ class OnlineTrainer:
         if optimizer is not None:
             return {"loss": float(total.detach()), **parts}
         self.steps += 1
-        log = {"step": self.steps, "loss": float(total.detach()), **parts}
+        log = {"step": self.steps, "loss": float(total.detach()), "lr": opt.param_groups[0]["lr"], **parts}
         self.history.append(log)
         return log
 
