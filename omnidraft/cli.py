@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--rank", type=int, default=32)
     a.add_argument("--modules", help="comma-separated projections that get LoRA adapters; default: the attention's q,k,v,o")
     a.add_argument("--cache-ablation", action="store_true", help="also measure the n-gram cache by size and policy")
+    a.add_argument("--record-batch", type=int, default=8,
+                   help="prompts the target records at once when traces are not cached yet (a larger batch records "
+                        "faster on CPU; a near-tie argmax may flip with the batch)")
     a.add_argument("--out", default="adapt_out")
     a.add_argument("--name", default="adapt")
     decoding(a)

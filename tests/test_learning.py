@@ -280,7 +280,7 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     torch.manual_seed(0)
     kwargs = dict(train="gsm8k:train", evaluation="gsm8k:test", n_train=4, n_eval=2, max_new_tokens=12, steps=2,
                   eval_every=1, config=TrainConfig(interval=2, batch_size=2, lr=1e-2), rank=4, k=4,
-                  stop_confidence=0.0, out=tmp_path, name="adapt")
+                  stop_confidence=0.0, out=tmp_path, name="adapt", record_batch=3)
     result = run_adapt(drafter, tiny_target, variants=["none", "dm", "hybrid", "full"], **kwargs)
     assert set(result["variants"]) == {"none", "dm", "hybrid", "full"}
     for name in ("dm", "hybrid", "full"):

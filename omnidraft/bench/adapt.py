@@ -116,14 +116,16 @@ def _request(trace: TargetTrace, prompt: str, topk: int) -> VerifiedRequest:
 def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train: int, n_eval: int,
               max_new_tokens: int, steps: int, eval_every: int, variants: list[str], config: TrainConfig,
               rank: int, k: int, stop_confidence: float, out: Path, name: str, modules: tuple[str, ...] | None = None,
-              cache_study: bool = False, on_point: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
-    """Run the experiment of the module doc; write `name`.json/.md/.png under `out`."""
+              cache_study: bool = False, record_batch: int = 8,
+              on_point: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
+    """Run the experiment of the module doc; write `name`.json/.md/.png under `out`. Traces not yet
+    cached are recorded `record_batch` prompts at a time."""
     from ..distill.adapters import AdapterConfig
     from ..drafter import Drafter
 
     out.mkdir(parents=True, exist_ok=True)
-    train_traces = traces_for(target, train, n_train, max_new_tokens, out)
-    eval_traces = traces_for(target, evaluation, n_eval, max_new_tokens, out)
+    train_traces = traces_for(target, train, n_train, max_new_tokens, out, batch_size=record_batch)
+    eval_traces = traces_for(target, evaluation, n_eval, max_new_tokens, out, batch_size=record_batch)
     replay = ReplayTarget.like(target, train_traces + eval_traces)
     train_prompts = prompts_for(target, train, train_traces)
     eval_prompts = prompts_for(target, evaluation, eval_traces)

@@ -21,8 +21,8 @@ def adapt(args: argparse.Namespace) -> None:
     from ..distill.trainer import TrainConfig
     from .adapt import markdown, run_adapt
 
-    if min(args.n_train, args.n_eval, args.steps, args.eval_every, args.rank) < 1:
-        raise SystemExit("--n-train, --n-eval, --steps, --eval-every and --rank must be >= 1")
+    if min(args.n_train, args.n_eval, args.steps, args.eval_every, args.rank, args.record_batch) < 1:
+        raise SystemExit("--n-train, --n-eval, --steps, --eval-every, --rank and --record-batch must be >= 1")
     drafter_spec, target_spec = split_pair(args.pair)
     drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec, dual_linear=False)
     lam = args.lam if args.lam == "dynamic" else float(args.lam)
@@ -35,8 +35,9 @@ def adapt(args: argparse.Namespace) -> None:
                        variants=args.variant or ["none", "hybrid", "spans"], config=config, rank=args.rank, k=args.k,
                        modules=modules,
                        stop_confidence=args.stop_confidence, out=Path(args.out), name=args.name,
-                       cache_study=args.cache_ablation, on_point=lambda p: print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                                                         for k, v in p.items()), flush=True))
+                       cache_study=args.cache_ablation, record_batch=args.record_batch,
+                       on_point=lambda p: print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                        for k, v in p.items()), flush=True))
     print(markdown(result))
     print(f"wrote {Path(args.out) / args.name}.json, .md and .png")
 
