@@ -97,6 +97,46 @@ def test_lfu_keeps_frequent_entries_under_pressure():
     assert not any(key in lru for key in hot)
 
 
+def _shifting_working_set(policy: str) -> NgramCache:
+    """10 keys used often early, then a new working set of 15 keys seen every round."""
+    cache = NgramCache(NgramCacheConfig(max_entries=20, policy=policy))
+    for key in [(1, k) for k in range(10)]:
+        cache.add(key, 7)
+        for _ in range(5):
+            cache.use(key)
+    for _ in range(30):
+        for k in range(15):
+            cache.add((3, k), 9)
+    return cache
+
+
+def test_lfu_with_dynamic_aging_lets_a_new_working_set_in():
+    """Plain LFU keeps the stale early favourites for good, so only part of the new set fits;
+    LFU-DA's rising age level (Arlitt et al. 2000) sinks them below the keys now in use."""
+    old, new = [(1, k) for k in range(10)], [(3, k) for k in range(15)]
+    lfu, aged = _shifting_working_set("lfu"), _shifting_working_set("lfu-da")
+    assert all(key in lfu for key in old) and not all(key in lfu for key in new)
+    assert all(key in aged for key in new) and aged.evictions > 0 and len(aged) == 20
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lfu-da", "lru"])
+def test_reading_the_cache_counts_no_use(policy):
+    """peek and items (what a save reads) must not change which entry is evicted next."""
+    cache = NgramCache(NgramCacheConfig(max_entries=2, policy=policy))
+    cache.add((1, 2), 10)
+    cache.add((2, 3), 11)
+    cache.use((2, 3))
+    assert cache.peek((1, 2)) == 10 and sorted(cache.items()) == [((1, 2), 10), ((2, 3), 11)]
+    cache.add((3, 4), 12)
+    assert (1, 2) not in cache and (2, 3) in cache and cache.evictions == 1
+
+
+def test_a_cache_of_no_entries_keeps_nothing():
+    cache = NgramCache(NgramCacheConfig(max_entries=0))
+    cache.add((1, 2), 3)
+    assert len(cache) == 0 and (1, 2) not in cache and cache.evictions == 0
+
+
 def test_cache_save_load_round_trip(tmp_path):
     cache = NgramCache(NgramCacheConfig(max_entries=100), fingerprint="d:t")
     for i in range(30):
@@ -132,7 +172,7 @@ def test_truncated_or_foreign_cache_is_refused_and_previous_file_survives(tmp_pa
     assert path.read_bytes() == good and list(tmp_path.glob(".c.json.*")) == []
 
 
-@pytest.mark.parametrize("bad", [dict(policy="fifo"), dict(max_entries=0), dict(max_len=1)])
+@pytest.mark.parametrize("bad", [dict(policy="fifo"), dict(max_entries=-1), dict(max_bytes=0), dict(max_len=1)])
 def test_cache_config_names_bad_values(bad):
     with pytest.raises(ValueError, match=list(bad)[0]):
         NgramCacheConfig(**bad)
