@@ -116,6 +116,17 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--name", default="bench-replay")
     decoding(r)
 
+    c = sub.add_parser("bench-cache", help="the n-gram cache by size and policy on two tokenizers (a reference drafter, no weights)")
+    c.add_argument("--drafter", default="llama-2", help="drafter tokenizer: llama-2, llama-3 (shared/tokenizers), a preset or a path")
+    c.add_argument("--target", default="llama-3", help="target tokenizer, as --drafter")
+    c.add_argument("--dataset", action="append", help="gsm8k:train | gsm8k | humaneval | humaneval:train, repeatable")
+    c.add_argument("--n", type=int, default=500, help="reference answers per dataset (HumanEval has 164)")
+    c.add_argument("--k", type=int, default=6, help="drafted tokens per round")
+    c.add_argument("--accuracy", type=float, action="append", help="chance each drafted token is right, repeatable (default 0.8)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default="bench_out")
+    c.add_argument("--name", default="bench-cache")
+
     e = sub.add_parser("export", help="export the drafter (with a pairing's adapter merged) to ONNX")
     e.add_argument("--drafter", default=DRAFTER)
     e.add_argument("--target", default=None, help="merge this target's adapter and prune for this pairing")
@@ -394,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
 
     commands = {"generate": _generate, "demo": _demo, "bench": _bench, "adapt": experiments.adapt,
                 "bench-draft": experiments.bench_draft, "bench-replay": experiments.bench_replay, "export": _export,
-                "bench-drafters": experiments.bench_drafters, "serve": _serve, "calibrate": _calibrate,
+                "bench-drafters": experiments.bench_drafters, "bench-cache": experiments.bench_cache, "serve": _serve, "calibrate": _calibrate,
                 "simulate": _simulate}
     commands[args.command](args)
 

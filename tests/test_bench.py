@@ -51,3 +51,64 @@ def test_replay_bench_scores_variants_and_checks_every_output(tiny_drafter, tiny
     for bad, message in (("heal=maybe", "on or off"), ("temperature=1", "KEY=VALUE"), ("k", "KEY=VALUE")):
         with pytest.raises(ValueError, match=message):
             parse_decode(bad)
+
+
+def test_references_pair_each_dataset_prompt_with_its_answer():
+    from omnidraft.bench.datasets import load_references
+
+    pairs = load_references("gsm8k:train", 3)
+    assert [p for p, _ in pairs] == load_prompts("gsm8k:train", 3)
+    assert all(r.startswith(" ") and "<<" not in r and "####" in r for _, r in pairs)  # calculator notes removed
+    prompt, solution = load_references("humaneval", 1)[0]
+    assert prompt == load_prompts("humaneval", 1)[0] and "return" in solution
+    with pytest.raises(ValueError, match="no reference answers for dataset 'mmlu'"):
+        load_references("mmlu", 2)
+
+
+def _ends(draft_tokenizer, target_tokenizer):
+    from omnidraft.bench.cache import TextEnd
+
+    return TextEnd(draft_tokenizer, "tiny-draft"), TextEnd(target_tokenizer, "tiny-target")
+
+
+def _reference_pairing(drafter_end, target_end, pairs, accuracy, strategy):
+    import torch
+
+    from omnidraft.bench.cache import ReferenceDrafter, reference_traces
+    from omnidraft.distill.trace_store import ReplayTarget
+    from omnidraft.session import DecodeConfig, Pairing
+
+    traces = reference_traces(target_end, pairs)
+    oracle = ReferenceDrafter(drafter_end, dict(pairs), accuracy=accuracy, generator=torch.Generator().manual_seed(0))
+    return Pairing(oracle, ReplayTarget.like(target_end, traces), DecodeConfig(k=4, strategy=strategy, stop_confidence=0.0)), traces
+
+
+@pytest.mark.parametrize("accuracy", [1.0, 0.5])
+def test_reference_drafter_spells_the_reference_and_errs_at_its_rate(draft_tokenizer, target_tokenizer, accuracy):
+    """The engine commits the reference answer whatever the drafter does; a drafter that is always
+    right has (almost) every re-tokenized draft accepted, one right half the time far fewer."""
+    from omnidraft.bench.datasets import load_references
+
+    pairs = load_references("gsm8k:train", 4)
+    pair, traces = _reference_pairing(*_ends(draft_tokenizer, target_tokenizer), pairs, accuracy, "text")
+    proposed = accepted = 0
+    for (prompt, reference), trace in zip(pairs, traces):
+        out = pair.generate(prompt, max_new_tokens=len(trace.continuation) - 1)
+        assert out.token_ids == trace.continuation[: len(out.token_ids)] and reference.startswith(out.text)
+        proposed += sum(r.proposed for r in out.rounds)
+        accepted += sum(r.accepted for r in out.rounds)
+    assert accepted / proposed > 0.9 if accuracy == 1.0 else accepted / proposed < 0.6
+
+
+def test_cache_bench_rows_are_paired_and_reproducible(draft_tokenizer, target_tokenizer):
+    from omnidraft.bench.cache import markdown, run_cache_bench
+
+    drafter_end, target_end = _ends(draft_tokenizer, target_tokenizer)
+    run = lambda: run_cache_bench(drafter_end, target_end, dataset="gsm8k:train", n=30, k=4, accuracy=0.8)  # noqa: E731
+    first = run()
+    assert [(r["cache"].split(" ")[0], r.get("policy")) for r in first["rows"]] == [
+        ("none", None), ("full", None), ("quarter", "lfu"), ("quarter", "lfu-da"), ("quarter", "lru")]
+    none, full = first["rows"][0], first["rows"][1]
+    assert full["tau"] >= none["tau"] and full["ngram_hits_per_round"] > none["ngram_hits_per_round"]
+    assert run()["rows"] == first["rows"]  # the drafter's errors are drawn once, from the seed
+    assert "| quarter" in markdown(first) and "lfu-da" in markdown(first)

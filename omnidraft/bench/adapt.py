@@ -34,6 +34,7 @@ from ..distill.trace_store import ReplayTarget, TargetTrace, load_traces, record
 from ..distill.trainer import OnlineTrainer, TrainConfig
 from ..int8 import quantize_int8
 from ..models import load_model
+from ..session import DecodeConfig, Pairing
 from ..stats import GenerationStats
 from ..translate.ngram_cache import NgramCacheConfig
 from ..translate.vocab_map import build_vocab_map
@@ -93,9 +94,10 @@ def prompts_for(target: Any, dataset: str, traces: list[TargetTrace]) -> list[st
 def evaluate(drafter: Any, replay: ReplayTarget, traces: list[TargetTrace], prompts: list[str], *, k: int,
              stop_confidence: float, strategy: str = "text", ngram: NgramCacheConfig | None = None,
              adapter: str | None = None) -> dict[str, float]:
-    """Greedy acceptance, τ and n-gram hits/round of `drafter` (with `adapter`) on replayed traces."""
-    pair = drafter.pair(replay, k=k, stop_confidence=stop_confidence, strategy=strategy,
-                        ngram=ngram or NgramCacheConfig())
+    """Greedy acceptance, τ and n-gram hits/round of `drafter` (with `adapter`) on replayed traces.
+    `drafter`: a Drafter, or any object of its protocol (bench/cache.py's reference drafter)."""
+    pair = Pairing(drafter, replay, DecodeConfig(k=k, stop_confidence=stop_confidence, strategy=strategy,
+                                                 ngram=ngram or NgramCacheConfig()))
     pair.adapter = adapter
     rounds, tokens, started = [], 0, time.perf_counter()
     for trace, prompt in zip(traces, prompts):
@@ -221,16 +223,16 @@ def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], prompts
                    stop_confidence: float) -> list[dict]:
     """The n-gram cache's gain under the paper's "ngram" translation, by size and policy.
 
-    Gain = τ with the cache minus τ with a one-entry cache (none, in effect). "full" is the default
-    bound, which these prompts never fill; "quarter" holds 1/4 of the entries the full run ended with.
+    Gain = τ with the cache minus τ with none (max_entries=0). "full" is the default bound, which
+    these prompts never fill; "quarter" holds 1/4 of the entries the full run ended with.
     """
     replay = ReplayTarget.like(target, traces)
     run = lambda **c: evaluate(drafter, replay, traces, prompts, k=k, stop_confidence=stop_confidence,  # noqa: E731
                                strategy="ngram", ngram=NgramCacheConfig(**c))
-    none, full = run(max_entries=1), run()
+    none, full = run(max_entries=0), run()
     quarter = max(1, full["ngram_entries"] // 4)
-    rows = [{"cache": "none", **none}, {"cache": "full", "policy": "lfu", **full}]
-    for policy in ("lfu", "lru"):
+    rows = [{"cache": "none", **none}, {"cache": "full", **full}]  # (the full cache never evicts: no policy)
+    for policy in ("lfu", "lfu-da", "lru"):
         rows.append({"cache": f"quarter ({quarter} entries)", "policy": policy, **run(max_entries=quarter, policy=policy)})
     for row in rows:
         row["gain_kept"] = gain_kept(row["tau"], none["tau"], full["tau"])

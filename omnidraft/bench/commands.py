@@ -1,4 +1,4 @@
-"""The experiment commands of `omnidraft`: adapt, bench-draft, bench-drafters and bench-replay.
+"""The experiment commands of `omnidraft`: adapt, bench-cache, bench-draft, bench-drafters and bench-replay.
 
 Each turns parsed arguments (cli.py's parser) into one run of its bench/ module and prints the
 report. Split from cli.py, which keeps the parser and the commands a user runs day to day.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..cli import DRAFTER, loaded_pairs, split_pair
 
-__all__ = ["adapt", "bench_draft", "bench_drafters", "bench_replay"]
+__all__ = ["adapt", "bench_cache", "bench_draft", "bench_drafters", "bench_replay"]
 
 
 def adapt(args: argparse.Namespace) -> None:
@@ -117,3 +117,20 @@ def bench_replay(args: argparse.Namespace) -> None:
                         cache=Path(args.cache), progress=bar.set_postfix_str)
     bar.close()
     print(write_replay_report(result, Path(args.out), args.name))
+
+
+def bench_cache(args: argparse.Namespace) -> None:
+    import json
+
+    from ..atomic import atomic_write_bytes
+    from .cache import load_end, markdown, run_cache_bench
+
+    drafter, target = load_end(args.drafter), load_end(args.target)
+    results = [run_cache_bench(drafter, target, dataset=dataset, n=args.n, k=args.k, accuracy=accuracy, seed=args.seed)
+               for dataset in args.dataset or ["gsm8k:train", "humaneval"] for accuracy in args.accuracy or [0.8]]
+    report = "\n".join(markdown(r) for r in results)
+    out = Path(args.out)
+    atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
+    atomic_write_bytes(out / f"{args.name}.md", report.encode())
+    print(report)
+    print(f"wrote {out / args.name}.json and .md")

@@ -9,9 +9,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from pathlib import Path
 
-__all__ = ["data_dir", "load_prompts"]
+__all__ = ["data_dir", "load_prompts", "load_references"]
 
 HUMANEVAL_TRAIN_FROM = 64
 
@@ -33,6 +34,21 @@ def _jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def _gsm8k(part: str) -> list[dict]:
+    return _jsonl(data_dir() / "gsm8k" / f"{part}.jsonl")
+
+
+def _humaneval(part: str) -> list[dict]:
+    if part not in ("", "test", "train"):
+        raise ValueError(f"unknown HumanEval split {part!r}: use humaneval or humaneval:train")
+    rows = _jsonl(data_dir() / "humaneval" / "HumanEval.jsonl.gz")
+    return rows[HUMANEVAL_TRAIN_FROM:] if part == "train" else rows
+
+
+def _gsm8k_prompt(row: dict) -> str:
+    return f"Question: {row['question']}\nAnswer: Let's think step by step."
+
+
 def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:
     """First `n` prompts of `dataset`: "gsm8k", "gsm8k:train", "humaneval", "humaneval:train" or a
     .jsonl path. HumanEval has no train split: "humaneval:train" is problems 64-163, disjoint from
@@ -41,14 +57,9 @@ def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:
         raise ValueError(f"number of prompts n must be >= 1, got {n}")
     name, _, part = dataset.partition(":")
     if name == "gsm8k":
-        rows = _jsonl(data_dir() / "gsm8k" / f"{part or split}.jsonl")
-        return [f"Question: {r['question']}\nAnswer: Let's think step by step." for r in rows[:n]]
+        return [_gsm8k_prompt(r) for r in _gsm8k(part or split)[:n]]
     if name == "humaneval":
-        rows = _jsonl(data_dir() / "humaneval" / "HumanEval.jsonl.gz")
-        if part not in ("", "test", "train"):
-            raise ValueError(f"unknown HumanEval split {part!r}: use humaneval or humaneval:train")
-        rows = rows[HUMANEVAL_TRAIN_FROM:] if part == "train" else rows
-        return [r["prompt"] for r in rows[:n]]
+        return [r["prompt"] for r in _humaneval(part)[:n]]
     path = Path(dataset)
     if path.suffix in (".jsonl", ".gz") and path.is_file():
         rows = _jsonl(path)
@@ -56,3 +67,20 @@ def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:
             raise ValueError(f"{path}: every line needs a \"prompt\" field")
         return [r["prompt"] for r in rows[:n]]
     raise ValueError(f"unknown dataset {dataset!r}: use gsm8k, gsm8k:train, humaneval or a path to a .jsonl file")
+
+
+_CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations, "<<48/2=24>>", which no model writes
+
+
+def load_references(dataset: str, n: int) -> list[tuple[str, str]]:
+    """First `n` (prompt, reference continuation) pairs of "gsm8k[:train|:test]" (the worked answer,
+    calculator annotations removed, after a space) or "humaneval[:train]" (the canonical solution).
+    The prompts are `load_prompts`'s."""
+    if n < 1:
+        raise ValueError(f"number of prompts n must be >= 1, got {n}")
+    name, _, part = dataset.partition(":")
+    if name == "gsm8k":
+        return [(_gsm8k_prompt(r), " " + _CALCULATOR.sub("", r["answer"])) for r in _gsm8k(part or "test")[:n]]
+    if name == "humaneval":
+        return [(r["prompt"], r["canonical_solution"]) for r in _humaneval(part)[:n]]
+    raise ValueError(f"no reference answers for dataset {dataset!r}: use gsm8k, gsm8k:train, humaneval or humaneval:train")
