@@ -405,8 +405,8 @@ def main(argv: list[str] | None = None) -> None:
 
     commands = {"generate": _generate, "demo": _demo, "bench": _bench, "adapt": experiments.adapt,
                 "bench-draft": experiments.bench_draft, "bench-replay": experiments.bench_replay, "export": _export,
-                "bench-drafters": experiments.bench_drafters, "bench-cache": experiments.bench_cache, "serve": _serve, "calibrate": _calibrate,
-                "simulate": _simulate}
+                "bench-drafters": experiments.bench_drafters, "bench-cache": experiments.bench_cache, "serve": _serve,
+                "calibrate": _calibrate, "simulate": _simulate}
     commands[args.command](args)
 
 

@@ -12,7 +12,7 @@ replaces both models with text:
 - the target's greedy output is the dataset's reference answer, spelled in target tokens
   (a `ReplayTarget` over those traces);
 - `ReferenceDrafter` drafts the same text in its own tokens and gets each drafted token right with
-  probability `accuracy` (independently, from a seeded generator); a wrong token ends its draft.
+  probability `accuracy` (drawn once per byte of each answer from a seed); a wrong token ends its draft.
 The engine (session, translator, cache, resync) runs unchanged. What is measured is the translator
 and its cache; the acceptance figures are those of a drafter of the stated accuracy, not of a model.
 """
@@ -30,7 +30,7 @@ from ..translate.token_bytes import TokenBytes, build_token_bytes
 from .adapt import cache_ablation
 from .datasets import load_references
 
-__all__ = ["VOCABULARIES", "ReferenceDrafter", "TextEnd", "load_end", "run_cache_bench"]
+__all__ = ["VOCABULARIES", "ReferenceDrafter", "TextEnd", "load_end", "markdown", "reference_traces", "run_cache_bench"]
 
 VOCABULARIES = {"llama-2": "ggml-vocab-llama-spm.gguf", "llama-3": "ggml-vocab-llama-bpe.gguf"}  # in shared/tokenizers
 
@@ -126,7 +126,7 @@ def reference_traces(target: TextEnd, pairs: list[tuple[str, str]]) -> list[Any]
 
 def run_cache_bench(drafter: TextEnd, target: TextEnd, *, dataset: str, n: int, k: int, accuracy: float,
                     seed: int = 0) -> dict[str, Any]:
-    """The cache ablation of bench/adapt.py (none, full, 1/4 LFU, 1/4 LRU) with the reference
+    """The cache ablation of bench/adapt.py (none, full, 1/4 LFU, LFU-DA and LRU) with the reference
     drafter on `n` prompts of `dataset`: every row replays the same prompts in the same order, and
     the drafter errs at the same places in each (drawn once from `seed`)."""
     target.token_bytes.require_byte_coverage(target.name)
@@ -135,15 +135,12 @@ def run_cache_bench(drafter: TextEnd, target: TextEnd, *, dataset: str, n: int, 
     prompts = [p for p, _ in pairs]
     oracle = ReferenceDrafter(drafter, dict(pairs), accuracy=accuracy, generator=torch.Generator().manual_seed(seed))
     rows = cache_ablation(oracle, target, traces, prompts, k=k, stop_confidence=0.0)
-    merged = sum(1 for t in traces for i in t.continuation if _spelled_by(drafter, target, i) >= 2)
+    used = {t for trace in traces for t in trace.continuation}
+    spelled = {t: len(drafter.codec.encode(target.token_bytes.table[t] or b"")) for t in used}
+    merged = sum(1 for trace in traces for t in trace.continuation if spelled[t] >= 2)  # need >= 2 drafter tokens
     return {"drafter": drafter.name, "target": target.name, "dataset": dataset, "n": len(traces), "k": k,
             "accuracy": accuracy, "seed": seed, "target_tokens": sum(len(t.continuation) for t in traces),
             "multi_token_words": merged, "rows": rows}
-
-
-def _spelled_by(drafter: TextEnd, target: TextEnd, token: int) -> int:
-    """How many drafter tokens spell target `token` on its own."""
-    return len(drafter.codec.encode(target.token_bytes.table[token] or b""))
 
 
 def markdown(result: dict[str, Any]) -> str:
