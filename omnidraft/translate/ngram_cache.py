@@ -2,8 +2,9 @@
 
 Bounded by entry count and by an estimate of its memory in bytes, with LFU-DA (LFU with dynamic
 aging, the default), LFU or LRU eviction (cachetools) and hit/miss/eviction counters. Saved as
-versioned JSON, atomically; a truncated or foreign file is refused and the previous file stays in place. Lookups never change eviction order
-(`peek`); only an n-gram actually used in a proposal counts as a use (`use`).
+versioned JSON, atomically; a truncated or foreign file is refused and the previous file stays in
+place. Lookups never change eviction order (`peek`, `items`); only an n-gram actually used in a
+proposal counts as a use (`use`).
 """
 
 from __future__ import annotations
