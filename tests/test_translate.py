@@ -274,3 +274,34 @@ def test_a_healed_draft_proposes_only_the_bytes_after_the_held_ones(draft_tokeni
     assert proposal.spans[0] is None or proposal.spans[0][0] >= 1  # the first token does not line up with the draft's start
     with pytest.raises(ValueError, match="only='any'"):
         tr.translate(draft, skip=1, only="direct")
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lfu-da", "lru"])
+def test_a_reloaded_cache_evicts_what_the_saved_one_would_have(policy, tmp_path):
+    """Use counts, priorities, the aging level and recency survive a save: after a reload the same
+    traffic evicts the same entries (a list of entries alone would restart every count at one)."""
+    cache = NgramCache(NgramCacheConfig(max_entries=12, policy=policy), fingerprint="d:t")
+    for i in range(20):  # evictions under way, so LFU-DA's age has risen
+        cache.add((1, i), i)
+        for _ in range(i % 4 if (1, i) in cache else 0):  # (plain LFU may evict a newcomer at once)
+            cache.use((1, i))
+    cache.save(tmp_path / "c.json")
+    back = NgramCache.load(tmp_path / "c.json", fingerprint="d:t")
+    assert back.items() == cache.items() and back.stats() == cache.stats()
+    for i in range(6):
+        for c in (cache, back):
+            c.add((2, i), 50 + i)
+            if i % 2 and (2, i) in c:
+                c.use((2, i))
+    assert back.items() == cache.items() and back.evictions == cache.evictions
+
+
+def test_a_version_1_cache_file_still_loads_and_a_malformed_entry_is_refused(tmp_path):
+    old = {"format": "omnidraft.ngram_cache", "version": 1, "fingerprint": "d:t", "stats": {},
+           "config": {"max_entries": 10, "max_bytes": 4096, "policy": "lfu", "max_len": 8},
+           "entries": [[[1, 2], 5], [[3, 4], 6]]}
+    (tmp_path / "v1.json").write_text(json.dumps(old))
+    assert sorted(NgramCache.load(tmp_path / "v1.json").items()) == [((1, 2), 5), ((3, 4), 6)]
+    (tmp_path / "bad.json").write_text(json.dumps({**old, "version": 2, "entries": [[[1, 2], "x"]]}))
+    with pytest.raises(CorruptFileError, match="malformed n-gram cache entry"):
+        NgramCache.load(tmp_path / "bad.json")

@@ -1,10 +1,12 @@
 """The OmniDraft n-gram cache: runs of >= 2 drafter tokens that one target token spells exactly.
 
 Bounded by entry count and by an estimate of its memory in bytes, with LFU-DA (LFU with dynamic
-aging, the default), LFU or LRU eviction (cachetools) and hit/miss/eviction counters. Saved as
-versioned JSON, atomically; a truncated or foreign file is refused and the previous file stays in
-place. Lookups never change eviction order (`peek`, `items`); only an n-gram actually used in a
-proposal counts as a use (`use`).
+aging, the default), LFU or LRU eviction (cachetools caches with an explicit eviction order) and
+hit/miss/eviction counters. Saved as versioned JSON, atomically, with each entry's use count and
+priority in eviction order: a reloaded cache evicts what the saved one would have, where a plain
+list of entries would restart every count at one. A truncated or foreign file is refused and the
+previous file stays in place. Lookups never change eviction order (`peek`, `items`); only an
+n-gram actually used in a proposal counts as a use (`use`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import heapq
 import itertools
 import json
 import os
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from ..errors import CorruptFileError, IncompatibleError
 __all__ = ["NgramCache", "NgramCacheConfig"]
 
 FORMAT = "omnidraft.ngram_cache"
-VERSION = 1
+VERSION = 2  # 2: entries in eviction order with their use counts and priorities; 1 (read too): entries only
 ENTRY_OVERHEAD = 64  # bytes per entry beside its ids: dict slot, tuple header, counter
 
 
@@ -57,39 +60,74 @@ def _entry_bytes(value: tuple[int, int]) -> int:
     return ENTRY_OVERHEAD + 8 * (value[1] + 1)
 
 
-class _Bounded:
-    """Mixin for a cachetools cache: count evictions and bytes."""
+class _Policy(cachetools.Cache):
+    """A cachetools cache whose eviction order is explicit: `order()` lists the keys from the next
+    to be evicted, `state(key)` what else a save must keep of an entry, `restore` puts an entry
+    back as it was. So a saved cache reloads with the same eviction order, not as a fresh one.
+    Reading through cachetools.Cache.__getitem__ counts no use; the policies' own __getitem__ does."""
 
     evictions = 0
 
-    def popitem(self):  # type: ignore[no-untyped-def]
-        key, value = super().popitem()  # type: ignore[misc]
+    def _evict(self, key):  # type: ignore[no-untyped-def]
+        value = cachetools.Cache.__getitem__(self, key)
+        del self[key]
         self.evictions += 1
         return key, value
 
 
-class _LFU(_Bounded, cachetools.LFUCache):
-    pass
+class _Recent(_Policy):
+    """LRU: evicts the entry least recently added or used."""
+
+    def __init__(self, maxsize: int, getsizeof=None) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(maxsize, getsizeof)
+        self._order: OrderedDict = OrderedDict()
+
+    def __getitem__(self, key):  # type: ignore[no-untyped-def]
+        value = super().__getitem__(key)
+        self._order.move_to_end(key)
+        return value
+
+    def __setitem__(self, key, value) -> None:  # type: ignore[no-untyped-def]
+        super().__setitem__(key, value)
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def __delitem__(self, key) -> None:  # type: ignore[no-untyped-def]
+        super().__delitem__(key)
+        del self._order[key]
+
+    def popitem(self):  # type: ignore[no-untyped-def]
+        if not self._order:
+            raise KeyError(f"{type(self).__name__} is empty")
+        return self._evict(next(iter(self._order)))
+
+    def order(self) -> list:
+        return list(self._order)
+
+    def state(self, key) -> list:  # type: ignore[no-untyped-def]
+        return []
+
+    def restore(self, key, value, state: list) -> None:  # type: ignore[no-untyped-def]
+        self[key] = value  # restored in eviction order: the order is the state
 
 
-class _LRU(_Bounded, cachetools.LRUCache):
-    pass
+class _Frequent(_Policy):
+    """LFU: evicts the entry of fewest uses, ties to the least recently used. With `aging`, LFU with
+    dynamic aging (Arlitt et al., "Evaluating content management techniques for web proxy caches",
+    2000): an entry's priority is L + its use count, recomputed at each use, and evicting raises L
+    to the evicted priority. Plain LFU keeps whatever was used often early on and starves
+    newcomers; with aging an entry that stops being used sinks below new ones as L rises.
+    A lazy heap holds (priority, tick, key); rows that are no longer an entry's rank are skipped."""
 
-
-class _AgingLFU(cachetools.Cache):
-    """LFU with dynamic aging (Arlitt et al., "Evaluating content management techniques for web
-    proxy caches", 2000): an entry's priority is L + its use count, recomputed at each use; evicting
-    raises L to the evicted priority. Plain LFU keeps whatever was used often early on and starves
-    newcomers; here an entry that stops being used sinks below new ones as L rises. Ties go to the
-    entry least recently used. A lazy heap holds (priority, tick, key); stale rows are skipped."""
+    aging = False
 
     def __init__(self, maxsize: int, getsizeof=None) -> None:  # type: ignore[no-untyped-def]
         super().__init__(maxsize, getsizeof)
         self._uses: dict = {}
-        self._priority: dict = {}
+        self._rank: dict = {}  # key -> (priority, tick) of its last use
         self._heap: list = []
         self._tick = itertools.count()
-        self._age = 0
+        self.age = 0
 
     def __getitem__(self, key):  # type: ignore[no-untyped-def]
         value = super().__getitem__(key)
@@ -99,36 +137,51 @@ class _AgingLFU(cachetools.Cache):
 
     def __setitem__(self, key, value) -> None:  # type: ignore[no-untyped-def]
         super().__setitem__(key, value)
-        self._uses.setdefault(key, 1)
-        self._push(key)
+        if key not in self._uses:
+            self._uses[key] = 1
+            self._push(key)
 
     def __delitem__(self, key) -> None:  # type: ignore[no-untyped-def]
         super().__delitem__(key)
-        del self._uses[key], self._priority[key]
+        del self._uses[key], self._rank[key]
 
-    def _push(self, key) -> None:  # type: ignore[no-untyped-def]
-        self._priority[key] = self._age + self._uses[key]
-        heapq.heappush(self._heap, (self._priority[key], next(self._tick), key))
-        if len(self._heap) > 4 * len(self._priority) + 64:  # drop stale rows now and then
-            self._heap = [(p, t, k) for p, t, k in self._heap if self._priority.get(k) == p]
+    def _push(self, key, priority: int | None = None) -> None:  # type: ignore[no-untyped-def]
+        if priority is None:
+            priority = self._uses[key] + (self.age if self.aging else 0)
+        self._rank[key] = rank = (priority, next(self._tick))
+        heapq.heappush(self._heap, (*rank, key))
+        if len(self._heap) > 4 * len(self._rank) + 64:  # drop stale rows now and then
+            self._heap = [(p, t, k) for p, t, k in self._heap if self._rank.get(k) == (p, t)]
             heapq.heapify(self._heap)
 
     def popitem(self):  # type: ignore[no-untyped-def]
         while self._heap:
-            priority, _, key = heapq.heappop(self._heap)
-            if self._priority.get(key) == priority:
-                self._age = priority
-                value = cachetools.Cache.__getitem__(self, key)  # (self.pop would count a use)
-                del self[key]
-                return key, value
+            priority, tick, key = heapq.heappop(self._heap)
+            if self._rank.get(key) == (priority, tick):
+                if self.aging:
+                    self.age = priority
+                return self._evict(key)
         raise KeyError(f"{type(self).__name__} is empty")
 
+    def order(self) -> list:
+        return sorted(self._rank, key=self._rank.__getitem__)
 
-class _LFUDA(_Bounded, _AgingLFU):
-    pass
+    def state(self, key) -> list:  # type: ignore[no-untyped-def]
+        return [self._uses[key], self._rank[key][0]]
+
+    def restore(self, key, value, state: list) -> None:  # type: ignore[no-untyped-def]
+        """`state`: [uses, priority] as `state` gave them, or [] (an LRU's save, a version-1 file): one use."""
+        cachetools.Cache.__setitem__(self, key, value)
+        uses, priority = state if len(state) == 2 else (1, None)
+        self._uses[key] = max(1, int(uses))
+        self._push(key, int(priority) if self.aging and priority is not None else None)
 
 
-POLICIES = {"lfu": _LFU, "lfu-da": _LFUDA, "lru": _LRU}
+class _AgingFrequent(_Frequent):
+    aging = True
+
+
+POLICIES = {"lfu": _Frequent, "lfu-da": _AgingFrequent, "lru": _Recent}
 
 
 class NgramCache:
@@ -180,8 +233,8 @@ class NgramCache:
             self._cache.popitem()
 
     def items(self) -> list[tuple[tuple[int, ...], int]]:
-        """Every (drafter run, target id), in the cache's order; reading counts no use."""
-        return [(k, self._read(k)[0]) for k in self._cache]
+        """Every (drafter run, target id), the next to be evicted first; reading counts no use."""
+        return [(k, self._read(k)[0]) for k in self._cache.order()]
 
     def stats(self) -> dict[str, int]:
         return {"entries": len(self), "bytes": self.nbytes, "hits": self.hits, "misses": self.misses,
@@ -190,8 +243,8 @@ class NgramCache:
     def to_doc(self) -> dict:
         """The cache as a JSON-ready document (what `save` writes and a profile embeds)."""
         return {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
-                "config": asdict(self.config), "stats": self.stats(),
-                "entries": [[list(k), v] for k, v in self.items()]}
+                "config": asdict(self.config), "stats": self.stats(), "age": getattr(self._cache, "age", 0),
+                "entries": [[list(k), v, *self._cache.state(k)] for k, v in self.items()]}
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically: a crash mid-write leaves the previous file loadable."""
@@ -210,18 +263,38 @@ class NgramCache:
     @classmethod
     def from_doc(cls, doc: object, *, where: str = "n-gram cache", fingerprint: str | None = None,
                  config: NgramCacheConfig | None = None) -> NgramCache:
-        """A cache from `to_doc` output; `config` overrides the saved bounds (entries beyond them are evicted)."""
+        """A cache from `to_doc` output, with its eviction order, use counts and counters as saved;
+        `config` overrides the saved bounds and policy (entries beyond the bounds are evicted, next
+        to be evicted first; under another policy every entry restarts at one use)."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise CorruptFileError(f"{where} is not an omnidraft n-gram cache (format {doc.get('format') if isinstance(doc, dict) else None!r})")
-        if doc.get("version") != VERSION:
-            raise CorruptFileError(f"{where} has n-gram cache format version {doc.get('version')}, this omnidraft reads {VERSION}")
+        if doc.get("version") not in (1, VERSION):
+            raise CorruptFileError(f"{where} has n-gram cache format version {doc.get('version')}, "
+                                   f"this omnidraft reads 1 to {VERSION}")
         if fingerprint is not None and doc.get("fingerprint") != fingerprint:
             raise IncompatibleError(
                 f"{where} was built for tokenizers {doc.get('fingerprint')!r}, not {fingerprint!r}; "
                 "it belongs to another drafter/target pairing"
             )
         cache = cls(config or NgramCacheConfig(**doc["config"]), fingerprint=doc.get("fingerprint", ""))
-        for key, value in doc["entries"]:
-            cache.add(tuple(key), int(value))
+        same_policy = doc["config"].get("policy") == cache.config.policy
+        try:
+            for key, value, *state in doc["entries"]:
+                cache._restore(tuple(key), int(value), [int(x) for x in state] if same_policy else [])
+            stats = doc.get("stats", {})
+            cache.hits, cache.misses = int(stats.get("hits", 0)), int(stats.get("misses", 0))
+            cache._cache.evictions += int(stats.get("evictions", 0))
+            if hasattr(cache._cache, "age") and same_policy:
+                cache._cache.age = int(doc.get("age", 0))
+        except (TypeError, ValueError) as exc:
+            raise CorruptFileError(f"{where} has a malformed n-gram cache entry or counter: {exc}") from exc
         return cache
+
+    def _restore(self, key: tuple[int, ...], target_id: int, state: list[int]) -> None:
+        """Put back a saved entry (they come next to be evicted first), then hold the bounds."""
+        if not 2 <= len(key) <= self.config.max_len or not self.config.max_entries:
+            return
+        self._cache.restore(key, (target_id, len(key)), state)
+        while len(self._cache) > self.config.max_entries:
+            self._cache.popitem()
 
