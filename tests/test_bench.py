@@ -112,3 +112,19 @@ def test_cache_bench_rows_are_paired_and_reproducible(draft_tokenizer, target_to
     assert full["tau"] >= none["tau"] and full["ngram_hits_per_round"] > none["ngram_hits_per_round"]
     assert run()["rows"] == first["rows"]  # the drafter's errors are drawn once, from the seed
     assert "| quarter" in markdown(first) and "lfu-da" in markdown(first)
+    best = first["offline_optimum"]["uses_kept"]  # knowing the future serves at least what the policies did (an
+    # estimate in general: a smaller cache drafts differently, so its sequence of uses is not the full one's)
+    assert full["uses_kept"] == 1.0 and all(best >= r["uses_kept"] - 1e-9 for r in first["rows"][2:]) and "Belady" in markdown(first)
+
+
+def test_the_offline_optimum_evicts_what_is_next_used_furthest_ahead():
+    from omnidraft.bench.cache import offline_optimum
+
+    a, b, c = (1, 2), (3, 4), (5, 6)
+    add, use = (lambda k: (False, k)), (lambda k: (True, k))  # noqa: E731
+    # one slot: keep a (used twice soon), not c (added between, used once late), then b is never back
+    events = [add(a), add(c), use(a), use(a), add(b), use(c)]
+    assert offline_optimum(events, 1) == 2 / 3  # a's two uses; c was not worth its slot over a
+    assert offline_optimum(events, 2) == 1.0 and offline_optimum(events, 0) == 0.0
+    assert offline_optimum([add(a), add(b)], 1) is None  # no use to serve
+    # LRU with one slot would have evicted a for c and hit nothing

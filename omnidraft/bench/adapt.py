@@ -36,7 +36,7 @@ from ..int8 import quantize_int8
 from ..models import load_model
 from ..session import DecodeConfig, Pairing
 from ..stats import GenerationStats
-from ..translate.ngram_cache import NgramCacheConfig
+from ..translate.ngram_cache import NgramCache, NgramCacheConfig
 from ..translate.vocab_map import build_vocab_map
 from .datasets import load_prompts
 
@@ -93,12 +93,15 @@ def prompts_for(target: Any, dataset: str, traces: list[TargetTrace]) -> list[st
 
 def evaluate(drafter: Any, replay: ReplayTarget, traces: list[TargetTrace], prompts: list[str], *, k: int,
              stop_confidence: float, strategy: str = "text", ngram: NgramCacheConfig | None = None,
-             adapter: str | None = None) -> dict[str, float]:
+             adapter: str | None = None, cache: NgramCache | None = None) -> dict[str, float]:
     """Greedy acceptance, τ and n-gram hits/round of `drafter` (with `adapter`) on replayed traces.
-    `drafter`: a Drafter, or any object of its protocol (bench/cache.py's reference drafter)."""
+    `drafter`: a Drafter, or any object of its protocol (bench/cache.py's reference drafter).
+    `cache`: the n-gram cache to run with (default: a new one of config `ngram`)."""
     pair = Pairing(drafter, replay, DecodeConfig(k=k, stop_confidence=stop_confidence, strategy=strategy,
                                                  ngram=ngram or NgramCacheConfig()))
     pair.adapter = adapter
+    if cache is not None:
+        pair.translator.cache = cache
     rounds, tokens, started = [], 0, time.perf_counter()
     for trace, prompt in zip(traces, prompts):
         out = pair.generate(prompt, max_new_tokens=max(1, len(trace.continuation) - 1))

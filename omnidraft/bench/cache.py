@@ -19,18 +19,24 @@ and its cache; the acceptance figures are those of a drafter of the stated accur
 
 from __future__ import annotations
 
+import heapq
+import math
+from collections import defaultdict, deque
 from itertools import accumulate
 from typing import Any
 
 import torch
 
+from ..distill.trace_store import ReplayTarget, TargetTrace
 from ..drafter import Draft
 from ..translate.codec import ByteCodec
+from ..translate.ngram_cache import NgramCache
 from ..translate.token_bytes import TokenBytes, build_token_bytes
-from .adapt import cache_ablation
+from .adapt import cache_ablation, evaluate
 from .datasets import load_references
 
-__all__ = ["VOCABULARIES", "ReferenceDrafter", "TextEnd", "load_end", "markdown", "reference_traces", "run_cache_bench"]
+__all__ = ["VOCABULARIES", "ReferenceDrafter", "TextEnd", "UseLog", "load_end", "markdown", "offline_optimum", "reference_traces",
+           "run_cache_bench"]
 
 VOCABULARIES = {"llama-2": "ggml-vocab-llama-spm.gguf", "llama-3": "ggml-vocab-llama-bpe.gguf"}  # in shared/tokenizers
 
@@ -114,8 +120,6 @@ class _ReferenceSession:
 
 def reference_traces(target: TextEnd, pairs: list[tuple[str, str]]) -> list[Any]:
     """Each reference continuation as the target's recorded greedy trace (no top-k rows)."""
-    from ..distill.trace_store import TargetTrace
-
     traces = []
     for prompt, reference in pairs:
         ids = target.codec.encode(reference.encode())
@@ -135,12 +139,68 @@ def run_cache_bench(drafter: TextEnd, target: TextEnd, *, dataset: str, n: int, 
     prompts = [p for p, _ in pairs]
     oracle = ReferenceDrafter(drafter, dict(pairs), accuracy=accuracy, generator=torch.Generator().manual_seed(seed))
     rows = cache_ablation(oracle, target, traces, prompts, k=k, stop_confidence=0.0)
+    log = UseLog()
+    full = evaluate(oracle, ReplayTarget.like(target, traces), traces, prompts, k=k, stop_confidence=0.0,
+                    strategy="ngram", cache=log)
+    uses = full["ngram_hits_per_round"] * full["rounds"]
+    for row in rows:
+        row["uses_kept"] = row["ngram_hits_per_round"] * row["rounds"] / uses if uses else None
+    quarter = rows[-1]["ngram_entries"]
     used = {t for trace in traces for t in trace.continuation}
     spelled = {t: len(drafter.codec.encode(target.token_bytes.table[t] or b"")) for t in used}
     merged = sum(1 for trace in traces for t in trace.continuation if spelled[t] >= 2)  # need >= 2 drafter tokens
     return {"drafter": drafter.name, "target": target.name, "dataset": dataset, "n": len(traces), "k": k,
             "accuracy": accuracy, "seed": seed, "target_tokens": sum(len(t.continuation) for t in traces),
-            "multi_token_words": merged, "rows": rows}
+            "multi_token_words": merged, "rows": rows,
+            "offline_optimum": {"entries": quarter, "uses_kept": offline_optimum(log.events, quarter),
+                                "added": len({key for _, key in log.events}),
+                                "ever_used": len({key for used, key in log.events if used})}}
+
+
+class UseLog(NgramCache):
+    """An unbounded n-gram cache that logs every add and use, in order: the input of `offline_optimum`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[bool, tuple[int, ...]]] = []  # (a use?, key)
+
+    def add(self, key: tuple[int, ...], target_id: int) -> None:
+        if 2 <= len(key) <= self.config.max_len:
+            self.events.append((False, key))
+        super().add(key, target_id)
+
+    def use(self, key: tuple[int, ...]) -> int:
+        self.events.append((True, key))
+        return super().use(key)
+
+
+def offline_optimum(events: list[tuple[bool, tuple[int, ...]]], capacity: int) -> float | None:
+    """Share of the uses in `events` (a full cache's adds and uses) that a cache of `capacity`
+    entries would still serve if it knew the future: Belady's MIN, which evicts the entry next used
+    furthest ahead (possibly the one just added). No online policy keeps more of this sequence. (A
+    smaller cache changes what is drafted next, so the sequence is the full cache's: an estimate.)"""
+    upcoming: dict[tuple[int, ...], deque[int]] = defaultdict(deque)
+    for i, (used, key) in enumerate(events):
+        if used:
+            upcoming[key].append(i)
+    held: dict[tuple[int, ...], float] = {}  # key -> when it is next used
+    heap: list[tuple[float, int, tuple[int, ...]]] = []  # (-next use, event, key), stale rows skipped
+    hits = total = 0
+    for i, (used, key) in enumerate(events):
+        queue = upcoming[key]
+        while queue and queue[0] <= i:
+            queue.popleft()
+        if used:
+            total += 1
+            hits += key in held
+        if key in held or not used:
+            held[key] = queue[0] if queue else math.inf
+            heapq.heappush(heap, (-held[key], i, key))
+        while len(held) > capacity:
+            when, _, victim = heapq.heappop(heap)
+            if held.get(victim) == -when:
+                del held[victim]
+    return hits / total if total else None
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -156,4 +216,11 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {row['cache']} | {row.get('policy', '–')} | {row['acceptance_rate']:.3f} | {row['tau']:.3f} | "
                      f"{row['ngram_hits_per_round']:.3f} | {row['ngram_entries']} | {row['ngram_bytes'] / 1024:.0f} | "
                      f"{'–' if kept is None else f'{kept:.1%}'} |")
+    best = result.get("offline_optimum", {}).get("uses_kept")
+    if best is not None:
+        online = ", ".join(f"{r['policy']} {r['uses_kept']:.1%}" for r in result["rows"] if r.get("policy"))
+        lines += ["", f"Share of the full cache's n-gram uses a {result['offline_optimum']['entries']}-entry cache serves: "
+                      f"{online}; knowing the future (Belady's MIN on the full run's adds and uses), {best:.1%}. "
+                      f"Of the {result['offline_optimum']['added']} merges the full run added, "
+                      f"{result['offline_optimum']['ever_used']} were ever used."]
     return "\n".join(lines) + "\n"
