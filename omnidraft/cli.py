@@ -83,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--record-batch", type=int, default=8,
                    help="prompts the target records at once when traces are not cached yet (a larger batch records "
                         "faster on CPU; a near-tie argmax may flip with the batch)")
+    a.add_argument("--drafter-precision", choices=["int8", "fp32"], default="int8",
+                   help="weights the drafter drafts with (default int8, as Drafter.load)")
+    a.add_argument("--train-weights", choices=["drafting", "fp32"], default="drafting",
+                   help="weights an int8 drafter's adapter trains through: the int8 ones it drafts with, emulated in "
+                        "fp32 (default), or the fp32 base")
     a.add_argument("--out", default="adapt_out")
     a.add_argument("--name", default="adapt")
     decoding(a)

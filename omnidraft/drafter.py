@@ -4,10 +4,11 @@
 `propose(k)` drafts up to k tokens (greedy or sampled, optionally restricted to the vocabulary the
 target shares) and `commit(keep, tail)` rolls the session back to what the target accepted.
 
-Per-target LoRA adapters (peft) live here, on one frozen base shared by every target: training
-runs on an fp32 peft model, drafting on its int8 twin whose LoRA modules are the same objects
-(distill/adapters.py), so a step is live for drafting at no copy cost. `activate(name)` switches
-both in milliseconds; `activate(None)` drafts with the bare base. This module does not know about
+Per-target LoRA adapters (peft) live here, on one frozen base shared by every target: the fp32
+peft model holds them, drafting runs on its int8 twin, and training (`learner`) through the twin's
+int8 weights emulated in fp32; all three share the same LoRA modules (distill/adapters.py), so a
+step is live for drafting at no copy cost. `activate(name)` switches all in milliseconds;
+`activate(None)` drafts with the bare base. This module does not know about
 targets' tokenizers.
 """
 
@@ -147,31 +148,36 @@ class Drafter:
     """A small causal LM shared by every pairing; per-target state lives in the pairing."""
 
     def __init__(self, model: Any, tokenizer: Any, name: str = "drafter", *, spec: str | None = None,
-                 int8: bool = False) -> None:
+                 int8: bool = False, train_through_int8: bool = True) -> None:
         """`model` drafts. With `int8`, it is a quantized copy and training reloads fp32 weights
-        from `spec`; otherwise `model` itself is trained when adapters are added."""
+        from `spec`; otherwise `model` itself is trained when adapters are added.
+        `train_through_int8` (int8 only): adapters learn through the int8 weights the drafter
+        drafts with (int8.fake_int8: read from the twin, no weight copied); False trains them on
+        the fp32 base, as before 2026-11-25 (kept for comparison: `adapt --train-weights fp32`)."""
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.token_bytes = build_token_bytes(tokenizer, model.config.vocab_size)
         self.codec = ByteCodec(tokenizer, self.token_bytes)
         self.stop_ids = frozenset(i for i in (tokenizer.eos_token_id,) if isinstance(i, int))
         self.lock = threading.RLock()
-        self._spec, self._int8 = spec, int8
+        self._spec, self._int8, self._through_int8 = spec, int8, train_through_int8
         self.trainable: Any = None  # the fp32 peft model, once an adapter exists
+        self.learner: Any = None  # what adapters train through: `trainable`, or the int8 twin emulated
         self.active: str | None = None
 
     @classmethod
-    def load(cls, spec: str, *, quantize: str | None = "int8") -> Drafter:
+    def load(cls, spec: str, *, quantize: str | None = "int8", train_through_int8: bool = True) -> Drafter:
         """Load a drafter by preset name, .gguf path, local dir or HF id.
 
         `quantize="int8"` (default) applies dynamic int8 to its linear layers (int8.py: per-channel,
         MLPs smoothed): about 3x faster per token on CPU. It changes only what is proposed, never
-        what the target commits.
+        what the target commits. `train_through_int8`: see `__init__`.
         """
         if quantize not in (None, "int8"):
             raise ValueError(f"drafter quantize must be None or 'int8', got {quantize!r}")
         loaded = load_model(spec)
         model = quantize_int8(loaded.model, loaded.tokenizer, inplace=True) if quantize == "int8" else loaded.model
-        return cls(model, loaded.tokenizer, loaded.name, spec=spec, int8=quantize == "int8")
+        return cls(model, loaded.tokenizer, loaded.name, spec=spec, int8=quantize == "int8",
+                   train_through_int8=train_through_int8)
 
     @property
     def hidden_size(self) -> int:
@@ -212,7 +218,7 @@ class Drafter:
     def add_adapter(self, name: str, config: AdapterConfig | None = None,
                     state: dict[str, torch.Tensor] | None = None) -> None:
         """Create adapter `name` (fresh, or loaded from `state`) if it does not exist yet."""
-        from .distill.adapters import AdapterConfig, add_adapter, int8_twin, load_adapter_state
+        from .distill.adapters import AdapterConfig, add_adapter, int8_learner, int8_twin, load_adapter_state
 
         with self.lock:
             if self.trainable is not None and name in self.trainable.peft_config:
@@ -228,6 +234,7 @@ class Drafter:
             if state is not None:
                 load_adapter_state(self.trainable, name, state)
             self.model = int8_twin(self.trainable, self.tokenizer) if self._int8 else self.trainable
+            self.learner = int8_learner(self.model) if self._int8 and self._through_int8 else self.trainable
             self.active = None
             self.activate(name)
 
@@ -242,7 +249,7 @@ class Drafter:
                 if name is not None:
                     raise KeyError(f"no adapter {name!r}: this drafter has none yet")
                 return
-            for model in {id(self.trainable): self.trainable, id(self.model): self.model}.values():
+            for model in {id(m): m for m in (self.trainable, self.model, self.learner)}.values():
                 if name is None:
                     model.base_model.disable_adapter_layers()
                 else:

@@ -11,6 +11,11 @@ through the post-attention RMSNorm (tau 2.65 -> 2.83; fp32 drafts at 3.04). In f
 leave the model's function unchanged. Scales come from a forward over `CALIBRATION`, a few
 sentences of prose, arithmetic and code (a second or two at load time).
 
+`fake_int8` turns a quantized model into one that trains, sharing its weights: each int8 linear
+is read by a `FakeInt8Linear` that computes what the int8 kernel computes, in fp32 with gradients.
+An adapter trained through it learns the function the drafter drafts with, quantization error
+included (distill/adapters.int8_learner).
+
 For drafters only. The target is never quantized dynamically: per-call activation scales make a
 k-token verify differ from k single steps, so greedy identity would not hold. MLPs with a LoRA
 adapter on their projections are left unsmoothed (the fold would change what the adapter sees).
@@ -19,13 +24,14 @@ adapter on their projections are left unsmoothed (the fold would change what the
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CALIBRATION", "int8_qconfig", "quantize_int8", "smooth_mlps"]
+__all__ = ["CALIBRATION", "FakeInt8Linear", "fake_int8", "int8_qconfig", "quantize_int8", "smooth_mlps"]
 
 CALIBRATION = (
     "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -120,3 +126,49 @@ def quantize_int8(model: Any, tokenizer: Any | None = None, *, inplace: bool = F
         torch.ao.quantization.quantize_dynamic(model, {n: int8_qconfig(per_channel) for n in linears}, dtype=torch.qint8,
                                                inplace=True)
     return model.eval()
+
+
+ACTIVATION_LEVELS = 127  # x86/fbgemm dynamic linears quantize activations to 7-bit uint8 (reduce_range)
+
+
+class FakeInt8Linear(nn.Module):
+    """A dynamic int8 linear in fp32, for training through it: the int8 weights of `source` (a
+    torch.ao dynamic quantized Linear, read at each call and shared, not copied) dequantized, and
+    each input row quantized as the kernel quantizes one call (asymmetric, `ACTIVATION_LEVELS` steps
+    between min(x, 0) and max(x, 0)), with a straight-through gradient. On one row (a decode step)
+    it matches the kernel to float rounding; over a longer call the kernel shares one scale across
+    the rows, this keeps one per row. It has no parameters: nothing of it trains."""
+
+    def __init__(self, source: nn.Module) -> None:
+        super().__init__()
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.__dict__["source"] = source  # not a submodule: its weights stay the quantized model's
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.source.weight().dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lo = x.detach().amin(-1, keepdim=True).clamp(max=0)
+        hi = x.detach().amax(-1, keepdim=True).clamp(min=0)
+        scale = ((hi - lo) / ACTIVATION_LEVELS).clamp_min(torch.finfo(x.dtype).tiny)
+        zero = torch.round(-lo / scale)
+        q = (torch.clamp(torch.round(x.detach() / scale) + zero, 0, ACTIVATION_LEVELS) - zero) * scale
+        return nn.functional.linear(x + (q - x.detach()), self.weight, self.source.bias())
+
+
+def fake_int8(model: Any) -> Any:
+    """`model` (dynamically quantized) as a model that trains: the same module tree, sharing every
+    tensor of `model` (no weight is copied), with each int8 linear a `FakeInt8Linear` over it: the
+    same function in fp32, differentiable in its inputs (see module doc)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    swaps = {name: m for name, m in model.named_modules() if isinstance(m, DynamicLinear)}
+    if not swaps:
+        raise ValueError("fake_int8 needs a model with dynamic int8 linears (quantize_int8); this one has none")
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers(), swaps.values())}
+    copied = copy.deepcopy(model, shared)  # copies the module tree; every tensor and int8 linear stays the same object
+    for name in swaps:
+        parent, _, child = name.rpartition(".")
+        setattr(copied.get_submodule(parent) if parent else copied, child, FakeInt8Linear(swaps[name]))
+    return copied

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnidraft.distill.adapters import AdapterConfig, adapter_state, add_adapter, int8_twin, load_adapter_state, set_active
+from omnidraft.distill.adapters import (AdapterConfig, adapter_state, add_adapter, int8_learner, int8_twin, load_adapter_state,
+                                       set_active)
 
 from .conftest import tiny_llama
 
@@ -57,3 +58,22 @@ def test_int8_twin_shares_the_lora_parameters(drafter):
     assert not torch.allclose(before, after)  # ...is live in the int8 twin
     assert torch.allclose(after, reference, atol=0.05 * reference.abs().max())
     assert any("quantized" in type(m).__module__ for m in twin.modules())
+
+
+def test_the_int8_learner_trains_the_lora_the_twin_drafts_with(drafter):
+    set_active(drafter, "qwen")
+    twin = int8_twin(drafter)
+    learner = int8_learner(twin)
+    for model in (twin, learner):
+        set_active(model, "qwen")
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if ".qwen." in name and "lora_B" in name:
+                p.add_(0.3)  # an adapter that acts
+        for token in (9, 8, 7):  # one token a call: the kernel's scale is the row's
+            ref, got = twin(torch.tensor([[token]])).logits, learner(torch.tensor([[token]])).logits
+            assert torch.allclose(got, ref, atol=1e-4 * ref.abs().max())
+    learner.train()
+    learner(torch.tensor([[1, 2, 3, 4]])).logits.square().mean().backward()
+    touched = {n for n, p in drafter.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert touched and all(".qwen." in n and "lora_" in n for n in touched)  # the shared modules got the gradient

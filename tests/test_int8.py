@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from omnidraft.distill.adapters import AdapterConfig, add_adapter, int8_twin
-from omnidraft.int8 import quantize_int8, smooth_mlps
+from omnidraft.int8 import FakeInt8Linear, fake_int8, quantize_int8, smooth_mlps
 
 from .conftest import tiny_llama
 
@@ -52,3 +53,29 @@ def test_int8_twin_of_an_attention_adapter_model_smooths_its_mlps(draft_tokenize
         ref, got = peft(X).logits, twin(X).logits
     assert torch.allclose(got, ref, atol=0.05 * ref.abs().max())
     assert any("quantized" in type(m).__module__ for m in twin.modules())
+
+
+def test_fake_int8_computes_what_the_int8_kernels_compute_one_token_at_a_time(draft_tokenizer):
+    q = quantize_int8(tiny_llama(len(draft_tokenizer), seed=8), draft_tokenizer)
+    fake = fake_int8(q)
+    assert not any("quantized" in type(m).__module__ for m in fake.modules())
+    assert fake.model.embed_tokens.weight is q.model.embed_tokens.weight  # nothing is copied: it reads q's tensors
+    int8_linears = sum(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in q.modules())
+    assert int8_linears and sum(isinstance(m, FakeInt8Linear) for m in fake.modules()) == int8_linears
+    with torch.no_grad():  # a decode step: one row per call, where the kernel's per-call scale is the row's
+        for token in X[0].tolist():
+            ref, got = q(torch.tensor([[token]])).logits, fake(torch.tensor([[token]])).logits
+            assert torch.allclose(got, ref, atol=1e-4 * ref.abs().max())
+        fp32 = tiny_llama(len(draft_tokenizer), seed=8)(X).logits
+    assert not torch.allclose(fake(X).logits, fp32, atol=1e-4 * fp32.abs().max())  # it is the int8 function, not the fp32 one
+
+
+def test_fake_int8_passes_gradients_straight_through_and_keeps_its_weights_frozen():
+    linear = quantize_int8(torch.nn.Sequential(torch.nn.Linear(16, 8)))
+    fake = fake_int8(linear)
+    x = torch.randn(3, 16, requires_grad=True)
+    fake(x).sum().backward()
+    assert torch.allclose(x.grad, fake[0].weight.sum(0).expand(3, 16))  # d(xW^T)/dx, rounding passed straight through
+    assert not list(fake.parameters())  # the int8 weights are buffers: nothing to train
+    with pytest.raises(ValueError, match="needs a model with dynamic int8 linears"):
+        fake_int8(torch.nn.Sequential(torch.nn.Linear(4, 4)))

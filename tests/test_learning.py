@@ -361,3 +361,28 @@ def test_adapt_replays_the_dataset_prompts_even_when_the_tokenizer_adds_bos(text
     assert prompts_for(target, "gsm8k", traces) == prompts
     with pytest.raises(ValueError, match="record them again"):
         prompts_for(target, "gsm8k", [traces[1], traces[0]])
+
+
+@pytest.mark.parametrize("through_int8", [True, False])
+def test_an_int8_drafter_learns_through_the_weights_it_drafts_with(draft_tokenizer, tiny_target, tmp_path, through_int8):
+    from omnidraft.int8 import FakeInt8Linear, quantize_int8
+
+    fp32 = tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0)
+    fp32.save_pretrained(tmp_path / "drafter")  # where training reloads the fp32 weights from
+    draft_tokenizer.save_pretrained(tmp_path / "drafter")
+    drafter = Drafter(quantize_int8(fp32, draft_tokenizer), draft_tokenizer, "tiny-int8", spec=str(tmp_path / "drafter"),
+                      int8=True, train_through_int8=through_int8)
+    pair = drafter.pair(tiny_target, k=4, learn=True, adapter=SMALL, train=TrainConfig(interval=1, lr=1e-2),
+                        store=ProfileStore(tmp_path / "profiles"))
+    before = adapter_state(drafter.trainable, pair.adapter)
+    for prompt in PROMPTS:
+        assert pair.generate(prompt, max_new_tokens=16).token_ids == target_greedy(tiny_target, prompt, 16)
+    assert pair.steps == 3 and any(not torch.equal(v, adapter_state(drafter.trainable, pair.adapter)[k]) for k, v in before.items())
+    emulated = any(isinstance(m, FakeInt8Linear) for m in drafter.learner.modules())
+    assert emulated == through_int8 and (drafter.learner is drafter.trainable) == (not through_int8)
+    if through_int8:  # the learner computes what the drafter drafts, with or without the adapter: switching reaches both
+        for adapter in (pair.adapter, None):
+            drafter.activate(adapter)
+            with torch.no_grad():
+                ref, got = drafter.model(torch.tensor([[7]])).logits, drafter.learner(torch.tensor([[7]])).logits
+            assert torch.allclose(got, ref, atol=1e-4 * ref.abs().max())

@@ -141,6 +141,8 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
     result: dict[str, Any] = {"pair": f"{drafter.name}:{target.name}", "train": train, "eval": evaluation,
                               "n_train": len(train_traces), "n_eval": len(eval_traces), "max_new_tokens": max_new_tokens,
                               "k": k, "stop_confidence": stop_confidence, "rank": rank,
+                              "drafter_precision": "int8" if getattr(drafter, "_int8", False) else "fp32",
+                              "train_weights": "drafting" if getattr(drafter, "_through_int8", False) else "fp32",
                               "modules": list(lora.modules), "config": dict(vars(config)),
                               "variants": {}}
     baseline = result["baseline"] = score(drafter)
@@ -174,7 +176,7 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
         else:
             adapter = f"adapt_{variant}_{time.time_ns()}"
             drafter.add_adapter(adapter, lora)
-            trainer = OnlineTrainer(drafter.trainable, t2d, cfg, step_lock=drafter.lock)
+            trainer = OnlineTrainer(drafter.learner, t2d, cfg, step_lock=drafter.lock)
             as_drafter = lambda adapter=adapter: (drafter, adapter)  # noqa: E731
         curve = [{"step": 0, **baseline}]
         started, i = time.perf_counter(), 0
@@ -265,8 +267,11 @@ def _schedule(cfg: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     base, cfg = result["baseline"], result["config"]
+    precision = result.get("drafter_precision", "int8")  # (results before 2026-11-25: int8, trained on fp32)
+    through = "its int8 weights" if precision == "int8" and result.get("train_weights") == "drafting" else "fp32 weights"
     lines = [f"# {result['pair']}: train {result['train']} ({result['n_train']} prompts), held-out {result['eval']} "
-             f"({result['n_eval']} prompts), {result['max_new_tokens']} tokens, k={result['k']}\n",
+             f"({result['n_eval']} prompts), {result['max_new_tokens']} tokens, k={result['k']}, "
+             f"{precision} drafter trained through {through}\n",
              f"Training: lr {_schedule(cfg)}, λ {cfg['lam']}, rank {result['rank']} on {'/'.join(result.get('modules', []))}; "
              f"spans also weighs an NLL on the committed direct tokens by {cfg.get('direct_nll', 0.0)} "
              "(the paper's dm, hybrid and full: 0).\n",

@@ -24,7 +24,9 @@ def adapt(args: argparse.Namespace) -> None:
     if min(args.n_train, args.n_eval, args.steps, args.eval_every, args.rank, args.record_batch) < 1:
         raise SystemExit("--n-train, --n-eval, --steps, --eval-every, --rank and --record-batch must be >= 1")
     drafter_spec, target_spec = split_pair(args.pair)
-    drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec, dual_linear=False)
+    quantize = "int8" if args.drafter_precision == "int8" else None
+    drafter = od.Drafter.load(drafter_spec, quantize=quantize, train_through_int8=args.train_weights == "drafting")
+    target = od.LocalTarget.load(target_spec, dual_linear=False)
     lam = args.lam if args.lam == "dynamic" else float(args.lam)
     hard = {} if args.direct_nll is None else {"direct_nll": args.direct_nll}
     config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam,

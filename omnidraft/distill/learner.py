@@ -34,7 +34,7 @@ class Learner:
                  config: TrainConfig = TrainConfig(), start_step: int = 0) -> None:
         self.drafter, self.adapter, self.t2d, self.target_bytes, self.config = drafter, adapter, t2d, target_bytes, config
         drafter.activate(adapter)
-        self.trainer = OnlineTrainer(drafter.trainable, t2d, config, step_lock=drafter.lock, start_step=start_step)
+        self.trainer = OnlineTrainer(drafter.learner, t2d, config, step_lock=drafter.lock, start_step=start_step)
         self.metrics: list[dict[str, float]] = []  # one entry per update
         self._recent: list[tuple[float, float]] = []  # (acceptance rate, tau) of requests since the last update
         self._thread: threading.Thread | None = None
