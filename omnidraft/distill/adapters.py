@@ -3,8 +3,9 @@
 Training needs the fp32 drafter with peft LoRA layers; drafting is twice as fast on the int8 base
 (int8.quantize_int8). `int8_twin` builds the drafting copy: every base linear is quantized, and
 every LoRA module is *the same object* as in the training model, so an optimizer step is live for
-drafting at no copy cost and switching targets is `set_adapter` on both. Only adapter parameters
-ever require gradients; the base weights are shared by all targets.
+drafting at no copy cost and switching targets is `set_adapter` on both. `int8_learner` is what
+the adapters train through: the twin's int8 weights computed in fp32, with the same LoRA modules.
+Only adapter parameters ever require gradients; the base weights are shared by all targets.
 """
 
 from __future__ import annotations
