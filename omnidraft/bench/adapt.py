@@ -225,16 +225,18 @@ def profile_footprint(drafter: Any, target: Any, adapter: str) -> dict[str, int]
 
 
 def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list[str], *, k: int,
-                   stop_confidence: float) -> list[dict]:
+                   stop_confidence: float, full_cache: NgramCache | None = None) -> list[dict]:
     """The n-gram cache's gain under the paper's "ngram" translation, by size and policy.
 
     Gain = τ with the cache minus τ with none (max_entries=0). "full" is the default bound, which
-    these prompts never fill; "quarter" holds 1/4 of the entries the full run ended with.
+    these prompts never fill (run with `full_cache` if given: bench/cache.py's UseLog); "quarter"
+    holds 1/4 of the entries the full run ended with.
     """
     replay = ReplayTarget.like(target, traces)
-    run = lambda **c: evaluate(drafter, replay, traces, prompts, k=k, stop_confidence=stop_confidence,  # noqa: E731
-                               strategy="ngram", ngram=NgramCacheConfig(**c))
-    none, full = run(max_entries=0), run()
+    run = lambda cache=None, **c: evaluate(drafter, replay, traces, prompts, k=k,  # noqa: E731
+                                           stop_confidence=stop_confidence, strategy="ngram",
+                                           ngram=NgramCacheConfig(**c), cache=cache)
+    none, full = run(max_entries=0), run(full_cache)
     quarter = max(1, full["ngram_entries"] // 4)
     rows = [{"cache": "none", **none}, {"cache": "full", **full}]  # (the full cache never evicts: no policy)
     for policy in ("lfu", "lfu-da", "lru"):

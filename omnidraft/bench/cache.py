@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from ..distill.trace_store import ReplayTarget, TargetTrace
+from ..distill.trace_store import TargetTrace
 from ..drafter import Draft
 from ..translate.codec import ByteCodec
 from ..translate.ngram_cache import NgramCache
 from ..translate.token_bytes import TokenBytes, build_token_bytes
-from .adapt import cache_ablation, evaluate
+from .adapt import cache_ablation
 from .datasets import load_references
 
 __all__ = ["VOCABULARIES", "ReferenceDrafter", "TextEnd", "UseLog", "load_end", "markdown", "offline_optimum", "reference_traces",
@@ -138,11 +138,9 @@ def run_cache_bench(drafter: TextEnd, target: TextEnd, *, dataset: str, n: int, 
     traces = reference_traces(target, pairs)
     prompts = [p for p, _ in pairs]
     oracle = ReferenceDrafter(drafter, dict(pairs), accuracy=accuracy, generator=torch.Generator().manual_seed(seed))
-    rows = cache_ablation(oracle, target, traces, prompts, k=k, stop_confidence=0.0)
     log = UseLog()
-    full = evaluate(oracle, ReplayTarget.like(target, traces), traces, prompts, k=k, stop_confidence=0.0,
-                    strategy="ngram", cache=log)
-    uses = full["ngram_hits_per_round"] * full["rounds"]
+    rows = cache_ablation(oracle, target, traces, prompts, k=k, stop_confidence=0.0, full_cache=log)
+    uses = rows[1]["ngram_hits_per_round"] * rows[1]["rounds"]  # the full cache's
     for row in rows:
         row["uses_kept"] = row["ngram_hits_per_round"] * row["rounds"] / uses if uses else None
     quarter = rows[-1]["ngram_entries"]
