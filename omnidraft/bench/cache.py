@@ -163,7 +163,7 @@ class UseLog(NgramCache):
         self.events: list[tuple[bool, tuple[int, ...]]] = []  # (a use?, key)
 
     def add(self, key: tuple[int, ...], target_id: int) -> None:
-        if 2 <= len(key) <= self.config.max_len:
+        if self.admits(key):
             self.events.append((False, key))
         super().add(key, target_id)
 

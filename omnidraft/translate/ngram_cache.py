@@ -173,8 +173,8 @@ class _Frequent(_Policy):
         """`state`: [uses, priority] as `state` gave them, or [] (an LRU's save, a version-1 file): one use."""
         cachetools.Cache.__setitem__(self, key, value)
         uses, priority = state if len(state) == 2 else (1, None)
-        self._uses[key] = max(1, int(uses))
-        self._push(key, int(priority) if self.aging and priority is not None else None)
+        self._uses[key] = max(1, uses)
+        self._push(key, priority if self.aging else None)
 
 
 class _AgingFrequent(_Frequent):
@@ -223,12 +223,19 @@ class NgramCache:
 
     def add(self, key: tuple[int, ...], target_id: int) -> None:
         """Record that target token `target_id` spells exactly the drafter run `key`."""
-        if not 2 <= len(key) <= self.config.max_len or not self.config.max_entries:
+        if not self.admits(key):
             return
         if key in self._cache:
             self._cache[key]  # a repeat observation counts as a use
             return
         self._cache[key] = (target_id, len(key))
+        self._trim()
+
+    def admits(self, key: tuple[int, ...]) -> bool:
+        """Whether `add` would keep `key` at all: a run of 2..max_len drafter tokens, in a cache of >= 1 entry."""
+        return 2 <= len(key) <= self.config.max_len and self.config.max_entries > 0
+
+    def _trim(self) -> None:
         while len(self._cache) > self.config.max_entries:
             self._cache.popitem()
 
@@ -292,9 +299,7 @@ class NgramCache:
 
     def _restore(self, key: tuple[int, ...], target_id: int, state: list[int]) -> None:
         """Put back a saved entry (they come next to be evicted first), then hold the bounds."""
-        if not 2 <= len(key) <= self.config.max_len or not self.config.max_entries:
-            return
-        self._cache.restore(key, (target_id, len(key)), state)
-        while len(self._cache) > self.config.max_entries:
-            self._cache.popitem()
+        if self.admits(key):
+            self._cache.restore(key, (target_id, len(key)), state)
+            self._trim()
 
