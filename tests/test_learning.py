@@ -299,6 +299,29 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     losses = lambda run: [p["loss"] for p in run["variants"]["hybrid"]["curve"][1:]]  # noqa: E731
     assert losses(again) == pytest.approx(losses(result), rel=1e-5)
     assert "fixed draft length (k=4" in (tmp_path / "adapt.md").read_text()
+    assert again["agreement"][-1]["positions"] == again["variants"]["hybrid"]["agreement"][-1]["positions"] > 0
+    assert "| all | 100.0% |" in (tmp_path / "adapt.md").read_text()
+
+
+def test_agreement_counts_each_direct_position_once_by_the_target_margin(drafter, tiny_target):
+    from types import SimpleNamespace
+
+    from omnidraft.bench.adapt import MARGINS, agreement
+    from omnidraft.distill.trace_store import record_many
+
+    traces = record_many(tiny_target, PROMPTS, 16, k=4)
+    t2d = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer).t2d
+    rows = agreement(drafter, None, tiny_target.token_bytes, t2d, traces, PROMPTS)
+    direct = sum(len(build_example(VerifiedRequest(p, t.continuation, t.topk_ids, t.topk_logp, [1] * len(t.continuation)),
+                                   drafter, tiny_target.token_bytes, t2d).kl_rows) for t, p in zip(traces, PROMPTS))
+    assert [r["margin"] for r in rows] == ["< 0.5", "0.5 to 1.5", "1.5 to 3", ">= 3", "all"] and len(MARGINS) == 3
+    assert rows[-1]["positions"] == sum(r["positions"] for r in rows[:-1]) == direct > 0
+    assert all(r["agreement"] is None or 0 <= r["agreement"] <= 1 for r in rows)
+    # a drafter whose argmax is always the next token agrees everywhere
+    oracle = lambda ids: SimpleNamespace(logits=torch.nn.functional.one_hot(ids.roll(-1, 1), len(drafter.token_bytes)).float())  # noqa: E731
+    drafter.model = oracle
+    assert all(r["agreement"] in (None, 1.0) for r in agreement(drafter, None, tiny_target.token_bytes, t2d, traces, PROMPTS))
+    assert agreement(SimpleNamespace(), None, tiny_target.token_bytes, t2d, traces, PROMPTS) is None
 
 
 def test_adapt_puts_adapters_on_the_projections_it_is_given(drafter, tiny_target, tmp_path):
@@ -380,6 +403,14 @@ def test_an_int8_drafter_learns_through_the_weights_it_drafts_with(draft_tokeniz
     assert pair.steps == 3 and any(not torch.equal(v, adapter_state(drafter.trainable, pair.adapter)[k]) for k, v in before.items())
     emulated = any(isinstance(m, FakeInt8Linear) for m in drafter.learner.modules())
     assert emulated == through_int8 and (drafter.learner is drafter.trainable) == (not through_int8)
+    from omnidraft.bench.adapt import agreement
+    from omnidraft.distill.trace_store import record_many
+
+    t2d = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer).t2d
+    traces = record_many(tiny_target, PROMPTS, 16, k=4)
+    drafter.activate(None)
+    rows = agreement(drafter, pair.adapter, tiny_target.token_bytes, t2d, traces, PROMPTS)  # through the emulated int8 twin
+    assert rows[-1]["positions"] > 0 and drafter.active is None  # the adapter it was asked about, then back
     if through_int8:  # the learner computes what the drafter drafts, with or without the adapter: switching reaches both
         for adapter in (pair.adapter, None):
             drafter.activate(adapter)

@@ -32,7 +32,7 @@ from ..atomic import atomic_write_bytes
 from ..distill.buffer import VerifiedRequest, build_example
 from ..distill.trace_store import ReplayTarget, TargetTrace, load_traces, record_many, save_traces
 from ..distill.trainer import OnlineTrainer, TrainConfig
-from ..int8 import quantize_int8
+from ..int8 import fake_int8, quantize_int8
 from ..models import load_model
 from ..session import DecodeConfig, Pairing
 from ..stats import GenerationStats
@@ -40,7 +40,7 @@ from ..translate.ngram_cache import NgramCache, NgramCacheConfig
 from ..translate.vocab_map import build_vocab_map
 from .datasets import load_prompts
 
-__all__ = ["VARIANTS", "cache_ablation", "evaluate", "prompts_for", "run_adapt", "traces_for"]
+__all__ = ["MARGINS", "VARIANTS", "agreement", "cache_ablation", "evaluate", "prompts_for", "run_adapt", "traces_for"]
 
 log = logging.getLogger("omnidraft")
 
@@ -113,6 +113,52 @@ def evaluate(drafter: Any, replay: ReplayTarget, traces: list[TargetTrace], prom
             "ngram_entries": len(pair.translator.cache), "ngram_bytes": pair.translator.cache.nbytes}
 
 
+MARGINS = (0.5, 1.5, 3.0)  # nats between the target's two most likely tokens: where agreement is split
+
+
+def agreement(drafter: Any, adapter: str | None, target_bytes: Any, t2d: torch.Tensor, traces: list[TargetTrace],
+              prompts: list[str]) -> list[dict[str, Any]] | None:
+    """Where the drafter (with `adapter`) still disagrees with the target: teacher-forced top-1
+    agreement at every direct position of `traces` (one drafter token spells the committed target
+    token), split by how sure the target was, its top-1 minus top-2 log-probability (`MARGINS`).
+    Greedy verification accepts a drafted token exactly when it is the target's argmax, so this is
+    acceptance per position, free of draft-length effects; where the target's top two nearly tie,
+    its choice turns on detail a small drafter cannot see. One forward of the drafting model per
+    trace; an int8 drafter's runs as int8.fake_int8 emulates it, activations quantized per token as
+    in drafting (the kernel would give the whole sequence one scale). None for a drafter without a
+    PyTorch model (bench/cache.py's reference drafter).
+    Rows: {"margin": label, "positions", "agreement"}, the last for all positions."""
+    model = getattr(drafter, "model", None)
+    if model is None or not hasattr(drafter, "activate"):
+        return None
+    edges = torch.tensor(MARGINS)
+    n, right = torch.zeros(len(MARGINS) + 1), torch.zeros(len(MARGINS) + 1)
+    with drafter.lock:
+        previous = drafter.active
+        drafter.activate(adapter)
+        try:
+            if getattr(drafter, "_int8", False):
+                model = fake_int8(model)
+            for trace, prompt in zip(traces, prompts):
+                example = build_example(_request(trace, prompt, 2), drafter, target_bytes, t2d)
+                if not example.kl_rows.numel():
+                    continue
+                with torch.no_grad():
+                    logits = model(example.ids[None]).logits[0, example.kl_rows]
+                hit = (logits.argmax(-1) == example.ids[example.kl_rows + 1]).float()
+                logp = example.kl_logp
+                margin = logp[:, 0] - logp[:, 1] if logp.shape[1] > 1 else torch.full((len(logp),), torch.inf)
+                bucket = torch.bucketize(margin, edges, right=True)
+                n += torch.bincount(bucket, minlength=len(n)).float()
+                right += torch.bincount(bucket, weights=hit, minlength=len(n))
+        finally:
+            drafter.activate(previous)
+    labels = [f"< {MARGINS[0]:g}", *(f"{a:g} to {b:g}" for a, b in zip(MARGINS, MARGINS[1:])), f">= {MARGINS[-1]:g}", "all"]
+    n, right = torch.cat([n, n.sum()[None]]), torch.cat([right, right.sum()[None]])
+    return [{"margin": label, "positions": int(c), "agreement": float(r / c) if c else None}
+            for label, c, r in zip(labels, n.tolist(), right.tolist())]
+
+
 def _request(trace: TargetTrace, prompt: str, topk: int) -> VerifiedRequest:
     n = len(trace.continuation)
     return VerifiedRequest(prompt, trace.continuation, trace.topk_ids[:, :topk], trace.topk_logp[:, :topk], [1] * n)
@@ -146,6 +192,8 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
                               "modules": list(lora.modules), "config": dict(vars(config)),
                               "variants": {}}
     baseline = result["baseline"] = score(drafter)
+    agree = lambda d, adapter=None: agreement(d, adapter, target.token_bytes, t2d, eval_traces, eval_prompts)  # noqa: E731
+    result["agreement"] = agree(drafter)
     on_point({"variant": "none", "step": 0, **baseline})
     # The engine's early stop drafts less where the drafter is unsure, and an adapted drafter is sure
     # more often, so it drafts more per round: its per-round acceptance understates how much closer it
@@ -200,6 +248,7 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
                                        "requests": i, "trained_bytes": sum(p.numel() * p.element_size() for p in trainer.params)}
         if fixed:
             result["variants"][variant]["fixed_k"] = score(*as_drafter(), stop=0.0)
+        result["variants"][variant]["agreement"] = agree(*as_drafter())
         if variant != "full":
             result["variants"][variant]["profile"] = profile_footprint(drafter, target, adapter)
         _write(out, name, result)
@@ -296,6 +345,7 @@ def markdown(result: dict[str, Any]) -> str:
             p = v["profile"]
             lines.append(f"\n{name}: profile {p['disk_bytes'] / 2**20:.2f} MB on disk (adapter, metadata, empty cache); "
                          f"adapter {p['adapter_ram_bytes'] / 2**20:.2f} MB in RAM")
+    lines += _agreement_table(result)
     for row in result.get("cache_ablation", []):
         if row is result["cache_ablation"][0]:
             lines += ["", "n-gram cache (\"ngram\" translation, unadapted drafter):", "",
@@ -306,6 +356,25 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("cache_ablation") and result["cache_ablation"][1].get("gain_kept") is None:
         lines.append(f"\nThe full cache gains less than {NO_GAIN} τ on these prompts, so no share of its gain is reported.")
     return "\n".join(lines) + "\n"
+
+
+def _agreement_table(result: dict[str, Any]) -> list[str]:
+    before = result.get("agreement")
+    after = {name: v["agreement"] for name, v in result["variants"].items() if v.get("agreement") and name != "none"}
+    if not before:
+        return []
+    lines = ["", "Teacher-forced top-1 agreement with the target at direct positions, by the target's margin "
+                 "(top-1 minus top-2 log-probability, nats):", "",
+             "| margin | share of positions | before | " + " | ".join(after) + " |", "|---|---|---|" + "---|" * len(after)]
+    total = before[-1]["positions"] or 1
+    for i, row in enumerate(before):
+        cells = [_rate(row["agreement"])] + [_rate(rows[i]["agreement"]) for rows in after.values()]
+        lines.append(f"| {row['margin']} | {row['positions'] / total:.1%} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _rate(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
 
 
 def _share(kept: float | None) -> str:
