@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--train-weights", choices=["drafting", "fp32"], default="drafting",
                    help="weights an int8 drafter's adapter trains through: the int8 ones it drafts with, emulated in "
                         "fp32 (default), or the fp32 base")
+    a.add_argument("--live", type=int, default=0, metavar="N",
+                   help="also run the unadapted and adapted drafters against the live target on the first N held-out "
+                        "prompts, beside replay's figures for them (the check that replay tells the truth)")
     a.add_argument("--out", default="adapt_out")
     a.add_argument("--name", default="adapt")
     decoding(a)

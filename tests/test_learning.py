@@ -293,7 +293,7 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     stamp = [p.stat().st_mtime_ns for p in recorded]
     # traces are reused, not recorded again; with an early stop the fixed-length figures come too;
     # a variant's adapter starts from the same seeded weights, so a rerun trains the same way
-    again = run_adapt(drafter, tiny_target, variants=["none", "hybrid"], **{**kwargs, "stop_confidence": 0.5})
+    again = run_adapt(drafter, tiny_target, variants=["none", "hybrid"], live=1, **{**kwargs, "stop_confidence": 0.5})
     assert [p.stat().st_mtime_ns for p in recorded] == stamp
     assert again["variants"]["none"]["fixed_k"] == again["baseline_fixed_k"]
     losses = lambda run: [p["loss"] for p in run["variants"]["hybrid"]["curve"][1:]]  # noqa: E731
@@ -301,6 +301,16 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     assert "fixed draft length (k=4" in (tmp_path / "adapt.md").read_text()
     assert again["agreement"][-1]["positions"] == again["variants"]["hybrid"]["agreement"][-1]["positions"] > 0
     assert "| all | 100.0% |" in (tmp_path / "adapt.md").read_text()
+    # live: the target itself verifies the first held-out prompt; its output is the recorded one, so
+    # every figure equals replay's
+    live = again["live"]
+    assert live["prompts"] == 1 and set(live["variants"]) == {"none", "hybrid"}
+    for settings in live["variants"].values():
+        assert set(settings) == {"early stop", "fixed k"}
+        for v in settings.values():
+            assert v["replay"]["same_as_recorded"] == v["live"]["same_as_recorded"] == 1  # (sharp tiny models: no near tie)
+            assert (v["live"]["acceptance_rate"], v["live"]["tau"]) == (v["replay"]["acceptance_rate"], v["replay"]["tau"])
+    assert "Live check: the first 1 held-out prompts" in (tmp_path / "adapt.md").read_text()
 
 
 def test_agreement_counts_each_direct_position_once_by_the_target_margin(drafter, tiny_target):

@@ -40,7 +40,8 @@ from ..translate.ngram_cache import NgramCache, NgramCacheConfig
 from ..translate.vocab_map import build_vocab_map
 from .datasets import load_prompts
 
-__all__ = ["MARGINS", "VARIANTS", "agreement", "cache_ablation", "evaluate", "prompts_for", "run_adapt", "traces_for"]
+__all__ = ["MARGINS", "VARIANTS", "agreement", "cache_ablation", "evaluate", "live_check", "prompts_for", "run_adapt",
+           "traces_for"]
 
 log = logging.getLogger("omnidraft")
 
@@ -91,26 +92,31 @@ def prompts_for(target: Any, dataset: str, traces: list[TargetTrace]) -> list[st
     return prompts
 
 
-def evaluate(drafter: Any, replay: ReplayTarget, traces: list[TargetTrace], prompts: list[str], *, k: int,
+def evaluate(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list[str], *, k: int,
              stop_confidence: float, strategy: str = "text", ngram: NgramCacheConfig | None = None,
              adapter: str | None = None, cache: NgramCache | None = None) -> dict[str, float]:
-    """Greedy acceptance, τ and n-gram hits/round of `drafter` (with `adapter`) on replayed traces.
+    """Greedy acceptance, τ and n-gram hits/round of `drafter` (with `adapter`) on `prompts`, each
+    generating as many tokens as its trace holds. `target`: a `ReplayTarget` of `traces` (drafter
+    forwards only), or the live target they were recorded from (the check that replay tells the
+    truth: "same_as_recorded" counts the prompts whose output is the recording's).
     `drafter`: a Drafter, or any object of its protocol (bench/cache.py's reference drafter).
     `cache`: the n-gram cache to run with (default: a new one of config `ngram`)."""
-    pair = Pairing(drafter, replay, DecodeConfig(k=k, stop_confidence=stop_confidence, strategy=strategy,
+    pair = Pairing(drafter, target, DecodeConfig(k=k, stop_confidence=stop_confidence, strategy=strategy,
                                                  ngram=ngram or NgramCacheConfig()))
     pair.adapter = adapter
     if cache is not None:
         pair.translator.cache = cache
-    rounds, tokens, started = [], 0, time.perf_counter()
+    rounds, tokens, same, started = [], 0, 0, time.perf_counter()
     for trace, prompt in zip(traces, prompts):
         out = pair.generate(prompt, max_new_tokens=max(1, len(trace.continuation) - 1))
         rounds += out.rounds
         tokens += len(out.token_ids)
+        same += out.token_ids == trace.continuation[: len(out.token_ids)]
     s = GenerationStats.from_rounds(rounds, tokens, time.perf_counter() - started)
     return {"acceptance_rate": s.acceptance_rate, "tau": s.mean_accepted_length,
             "ngram_hits_per_round": s.ngram_hits_per_round, "rounds": len(rounds),
-            "ngram_entries": len(pair.translator.cache), "ngram_bytes": pair.translator.cache.nbytes}
+            "ngram_entries": len(pair.translator.cache), "ngram_bytes": pair.translator.cache.nbytes,
+            "same_as_recorded": same}
 
 
 MARGINS = (0.5, 1.5, 3.0)  # nats between the target's two most likely tokens: where agreement is split
@@ -167,10 +173,12 @@ def _request(trace: TargetTrace, prompt: str, topk: int) -> VerifiedRequest:
 def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train: int, n_eval: int,
               max_new_tokens: int, steps: int, eval_every: int, variants: list[str], config: TrainConfig,
               rank: int, k: int, stop_confidence: float, out: Path, name: str, modules: tuple[str, ...] | None = None,
-              cache_study: bool = False, record_batch: int = 8,
+              cache_study: bool = False, record_batch: int = 8, live: int = 0,
               on_point: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
     """Run the experiment of the module doc; write `name`.json/.md/.png under `out`. Traces not yet
-    cached are recorded `record_batch` prompts at a time."""
+    cached are recorded `record_batch` prompts at a time. `live` > 0: the unadapted and each
+    adapted drafter also run on the first `live` held-out prompts against the live `target`, beside
+    their replayed figures on the same prompts (result["live"])."""
     from ..distill.adapters import AdapterConfig
     from ..drafter import Drafter
 
@@ -194,6 +202,10 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
     baseline = result["baseline"] = score(drafter)
     agree = lambda d, adapter=None: agreement(d, adapter, target.token_bytes, t2d, eval_traces, eval_prompts)  # noqa: E731
     result["agreement"] = agree(drafter)
+    check = lambda d, adapter=None: live_check(d, adapter, target, replay, eval_traces[:live], eval_prompts[:live],  # noqa: E731
+                                               k=k, stop_confidence=stop_confidence)
+    if live:
+        result["live"] = {"prompts": min(live, len(eval_traces)), "variants": {"none": check(drafter)}}
     on_point({"variant": "none", "step": 0, **baseline})
     # The engine's early stop drafts less where the drafter is unsure, and an adapted drafter is sure
     # more often, so it drafts more per round: its per-round acceptance understates how much closer it
@@ -249,11 +261,24 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
         if fixed:
             result["variants"][variant]["fixed_k"] = score(*as_drafter(), stop=0.0)
         result["variants"][variant]["agreement"] = agree(*as_drafter())
+        if live:
+            result["live"]["variants"][variant] = check(*as_drafter())
         if variant != "full":
             result["variants"][variant]["profile"] = profile_footprint(drafter, target, adapter)
         _write(out, name, result)
     _write(out, name, result)
     return result
+
+
+def live_check(drafter: Any, adapter: str | None, target: Any, replay: ReplayTarget, traces: list[TargetTrace],
+               prompts: list[str], *, k: int, stop_confidence: float) -> dict[str, dict[str, Any]]:
+    """The figures replay gives, beside those of the live `target` on the same prompts: with the
+    engine's early stop and (if it has one) at a fixed draft length. They agree wherever the live
+    greedy output is the recorded one; a recording batched several prompts per forward, whose
+    rounding can tip a near tie the other way ("same_as_recorded" counts the prompts that match)."""
+    settings = {"early stop": stop_confidence, "fixed k": 0.0} if stop_confidence > 0 else {"fixed k": 0.0}
+    run = lambda t, stop: evaluate(drafter, t, traces, prompts, k=k, stop_confidence=stop, adapter=adapter)  # noqa: E731
+    return {name: {"replay": run(replay, stop), "live": run(target, stop)} for name, stop in settings.items()}
 
 
 def profile_footprint(drafter: Any, target: Any, adapter: str) -> dict[str, int]:
@@ -345,7 +370,7 @@ def markdown(result: dict[str, Any]) -> str:
             p = v["profile"]
             lines.append(f"\n{name}: profile {p['disk_bytes'] / 2**20:.2f} MB on disk (adapter, metadata, empty cache); "
                          f"adapter {p['adapter_ram_bytes'] / 2**20:.2f} MB in RAM")
-    lines += _agreement_table(result)
+    lines += _agreement_table(result) + _live_table(result)
     for row in result.get("cache_ablation", []):
         if row is result["cache_ablation"][0]:
             lines += ["", "n-gram cache (\"ngram\" translation, unadapted drafter):", "",
@@ -370,6 +395,21 @@ def _agreement_table(result: dict[str, Any]) -> list[str]:
     for i, row in enumerate(before):
         cells = [_rate(row["agreement"])] + [_rate(rows[i]["agreement"]) for rows in after.values()]
         lines.append(f"| {row['margin']} | {row['positions'] / total:.1%} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _live_table(result: dict[str, Any]) -> list[str]:
+    live = result.get("live")
+    if not live:
+        return []
+    lines = ["", f"Live check: the first {live['prompts']} held-out prompts verified by the target itself, beside replay of "
+                 "its recording:", "", "| variant | draft length | acceptance: replay | live | τ: replay | live | "
+                 "live output = recording |", "|---|---|---|---|---|---|---|"]
+    for name, settings in live["variants"].items():
+        for setting, v in settings.items():
+            r, w = v["replay"], v["live"]
+            lines.append(f"| {name} | {setting} | {r['acceptance_rate']:.3f} | {w['acceptance_rate']:.3f} | {r['tau']:.2f} | "
+                         f"{w['tau']:.2f} | {w['same_as_recorded']}/{live['prompts']} |")
     return lines
 
 
