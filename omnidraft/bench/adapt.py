@@ -258,11 +258,12 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
                     on_point({"variant": variant, **point})
         result["variants"][variant] = {"curve": curve, "final": curve[-1], "train_s": time.perf_counter() - started,
                                        "requests": i, "trained_bytes": sum(p.numel() * p.element_size() for p in trainer.params)}
+        trained = as_drafter()  # (the full variant's is quantized once, for every figure below)
         if fixed:
-            result["variants"][variant]["fixed_k"] = score(*as_drafter(), stop=0.0)
-        result["variants"][variant]["agreement"] = agree(*as_drafter())
+            result["variants"][variant]["fixed_k"] = score(*trained, stop=0.0)
+        result["variants"][variant]["agreement"] = agree(*trained)
         if live:
-            result["live"]["variants"][variant] = check(*as_drafter())
+            result["live"]["variants"][variant] = check(*trained)
         if variant != "full":
             result["variants"][variant]["profile"] = profile_footprint(drafter, target, adapter)
         _write(out, name, result)
