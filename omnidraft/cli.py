@@ -62,14 +62,17 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--n-eval", type=int, default=50)
     a.add_argument("--steps", type=int, default=40, help="optimizer steps per variant")
     a.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every this many steps")
-    a.add_argument("--variant", action="append", choices=["none", "dm", "hybrid", "spans", "full"],
+    a.add_argument("--variant", action="append", choices=["none", "dm", "hybrid", "spans", "full", "full-spans"],
                    help="repeatable; default: none, hybrid and spans. dm = KL only; hybrid = the paper's KL + NLL; "
                         "spans = hybrid + NLL on misaligned runs of target tokens (what learning pairings use); "
-                        "full = full fine-tuning")
+                        "full = full fine-tuning on hybrid's loss; full-spans = full fine-tuning on spans' loss")
     a.add_argument("--interval", type=int, default=8, help="requests between updates (Algorithm 2's I)")
     a.add_argument("--batch-size", type=int, default=8)
     a.add_argument("--epochs", type=int, default=1, help="passes over the buffer per update")
     a.add_argument("--lr", type=float, default=1e-4)
+    a.add_argument("--full-lr", type=float,
+                   help="learning rate of the full fine-tuning variants (default: --lr; every weight moves, so it wants "
+                        "a smaller one)")
     a.add_argument("--decay-steps", type=int, default=0,
                    help="anneal the lr along a cosine to lr * --final-lr-ratio over this many steps (default 0: constant)")
     a.add_argument("--final-lr-ratio", type=float, default=0.1)

@@ -272,18 +272,26 @@ def test_bad_train_config_names_the_value():
         TrainConfig(kl=False, ngram_loss="none")
 
 
-def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp_path):
+def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp_path, monkeypatch):
     import json
 
+    from omnidraft.bench import adapt
     from omnidraft.bench.adapt import run_adapt
 
+    def int8_drafting(*_: object, **__: object) -> None:
+        raise AssertionError("an fp32 drafter's fully tuned copy was quantized")
+
+    monkeypatch.setattr(adapt, "quantize_int8", int8_drafting)
     torch.manual_seed(0)
     kwargs = dict(train="gsm8k:train", evaluation="gsm8k:test", n_train=4, n_eval=2, max_new_tokens=12, steps=2,
                   eval_every=1, config=TrainConfig(interval=2, batch_size=2, lr=1e-2), rank=4, k=4,
                   stop_confidence=0.0, out=tmp_path, name="adapt", record_batch=3)
-    result = run_adapt(drafter, tiny_target, variants=["none", "dm", "hybrid", "full"], **kwargs)
-    assert set(result["variants"]) == {"none", "dm", "hybrid", "full"}
-    for name in ("dm", "hybrid", "full"):
+    result = run_adapt(drafter, tiny_target, variants=["none", "dm", "hybrid", "full", "full-spans"], full_lr=1e-3, **kwargs)
+    assert set(result["variants"]) == {"none", "dm", "hybrid", "full", "full-spans"}
+    # full fine-tuning takes its own lr; an fp32 drafter's fully tuned copy drafts in fp32, as the drafter does
+    assert [result["variants"][v]["lr"] for v in ("hybrid", "full", "full-spans")] == [1e-2, 1e-3, 1e-3]
+    assert "Full fine-tuning at lr 0.001." in (tmp_path / "adapt.md").read_text()
+    for name in ("dm", "hybrid", "full", "full-spans"):
         steps = [p["step"] for p in result["variants"][name]["curve"]]
         assert steps == [0, 1, 2], (name, steps)
     assert {p.suffix for p in tmp_path.iterdir()} >= {".json", ".md", ".png", ".safetensors"}

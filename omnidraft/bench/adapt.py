@@ -13,7 +13,8 @@
 Variants (the paper's ablation): none, dm (KL only, LoRA), hybrid (KL + λ·NLL, LoRA), full (KL +
 λ·NLL, full fine-tuning of the fp32 drafter, re-quantized to int8 for drafting); and ours: spans
 (hybrid, with the NLL also on misaligned runs of target tokens, see distill/buffer.py, and on the
-committed token at direct positions: TrainConfig.direct_nll).
+committed token at direct positions: TrainConfig.direct_nll) and full-spans (spans' loss, full
+fine-tuning). Full fine-tuning moves every weight, so it takes its own learning rate (`full_lr`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..translate.ngram_cache import NgramCache, NgramCacheConfig
 from ..translate.vocab_map import build_vocab_map
 from .datasets import load_prompts
 
-__all__ = ["MARGINS", "VARIANTS", "agreement", "cache_ablation", "evaluate", "live_check", "prompts_for", "run_adapt",
+__all__ = ["FULL", "MARGINS", "VARIANTS", "agreement", "cache_ablation", "evaluate", "live_check", "prompts_for", "run_adapt",
            "traces_for"]
 
 log = logging.getLogger("omnidraft")
@@ -51,7 +52,9 @@ VARIANTS = {  # the paper's (dm, hybrid, full) on its own labels and losses; spa
     "hybrid": {"spans": False, "direct_nll": 0.0},
     "spans": {"spans": True},
     "full": {"spans": False, "direct_nll": 0.0},
+    "full-spans": {"spans": True},
 }
+FULL = frozenset({"full", "full-spans"})  # variants that fine-tune every weight instead of a LoRA adapter
 
 
 def traces_for(target: Any, dataset: str, n: int, max_new_tokens: int, cache: Path, batch_size: int = 8) -> list[TargetTrace]:
@@ -173,12 +176,13 @@ def _request(trace: TargetTrace, prompt: str, topk: int) -> VerifiedRequest:
 def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train: int, n_eval: int,
               max_new_tokens: int, steps: int, eval_every: int, variants: list[str], config: TrainConfig,
               rank: int, k: int, stop_confidence: float, out: Path, name: str, modules: tuple[str, ...] | None = None,
-              cache_study: bool = False, record_batch: int = 8, live: int = 0,
+              cache_study: bool = False, record_batch: int = 8, live: int = 0, full_lr: float | None = None,
               on_point: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
     """Run the experiment of the module doc; write `name`.json/.md/.png under `out`. Traces not yet
     cached are recorded `record_batch` prompts at a time. `live` > 0: the unadapted and each
     adapted drafter also run on the first `live` held-out prompts against the live `target`, beside
-    their replayed figures on the same prompts (result["live"])."""
+    their replayed figures on the same prompts (result["live"]). `full_lr`: the learning rate of the
+    full fine-tuning variants (default: config's, the adapters')."""
     from ..distill.adapters import AdapterConfig
     from ..drafter import Drafter
 
@@ -223,16 +227,17 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
             if fixed:
                 result["variants"]["none"]["fixed_k"] = result["baseline_fixed_k"]
             continue
-        cfg = replace(config, **VARIANTS[variant])
+        cfg = replace(config, **VARIANTS[variant], **({"lr": full_lr} if variant in FULL and full_lr else {}))
         torch.manual_seed(cfg.seed)  # the LoRA's random A: two unseeded runs ended 0.016-0.025 apart in acceptance
-        if variant == "full":
+        if variant in FULL:
             if drafter._int8:
                 model = load_model(drafter._spec).model
             else:  # the fp32 base without any adapter layers
                 model = copy.deepcopy(drafter.trainable).unload() if drafter.trainable is not None else copy.deepcopy(drafter.model)
             model.requires_grad_(True)
             trainer = OnlineTrainer(model, t2d, cfg)
-            as_drafter = lambda: (Drafter(quantize_int8(model.eval(), drafter.tokenizer), drafter.tokenizer, drafter.name), None)  # noqa: E731
+            drafting = (lambda m: quantize_int8(m, drafter.tokenizer)) if drafter._int8 else copy.deepcopy  # noqa: E731
+            as_drafter = lambda: (Drafter(drafting(model.eval()), drafter.tokenizer, drafter.name), None)  # noqa: E731
         else:
             adapter = f"adapt_{variant}_{time.time_ns()}"
             drafter.add_adapter(adapter, lora)
@@ -243,7 +248,7 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
         while trainer.steps < steps and i < 50 * len(train_traces):  # (a set with no labelled token never steps)
             trace, prompt = train_traces[i % len(train_traces)], train_prompts[i % len(train_traces)]
             i += 1
-            if variant != "full":
+            if variant not in FULL:
                 drafter.activate(as_drafter()[1])
             if trainer.add(build_example(_request(trace, prompt, cfg.topk), drafter, target.token_bytes, t2d,
                                            spans=cfg.spans)):
@@ -256,7 +261,7 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
                              **score(*as_drafter())}
                     curve.append(point)
                     on_point({"variant": variant, **point})
-        result["variants"][variant] = {"curve": curve, "final": curve[-1], "train_s": time.perf_counter() - started,
+        result["variants"][variant] = {"curve": curve, "final": curve[-1], "lr": cfg.lr, "train_s": time.perf_counter() - started,
                                        "requests": i, "trained_bytes": sum(p.numel() * p.element_size() for p in trainer.params)}
         trained = as_drafter()  # (the full variant's is quantized once, for every figure below)
         if fixed:
@@ -264,7 +269,7 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
         result["variants"][variant]["agreement"] = agree(*trained)
         if live:
             result["live"]["variants"][variant] = check(*trained)
-        if variant != "full":
+        if variant not in FULL:
             result["variants"][variant]["profile"] = profile_footprint(drafter, target, adapter)
         _write(out, name, result)
     _write(out, name, result)
@@ -342,6 +347,11 @@ def _schedule(cfg: dict[str, Any]) -> str:
     return f"{cfg['lr']} → {cfg['lr'] * cfg['final_lr_ratio']:.2g} (cosine over {cfg['decay_steps']} steps)"
 
 
+def _full_lr(result: dict[str, Any]) -> str:
+    rates = {v["lr"] for name, v in result["variants"].items() if name in FULL and "lr" in v}
+    return f" Full fine-tuning at lr {', '.join(map(str, sorted(rates)))}." if rates else ""
+
+
 def markdown(result: dict[str, Any]) -> str:
     base, cfg = result["baseline"], result["config"]
     precision = result.get("drafter_precision", "int8")  # (results before 2026-11-25: int8, trained on fp32)
@@ -351,7 +361,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{precision} drafter trained through {through}\n",
              f"Training: lr {_schedule(cfg)}, λ {cfg['lam']}, rank {result['rank']} on {'/'.join(result.get('modules', []))}; "
              f"spans also weighs an NLL on the committed direct tokens by {cfg.get('direct_nll', 0.0)} "
-             "(the paper's dm, hybrid and full: 0).\n",
+             "(the paper's dm, hybrid and full: 0)." + _full_lr(result) + "\n",
              "| variant | steps | acceptance | Δ acceptance | τ | Δ τ | n-gram/round |", "|---|---|---|---|---|---|---|"]
     for name, v in result["variants"].items():
         f = v["final"]

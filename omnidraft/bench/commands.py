@@ -23,6 +23,8 @@ def adapt(args: argparse.Namespace) -> None:
 
     if min(args.n_train, args.n_eval, args.steps, args.eval_every, args.rank, args.record_batch) < 1:
         raise SystemExit("--n-train, --n-eval, --steps, --eval-every, --rank and --record-batch must be >= 1")
+    if args.full_lr is not None and not args.full_lr > 0:
+        raise SystemExit(f"--full-lr must be > 0, got {args.full_lr}")
     if args.live < 0:
         raise SystemExit(f"--live must be >= 0 (held-out prompts to check live), got {args.live}")
     drafter_spec, target_spec = split_pair(args.pair)
@@ -40,6 +42,7 @@ def adapt(args: argparse.Namespace) -> None:
                        modules=modules,
                        stop_confidence=args.stop_confidence, out=Path(args.out), name=args.name,
                        cache_study=args.cache_ablation, record_batch=args.record_batch, live=args.live,
+                       full_lr=args.full_lr,
                        on_point=lambda p: print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                         for k, v in p.items()), flush=True))
     print(markdown(result))
