@@ -19,7 +19,8 @@ def adapt(args: argparse.Namespace) -> None:
     import omnidraft as od
 
     from ..distill.trainer import TrainConfig
-    from .adapt import markdown, run_adapt
+    from .adapt import run_adapt
+    from .adapt_report import markdown
 
     if min(args.n_train, args.n_eval, args.steps, args.eval_every, args.rank, args.record_batch) < 1:
         raise SystemExit("--n-train, --n-eval, --steps, --eval-every, --rank and --record-batch must be >= 1")
