@@ -291,6 +291,8 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     # full fine-tuning takes its own lr; an fp32 drafter's fully tuned copy drafts in fp32, as the drafter does
     assert [result["variants"][v]["lr"] for v in ("hybrid", "full", "full-spans")] == [1e-2, 1e-3, 1e-3]
     assert "Full fine-tuning at lr 0.001." in (tmp_path / "adapt.md").read_text()
+    with pytest.raises(ValueError, match="need lr > 0"):  # a bad full lr is refused, not replaced by the adapters'
+        run_adapt(drafter, tiny_target, variants=["full"], full_lr=0.0, **kwargs)
     for name in ("dm", "hybrid", "full", "full-spans"):
         steps = [p["step"] for p in result["variants"][name]["curve"]]
         assert steps == [0, 1, 2], (name, steps)

@@ -226,7 +226,7 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
             if fixed:
                 result["variants"]["none"]["fixed_k"] = result["baseline_fixed_k"]
             continue
-        cfg = replace(config, **VARIANTS[variant], **({"lr": full_lr} if variant in FULL and full_lr else {}))
+        cfg = replace(config, **VARIANTS[variant], **({"lr": full_lr} if variant in FULL and full_lr is not None else {}))
         torch.manual_seed(cfg.seed)  # the LoRA's random A: two unseeded runs ended 0.016-0.025 apart in acceptance
         if variant in FULL:
             if drafter._int8:
@@ -262,7 +262,7 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
                     on_point({"variant": variant, **point})
         result["variants"][variant] = {"curve": curve, "final": curve[-1], "lr": cfg.lr, "train_s": time.perf_counter() - started,
                                        "requests": i, "trained_bytes": sum(p.numel() * p.element_size() for p in trainer.params)}
-        trained = as_drafter()  # (the full variant's is quantized once, for every figure below)
+        trained = as_drafter()  # (a full variant's drafter is built once, for every figure below)
         if fixed:
             result["variants"][variant]["fixed_k"] = score(*trained, stop=0.0)
         result["variants"][variant]["agreement"] = agree(*trained)
