@@ -91,6 +91,11 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--train-weights", choices=["drafting", "fp32"], default="drafting",
                    help="weights an int8 drafter's adapter trains through: the int8 ones it drafts with, emulated in "
                         "fp32 (default), or the fp32 base")
+    a.add_argument("--tts-every", type=int, default=0, metavar="S",
+                   help="also score with Test-Time Speculation: a fast step every S rounds inside each held-out request")
+    a.add_argument("--tts-lr", type=float, default=1e-3, help="learning rate of those fast steps")
+    a.add_argument("--eval-max-new-tokens", type=int, default=None, metavar="N",
+                   help="held-out requests this long (default: --max-new-tokens); Test-Time Speculation needs long ones")
     a.add_argument("--live", type=int, default=0, metavar="N",
                    help="also run the unadapted and adapted drafters against the live target on the first N held-out "
                         "prompts, beside replay's figures for them (the check that replay tells the truth)")

@@ -323,6 +323,38 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     assert "Live check: the first 1 held-out prompts" in (tmp_path / "adapt.md").read_text()
 
 
+def test_adapt_scores_test_time_speculation_on_longer_held_out_requests(drafter, tiny_target, tmp_path):
+    from omnidraft.bench.adapt import evaluate, run_adapt
+    from omnidraft.distill.trace_store import ReplayTarget, record_many
+
+    torch.manual_seed(0)
+    tts = TrainConfig(interval=2, batch_size=2, tts_every=1, tts_lr=0.5)
+    result = run_adapt(drafter, tiny_target, train="gsm8k:train", evaluation="gsm8k:test", n_train=2, n_eval=2,
+                       max_new_tokens=8, eval_max_new_tokens=20, steps=1, eval_every=1, variants=["none", "hybrid", "full"],
+                       rank=2, k=4, stop_confidence=0.5, config=TrainConfig(interval=2, batch_size=2), out=tmp_path,
+                       name="tts", tts=tts)
+    assert result["eval_max_new_tokens"] == 20 and any(tmp_path.glob("traces-*-gsm8k-test-2-20.safetensors"))
+    assert result["tts"] == {"every": 1, "lr": 0.5}
+    assert set(result["variants"]["none"]["tts"]) == set(result["variants"]["hybrid"]["tts"]) == {"early stop", "fixed k"}
+    assert "tts" not in result["variants"]["full"]  # no adapter for the fast steps to move
+    for settings in (result["variants"]["none"]["tts"], result["variants"]["hybrid"]["tts"]):
+        assert all(v["same_as_recorded"] == 2 for v in settings.values())  # learning changes speed, never output
+    assert "Test-Time Speculation: a fast Adam step (lr 0.5) every 1 rounds" in (tmp_path / "tts.md").read_text()
+    assert "8 tokens a training prompt, 20 a held-out one" in (tmp_path / "tts.md").read_text()
+    # scoring with fast steps leaves the adapter as it found it, and refuses what it cannot score
+    traces = record_many(tiny_target, PROMPTS[:1], 16, k=tts.topk)
+    adapter = next(name for name in drafter.trainable.peft_config if name.startswith("adapt_hybrid"))
+    before = adapter_state(drafter.trainable, adapter)
+    evaluate(drafter, ReplayTarget.like(tiny_target, traces), traces, PROMPTS[:1], k=4, stop_confidence=0.0,
+             adapter=adapter, tts=tts)
+    after = adapter_state(drafter.trainable, adapter)
+    assert all(torch.equal(before[name], after[name]) for name in after)
+    with pytest.raises(ValueError, match="tts_every > 0"):
+        evaluate(drafter, tiny_target, traces, PROMPTS[:1], k=4, stop_confidence=0.0, adapter=adapter, tts=TrainConfig())
+    with pytest.raises(ValueError, match="trains an adapter"):
+        evaluate(drafter, tiny_target, traces, PROMPTS[:1], k=4, stop_confidence=0.0, tts=tts)
+
+
 def test_agreement_counts_each_direct_position_once_by_the_target_margin(drafter, tiny_target):
     from types import SimpleNamespace
 

@@ -95,18 +95,24 @@ def prompts_for(target: Any, dataset: str, traces: list[TargetTrace]) -> list[st
 
 def evaluate(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list[str], *, k: int,
              stop_confidence: float, strategy: str = "text", ngram: NgramCacheConfig | None = None,
-             adapter: str | None = None, cache: NgramCache | None = None) -> dict[str, float]:
+             adapter: str | None = None, cache: NgramCache | None = None,
+             tts: TrainConfig | None = None) -> dict[str, float]:
     """Greedy acceptance, τ and n-gram hits/round of `drafter` (with `adapter`) on `prompts`, each
     generating as many tokens as its trace holds. `target`: a `ReplayTarget` of `traces` (drafter
     forwards only), or the live target they were recorded from (the check that replay tells the
     truth: "same_as_recorded" counts the prompts whose output is the recording's).
     `drafter`: a Drafter, or any object of its protocol (bench/cache.py's reference drafter).
-    `cache`: the n-gram cache to run with (default: a new one of config `ngram`)."""
+    `cache`: the n-gram cache to run with (default: a new one of config `ngram`).
+    `tts`: score with Test-Time Speculation (its `tts_every` > 0): `adapter` takes fast steps inside
+    each request and is put back at its end, so it is the same before and after; Algorithm 2's
+    updates stay off (nothing is learned across held-out prompts)."""
     pair = Pairing(drafter, target, DecodeConfig(k=k, stop_confidence=stop_confidence, strategy=strategy,
                                                  ngram=ngram or NgramCacheConfig()))
     pair.adapter = adapter
     if cache is not None:
         pair.translator.cache = cache
+    if tts is not None:
+        pair.learner = _tts_learner(drafter, adapter, pair.translator.map.t2d, target.token_bytes, tts)
     rounds, tokens, same, started = [], 0, 0, time.perf_counter()
     for trace, prompt in zip(traces, prompts):
         out = pair.generate(prompt, max_new_tokens=max(1, len(trace.continuation) - 1))
@@ -118,6 +124,19 @@ def evaluate(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list
             "ngram_hits_per_round": s.ngram_hits_per_round, "rounds": len(rounds),
             "ngram_entries": len(pair.translator.cache), "ngram_bytes": pair.translator.cache.nbytes,
             "same_as_recorded": same}
+
+
+def _tts_learner(drafter: Any, adapter: str | None, t2d: torch.Tensor, target_bytes: Any, tts: TrainConfig) -> Any:
+    from ..distill.learner import Learner
+
+    if not tts.tts_every:
+        raise ValueError("scoring with Test-Time Speculation needs TrainConfig.tts_every > 0")
+    if adapter is None or not hasattr(drafter, "add_adapter"):
+        raise ValueError("Test-Time Speculation trains an adapter: score a Drafter with one (a fresh one for the unadapted drafter)")
+    return Learner(drafter, adapter, t2d, target_bytes, replace(tts, interval=NEVER))
+
+
+NEVER = 2**31 - 1  # an Algorithm 2 interval no scoring run reaches
 
 
 MARGINS = (0.5, 1.5, 3.0)  # nats between the target's two most likely tokens: where agreement is split
@@ -175,28 +194,33 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
               max_new_tokens: int, steps: int, eval_every: int, variants: list[str], config: TrainConfig,
               rank: int, k: int, stop_confidence: float, out: Path, name: str, modules: tuple[str, ...] | None = None,
               cache_study: bool = False, record_batch: int = 8, live: int = 0, full_lr: float | None = None,
+              tts: TrainConfig | None = None, eval_max_new_tokens: int | None = None,
               on_point: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
     """Run the experiment of the module doc; write `name`.json/.md/.png under `out`. Traces not yet
     cached are recorded `record_batch` prompts at a time. `live` > 0: the unadapted and each
     adapted drafter also run on the first `live` held-out prompts against the live `target`, beside
     their replayed figures on the same prompts (result["live"]). `full_lr`: the learning rate of the
-    full fine-tuning variants (default: config's, the adapters')."""
+    full fine-tuning variants (default: config's, the adapters'). `tts` (a config with `tts_every` > 0):
+    the unadapted drafter (on a fresh adapter) and each LoRA variant are also scored with Test-Time
+    Speculation, which needs long held-out requests to show anything: `eval_max_new_tokens` records
+    the held-out traces longer than the training ones (default: `max_new_tokens`)."""
     from ..distill.adapters import AdapterConfig
     from ..drafter import Drafter
     from .adapt_report import write_report
 
     out.mkdir(parents=True, exist_ok=True)
     train_traces = traces_for(target, train, n_train, max_new_tokens, out, batch_size=record_batch)
-    eval_traces = traces_for(target, evaluation, n_eval, max_new_tokens, out, batch_size=record_batch)
+    eval_traces = traces_for(target, evaluation, n_eval, eval_max_new_tokens or max_new_tokens, out, batch_size=record_batch)
     replay = ReplayTarget.like(target, train_traces + eval_traces)
     train_prompts = prompts_for(target, train, train_traces)
     eval_prompts = prompts_for(target, evaluation, eval_traces)
     lora = AdapterConfig(rank=rank, alpha=2 * rank, **({"modules": tuple(modules)} if modules else {}))
     t2d = build_vocab_map(drafter.token_bytes, target.token_bytes, drafter.tokenizer, target.tokenizer).t2d
-    score = lambda d, adapter=None, stop=stop_confidence: evaluate(d, replay, eval_traces, eval_prompts, k=k,  # noqa: E731
-                                                                   stop_confidence=stop, adapter=adapter)
+    score = lambda d, adapter=None, stop=stop_confidence, tts=None: evaluate(  # noqa: E731
+        d, replay, eval_traces, eval_prompts, k=k, stop_confidence=stop, adapter=adapter, tts=tts)
     result: dict[str, Any] = {"pair": f"{drafter.name}:{target.name}", "train": train, "eval": evaluation,
                               "n_train": len(train_traces), "n_eval": len(eval_traces), "max_new_tokens": max_new_tokens,
+                              "eval_max_new_tokens": eval_max_new_tokens or max_new_tokens,
                               "k": k, "stop_confidence": stop_confidence, "rank": rank,
                               "drafter_precision": "int8" if getattr(drafter, "_int8", False) else "fp32",
                               "train_weights": "drafting" if getattr(drafter, "_through_int8", False) else "fp32",
@@ -216,6 +240,14 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
     fixed = stop_confidence > 0
     if fixed:
         result["baseline_fixed_k"] = score(drafter, stop=0.0)
+    settings = {"early stop": stop_confidence, "fixed k": 0.0} if stop_confidence > 0 else {"fixed k": 0.0}
+    with_tts = lambda d, adapter: {name: score(d, adapter, stop=stop, tts=tts) for name, stop in settings.items()}  # noqa: E731
+    if tts is not None:
+        result["tts"] = {"every": tts.tts_every, "lr": tts.tts_lr}
+        torch.manual_seed(config.seed)
+        fresh = f"adapt_tts_none_{time.time_ns()}"
+        drafter.add_adapter(fresh, lora)
+        result["baseline_tts"] = with_tts(drafter, fresh)
     if cache_study:
         result["cache_ablation"] = cache_ablation(drafter, target, eval_traces, eval_prompts, k=k,
                                                   stop_confidence=stop_confidence)
@@ -225,6 +257,8 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
             result["variants"]["none"] = {"curve": [{"step": 0, **baseline}], "final": {"step": 0, **baseline}}
             if fixed:
                 result["variants"]["none"]["fixed_k"] = result["baseline_fixed_k"]
+            if tts is not None:
+                result["variants"]["none"]["tts"] = result["baseline_tts"]
             continue
         cfg = replace(config, **VARIANTS[variant], **({"lr": full_lr} if variant in FULL and full_lr is not None else {}))
         torch.manual_seed(cfg.seed)  # the LoRA's random A: two unseeded runs ended 0.016-0.025 apart in acceptance
@@ -270,6 +304,8 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
             result["live"]["variants"][variant] = check(*trained)
         if variant not in FULL:
             result["variants"][variant]["profile"] = profile_footprint(drafter, target, adapter)
+            if tts is not None:  # (a fully tuned drafter has no adapter for the fast steps to move)
+                result["variants"][variant]["tts"] = with_tts(drafter, adapter)
         write_report(out, name, result)
     write_report(out, name, result)
     return result

@@ -26,6 +26,11 @@ def _schedule(cfg: dict[str, Any]) -> str:
     return f"{cfg['lr']} → {cfg['lr'] * cfg['final_lr_ratio']:.2g} (cosine over {cfg['decay_steps']} steps)"
 
 
+def _lengths(result: dict[str, Any]) -> str:
+    train, held_out = result["max_new_tokens"], result.get("eval_max_new_tokens", result["max_new_tokens"])
+    return f"{train} tokens" if train == held_out else f"{train} tokens a training prompt, {held_out} a held-out one"
+
+
 def _full_lr(result: dict[str, Any]) -> str:
     rates = {v["lr"] for name, v in result["variants"].items() if name in FULL and "lr" in v}
     return f" Full fine-tuning at lr {', '.join(map(str, sorted(rates)))}." if rates else ""
@@ -36,7 +41,7 @@ def markdown(result: dict[str, Any]) -> str:
     precision = result.get("drafter_precision", "int8")  # (results before 2026-11-25: int8, trained on fp32)
     through = "its int8 weights" if precision == "int8" and result.get("train_weights") == "drafting" else "fp32 weights"
     lines = [f"# {result['pair']}: train {result['train']} ({result['n_train']} prompts), held-out {result['eval']} "
-             f"({result['n_eval']} prompts), {result['max_new_tokens']} tokens, k={result['k']}, "
+             f"({result['n_eval']} prompts), {_lengths(result)}, k={result['k']}, "
              f"{precision} drafter trained through {through}\n",
              f"Training: lr {_schedule(cfg)}, λ {cfg['lam']}, rank {result['rank']} on {'/'.join(result.get('modules', []))}; "
              f"spans also weighs an NLL on the committed direct tokens by {cfg.get('direct_nll', 0.0)} "
@@ -60,7 +65,7 @@ def markdown(result: dict[str, Any]) -> str:
             p = v["profile"]
             lines.append(f"\n{name}: profile {p['disk_bytes'] / 2**20:.2f} MB on disk (adapter, metadata, empty cache); "
                          f"adapter {p['adapter_ram_bytes'] / 2**20:.2f} MB in RAM")
-    lines += _agreement_table(result) + _live_table(result)
+    lines += _agreement_table(result) + _tts_table(result) + _live_table(result)
     for row in result.get("cache_ablation", []):
         if row is result["cache_ablation"][0]:
             lines += ["", "n-gram cache (\"ngram\" translation, unadapted drafter):", "",
@@ -85,6 +90,22 @@ def _agreement_table(result: dict[str, Any]) -> list[str]:
     for i, row in enumerate(before):
         cells = [_rate(row["agreement"])] + [_rate(rows[i]["agreement"]) for rows in after.values()]
         lines.append(f"| {row['margin']} | {row['positions'] / total:.1%} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _tts_table(result: dict[str, Any]) -> list[str]:
+    tts = result.get("tts")
+    if not tts:
+        return []
+    plain = {"early stop": result["baseline"], "fixed k": result.get("baseline_fixed_k")}
+    lines = ["", f"Test-Time Speculation: a fast Adam step (lr {tts['lr']}) every {tts['every']} rounds on what the running "
+                 "request has verified, undone when it ends (the unadapted drafter on a fresh adapter):", "",
+             "| variant | draft length | acceptance: without | with | τ: without | with |", "|---|---|---|---|---|---|"]
+    for name, v in result["variants"].items():
+        for setting, w in v.get("tts", {}).items():
+            r = v["final"] if setting == "early stop" else v.get("fixed_k", plain[setting])
+            lines.append(f"| {name} | {setting} | {r['acceptance_rate']:.3f} | {w['acceptance_rate']:.3f} | {r['tau']:.2f} | "
+                         f"{w['tau']:.2f} ({w['tau'] / r['tau'] - 1:+.1%}) |")
     return lines
 
 

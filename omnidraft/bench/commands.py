@@ -16,6 +16,8 @@ __all__ = ["adapt", "bench_cache", "bench_draft", "bench_drafters", "bench_repla
 
 
 def adapt(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
     import omnidraft as od
 
     from ..distill.trainer import TrainConfig
@@ -26,6 +28,10 @@ def adapt(args: argparse.Namespace) -> None:
         raise SystemExit("--n-train, --n-eval, --steps, --eval-every, --rank and --record-batch must be >= 1")
     if args.full_lr is not None and not args.full_lr > 0:
         raise SystemExit(f"--full-lr must be > 0, got {args.full_lr}")
+    if args.tts_every < 0 or not args.tts_lr > 0:
+        raise SystemExit(f"--tts-every must be >= 0 (0: off) and --tts-lr > 0, got {args.tts_every} and {args.tts_lr}")
+    if args.eval_max_new_tokens is not None and args.eval_max_new_tokens < 1:
+        raise SystemExit(f"--eval-max-new-tokens must be >= 1, got {args.eval_max_new_tokens}")
     if args.live < 0:
         raise SystemExit(f"--live must be >= 0 (held-out prompts to check live), got {args.live}")
     drafter_spec, target_spec = split_pair(args.pair)
@@ -43,7 +49,8 @@ def adapt(args: argparse.Namespace) -> None:
                        modules=modules,
                        stop_confidence=args.stop_confidence, out=Path(args.out), name=args.name,
                        cache_study=args.cache_ablation, record_batch=args.record_batch, live=args.live,
-                       full_lr=args.full_lr,
+                       full_lr=args.full_lr, eval_max_new_tokens=args.eval_max_new_tokens,
+                       tts=replace(config, tts_every=args.tts_every, tts_lr=args.tts_lr) if args.tts_every else None,
                        on_point=lambda p: print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                         for k, v in p.items()), flush=True))
     print(markdown(result))
