@@ -341,6 +341,12 @@ def test_adapt_scores_test_time_speculation_on_longer_held_out_requests(drafter,
         assert all(v["same_as_recorded"] == 2 for v in settings.values())  # learning changes speed, never output
     assert "Test-Time Speculation: a fast Adam step (lr 0.5) every 1 rounds" in (tmp_path / "tts.md").read_text()
     assert "8 tokens a training prompt, 20 a held-out one" in (tmp_path / "tts.md").read_text()
+    # without an early stop the plain figures are the fixed-k ones; the agreement table has no empty column
+    run_adapt(drafter, tiny_target, train="gsm8k:train", evaluation="gsm8k:test", n_train=2, n_eval=1, max_new_tokens=8,
+              eval_max_new_tokens=20, steps=1, eval_every=1, variants=["none"], rank=2, k=4, stop_confidence=0.0,
+              config=TrainConfig(interval=2, batch_size=2), out=tmp_path, name="tts-fixed", tts=tts)
+    fixed = (tmp_path / "tts-fixed.md").read_text()
+    assert "| none | fixed k |" in fixed and "| margin | share of positions | before |\n" in fixed
     # scoring with fast steps leaves the adapter as it found it, and refuses what it cannot score
     traces = record_many(tiny_target, PROMPTS[:1], 16, k=tts.topk)
     adapter = next(name for name in drafter.trainable.peft_config if name.startswith("adapt_hybrid"))

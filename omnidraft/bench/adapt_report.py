@@ -85,7 +85,7 @@ def _agreement_table(result: dict[str, Any]) -> list[str]:
         return []
     lines = ["", "Teacher-forced top-1 agreement with the target at direct positions, by the target's margin "
                  "(top-1 minus top-2 log-probability, nats):", "",
-             "| margin | share of positions | before | " + " | ".join(after) + " |", "|---|---|---|" + "---|" * len(after)]
+             "| " + " | ".join(["margin", "share of positions", "before", *after]) + " |", "|---|---|---|" + "---|" * len(after)]
     total = before[-1]["positions"] or 1
     for i, row in enumerate(before):
         cells = [_rate(row["agreement"])] + [_rate(rows[i]["agreement"]) for rows in after.values()]
@@ -97,13 +97,12 @@ def _tts_table(result: dict[str, Any]) -> list[str]:
     tts = result.get("tts")
     if not tts:
         return []
-    plain = {"early stop": result["baseline"], "fixed k": result.get("baseline_fixed_k")}
     lines = ["", f"Test-Time Speculation: a fast Adam step (lr {tts['lr']}) every {tts['every']} rounds on what the running "
                  "request has verified, undone when it ends (the unadapted drafter on a fresh adapter):", "",
              "| variant | draft length | acceptance: without | with | τ: without | with |", "|---|---|---|---|---|---|"]
     for name, v in result["variants"].items():
         for setting, w in v.get("tts", {}).items():
-            r = v["final"] if setting == "early stop" else v.get("fixed_k", plain[setting])
+            r = v.get("fixed_k", v["final"]) if setting == "fixed k" else v["final"]  # (no early stop: final is fixed k)
             lines.append(f"| {name} | {setting} | {r['acceptance_rate']:.3f} | {w['acceptance_rate']:.3f} | {r['tau']:.2f} | "
                          f"{w['tau']:.2f} ({w['tau'] / r['tau'] - 1:+.1%}) |")
     return lines
