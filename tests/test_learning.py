@@ -339,6 +339,7 @@ def test_adapt_scores_test_time_speculation_on_longer_held_out_requests(drafter,
     assert "tts" not in result["variants"]["full"]  # no adapter for the fast steps to move
     for settings in (result["variants"]["none"]["tts"], result["variants"]["hybrid"]["tts"]):
         assert all(v["same_as_recorded"] == 2 for v in settings.values())  # learning changes speed, never output
+        assert all(v["tts_steps"] > 0 and v["tts_seconds"] > 0 for v in settings.values())
     assert "Test-Time Speculation: a fast Adam step (lr 0.5) every 1 rounds" in (tmp_path / "tts.md").read_text()
     assert "8 tokens a training prompt, 20 a held-out one" in (tmp_path / "tts.md").read_text()
     # without an early stop the plain figures are the fixed-k ones; the agreement table has no empty column

@@ -119,11 +119,13 @@ def evaluate(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list
         rounds += out.rounds
         tokens += len(out.token_ids)
         same += out.token_ids == trace.continuation[: len(out.token_ids)]
-    s = GenerationStats.from_rounds(rounds, tokens, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    s = GenerationStats.from_rounds(rounds, tokens, seconds)
+    fast = {"tts_steps": pair.learner.fast_steps, "tts_seconds": pair.learner.fast_seconds} if tts is not None else {}
     return {"acceptance_rate": s.acceptance_rate, "tau": s.mean_accepted_length,
             "ngram_hits_per_round": s.ngram_hits_per_round, "rounds": len(rounds),
             "ngram_entries": len(pair.translator.cache), "ngram_bytes": pair.translator.cache.nbytes,
-            "same_as_recorded": same}
+            "same_as_recorded": same, "seconds": seconds, **fast}
 
 
 def _tts_learner(drafter: Any, adapter: str | None, t2d: torch.Tensor, target_bytes: Any, tts: TrainConfig) -> Any:

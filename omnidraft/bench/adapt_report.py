@@ -99,12 +99,15 @@ def _tts_table(result: dict[str, Any]) -> list[str]:
         return []
     lines = ["", f"Test-Time Speculation: a fast Adam step (lr {tts['lr']}) every {tts['every']} rounds on what the running "
                  "request has verified, undone when it ends (the unadapted drafter on a fresh adapter):", "",
-             "| variant | draft length | acceptance: without | with | τ: without | with |", "|---|---|---|---|---|---|"]
+             "| variant | draft length | acceptance: without | with | τ: without | with | fast steps a request | s a step |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, v in result["variants"].items():
         for setting, w in v.get("tts", {}).items():
             r = v.get("fixed_k", v["final"]) if setting == "fixed k" else v["final"]  # (no early stop: final is fixed k)
+            steps = w.get("tts_steps", 0)  # (results before the step timer: no cost columns)
+            cost = f"{steps / result['n_eval']:.1f} | {w['tts_seconds'] / steps:.2f}" if steps else "– | –"
             lines.append(f"| {name} | {setting} | {r['acceptance_rate']:.3f} | {w['acceptance_rate']:.3f} | {r['tau']:.2f} | "
-                         f"{w['tau']:.2f} ({w['tau'] / r['tau'] - 1:+.1%}) |")
+                         f"{w['tau']:.2f} ({w['tau'] / r['tau'] - 1:+.1%}) | {cost} |")
     return lines
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ class Learner:
         self._saved: list[torch.Tensor] | None = None  # the adapter as it was before this request (TTS)
         self._fast: torch.optim.Optimizer | None = None
         self.fast_steps = 0  # Test-Time Speculation steps taken, over all requests
+        self.fast_seconds = 0.0  # and the wall time they took (each holds the drafter: nothing drafts meanwhile)
 
     @property
     def steps(self) -> int:
@@ -72,6 +74,7 @@ class Learner:
         """One fast step on the running request's verified part (after `begin_request`)."""
         if self._fast is None:
             raise RuntimeError("within_request() outside a request: call begin_request() first")
+        started = time.perf_counter()
         example = build_example(request, self.drafter, self.target_bytes, self.t2d, spans=self.config.spans)
         if not len(example.kl_rows) and not len(example.ng_rows):
             return  # nothing labelled yet (e.g. only misaligned tokens)
@@ -83,6 +86,7 @@ class Learner:
             finally:
                 self.drafter.activate(previous)
         self.fast_steps += 1
+        self.fast_seconds += time.perf_counter() - started
 
     def end_request(self) -> None:
         """Undo the request's fast steps: the adapter is again what Algorithm 2 made it."""
