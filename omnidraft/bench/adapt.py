@@ -113,19 +113,18 @@ def evaluate(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list
         pair.translator.cache = cache
     if tts is not None:
         pair.learner = _tts_learner(drafter, adapter, pair.translator.map.t2d, target.token_bytes, tts)
-    rounds, tokens, same, started = [], 0, 0, time.perf_counter()
+    rounds, tokens, same = [], 0, 0
     for trace, prompt in zip(traces, prompts):
         out = pair.generate(prompt, max_new_tokens=max(1, len(trace.continuation) - 1))
         rounds += out.rounds
         tokens += len(out.token_ids)
         same += out.token_ids == trace.continuation[: len(out.token_ids)]
-    seconds = time.perf_counter() - started
-    s = GenerationStats.from_rounds(rounds, tokens, seconds)
+    s = GenerationStats.from_rounds(rounds, tokens, 0.0)  # (no wall time: replayed rows must be reproducible)
     fast = {"tts_steps": pair.learner.fast_steps, "tts_seconds": pair.learner.fast_seconds} if tts is not None else {}
     return {"acceptance_rate": s.acceptance_rate, "tau": s.mean_accepted_length,
             "ngram_hits_per_round": s.ngram_hits_per_round, "rounds": len(rounds),
             "ngram_entries": len(pair.translator.cache), "ngram_bytes": pair.translator.cache.nbytes,
-            "same_as_recorded": same, "seconds": seconds, **fast}
+            "same_as_recorded": same, **fast}
 
 
 def _tts_learner(drafter: Any, adapter: str | None, t2d: torch.Tensor, target_bytes: Any, tts: TrainConfig) -> Any:
