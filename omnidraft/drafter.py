@@ -218,13 +218,13 @@ class Drafter:
     def add_adapter(self, name: str, config: AdapterConfig | None = None,
                     state: dict[str, torch.Tensor] | None = None) -> None:
         """Create adapter `name` (fresh, or loaded from `state`) if it does not exist yet."""
-        from .distill.adapters import AdapterConfig, add_adapter, int8_learner, int8_twin, load_adapter_state
+        from .distill.adapters import AdapterConfig, add_adapter, covers, int8_learner, int8_twin, load_adapter_state
 
         with self.lock:
             if self.trainable is not None and name in self.trainable.peft_config:
                 return
-            base = self.trainable
-            if base is None:
+            base, first = self.trainable, self.trainable is None
+            if first:
                 if self._int8 and self._spec is None:
                     raise ValueError("this int8 drafter was built without a spec to reload fp32 weights from")
                 base = load_model(self._spec).model if self._int8 else self.model
@@ -233,8 +233,12 @@ class Drafter:
             self.trainable = add_adapter(base, name, config or AdapterConfig())
             if state is not None:
                 load_adapter_state(self.trainable, name, state)
-            self.model = int8_twin(self.trainable, self.tokenizer) if self._int8 else self.trainable
-            self.learner = int8_learner(self.model) if self._int8 and self._through_int8 else self.trainable
+            if not self._int8:
+                self.model = self.learner = self.trainable
+            elif first or not covers(self.model, self.trainable):  # (LoRA layers on new projections: rebuild)
+                self.model = int8_twin(self.trainable, self.tokenizer)
+                self.learner = int8_learner(self.model) if self._through_int8 else self.trainable
+            # else the twin and learner already share the new adapter's modules: no second int8 copy
             self.active = None
             self.activate(name)
 
@@ -252,9 +256,10 @@ class Drafter:
             for model in {id(m): m for m in (self.trainable, self.model, self.learner)}.values():
                 if name is None:
                     model.base_model.disable_adapter_layers()
-                else:
+                    continue
+                if self.active is None:  # (from one adapter to another the layers are on already: a walk saved)
                     model.base_model.enable_adapter_layers()
-                    set_active(model, name)
+                set_active(model, name, grads=model is self.trainable)  # (the others share its LoRA parameters)
             self.active = name
 
     def __repr__(self) -> str:

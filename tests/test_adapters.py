@@ -77,3 +77,47 @@ def test_the_int8_learner_trains_the_lora_the_twin_drafts_with(drafter):
     learner(torch.tensor([[1, 2, 3, 4]])).logits.square().mean().backward()
     touched = {n for n, p in drafter.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert touched and all(".qwen." in n and "lora_" in n for n in touched)  # the shared modules got the gradient
+
+
+def test_an_adapter_added_after_the_twin_drafts_and_trains_through_it(drafter):
+    """A new target's adapter needs no second int8 copy: the twin and learner share the training
+    model's per-adapter modules and tables, so they draft exactly as a twin rebuilt from scratch."""
+    from omnidraft.distill.adapters import covers
+
+    twin = int8_twin(drafter)
+    learner = int8_learner(twin)
+    model = add_adapter(drafter, "llama", AdapterConfig(rank=2, alpha=8))  # another rank and scale than the first two
+    assert model is drafter and covers(twin, drafter) and covers(learner, drafter)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if ".llama." in name and "lora_B" in name:
+                p.add_(0.3)  # an adapter that acts
+    x = torch.tensor([[4]])
+    with torch.no_grad():
+        for name in ("llama", "qwen"):
+            for m in (twin, learner):
+                set_active(m, name, grads=False)
+            rebuilt = int8_twin(drafter)
+            set_active(rebuilt, name)
+            ref = rebuilt(x).logits
+            assert torch.equal(twin(x).logits, ref)
+            assert torch.allclose(learner(x).logits, ref, atol=1e-4 * ref.abs().max())
+    mlp = add_adapter(drafter, "mlp", AdapterConfig(rank=2, alpha=4, modules=("gate_proj",)))
+    assert not covers(twin, mlp)  # LoRA layers on projections the twin has none on: it must be rebuilt
+
+
+def test_a_second_target_reuses_the_int8_drafters_twin(draft_tokenizer, tmp_path):
+    from omnidraft import Drafter
+    from omnidraft.int8 import quantize_int8
+
+    fp32 = tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0)
+    fp32.save_pretrained(tmp_path)  # where adding the first adapter reloads the fp32 weights from
+    draft_tokenizer.save_pretrained(tmp_path)
+    d = Drafter(quantize_int8(fp32, draft_tokenizer), draft_tokenizer, "tiny-int8", spec=str(tmp_path), int8=True)
+    small = AdapterConfig(rank=2, alpha=4)
+    d.add_adapter("a", small)
+    twin, learner = d.model, d.learner
+    d.add_adapter("b", small)
+    assert d.model is twin and d.learner is learner and d.active == "b"
+    d.add_adapter("c", AdapterConfig(rank=2, alpha=4, modules=("up_proj",)))
+    assert d.model is not twin and {"a", "b", "c"} <= set(d.model.peft_config)  # rebuilt, every adapter kept

@@ -3,8 +3,11 @@
 Training needs the fp32 drafter with peft LoRA layers; drafting is twice as fast on the int8 base
 (int8.quantize_int8). `int8_twin` builds the drafting copy: every base linear is quantized, and
 every LoRA module is *the same object* as in the training model, so an optimizer step is live for
-drafting at no copy cost and switching targets is `set_adapter` on both. `int8_learner` is what
-the adapters train through: the twin's int8 weights computed in fp32, with the same LoRA modules.
+drafting at no copy cost and switching targets is `set_adapter` on both. The per-adapter tables
+(rank, scale, dropout) and the adapter configs are shared too, so an adapter added to the training
+model later is in the twin at once (`covers` says when it is not: one on projections the twin has
+no LoRA layer on), and a new target costs no second quantized copy. `int8_learner` is what the
+adapters train through: the twin's int8 weights computed in fp32, with the same LoRA modules.
 Only adapter parameters ever require gradients; the base weights are shared by all targets.
 """
 
@@ -16,7 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdapterConfig", "add_adapter", "adapter_state", "int8_learner", "int8_twin", "load_adapter_state", "set_active"]
+__all__ = ["AdapterConfig", "add_adapter", "adapter_state", "covers", "int8_learner", "int8_twin", "load_adapter_state",
+           "set_active"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,13 +55,15 @@ def add_adapter(model: Any, name: str, config: AdapterConfig = AdapterConfig()) 
     return model
 
 
-def set_active(model: Any, name: str) -> None:
-    """Make `name` the active adapter; only its parameters require gradients."""
+def set_active(model: Any, name: str, *, grads: bool = True) -> None:
+    """Make `name` the active adapter; with `grads`, only its parameters require gradients (a model
+    sharing its LoRA parameters with one already set, such as a twin, can skip that walk)."""
     if name not in model.peft_config:
         raise KeyError(f"no adapter {name!r}; this drafter has {sorted(model.peft_config)}")
     model.set_adapter(name)
-    for pname, param in model.named_parameters():
-        param.requires_grad_(f".{name}." in pname and "lora_" in pname)
+    if grads:
+        for pname, param in model.named_parameters():
+            param.requires_grad_(f".{name}." in pname and "lora_" in pname)
 
 
 def adapter_state(model: Any, name: str) -> dict[str, torch.Tensor]:
@@ -109,12 +115,31 @@ def int8_learner(twin: Any) -> Any:
     return _share_lora(fake_int8(twin), twin)
 
 
-def _share_lora(copied: Any, source: Any) -> Any:
-    """Point every LoRA layer of `copied` (a deep copy of `source`) at `source`'s LoRA modules."""
+def covers(copy_: Any, source: Any) -> bool:
+    """Whether `copy_` (a twin or learner of `source`) has a LoRA layer wherever `source` has one,
+    so every adapter of `source` drafts and trains through it (see `_share_lora`)."""
+    return _lora_layers(copy_).keys() == _lora_layers(source).keys()
+
+
+# What a LoRA layer keeps per adapter name (peft's LoraLayer; names absent in a peft version are skipped)
+_PER_ADAPTER = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "r", "lora_alpha",
+                "scaling", "lora_dropout", "use_dora", "use_rslora", "lora_bias", "lora_variant")
+
+
+def _lora_layers(model: Any) -> dict[str, Any]:
     from peft.tuners.lora import LoraLayer
 
-    originals = {n: m for n, m in source.named_modules() if isinstance(m, LoraLayer)}
-    for name, layer in copied.named_modules():
-        if isinstance(layer, LoraLayer):
-            layer.lora_A, layer.lora_B = originals[name].lora_A, originals[name].lora_B  # shared, not copied
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def _share_lora(copied: Any, source: Any) -> Any:
+    """Point every LoRA layer of `copied` (a deep copy of `source`) at `source`'s per-adapter modules
+    and tables, and `copied`'s adapter configs at `source`'s: shared, not copied, so adapters added
+    to `source` afterwards exist in `copied` too."""
+    originals = _lora_layers(source)
+    for name, layer in _lora_layers(copied).items():
+        for attr in _PER_ADAPTER:
+            if hasattr(originals[name], attr):
+                setattr(layer, attr, getattr(originals[name], attr))
+    copied.base_model.peft_config = source.base_model.peft_config
     return copied
