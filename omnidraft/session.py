@@ -6,7 +6,9 @@ live in verify.py and the vocabulary work in translate/.
 from __future__ import annotations
 
 import codecs
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -21,7 +23,7 @@ from .target import Rule
 from .translate.healing import Healer
 from .translate.ngram_cache import NgramCache, NgramCacheConfig
 from .translate.translator import Source, Translator
-from .translate.vocab_map import build_vocab_map
+from .translate.vocab_map import ROLES, VocabMap, build_vocab_map
 
 if TYPE_CHECKING:
     from .distill.adapters import AdapterConfig
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from .profiles import ProfileStore
     from .target import Target
 
-__all__ = ["DecodeConfig", "Generation", "Pairing"]
+__all__ = ["DecodeConfig", "Generation", "Pairing", "TABLES_KEPT", "pair_tables"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +87,40 @@ class Generation:
     finish_reason: str
 
 
+TABLES_KEPT = 8  # tokenizer pairs whose vocabulary map and healer stay built (a few MB each)
+_tables: OrderedDict[tuple[Any, ...], tuple[VocabMap, Healer | None]] = OrderedDict()
+_tables_lock = threading.Lock()
+
+
+def _tokenizer_key(side: Any) -> tuple[Any, ...]:
+    """What a vocabulary map and a healer are functions of: the token bytes and the special tokens."""
+    tb = side.token_bytes
+    return tb.fingerprint, tuple(sorted(tb.special.items())), tuple(getattr(side.tokenizer, r, None) for r in ROLES)
+
+
+def pair_tables(drafter: Any, target: Any, *, healing: bool = True) -> tuple[VocabMap, Healer | None]:
+    """The vocabulary map and (with `healing`) the token healer of a drafter-target tokenizer pair.
+
+    Both are read-only and take ~0.6 s to build against Gemma's 262k vocabulary, so every pairing
+    of the same two tokenizers shares one copy (the last TABLES_KEPT pairs are kept): a second
+    `drafter.pair(target)` costs milliseconds, not a rebuild.
+    """
+    key = (_tokenizer_key(drafter), _tokenizer_key(target))
+    with _tables_lock:
+        hit = _tables.get(key)
+        if hit is not None:
+            _tables.move_to_end(key)
+    if hit is None or (healing and hit[1] is None):
+        vmap = hit[0] if hit is not None else build_vocab_map(drafter.token_bytes, target.token_bytes,
+                                                              drafter.tokenizer, target.tokenizer)
+        hit = (vmap, Healer(drafter.token_bytes, target.token_bytes) if healing else None)
+        with _tables_lock:
+            _tables[key] = hit
+            while len(_tables) > TABLES_KEPT:
+                _tables.popitem(last=False)
+    return hit[0], hit[1] if healing else None
+
+
 class Pairing:
     """A drafter and a target with their translator (direct map + n-gram cache) and, per user, a
     profile: the n-gram cache, a LoRA adapter on the drafter and metrics (see profiles.py)."""
@@ -95,7 +131,7 @@ class Pairing:
         from .profiles import ProfileStore
 
         self.drafter, self.target, self.config, self.user = drafter, target, config, user
-        vmap = build_vocab_map(drafter.token_bytes, target.token_bytes, drafter.tokenizer, target.tokenizer)
+        vmap, healer = pair_tables(drafter, target, healing=config.healing)
         self.fingerprint = f"{drafter.token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
         self.store = store or ProfileStore()
         profile = self.store.load(drafter.name, target.name, user, fingerprint=self.fingerprint) if user else None
@@ -104,7 +140,7 @@ class Pairing:
             cache = NgramCache.from_doc(profile.ngram, where=f"profile of {user!r}", fingerprint=self.fingerprint,
                                         config=config.ngram)
         self.translator = Translator(drafter.codec, target.codec, vmap, cache, strategy=config.strategy)
-        self.healer = Healer(drafter.token_bytes, target.token_bytes) if config.healing else None
+        self.healer = healer
         self._shared = vmap.d2t >= 0
         self.metrics: list[dict[str, Any]] = list(profile.metrics) if profile else []
         self._steps0 = profile.steps if profile else 0

@@ -13,9 +13,9 @@ import torch
 
 from .token_bytes import TokenBytes
 
-__all__ = ["VocabMap", "build_vocab_map"]
+__all__ = ["ROLES", "VocabMap", "build_vocab_map"]
 
-_ROLES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+ROLES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")  # tokenizer ids mapped by role
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def build_vocab_map(
 def _special_pairs(draft: TokenBytes, target: TokenBytes, dtok: Any, ttok: Any) -> list[tuple[int, int]]:
     pairs = []
     if dtok is not None and ttok is not None:
-        for role in _ROLES:
+        for role in ROLES:
             i, j = getattr(dtok, role, None), getattr(ttok, role, None)
             if isinstance(i, int) and isinstance(j, int) and i < len(draft) and j < len(target):
                 pairs.append((i, j))
