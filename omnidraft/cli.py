@@ -143,6 +143,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="bench_out")
     c.add_argument("--name", default="bench-cache")
 
+    w = sub.add_parser("bench-switch", help="one drafter moving between targets: pair(), save, adapter switch, memory")
+    w.add_argument("--drafter", default=DRAFTER)
+    w.add_argument("--target", action="append", help="repeatable, at least two (default: qwen2.5-coder-0.5b and gemma3-270m)")
+    w.add_argument("--n", type=int, default=3, help="prompts (GSM8K and HumanEval, alternating)")
+    w.add_argument("--max-new-tokens", type=int, default=24)
+    w.add_argument("--repeats", type=int, default=200, help="adapter switches timed")
+    w.add_argument("--out", default="bench_out")
+    w.add_argument("--name", default="bench-switch")
+
     e = sub.add_parser("export", help="export the drafter (with a pairing's adapter merged) to ONNX")
     e.add_argument("--drafter", default=DRAFTER)
     e.add_argument("--target", default=None, help="merge this target's adapter and prune for this pairing")
@@ -416,12 +425,14 @@ def main(argv: list[str] | None = None) -> None:
     for noisy in ("transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
-        raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and {args.max_new_tokens}")
+        raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and "
+                         f"{getattr(args, 'max_new_tokens', 1)}")
     from .bench import commands as experiments
 
     commands = {"generate": _generate, "demo": _demo, "bench": _bench, "adapt": experiments.adapt,
                 "bench-draft": experiments.bench_draft, "bench-replay": experiments.bench_replay, "export": _export,
                 "bench-drafters": experiments.bench_drafters, "bench-cache": experiments.bench_cache, "serve": _serve,
+                "bench-switch": experiments.bench_switch,
                 "calibrate": _calibrate, "simulate": _simulate}
     commands[args.command](args)
 

@@ -65,7 +65,7 @@ def test_round_records_add_up(tiny_drafter, tiny_target):
 
 
 def test_pairings_of_one_tokenizer_pair_share_their_read_only_tables(tiny_drafter, tiny_target, draft_tokenizer):
-    """A second `pair()` with a target reuses the vocabulary map and healer (~0.6 s to build on a
+    """A second `pair()` with a target reuses the vocabulary map and healer (~0.4 s to build on a
     262k vocabulary) instead of rebuilding them; another tokenizer gets its own."""
     a, b = tiny_drafter.pair(tiny_target), tiny_drafter.pair(tiny_target, k=3)
     assert a.translator.map is b.translator.map and a.healer is b.healer is not None

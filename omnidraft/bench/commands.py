@@ -1,4 +1,5 @@
-"""The experiment commands of `omnidraft`: adapt, bench-cache, bench-draft, bench-drafters and bench-replay.
+"""The experiment commands of `omnidraft`: adapt, bench-cache, bench-draft, bench-drafters, bench-replay
+and bench-switch.
 
 Each turns parsed arguments (cli.py's parser) into one run of its bench/ module and prints the
 report. Split from cli.py, which keeps the parser and the commands a user runs day to day.
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from ..cli import DRAFTER, loaded_pairs, split_pair
 
-__all__ = ["adapt", "bench_cache", "bench_draft", "bench_drafters", "bench_replay"]
+__all__ = ["adapt", "bench_cache", "bench_draft", "bench_drafters", "bench_replay", "bench_switch"]
 
 
 def adapt(args: argparse.Namespace) -> None:
@@ -148,4 +149,32 @@ def bench_cache(args: argparse.Namespace) -> None:
     atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
     atomic_write_bytes(out / f"{args.name}.md", report.encode())
     print(report)
+    print(f"wrote {out / args.name}.json and .md")
+
+
+def bench_switch(args: argparse.Namespace) -> None:
+    import json
+    import tempfile
+
+    import omnidraft as od
+
+    from ..atomic import atomic_write_bytes
+    from ..profiles import ProfileStore
+    from .datasets import load_prompts
+    from .switch import markdown, run_switch_bench
+
+    names = args.target or ["qwen2.5-coder-0.5b", "gemma3-270m"]
+    if len(set(names)) < 2 or args.repeats < 1:
+        raise SystemExit(f"--target needs two different targets or more, --repeats >= 1; got {names}, {args.repeats}")
+    drafter = od.Drafter.load(args.drafter)
+    targets = [od.LocalTarget.load(name) for name in names]
+    half = (args.n + 1) // 2
+    prompts = [p for pair in zip(load_prompts("gsm8k", half), load_prompts("humaneval", half)) for p in pair][: args.n]
+    with tempfile.TemporaryDirectory() as scratch:  # the bench's profiles are not the user's
+        result = run_switch_bench(drafter, targets, prompts=prompts, max_new_tokens=args.max_new_tokens,
+                                  store=ProfileStore(scratch), repeats=args.repeats)
+    out = Path(args.out)
+    atomic_write_bytes(out / f"{args.name}.json", json.dumps(result, indent=1).encode())
+    atomic_write_bytes(out / f"{args.name}.md", markdown(result).encode())
+    print(markdown(result))
     print(f"wrote {out / args.name}.json and .md")
