@@ -122,12 +122,13 @@ def test_bench_cache_on_the_papers_vocabularies(tmp_path, capsys):
 def test_one_learning_drafter_moves_between_real_targets_and_keeps_each_profile(drafter, tmp_path):
     """The issue's user story on real models: SmolLM2 learns for Qwen2.5-Coder-0.5B and Gemma 3 (two
     other tokenizers) as one user, switching back and forth; every output stays the target's own
-    greedy one, each pairing keeps its own adapter and cache, each profile fits the 16 MB bar at rank
-    32, and a drafter loaded afresh gets back exactly the adapter and cache that were saved. Times
-    are reported by `omnidraft bench-switch`, never asserted."""
+    greedy one, each pairing has its own adapter, each profile fits the 16 MB bar at rank 32, and a
+    drafter loaded afresh gets back exactly the adapter and n-gram cache that were saved. Times are
+    reported by `omnidraft bench-switch`, never asserted."""
     from omnidraft.bench.switch import run_switch_bench
     from omnidraft.distill.adapters import adapter_state
     from omnidraft.profiles import ProfileStore
+    from omnidraft.translate.ngram_cache import NgramCache
 
     targets = [od.LocalTarget.load("qwen2.5-coder-0.5b"), od.LocalTarget.load("gemma3-270m")]
     store = ProfileStore(tmp_path)
@@ -140,8 +141,8 @@ def test_one_learning_drafter_moves_between_real_targets_and_keeps_each_profile(
 
     fresh = od.Drafter.load("smollm2-135m")
     for target, name in zip(targets, names):
-        assert fresh.pair(target, user="alice", store=store).adapter == name
-        saved = {k: v for k, v in store.load(fresh.name, target.name, "alice").tensors["adapter"].items()
-                 if not k.startswith("meta.")}
+        pair, profile = fresh.pair(target, user="alice", store=store), store.load(fresh.name, target.name, "alice")
+        assert pair.adapter == name and pair.translator.cache.items() == NgramCache.from_doc(profile.ngram).items()
+        saved = {k: v for k, v in profile.tensors["adapter"].items() if not k.startswith("meta.")}
         got = adapter_state(fresh.trainable, name)
         assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
