@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     decoding(r)
 
     c = sub.add_parser("bench-cache", help="the n-gram cache by size and policy on two tokenizers (a reference drafter, no weights)")
-    c.add_argument("--drafter", default="llama-2", help="drafter tokenizer: llama-2, llama-3 (shared/tokenizers), a preset or a path")
+    c.add_argument("--drafter", default="llama-2", help="drafter tokenizer: llama-2, llama-3 (data/tokenizers), a preset or a path")
     c.add_argument("--target", default="llama-3", help="target tokenizer, as --drafter")
     c.add_argument("--dataset", action="append", help="gsm8k:train | gsm8k | humaneval | humaneval:train, repeatable")
     c.add_argument("--n", type=int, default=500, help="reference answers per dataset (HumanEval has 164)")

@@ -1,4 +1,4 @@
-"""Fixtures: tiny BPE tokenizers trained here on ../shared/data text, tiny Llama models, and fakes."""
+"""Fixtures: tiny BPE tokenizers trained here on the repository's data/ text, tiny Llama models, and fakes."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"  # CI clones the repo with shared/ beside it
+DATA = Path(__file__).resolve().parents[1] / "data"  # the repository's own copy: nothing outside it is read
 
 
 def gsm8k_texts(split: str = "train", n: int = 1500) -> list[str]:
-    lines = (SHARED / "data" / "gsm8k" / f"{split}.jsonl").read_text().splitlines()[:n]
+    lines = (DATA / "gsm8k" / f"{split}.jsonl").read_text().splitlines()[:n]
     return [f"Question: {d['question']}\nAnswer: {d['answer']}" for d in map(json.loads, lines)]
 
 

@@ -14,13 +14,13 @@ from omnidraft.models import load_tokenizer
 from omnidraft.translate.codec import ByteCodec
 from omnidraft.translate.token_bytes import build_token_bytes
 
-from .conftest import SHARED, target_greedy
+from .conftest import DATA, target_greedy
 from .test_translate import SAMPLES
 
 pytestmark = pytest.mark.real
 
 TOKENIZERS = ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m",
-              str(SHARED / "tokenizers" / "ggml-vocab-llama-spm.gguf"), str(SHARED / "tokenizers" / "ggml-vocab-llama-bpe.gguf")]
+              str(DATA / "tokenizers" / "ggml-vocab-llama-spm.gguf"), str(DATA / "tokenizers" / "ggml-vocab-llama-bpe.gguf")]
 
 
 @pytest.fixture(scope="module", params=TOKENIZERS, ids=lambda s: s.rsplit("/", 1)[-1])

@@ -38,7 +38,7 @@ from .datasets import load_references
 __all__ = ["VOCABULARIES", "ReferenceDrafter", "TextEnd", "UseLog", "load_end", "markdown", "offline_optimum", "reference_traces",
            "run_cache_bench"]
 
-VOCABULARIES = {"llama-2": "ggml-vocab-llama-spm.gguf", "llama-3": "ggml-vocab-llama-bpe.gguf"}  # in shared/tokenizers
+VOCABULARIES = {"llama-2": "ggml-vocab-llama-spm.gguf", "llama-3": "ggml-vocab-llama-bpe.gguf"}  # in data/tokenizers
 
 _BYTES_PER_TOKEN = 16  # encode this many bytes per drafted token: k tokens never run past the window
 
@@ -60,7 +60,7 @@ def load_end(spec: str) -> TextEnd:
     from ..models import load_tokenizer
     from .datasets import data_dir
 
-    path = data_dir().parent / "tokenizers" / VOCABULARIES[spec] if spec in VOCABULARIES else None
+    path = data_dir() / "tokenizers" / VOCABULARIES[spec] if spec in VOCABULARIES else None
     if path is not None and not path.is_file():
         raise FileNotFoundError(f"the {spec} vocabulary is not at {path}")
     return TextEnd(load_tokenizer(str(path) if path else spec), spec)

@@ -1,7 +1,7 @@
 """Benchmark prompts: GSM8K, HumanEval, or any JSONL file with a "prompt" field.
 
-Data is read from $OMNIDRAFT_DATA, else the first `shared/data` found beside or above the working
-directory. Nothing is downloaded.
+Data is read from $OMNIDRAFT_DATA, else from the repository's own `data/` (see data/README.md).
+Nothing is downloaded and nothing outside the repository is read.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ __all__ = ["data_dir", "load_prompts", "load_references"]
 HUMANEVAL_TRAIN_FROM = 64
 
 
+REPO_DATA = Path(__file__).resolve().parents[2] / "data"  # the checkout's data/ (an editable install)
+
+
 def data_dir() -> Path:
-    if env := os.environ.get("OMNIDRAFT_DATA"):
-        return Path(env)
-    here = Path.cwd().resolve()
-    for base in (here, *here.parents):
-        for candidate in (base / "shared" / "data", base.parent / "shared" / "data"):
-            if (candidate / "gsm8k").is_dir():
-                return candidate
-    raise FileNotFoundError("no shared/data with gsm8k/ found; set OMNIDRAFT_DATA to the data directory")
+    """The data directory: $OMNIDRAFT_DATA, else the repository's `data/`."""
+    path = Path(os.environ["OMNIDRAFT_DATA"]) if os.environ.get("OMNIDRAFT_DATA") else REPO_DATA
+    if not (path / "gsm8k").is_dir():
+        raise FileNotFoundError(f"no gsm8k/ under the data directory {path}; run from a checkout of the repository "
+                                "or set OMNIDRAFT_DATA to a directory laid out like its data/")
+    return path
 
 
 def _jsonl(path: Path) -> list[dict]:
