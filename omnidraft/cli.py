@@ -186,6 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=12)
     decoding(c)
 
+    o = sub.add_parser("doctor", help="what this machine offers: backends, presets, and the measured kernel plan")
+    o.add_argument("--target", action="append", default=[], help="also show this model's kernel plan, repeatable")
+
     s = sub.add_parser("simulate", help="python -m device_sim with the same arguments", add_help=False)
     s.add_argument("rest", nargs=argparse.REMAINDER)
     return p
@@ -366,7 +369,7 @@ def _pairing_for_export(drafter_name: str, tokenizer: Any, token_bytes: Any, arg
     from .profiles import ProfileStore
     from .translate.vocab_map import build_vocab_map
 
-    target = od.LocalTarget.load(args.target, dual_linear=False)
+    target = od.LocalTarget.load(args.target, kernels=False)
     fingerprint = f"{token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
     profile = ProfileStore().load(drafter_name, target.name, args.user or "default", fingerprint=fingerprint)
     if profile is None and args.user:
@@ -413,6 +416,12 @@ def _calibrate(args: argparse.Namespace) -> None:
     print(json.dumps(profile, indent=1))
 
 
+def _doctor(args: argparse.Namespace) -> None:
+    from .doctor import report
+
+    print("\n".join(report(args.target)))
+
+
 def _simulate(args: argparse.Namespace) -> None:
     from device_sim.__main__ import main as simulate_main
 
@@ -433,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
                 "bench-draft": experiments.bench_draft, "bench-replay": experiments.bench_replay, "export": _export,
                 "bench-drafters": experiments.bench_drafters, "bench-cache": experiments.bench_cache, "serve": _serve,
                 "bench-switch": experiments.bench_switch,
-                "calibrate": _calibrate, "simulate": _simulate}
+                "calibrate": _calibrate, "simulate": _simulate, "doctor": _doctor}
     commands[args.command](args)
 
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from . import verify as V
-from .fastlinear import use_dual_linear
+from .kernels import use_kernels
 from .models import load_model
 from .runner import CausalRunner
 from .translate.codec import ByteCodec
@@ -118,15 +118,16 @@ class LocalTarget:
         self.eos_ids = frozenset(_eos_ids(model, tokenizer))
 
     @classmethod
-    def load(cls, spec: str, *, dual_linear: bool = True) -> LocalTarget:
+    def load(cls, spec: str, *, kernels: bool = True) -> LocalTarget:
         """Load a target by preset name, .gguf path, local dir or HF id.
 
-        `dual_linear` (default) routes multi-token forwards through oneDNN (see fastlinear.py):
-        weights and single-token steps are untouched, verification of k tokens gets cheaper.
+        `kernels` (default): every linear layer runs the kernel measured fastest on this machine
+        for each row count (kernels.py), in target-alone decoding and in verification alike. The
+        weights are untouched; False keeps stock `F.linear` everywhere.
         """
         loaded = load_model(spec)
-        if dual_linear:
-            use_dual_linear(loaded.model)
+        if kernels:
+            use_kernels(loaded.model)
         return cls(loaded.model, loaded.tokenizer, loaded.name)
 
     def begin(self, prompt_ids: list[int]) -> _LocalSession:

@@ -38,7 +38,7 @@ def adapt(args: argparse.Namespace) -> None:
     drafter_spec, target_spec = split_pair(args.pair)
     quantize = "int8" if args.drafter_precision == "int8" else None
     drafter = od.Drafter.load(drafter_spec, quantize=quantize, train_through_int8=args.train_weights == "drafting")
-    target = od.LocalTarget.load(target_spec, dual_linear=False)
+    target = od.LocalTarget.load(target_spec, kernels=False)
     lam = args.lam if args.lam == "dynamic" else float(args.lam)
     hard = {} if args.direct_nll is None else {"direct_nll": args.direct_nll}
     config = TrainConfig(interval=args.interval, batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lam=lam,
@@ -126,7 +126,7 @@ def bench_replay(args: argparse.Namespace) -> None:
 
     drafter_spec, target_spec = split_pair(args.pair)
     bar = tqdm(desc="bench-replay", file=sys.stderr)
-    result = run_replay(drafter_spec, od.LocalTarget.load(target_spec, dual_linear=False),
+    result = run_replay(drafter_spec, od.LocalTarget.load(target_spec, kernels=False),
                         datasets=args.dataset or ["gsm8k:test"], n=args.n, max_new_tokens=args.max_new_tokens,
                         schemes=args.drafter or ["int8"], decodes=args.decode or [""],
                         base={"k": args.k, "stop_confidence": args.stop_confidence, "strategy": args.strategy},

@@ -1,0 +1,54 @@
+"""What this machine offers omnidraft: versions, optional backends, presets, and the kernel plan.
+
+Returns lines of text for `omnidraft doctor` to print; loads a model only when asked for its plan.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import sys
+
+import torch
+
+from . import presets
+from .kernels import BUCKETS, host_key
+
+__all__ = ["report"]
+
+_BACKENDS = {"onnxruntime": "ONNX Runtime drafter (export/)", "llama_cpp": "llama.cpp (llama-cpp-python)",
+             "fastapi": "verification server (serve)", "httpx": "remote client"}
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _preset_state(name: str) -> str:
+    try:
+        presets._require_installed(presets.PRESETS[name])
+    except Exception as exc:  # a missing package names its pip command
+        return f"missing ({exc})"
+    return "installed"
+
+
+def report(targets: list[str] = ()) -> list[str]:
+    """The doctor's lines; with `targets`, each one's kernel plan (timed now if not cached)."""
+    lines = [f"python {sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+             f"{platform.processor() or platform.machine()}",
+             f"oneDNN: {'available' if torch.backends.mkldnn.is_available() else 'NOT available (stock kernels only)'}; "
+             f"machine key {host_key()} (kernel plans are cached per machine under {presets.cache_dir() / 'kernels'})"]
+    lines += [f"{module:>12}: {'yes' if _installed(module) else 'no '}  {what}" for module, what in _BACKENDS.items()]
+    lines += [f"preset {name}: {_preset_state(name)}" for name in sorted(presets.PRESETS)]
+    for spec in targets:
+        from .models import load_model
+        from .kernels import use_kernels
+
+        plan = use_kernels(load_model(spec).model)
+        if plan is None:
+            lines.append(f"{spec}: stock kernels (no oneDNN)")
+            continue
+        lines.append(f"{spec}: kernel per layer shape and row count, chosen by median ms (stock F.linear / oneDNN); "
+                     f"row buckets {BUCKETS}")
+        lines += ["  " + line for line in plan.summary()]
+    return lines

@@ -1,0 +1,204 @@
+"""Which CPU kernel runs each frozen linear layer, chosen by timing them on the machine that runs.
+
+Two paths compute the same fp32 `x @ W.T + b` from the one dense weight: stock `F.linear` (MKL's
+GEMM/gemv) and oneDNN (`torch.ops.mkldnn._linear_pointwise` on the plain weight, no packed copy).
+Which is faster depends on the host and on the number of rows: on one 2-core EPYC MKL's one-row
+gemv wins, on another oneDNN wins at every row count (docs/kernels.md). So nothing is assumed:
+`plan_kernels` times both paths for every distinct layer shape at the row counts a decode step, a
+verification and a prefill use, and `use_kernels` swaps each `nn.Linear` for a `KernelLinear` that
+dispatches by row count. The plan is cached per machine (CPU, torch build, thread count) and layer
+shape, so a second load does not time again. Never a second copy of a weight.
+
+This module knows layers and timings only: no tokenizer, no decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from bisect import bisect_left
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .atomic import atomic_write_bytes
+
+__all__ = ["BUCKETS", "PATHS", "KernelLinear", "KernelPlan", "host_key", "kernel_plan", "stock_kernels", "use_kernels"]
+
+log = logging.getLogger(__name__)
+
+PATHS = ("dense", "onednn")
+BUCKETS = (1, 2, 4, 8, 16, 64)  # a call of r rows runs the path chosen for the smallest bucket >= r
+PLAN_VERSION = 1
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _shape_key(out_features: int, in_features: int, bias: bool) -> str:
+    return f"{out_features}x{in_features}{'+b' if bias else ''}"
+
+
+class KernelLinear(nn.Module):
+    """A frozen fp32 linear layer that runs, for each row count, the path its plan chose.
+
+    `paths[i]` serves calls of at most BUCKETS[i] rows (the last one serves every larger call).
+    Training (grad enabled) and non-fp32 inputs always take stock `F.linear`."""
+
+    def __init__(self, linear: nn.Linear, paths: tuple[str, ...]) -> None:
+        super().__init__()
+        if len(paths) != len(BUCKETS) or any(p not in PATHS for p in paths):
+            raise ValueError(f"paths must name one of {PATHS} per bucket {BUCKETS}, got {paths!r}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # the same tensors: no copy
+        self.paths = paths
+        self.stock = False  # True: every call on F.linear (the stock HF row of a benchmark)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stock or torch.is_grad_enabled() or x.dtype != torch.float32:
+            return nn.functional.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        path = self.paths[min(bisect_left(BUCKETS, rows), len(BUCKETS) - 1)]
+        if path == "dense":
+            return nn.functional.linear(x, self.weight, self.bias)
+        return _onednn(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, paths {dict(zip(BUCKETS, self.paths))}"
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Per layer shape ("OUTxIN[+b]"): the chosen path per bucket and each path's median ms there."""
+
+    host: str
+    choices: dict[str, tuple[str, ...]]
+    ms: dict[str, dict[str, list[float]]]
+
+    def summary(self) -> list[str]:
+        """One line per shape: the chosen path and both timings at each bucket."""
+        lines = []
+        for shape, paths in sorted(self.choices.items(), key=lambda kv: -_size(kv[0])):
+            cells = [f"{rows}:{path}({self.ms[shape]['dense'][i]:.2f}/{self.ms[shape]['onednn'][i]:.2f})"
+                     for i, (rows, path) in enumerate(zip(BUCKETS, paths))]
+            lines.append(f"{shape:>16}  " + " ".join(cells))
+        return lines
+
+
+def _size(shape: str) -> int:
+    out, _, rest = shape.partition("x")
+    return int(out) * int(rest.split("+")[0])
+
+
+def host_key() -> str:
+    """What a kernel timing is a function of besides the shape: CPU, torch build, threads."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                cpu += "|" + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    raw = f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|onednn {torch.backends.mkldnn.is_available()}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _median_ms(fn: Any, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return 1000 * median(times)
+
+
+@torch.inference_mode()
+def _time_shape(linear: nn.Linear, reps: int) -> dict[str, list[float]]:
+    """Median ms of each path at each bucket's row count, on `linear`'s own weight."""
+    w, b = linear.weight, linear.bias
+    out: dict[str, list[float]] = {p: [] for p in PATHS}
+    for rows in BUCKETS:
+        x = torch.randn(rows, linear.in_features)
+        out["dense"].append(_median_ms(lambda: nn.functional.linear(x, w, b), reps))
+        out["onednn"].append(_median_ms(lambda: _onednn(x, w, b), reps))
+    return out
+
+
+def _cache_file(cache: Path | None) -> Path:
+    from .presets import cache_dir
+
+    return (cache or cache_dir() / "kernels") / f"{host_key()}.json"
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc.get("shapes", {}) if doc.get("version") == PLAN_VERSION else {}
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32]
+
+
+def kernel_plan(model: nn.Module, *, cache: Path | None = None, reps: int = 5) -> KernelPlan:
+    """The fastest path per bucket for every distinct fp32 linear shape of `model` on this machine:
+    read from the per-machine cache, timing only shapes it does not hold yet (then saved)."""
+    path = _cache_file(cache)
+    known = _read_cache(path)
+    seen: dict[str, nn.Linear] = {}
+    for _, _, lin in _linears(model):
+        seen.setdefault(_shape_key(lin.out_features, lin.in_features, lin.bias is not None), lin)
+    missing = [key for key in seen if key not in known]
+    if missing and torch.backends.mkldnn.is_available():
+        started = time.perf_counter()
+        for key in missing:
+            known[key] = _time_shape(seen[key], reps)
+        log.info("timed %d linear shape(s) on this machine in %.1f s; cached in %s", len(missing),
+                 time.perf_counter() - started, path)
+        atomic_write_bytes(path, json.dumps({"version": PLAN_VERSION, "shapes": known}, indent=1).encode())
+    ms = {key: known[key] for key in seen if key in known}
+    choices = {key: tuple(min(PATHS, key=lambda p: t[p][i]) for i in range(len(BUCKETS))) for key, t in ms.items()}
+    return KernelPlan(host=host_key(), choices=choices, ms=ms)
+
+
+def use_kernels(model: nn.Module, plan: KernelPlan | None = None, **kwargs: Any) -> KernelPlan | None:
+    """Swap every frozen fp32 nn.Linear of `model` for a `KernelLinear` on `plan` (measured now, or
+    read from the cache, when not given). Returns the plan, also kept as `model.kernel_plan`;
+    None when oneDNN is not available (the layers stay stock)."""
+    if not torch.backends.mkldnn.is_available():
+        log.info("oneDNN is not available; keeping the stock linear layers")
+        return None
+    plan = plan or kernel_plan(model, **kwargs)
+    for parent, name, child in _linears(model):
+        paths = plan.choices.get(_shape_key(child.out_features, child.in_features, child.bias is not None))
+        if paths is not None:
+            setattr(parent, name, KernelLinear(child, paths))
+    model.kernel_plan = plan
+    return plan
+
+
+@contextmanager
+def stock_kernels(model: nn.Module) -> Iterator[None]:
+    """Within the block every `KernelLinear` of `model` runs stock `F.linear` (what an unmodified
+    HF model does on this machine); the plan is back afterwards."""
+    layers = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    for layer in layers:
+        layer.stock = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.stock = False

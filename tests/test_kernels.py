@@ -1,0 +1,86 @@
+"""Kernel choice by measurement (kernels.py): same numbers on every path, one weight, cached plans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from omnidraft import kernels as K
+
+from .conftest import tiny_llama
+
+
+def _fixed_plan(model: nn.Module, path: str) -> K.KernelPlan:
+    shapes = {K._shape_key(m.out_features, m.in_features, m.bias is not None)
+              for m in model.modules() if type(m) is nn.Linear}
+    ms = {s: {p: [1.0] * len(K.BUCKETS) for p in K.PATHS} for s in shapes}
+    return K.KernelPlan(host="test", choices={s: (path,) * len(K.BUCKETS) for s in shapes}, ms=ms)
+
+
+@pytest.mark.parametrize("path", K.PATHS)
+@pytest.mark.parametrize("rows", [1, 3, 9, 70])
+def test_every_path_computes_the_stock_linear(path, rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80).requires_grad_(False)
+    layer = K.KernelLinear(linear, (path,) * len(K.BUCKETS))
+    x = torch.randn(1, rows, 48)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), linear(x), atol=1e-5)
+
+
+def test_row_counts_pick_their_bucket_and_training_stays_stock(monkeypatch):
+    layer = K.KernelLinear(nn.Linear(8, 8), ("dense", "onednn", "dense", "onednn", "dense", "onednn"))
+    used = []
+    monkeypatch.setattr(K, "_onednn", lambda x, w, b: used.append(x.numel() // 8) or nn.functional.linear(x, w, b))
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 5, 9, 17, 200):
+            layer(torch.randn(rows, 8))
+    assert used == [2, 5, 17, 200]  # buckets 2, 8, 64 and beyond-the-last chose oneDNN
+    used.clear()
+    layer(torch.randn(2, 8, requires_grad=True))  # grad enabled: stock F.linear
+    with torch.inference_mode(), K.stock_kernels(layer):
+        layer(torch.randn(2, 8))
+    assert used == []
+
+
+def test_use_kernels_keeps_one_copy_and_the_same_greedy_output(tmp_path):
+    model = tiny_llama(300, seed=3, logit_scale=30.0)
+    weights = {n: p.data_ptr() for n, p in model.named_parameters()}
+    ids = torch.tensor([[5, 17, 42, 7]])
+    stock = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    plan = K.use_kernels(model, cache=tmp_path)
+    assert plan is not None and model.kernel_plan is plan
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == weights  # no weight copied
+    assert all(type(m) is not nn.Linear for m in model.modules())
+    planned = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert planned.tolist() == stock.tolist()
+
+
+def test_a_plan_is_timed_once_per_machine_and_shape(tmp_path, monkeypatch):
+    timed = []
+    real = K._time_shape
+    monkeypatch.setattr(K, "_time_shape", lambda lin, reps: timed.append(lin.weight.shape) or real(lin, 1))
+    first = K.kernel_plan(tiny_llama(300, seed=3), cache=tmp_path)
+    n = len(timed)
+    assert n == len(first.choices) > 0
+    second = K.kernel_plan(tiny_llama(300, seed=4), cache=tmp_path)  # same shapes, other weights: nothing timed
+    assert len(timed) == n and second.choices == first.choices
+    K.kernel_plan(tiny_llama(310, seed=4), cache=tmp_path)  # a new vocabulary: only the new head's shape
+    assert timed[n:] == [torch.Size([310, 32])]
+    assert all(len(line.split()) == 1 + len(K.BUCKETS) for line in first.summary())
+
+
+def test_a_corrupt_cache_is_timed_again(tmp_path):
+    (tmp_path / f"{K.host_key()}.json").write_text("{not json")
+    plan = K.kernel_plan(tiny_llama(300, seed=3), cache=tmp_path, reps=1)
+    assert plan.choices and K._read_cache(tmp_path / f"{K.host_key()}.json")
+
+
+def test_fixed_plans_give_identical_logits_on_both_paths():
+    model = tiny_llama(300, seed=5)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.inference_mode():
+        stock = model(ids).logits
+        K.use_kernels(model, _fixed_plan(model, "onednn"))
+        assert torch.allclose(model(ids).logits, stock, atol=1e-4)
