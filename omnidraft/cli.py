@@ -46,7 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--pair", action="append", help="DRAFTER:TARGET, repeatable")
     b.add_argument("--dataset", action="append", help="gsm8k | humaneval | FILE.jsonl, repeatable")
     b.add_argument("--n", type=int, default=10)
-    b.add_argument("--no-hf", action="store_true", help="skip the HF assisted-generation baseline")
+    b.add_argument("--peer", action="append", choices=["stock", "lookup", "assisted"],
+                   help="peer rows beside the target alone, repeatable (default: all three): stock = the same model "
+                        "on stock kernels, lookup = HF prompt lookup, assisted = HF assisted generation")
+    b.add_argument("--no-peers", action="store_true", help="time only omnidraft and the target alone")
     b.add_argument("--out", default="bench_out")
     b.add_argument("--name", default="bench")
     b.add_argument("--trace", default=None, help="append per-round JSONL traces to this file")
@@ -229,7 +232,7 @@ def _generate(args: argparse.Namespace) -> None:
           f"τ {s.mean_accepted_length:.2f}, n-gram hits/round {s.ngram_hits_per_round:.2f}]", file=sys.stderr)
 
 
-def _run(pair_spec: str, datasets: list[str], args: argparse.Namespace, hf: bool, trace: str | None,
+def _run(pair_spec: str, datasets: list[str], args: argparse.Namespace, peers: tuple[str, ...], trace: str | None,
          partial: Callable[[list, dict], None] = lambda *_: None) -> tuple[list, dict]:
     from tqdm import tqdm
 
@@ -251,7 +254,7 @@ def _run(pair_spec: str, datasets: list[str], args: argparse.Namespace, hf: bool
             per_prompt[key] = [r.as_dict() for r in results]
             partial([*summaries, {**head, **summarize(results)}], per_prompt)
 
-        results = run_prompts(pair, prompts, args.max_new_tokens, hf=hf, trace=record, done=done,
+        results = run_prompts(pair, prompts, args.max_new_tokens, peers=peers, trace=record, done=done,
                               progress=lambda msg: (bar.set_postfix_str(msg), bar.update(msg.endswith("omnidraft"))))
         bar.close()
         summaries.append({**head, **summarize(results)})
@@ -259,7 +262,7 @@ def _run(pair_spec: str, datasets: list[str], args: argparse.Namespace, hf: bool
 
 
 def _demo(args: argparse.Namespace) -> None:
-    summaries, per_prompt = _run(f"{args.drafter}:{args.target}", ["gsm8k", "humaneval"], args, hf=False, trace=None)
+    summaries, per_prompt = _run(f"{args.drafter}:{args.target}", ["gsm8k", "humaneval"], args, peers=(), trace=None)
     print(f"\nomnidraft demo: {args.drafter} drafting for {args.target}, greedy, {args.max_new_tokens} new tokens\n")
     print(f"{'prompt':<16}{'accept':>8}{'τ':>7}{'n-gram/rd':>11}{'omni tok/s':>12}{'target tok/s':>14}{'speedup':>9}  identical")
     for key, rows in per_prompt.items():
@@ -327,7 +330,8 @@ def _bench(args: argparse.Namespace) -> None:
     pairs = args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]
     summaries, per_prompt = [], {}
     for pair_spec in pairs:
-        s, p = _run(pair_spec, args.dataset or ["gsm8k", "humaneval"], args, hf=not args.no_hf, trace=args.trace,
+        s, p = _run(pair_spec, args.dataset or ["gsm8k", "humaneval"], args, trace=args.trace,
+                    peers=() if args.no_peers else tuple(args.peer or ("stock", "lookup", "assisted")),
                     partial=lambda rows, prompts: write_report(args.out, args.name, [*summaries, *rows], {**per_prompt, **prompts}))
         summaries += s
         per_prompt.update(p)

@@ -25,10 +25,10 @@ def test_datasets_load_and_bad_names_are_named(tmp_path):
 def test_runner_reports_after_every_prompt(tiny_drafter, tiny_target, tmp_path):
     pair = tiny_drafter.pair(tiny_target, k=3)
     seen = []
-    results = run_prompts(pair, load_prompts("gsm8k", 3), 12, hf=False, done=lambda rs: seen.append(len(rs)))
+    results = run_prompts(pair, load_prompts("gsm8k", 3), 12, peers=(), done=lambda rs: seen.append(len(rs)))
     assert seen == [1, 2, 3] and all(r.identical for r in results)
     summary = {"pair": "tiny:tiny", "dataset": "gsm8k", **summarize(results)}
-    assert summary["identical_rate"] == 1.0 and summary["hf_speedup"] is None
+    assert summary["identical_rate"] == 1.0 and "assisted_speedup" not in summary
     paths = write_report(tmp_path, "b", [summary], {"tiny:tiny/gsm8k": [r.as_dict() for r in results]})
     assert json.loads(paths["json"].read_text())["summaries"][0]["prompts"] == 3
     assert "tiny:tiny" in paths["md"].read_text() and paths["png"].stat().st_size > 0

@@ -84,3 +84,30 @@ def test_fixed_plans_give_identical_logits_on_both_paths():
         stock = model(ids).logits
         K.use_kernels(model, _fixed_plan(model, "onednn"))
         assert torch.allclose(model(ids).logits, stock, atol=1e-4)
+
+
+def test_baseline_and_engine_run_the_same_model_objects_and_kernels(tiny_drafter, target_tokenizer, tmp_path):
+    """bench/runner.py's target alone, its peers and omnidraft all call the same KernelLinear objects
+    with the same paths; only the stock row switches them to F.linear (no timing asserted)."""
+    from collections import defaultdict
+
+    from omnidraft import LocalTarget
+    from omnidraft.bench.runner import run_prompts
+
+    model = tiny_llama(len(target_tokenizer), seed=1, logit_scale=30.0)
+    K.use_kernels(model, cache=tmp_path)
+    pair = tiny_drafter.pair(LocalTarget(model, target_tokenizer, "planned"), k=3)
+    layers = [m for m in model.modules() if isinstance(m, K.KernelLinear)]
+    phase, seen = ["warm-up"], defaultdict(set)
+    handles = [m.register_forward_pre_hook(lambda m, _: seen[phase[0]].add((id(m), m.stock, m.paths))) for m in layers]
+    try:
+        results = run_prompts(pair, ["Question: Tom has 3 apples. How many"], 10, peers=("stock", "lookup"),
+                              progress=lambda msg: phase.__setitem__(0, msg.split(": ", 1)[1]))
+    finally:
+        for h in handles:
+            h.remove()
+    planned = {(id(m), False, m.paths) for m in layers}
+    assert seen["target alone"] == seen["omnidraft"] == seen["lookup"] == planned
+    assert seen["stock"] == {(id(m), True, m.paths) for m in layers}
+    assert not any(m.stock for m in layers)  # the stock row hands the plan back
+    assert results[0].identical and set(results[0].peers) == {"stock", "lookup"}

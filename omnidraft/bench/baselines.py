@@ -1,5 +1,7 @@
-"""Same-process baselines: the target alone (greedy) and HF transformers' cross-tokenizer assisted
-generation (`assistant_model=, tokenizer=, assistant_tokenizer=`), timed on the same prompts."""
+"""Same-process baselines on the pairing's own target model object, timed on the same prompts:
+the target alone (greedy, on the kernels measured fastest here: kernels.py), the same model on
+stock kernels (what an unmodified HF model does on this machine), HF prompt-lookup decoding
+(`prompt_lookup_num_tokens`) and HF's cross-tokenizer assisted generation."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["Timed", "hf_assisted", "target_alone"]
+from ..kernels import stock_kernels
+
+__all__ = ["LOOKUP_TOKENS", "Timed", "hf_assisted", "prompt_lookup", "stock_generate", "target_alone"]
+
+LOOKUP_TOKENS = 10  # HF prompt lookup's draft length in the peer row
 
 
 @dataclass(frozen=True)
@@ -32,8 +38,21 @@ def _generate(model: Any, encode: Any, prompt: str, max_new_tokens: int, eos: li
 
 
 def target_alone(target: Any, prompt: str, max_new_tokens: int) -> Timed:
-    """The target's own greedy decoding, one token per forward (HF generate)."""
+    """The target's own greedy decoding, one token per forward (HF generate), on the same model
+    object and kernel plan that verifies for the pairing: the fair baseline."""
     return _generate(target.model, target.tokenizer, prompt, max_new_tokens, sorted(target.eos_ids))
+
+
+def stock_generate(target: Any, prompt: str, max_new_tokens: int) -> Timed:
+    """`target_alone` with every linear layer on stock `F.linear` (a labelled reference row)."""
+    with stock_kernels(target.model):
+        return target_alone(target, prompt, max_new_tokens)
+
+
+def prompt_lookup(target: Any, prompt: str, max_new_tokens: int) -> Timed:
+    """HF prompt-lookup decoding: drafts copied from the prompt's n-grams, no drafter model."""
+    return _generate(target.model, target.tokenizer, prompt, max_new_tokens, sorted(target.eos_ids),
+                     prompt_lookup_num_tokens=LOOKUP_TOKENS)
 
 
 def hf_assisted(target: Any, drafter: Any, prompt: str, max_new_tokens: int) -> Timed:

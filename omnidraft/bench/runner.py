@@ -1,20 +1,29 @@
 """Run one pairing and its baselines over a list of prompts, side by side in one process.
 
-Per prompt: the target alone, HF assisted generation, and omnidraft, each timed once after a
-shared warm-up; the ratios compare runs made seconds apart on the same machine state.
+Per prompt: the target alone (the fair baseline: the pairing's own target model object on the
+kernel plan it verifies with), each peer row (`PEERS`: the same model on stock kernels, HF
+prompt-lookup decoding, HF assisted generation) and omnidraft, each timed once after a shared
+warm-up; the ratios compare runs made seconds apart on the same machine state.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Any, Callable
 
 from ..session import Pairing
-from .baselines import Timed, hf_assisted, target_alone
+from .baselines import Timed, hf_assisted, prompt_lookup, stock_generate, target_alone
 
-__all__ = ["PromptResult", "compare_pairings", "paired_ratio", "run_prompts", "summarize"]
+__all__ = ["PEERS", "PromptResult", "compare_pairings", "paired_ratio", "run_prompts", "summarize"]
+
+# peer rows: name -> (label in reports, runner(pair, prompt, n) -> Timed)
+PEERS: dict[str, tuple[str, Callable[[Pairing, str, int], Timed]]] = {
+    "stock": ("HF generate, stock kernels", lambda pair, prompt, n: stock_generate(pair.target, prompt, n)),
+    "lookup": ("HF prompt lookup (10)", lambda pair, prompt, n: prompt_lookup(pair.target, prompt, n)),
+    "assisted": ("HF assisted generation", lambda pair, prompt, n: hf_assisted(pair.target, pair.drafter, prompt, n)),
+}
 
 
 @dataclass(frozen=True)
@@ -27,10 +36,8 @@ class PromptResult:
     ngram_hits_per_round: float
     omnidraft_s: float
     target_s: float
-    hf_s: float | None
-    hf_identical: bool | None
-    hf_tau: float | None
     time_split: dict[str, float]
+    peers: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> seconds, identical, tau
 
     @property
     def speedup(self) -> float:
@@ -38,25 +45,33 @@ class PromptResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "speedup": self.speedup,
-                "hf_speedup": self.target_s / self.hf_s if self.hf_s else None}
+                **{f"{name}_speedup": self.target_s / row["seconds"] for name, row in self.peers.items()}}
 
 
-def run_prompts(pair: Pairing, prompts: list[str], max_new_tokens: int, *, hf: bool = True,
+def run_prompts(pair: Pairing, prompts: list[str], max_new_tokens: int, *, peers: tuple[str, ...] = tuple(PEERS),
                 trace: Callable[[int, Any], None] | None = None,
                 progress: Callable[[str], None] = lambda _: None,
                 done: Callable[[list[PromptResult]], None] = lambda _: None) -> list[PromptResult]:
-    """Time omnidraft, the target alone and (if `hf`) HF assisted generation on every prompt;
+    """Time omnidraft, the target alone and every row of `peers` (keys of PEERS) on every prompt;
     `done` sees the results so far after each prompt (for partial reports of long runs)."""
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        raise ValueError(f"unknown peer rows {sorted(unknown)}; known: {sorted(PEERS)}")
     warm = prompts[0]
     pair.generate(warm, max_new_tokens=8)
     target_alone(pair.target, warm, 8)
-    if hf:
-        hf_assisted(pair.target, pair.drafter, warm, 8)
+    for name in peers:
+        PEERS[name][1](pair, warm, 8)
     results = []
     for i, prompt in enumerate(prompts):
         progress(f"prompt {i}: target alone")
         ref = target_alone(pair.target, prompt, max_new_tokens)
-        hf_run, hf_tau = _hf(pair, prompt, max_new_tokens) if hf else (None, None)
+        rows = {}
+        for name in peers:
+            progress(f"prompt {i}: {name}")
+            run, forwards = _counting_forwards(pair.target.model, lambda name=name: PEERS[name][1](pair, prompt, max_new_tokens))
+            rows[name] = {"seconds": run.seconds, "identical": run.token_ids == ref.token_ids,
+                          "tau": len(run.token_ids) / max(1, forwards - 1)}  # the prefill forward also emits a token
         progress(f"prompt {i}: omnidraft")
         out = pair.generate(prompt, max_new_tokens=max_new_tokens)
         if trace is not None:
@@ -65,47 +80,48 @@ def run_prompts(pair: Pairing, prompts: list[str], max_new_tokens: int, *, hf: b
             index=i, new_tokens=len(out.token_ids), identical=out.token_ids == ref.token_ids,
             acceptance_rate=out.stats.acceptance_rate, mean_accepted_length=out.stats.mean_accepted_length,
             ngram_hits_per_round=out.stats.ngram_hits_per_round, omnidraft_s=out.stats.seconds,
-            target_s=ref.seconds, hf_s=hf_run.seconds if hf_run else None,
-            hf_identical=hf_run.token_ids == ref.token_ids if hf_run else None, hf_tau=hf_tau,
-            time_split=out.stats.time_split,
+            target_s=ref.seconds, time_split=out.stats.time_split, peers=rows,
         ))
         done(results)
     return results
 
 
-def _hf(pair: Pairing, prompt: str, max_new_tokens: int) -> tuple[Timed, float | None]:
-    """HF assisted run and its tau (tokens per target forward, counted by a forward hook)."""
+def _counting_forwards(model: Any, run: Callable[[], Timed]) -> tuple[Timed, int]:
+    """`run()` and how many forwards of `model` it made (a pre-hook counts them)."""
     calls = []
-    handle = pair.target.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
-        run = hf_assisted(pair.target, pair.drafter, prompt, max_new_tokens)
+        return run(), len(calls)
     finally:
         handle.remove()
-    return run, len(run.token_ids) / max(1, len(calls) - 1)  # the prefill forward also emits a token
 
 
 def summarize(results: list[PromptResult]) -> dict[str, Any]:
-    """Totals and medians over prompts (tokens/s from total tokens over total time)."""
+    """Totals and medians over prompts (tokens/s from total tokens over total time); per peer row
+    its tok/s, speedup over the target alone, τ and share of outputs identical to the target's."""
     tokens = sum(r.new_tokens for r in results)
-    total = {k: sum(getattr(r, k) or 0 for r in results) for k in ("omnidraft_s", "target_s", "hf_s")}
-    split = {k: sum(r.time_split[k] * r.omnidraft_s for r in results) / total["omnidraft_s"] for k in results[0].time_split}
-    return {
+    omni_s, target_s = sum(r.omnidraft_s for r in results), sum(r.target_s for r in results)
+    split = {k: sum(r.time_split[k] * r.omnidraft_s for r in results) / omni_s for k in results[0].time_split}
+    out = {
         "prompts": len(results),
         "new_tokens": tokens,
         "identical_rate": sum(r.identical for r in results) / len(results),
         "acceptance_rate": sum(r.acceptance_rate for r in results) / len(results),
         "mean_accepted_length": median(r.mean_accepted_length for r in results),
         "ngram_hits_per_round": sum(r.ngram_hits_per_round for r in results) / len(results),
-        "omnidraft_tok_s": tokens / total["omnidraft_s"],
-        "target_tok_s": tokens / total["target_s"],
-        "speedup": total["target_s"] / total["omnidraft_s"],
+        "omnidraft_tok_s": tokens / omni_s,
+        "target_tok_s": tokens / target_s,
+        "speedup": target_s / omni_s,
         "median_speedup": median(r.speedup for r in results),
-        "hf_tok_s": tokens / total["hf_s"] if total["hf_s"] else None,
-        "hf_speedup": total["target_s"] / total["hf_s"] if total["hf_s"] else None,
-        "hf_tau": median(r.hf_tau for r in results) if results[0].hf_tau is not None else None,
-        "hf_identical_rate": (sum(bool(r.hf_identical) for r in results) / len(results)) if results[0].hf_s else None,
         "time_split": split,
     }
+    for name in results[0].peers:
+        seconds = sum(r.peers[name]["seconds"] for r in results)
+        out[f"{name}_tok_s"] = tokens / seconds
+        out[f"{name}_speedup"] = target_s / seconds
+        out[f"{name}_tau"] = median(r.peers[name]["tau"] for r in results)
+        out[f"{name}_identical_rate"] = sum(r.peers[name]["identical"] for r in results) / len(results)
+    return out
 
 
 def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_tokens: int,
