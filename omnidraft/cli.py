@@ -20,7 +20,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def decoding(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--k", type=int, default=6, help="most drafter tokens per round")
+        q.add_argument("--k", type=int, default=None,
+                       help="fixed drafter tokens per round (default: chosen each round from the pairing's measured "
+                            "costs, 0 where drafting cannot pay; the lab commands use 6)")
         q.add_argument("--stop-confidence", type=float, default=0.3,
                        help="end a draft after a token the drafter gives less probability than this (0: never)")
         q.add_argument("--strategy", choices=["text", "ngram"], default="text")
@@ -294,6 +296,7 @@ def _bench_remote(args: argparse.Namespace) -> None:
     from .atomic import atomic_write_bytes
     from .bench.datasets import load_prompts
     from .bench.remote import run_remote
+    from .session import K_START
     from .stats import write_trace
 
     rows = []
@@ -304,7 +307,7 @@ def _bench_remote(args: argparse.Namespace) -> None:
                 args.trace, out.rounds, {"pair": pair_spec, "dataset": dataset, "prompt": i, "rtt_ms": rtt * 1000})) \
                 if args.trace else None
             for row in run_remote(drafter, target, load_prompts(dataset, args.n), args.max_new_tokens,
-                                  [ms / 1000 for ms in args.rtt or [20, 50, 100]], k=args.k,
+                                  [ms / 1000 for ms in args.rtt or [20, 50, 100]], k=args.k or K_START,
                                   stop_confidence=args.stop_confidence, progress=bar.set_postfix_str, trace=record):
                 rows.append({"pair": pair_spec, "dataset": dataset, **row})
             bar.close()

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import re
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from .draft import Draft
 from .int8 import quantize_int8
 from .models import load_model
 from .runner import CausalRunner
@@ -36,17 +36,6 @@ if TYPE_CHECKING:
     from .target import Target
 
 __all__ = ["Draft", "DraftSession", "Drafter"]
-
-
-@dataclass(frozen=True)
-class Draft:
-    """Drafted ids (K,) and, when sampling, the distributions they were drawn from: q (K, Vd).
-    `healed`: the first id replaces the context's last token (token healing, translate/healing.py),
-    so the draft's bytes begin with that token's, which were already committed."""
-
-    ids: list[int]
-    q: torch.Tensor | None = None
-    healed: bool = False
 
 
 @runtime_checkable

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .adaptive.head import AcceptanceHead, CostModel, HeadConfig, Stopper, head_state
-from .adaptive.policy import Hysteresis
+from .adaptive.policy import CostPolicy, Hysteresis
+from .draft import NO_DRAFT
 from .errors import TargetError
 from .stats import GenerationStats, RoundRecord
 from .target import Rule
@@ -32,12 +33,18 @@ if TYPE_CHECKING:
     from .profiles import ProfileStore
     from .target import Target
 
-__all__ = ["DecodeConfig", "Generation", "Pairing", "TABLES_KEPT", "pair_tables"]
+__all__ = ["K_START", "DecodeConfig", "Generation", "Pairing", "TABLES_KEPT", "pair_tables"]
+
+
+K_START = 6  # a cost-driven pairing's first draft length, before any cost is measured
 
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
-    """How a pairing decodes. `k`: drafter tokens per round. `mode`/`temperature`: see verify.py.
+    """How a pairing decodes. `k`: drafter tokens per round; None (default) lets the pairing choose
+    each round's length in [0, `k_max`] from its measured costs and acceptance (adaptive/policy.py
+    `CostPolicy`; 0: the target decodes alone where drafting cannot pay); an int fixes it (and is
+    where `adaptive` and `head` start). `mode`/`temperature`: see verify.py.
     `strategy`: draft-to-target translation ("text" or "ngram", see translator.py).
     `stop_confidence`: end a draft early after a token the drafter gives less probability than this.
     `adaptive`: a Hysteresis policy that moves the draft length (starting at k) with acceptance;
@@ -47,7 +54,8 @@ class DecodeConfig:
     it acts where it is lossless and the translation re-tokenizes text: greedy and `match`
     verification with the "text" strategy (`healing` says whether it acts)."""
 
-    k: int = 6
+    k: int | None = None
+    k_max: int = 12
     mode: str = "greedy"
     temperature: float = 0.0
     strategy: str = "text"
@@ -58,8 +66,10 @@ class DecodeConfig:
     heal: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"draft length k must be an integer >= 1, got {self.k!r}")
+        if self.k is not None and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
+            raise ValueError(f"draft length k must be None (chosen from measured costs) or an integer >= 1, got {self.k!r}")
+        if not isinstance(self.k_max, int) or self.k_max < 1:
+            raise ValueError(f"k_max must be an integer >= 1, got {self.k_max!r}")
         if self.strategy not in ("text", "ngram"):
             raise ValueError(f"translation strategy must be 'text' or 'ngram', got {self.strategy!r}")
         if not 0.0 <= self.stop_confidence < 1.0:
@@ -69,6 +79,16 @@ class DecodeConfig:
     @property
     def rule(self) -> Rule:
         return Rule(mode=self.mode, temperature=self.temperature)
+
+    @property
+    def start_k(self) -> int:
+        """The first round's draft length (and the fixed one when `k` is set)."""
+        return self.k if self.k is not None else min(K_START, self.k_max)
+
+    @property
+    def cost_driven(self) -> bool:
+        """Whether the pairing chooses each round's draft length from its measured costs."""
+        return self.k is None and self.adaptive is None and self.head is None
 
     @property
     def healing(self) -> bool:
@@ -156,6 +176,7 @@ class Pairing:
             self.adapter = drafter.adapter_name(target.name, user)
             drafter.add_adapter(self.adapter, config_from_state(saved) if saved is not None else adapter, saved)
         self.cost = CostModel()
+        self.policy = CostPolicy(self.cost, k_max=config.k_max, start=config.start_k) if config.cost_driven else None
         self.head: AcceptanceHead | None = None
         self.head_trainer: Any = None
         if config.head is not None:
@@ -296,7 +317,8 @@ class Pairing:
         only = {"exact": "direct", "omnidraft": "aligned"}.get(rule.mode, "any")
         aligned = only != "any"
         allowed = self._shared if rule.mode == "exact" else None
-        produced, k = 0, self.config.k
+        produced = 0
+        k = self.policy.next_k() if self.policy is not None else self.config.start_k
         hc = self.config.head
         stopper = Stopper(self.head, hc, self._shared, self.cost) if hc is not None else None
         first, previous = True, None
@@ -306,8 +328,8 @@ class Pairing:
             if previous is not None:  # the round's whole wall time beyond drafting and verifying is overhead
                 drafted, t_draft, verified, t_verify, started = previous
                 self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
-            draft = self._draft(dsession, k, stopper, last, tsession.ids[-1] if tsession.ids else None, allowed,
-                                generator)
+            draft = NO_DRAFT if k == 0 else self._draft(dsession, k, stopper, last,
+                                                         tsession.ids[-1] if tsession.ids else None, allowed, generator)
             t1 = time.perf_counter()
             held = draft_table[last] if draft.healed else b""  # committed bytes the draft starts with
             proposal = translator.translate(draft.ids, only=only, skip=len(held))
@@ -334,7 +356,7 @@ class Pairing:
             # caller's handling of the yielded tokens and whatever else stands between two rounds
             previous = None if first else (len(draft.ids), t1 - t0, len(proposal) + 1, t3 - t2, t0)
             first = False
-            k = self._next_length(k, stopper, len(proposal), verdict.accepted, keep)
+            k = self._next_length(k, stopper, len(draft.ids), len(proposal), verdict.accepted, keep)
             yield new, RoundRecord(
                 context=context, drafted=len(draft.ids), proposed=len(proposal), accepted=verdict.accepted,
                 emitted=len(new), from_cache=sum(1 for s in proposal.sources[: verdict.accepted] if s == Source.NGRAM),
@@ -363,9 +385,13 @@ class Pairing:
         return dsession.propose(k, temperature=self.config.rule.temperature, allowed=allowed, generator=generator,
                                 stop_confidence=stop_confidence, **extra)
 
-    def _next_length(self, k: int, stopper: Stopper | None, proposed: int, accepted: int, kept: int) -> int:
-        """The fallback's (or `adaptive`'s) draft length for the next round; with a head, the round's
-        features and the `kept` drafted tokens go to its trainer first."""
+    def _next_length(self, k: int, stopper: Stopper | None, drafted: int, proposed: int, accepted: int,
+                     kept: int) -> int:
+        """The next round's draft length: the cost policy's, or the fallback's (or `adaptive`'s);
+        with a head, the round's features and the `kept` drafted tokens go to its trainer first."""
+        if self.policy is not None:
+            self.policy.observe(drafted, proposed, accepted)
+            return self.policy.next_k()
         if stopper is not None:
             if self.config.head.train is not None:
                 self.head_trainer.add(stopper.features(), kept)

@@ -51,6 +51,7 @@ class GenerationStats:
     mean_accepted_length: float
     ngram_hits_per_round: float
     time_split: dict[str, float]
+    speculating: float = 1.0  # share of rounds that drafted (a cost-driven pairing may decode alone)
 
     @property
     def tokens_per_second(self) -> float:
@@ -70,6 +71,7 @@ class GenerationStats:
             mean_accepted_length=new_tokens / len(rounds) if rounds else 0.0,
             ngram_hits_per_round=fmean(r.from_cache for r in rounds) if rounds else 0.0,
             time_split=split,
+            speculating=sum(r.drafted > 0 for r in rounds) / len(rounds) if rounds else 1.0,
         )
 
 

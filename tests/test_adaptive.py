@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 import omnidraft as od
-from omnidraft.adaptive.policy import Hysteresis
+from omnidraft.adaptive.policy import CostPolicy, Hysteresis
 
 from .conftest import target_greedy
 from .fakes import OracleDrafter
@@ -313,3 +313,66 @@ def test_paired_ratio_is_the_geometric_mean_time_ratio_with_a_t_interval():
     assert paired_ratio([1.0] * 40, [1.1] * 40)["low"] == pytest.approx(1.1)  # no spread: a point
     with pytest.raises(ValueError, match="same non-empty prompts"):
         paired_ratio([1.0], [1.0, 2.0])
+
+
+def _costs(draft_ms: float, verify_ms: dict[int, float], other_ms: float = 0.5) -> CostModel:
+    """A CostModel that has seen rounds of these costs (drafted 2..6 tokens, verified 1..8)."""
+    cost = CostModel()
+    for _ in range(4):
+        for d in (2, 4, 6):
+            cost.observe(d, d * draft_ms / 1000, 1, verify_ms[1] / 1000, other_ms / 1000)
+        for m, v in verify_ms.items():
+            cost.observe(3, 3 * draft_ms / 1000, m, v / 1000, other_ms / 1000)
+    return cost
+
+
+def _policy(cost: CostModel, accepted: int, proposed: int, drafted: int, **kw) -> CostPolicy:
+    policy = CostPolicy(cost, **kw)
+    for _ in range(10):
+        policy.observe(drafted, proposed, accepted)
+    return policy
+
+
+VERIFY = {m: 20.0 + 4.0 * (m - 1) for m in range(1, 14)}  # a target step of 20 ms, 4 ms per extra verified token
+
+
+def test_cost_policy_drafts_long_when_drafts_are_cheap_and_accepted():
+    policy = _policy(_costs(1.0, VERIFY), accepted=6, proposed=6, drafted=6)
+    assert policy.next_k() >= 8 and policy.speculating
+    assert policy.expected_tokens(0) == 1.0 and policy.rates()[policy.next_k()] > policy.rates()[0]
+
+
+def test_cost_policy_stops_speculating_when_the_drafter_cannot_pay_and_probes_again():
+    policy = _policy(_costs(30.0, VERIFY), accepted=1, proposed=4, drafted=4, probe_every=3)
+    assert policy.next_k() == 0 and not policy.speculating
+    for _ in range(3):
+        policy.observe(0, 0, 0)  # rounds decoded by the target alone
+    probe = policy.next_k()
+    assert probe >= 1  # after probe_every idle rounds it drafts once to measure again
+    policy.observe(probe, probe, 0)
+    assert policy.next_k() == 0
+
+
+def test_cost_policy_starts_at_its_start_and_checks_its_arguments():
+    assert CostPolicy(CostModel(), start=5).next_k() == 5
+    with pytest.raises(ValueError, match="start <= k_max"):
+        CostPolicy(CostModel(), start=9, k_max=4)
+    with pytest.raises(ValueError, match="probe_every >= 1"):
+        CostPolicy(CostModel(), probe_every=0)
+
+
+@pytest.mark.parametrize("schedule", [[0], [0, 3, 0, 0, 5, 1], [4, 0]])
+def test_rounds_that_do_not_speculate_keep_greedy_identity(tiny_drafter, tiny_target, schedule):
+    from itertools import cycle
+
+    from .conftest import target_greedy
+
+    pair = tiny_drafter.pair(tiny_target)  # k=None: cost-driven
+    assert pair.policy is not None
+    lengths = cycle(schedule)
+    pair.policy.next_k = lambda: next(lengths)
+    prompt = "Question: Tom has 3 apples and buys 5 more. How many"
+    out = pair.generate(prompt, max_new_tokens=24)
+    assert out.token_ids == target_greedy(tiny_target, prompt, 24)
+    assert any(r.drafted == 0 for r in out.rounds[1:])
+    assert out.stats.speculating < 1.0 or schedule == [4, 0]

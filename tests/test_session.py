@@ -121,7 +121,7 @@ def test_bad_requests_name_the_value(tiny_drafter, tiny_target, call, match):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(k=0), "draft length k must be an integer >= 1, got 0"), (dict(temperature=-0.5), "temperature must be >= 0, got -0.5"),
+    [(dict(k=0), "draft length k must be None .chosen from measured costs. or an integer >= 1, got 0"), (dict(temperature=-0.5), "temperature must be >= 0, got -0.5"),
      (dict(mode="beam"), "verification mode must be one of"), (dict(mode="match"), "sampling modes need temperature > 0"),
      (dict(strategy="magic"), "strategy must be 'text' or 'ngram'")],
 )

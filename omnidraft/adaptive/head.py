@@ -227,6 +227,11 @@ class CostModel:
         return (self._draft_line[0] if self._draft_line else 0.0) + (self._other or 0.0)
 
     @property
+    def other(self) -> float:
+        """The round's wall time beyond drafting and verifying (translation, resync, the caller)."""
+        return self._other or 0.0
+
+    @property
     def verify_slope(self) -> float:
         return self._verify_line[1]
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..cli import DRAFTER, loaded_pairs, split_pair
+from ..session import K_START
 
 __all__ = ["adapt", "bench_cache", "bench_draft", "bench_drafters", "bench_replay", "bench_switch"]
 
@@ -46,7 +47,7 @@ def adapt(args: argparse.Namespace) -> None:
     modules = tuple(m.strip() for m in args.modules.split(",") if m.strip()) if args.modules else None
     result = run_adapt(drafter, target, train=args.train, evaluation=args.eval, n_train=args.n_train, n_eval=args.n_eval,
                        max_new_tokens=args.max_new_tokens, steps=args.steps, eval_every=args.eval_every,
-                       variants=args.variant or ["none", "hybrid", "spans"], config=config, rank=args.rank, k=args.k,
+                       variants=args.variant or ["none", "hybrid", "spans"], config=config, rank=args.rank, k=args.k or K_START,
                        modules=modules,
                        stop_confidence=args.stop_confidence, out=Path(args.out), name=args.name,
                        cache_study=args.cache_ablation, record_batch=args.record_batch, live=args.live,
@@ -110,7 +111,7 @@ def bench_drafters(args: argparse.Namespace) -> None:
     target = od.LocalTarget.load(target_spec) if args.dataset else None
     bar = tqdm(desc="bench-drafters", file=sys.stderr)
     result = run_drafters(drafters, target, datasets=args.dataset or [], n=args.n, max_new_tokens=args.max_new_tokens,
-                          k=args.k, stop_confidence=args.stop_confidence, files=files, out=Path(args.out), name=args.name,
+                          k=args.k or K_START, stop_confidence=args.stop_confidence, files=files, out=Path(args.out), name=args.name,
                           progress=bar.set_postfix_str)
     bar.close()
     print(markdown(result))
@@ -129,7 +130,7 @@ def bench_replay(args: argparse.Namespace) -> None:
     result = run_replay(drafter_spec, od.LocalTarget.load(target_spec, kernels=False),
                         datasets=args.dataset or ["gsm8k:test"], n=args.n, max_new_tokens=args.max_new_tokens,
                         schemes=args.drafter or ["int8"], decodes=args.decode or [""],
-                        base={"k": args.k, "stop_confidence": args.stop_confidence, "strategy": args.strategy},
+                        base={"k": args.k or K_START, "stop_confidence": args.stop_confidence, "strategy": args.strategy},
                         cache=Path(args.cache), progress=bar.set_postfix_str)
     bar.close()
     print(write_replay_report(result, Path(args.out), args.name))
@@ -142,7 +143,7 @@ def bench_cache(args: argparse.Namespace) -> None:
     from .cache import load_end, markdown, run_cache_bench
 
     drafter, target = load_end(args.drafter), load_end(args.target)
-    results = [run_cache_bench(drafter, target, dataset=dataset, n=args.n, k=args.k, accuracy=accuracy, seed=args.seed)
+    results = [run_cache_bench(drafter, target, dataset=dataset, n=args.n, k=args.k or K_START, accuracy=accuracy, seed=args.seed)
                for dataset in args.dataset or ["gsm8k:train", "humaneval"] for accuracy in args.accuracy or [0.8]]
     report = "\n".join(markdown(r) for r in results)
     out = Path(args.out)

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..drafter import Draft, _confidence, _pick, restrict
+from ..draft import Draft
+from ..drafter import _confidence, _pick, restrict
 from ..errors import CorruptFileError, IncompatibleError
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
@@ -49,6 +50,8 @@ class OrtGraph:
         if threads:
             options.intra_op_num_threads = threads
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # idle pool threads must not spin: the target verifies on the same cores right after a draft
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own types for unreadable graphs
