@@ -6,6 +6,7 @@ live in verify.py and the vocabulary work in translate/.
 from __future__ import annotations
 
 import codecs
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .adaptive.head import AcceptanceHead, CostModel, HeadConfig, Stopper, head_state
-from .adaptive.policy import CostPolicy, Hysteresis
+from .adaptive.policy import CostPolicy, Hysteresis, ModeChooser
 from .draft import NO_DRAFT
 from .errors import TargetError
 from .stats import GenerationStats, RoundRecord
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = ["K_START", "DecodeConfig", "Generation", "Pairing", "TABLES_KEPT", "pair_tables"]
 
+log = logging.getLogger(__name__)
+
 
 K_START = 6  # a cost-driven pairing's first draft length, before any cost is measured
 
@@ -44,7 +47,11 @@ class DecodeConfig:
     """How a pairing decodes. `k`: drafter tokens per round; None (default) lets the pairing choose
     each round's length in [0, `k_max`] from its measured costs and acceptance (adaptive/policy.py
     `CostPolicy`; 0: the target decodes alone where drafting cannot pay); an int fixes it (and is
-    where `adaptive` and `head` start). `mode`/`temperature`: see verify.py.
+    where `adaptive` and `head` start). `objective` for a target that can decode alone on its own
+    side (`RemoteTarget`): "latency" (default) hands a greedy request to the server whenever
+    speculating measured slower than the server decoding alone (adaptive/policy.py `ModeChooser`);
+    "compute" always speculates, which spends fewer target forwards per token.
+    `mode`/`temperature`: see verify.py.
     `strategy`: draft-to-target translation ("text" or "ngram", see translator.py).
     `stop_confidence`: end a draft early after a token the drafter gives less probability than this.
     `adaptive`: a Hysteresis policy that moves the draft length (starting at k) with acceptance;
@@ -56,6 +63,7 @@ class DecodeConfig:
 
     k: int | None = None
     k_max: int = 12
+    objective: str = "latency"
     mode: str = "greedy"
     temperature: float = 0.0
     strategy: str = "text"
@@ -68,6 +76,8 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.k is not None and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
             raise ValueError(f"draft length k must be None (chosen from measured costs) or an integer >= 1, got {self.k!r}")
+        if self.objective not in ("latency", "compute"):
+            raise ValueError(f"objective must be 'latency' or 'compute', got {self.objective!r}")
         if not isinstance(self.k_max, int) or self.k_max < 1:
             raise ValueError(f"k_max must be an integer >= 1, got {self.k_max!r}")
         if self.strategy not in ("text", "ngram"):
@@ -177,6 +187,8 @@ class Pairing:
             drafter.add_adapter(self.adapter, config_from_state(saved) if saved is not None else adapter, saved)
         self.cost = CostModel()
         self.policy = CostPolicy(self.cost, k_max=config.k_max, start=config.start_k) if config.cost_driven else None
+        self.modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and not learn
+                      and getattr(target, "generates_alone", False) else None)
         self.head: AcceptanceHead | None = None
         self.head_trainer: Any = None
         if config.head is not None:
@@ -211,6 +223,14 @@ class Pairing:
     def head_ready(self) -> bool:
         """Whether the acceptance head (not the fallback) decides draft lengths now."""
         return self.head is not None and self.head_trainer.trained >= self.config.head.warmup
+
+    @property
+    def speculating(self) -> bool:
+        """Whether this pairing drafts: False once its measured costs say drafting cannot pay here
+        (greedy requests then decode with the target alone, see `DecodeConfig.k` and `objective`)."""
+        if self.modes is not None and not self.modes.speculating:
+            return False
+        return self.policy.speculating if self.policy is not None else True
 
     @property
     def steps(self) -> int:
@@ -260,8 +280,9 @@ class Pairing:
         tts = self.learner.config.tts_every if self.learner is not None else 0
         if tts:
             self.learner.begin_request()
+        mode = self.modes.choose() if self.modes is not None else "speculate"
         try:
-            for new, record in self._rounds(prompt, max_new_tokens, generator):
+            for new, record in self._rounds(prompt, max_new_tokens, generator, alone=mode == "alone"):
                 rounds.append(record)
                 out += new
                 if tts and len(rounds) % tts == 0:
@@ -288,14 +309,22 @@ class Pairing:
             yield text[shown:]
         stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
         self.last = Generation(text, out, stats, rounds, reason)
+        if self.modes is not None:
+            self.modes.observe(mode, len(out), stats.seconds)
         if self.head_trainer is not None and self.config.head.train is not None:
             self._head_update()
         if self.learner is not None and out:
             self.learner.observe(self._verified(prompt, out, rounds), stats.acceptance_rate, stats.mean_accepted_length)
 
-    def _rounds(self, prompt: str, max_new_tokens: int,
-                generator: torch.Generator | None) -> Iterator[tuple[list[int], RoundRecord]]:
+    def _rounds(self, prompt: str, max_new_tokens: int, generator: torch.Generator | None,
+                alone: bool = False) -> Iterator[tuple[list[int], RoundRecord]]:
         tsession = self.target.begin(self.target.tokenizer(prompt)["input_ids"])
+        if alone:  # the target decodes the whole request on its side: no draft at all
+            try:
+                yield from _decode_alone(tsession, max_new_tokens)
+            finally:
+                tsession.close()
+            return
         if hasattr(self.drafter, "activate"):  # drafters without adapters (a fake, an exported graph) have none
             self.drafter.activate(self.adapter)
         ids = self.drafter.tokenizer(prompt)["input_ids"]
@@ -390,8 +419,17 @@ class Pairing:
         """The next round's draft length: the cost policy's, or the fallback's (or `adaptive`'s);
         with a head, the round's features and the `kept` drafted tokens go to its trainer first."""
         if self.policy is not None:
+            was = self.policy.speculating
             self.policy.observe(drafted, proposed, accepted)
-            return self.policy.next_k()
+            k = self.policy.next_k()
+            if self.policy.speculating != was:
+                rates = self.policy.last_rates
+                log.info("%s -> %s: %s (measured: %.1f tok/s drafting %d a round, %.1f tok/s alone)", self.drafter.name,
+                         self.target.name, "drafting pays again" if self.policy.speculating else
+                         "drafting costs more than it saves; the target decodes alone, with a probe draft now and then",
+                         max(v for key, v in rates.items() if key > 0), max((key for key in rates if key > 0),
+                                                                             key=rates.__getitem__), rates[0])
+            return k
         if stopper is not None:
             if self.config.head.train is not None:
                 self.head_trainer.add(stopper.features(), kept)
@@ -419,6 +457,16 @@ class Pairing:
         ids, logp = (torch.cat(parts)[: len(out)] for parts in zip(*self._rows))
         positions = [j + 1 for r in rounds for j in range(r.emitted)][: len(out)]
         return VerifiedRequest(prompt, out, ids, logp, positions)
+
+
+def _decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int], RoundRecord]]:
+    """The target session decodes alone (greedy); one record per token, as one forward each."""
+    context, last = len(tsession.ids), time.perf_counter()
+    for token in tsession.decode(max_new_tokens):
+        now = time.perf_counter()
+        yield [token], RoundRecord(context=context, drafted=0, proposed=0, accepted=0, emitted=1, from_cache=0,
+                                   t_draft=0.0, t_translate=0.0, t_verify=now - last, t_resync=0.0)
+        context, last = context + 1, now
 
 
 def _check_request(prompt: str, max_new_tokens: int, stop: tuple[str, ...]) -> None:

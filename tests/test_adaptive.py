@@ -316,7 +316,7 @@ def test_paired_ratio_is_the_geometric_mean_time_ratio_with_a_t_interval():
 
 
 def _costs(draft_ms: float, verify_ms: dict[int, float], other_ms: float = 0.5) -> CostModel:
-    """A CostModel that has seen rounds of these costs (drafted 2..6 tokens, verified 1..8)."""
+    """A CostModel that has seen rounds of these costs (drafted 2..6 tokens, verified 1..13)."""
     cost = CostModel()
     for _ in range(4):
         for d in (2, 4, 6):
@@ -353,8 +353,19 @@ def test_cost_policy_stops_speculating_when_the_drafter_cannot_pay_and_probes_ag
     assert policy.next_k() == 0
 
 
-def test_cost_policy_starts_at_its_start_and_checks_its_arguments():
+def test_cost_policy_starts_at_its_start_and_measures_the_target_alone_once():
     assert CostPolicy(CostModel(), start=5).next_k() == 5
+    cost = CostModel()
+    for m in (3, 5, 4):
+        cost.observe(2, 0.002, m, 0.02 + 0.004 * m)
+    policy = CostPolicy(cost)
+    policy.observe(2, 2, 2)
+    assert policy.next_k() == 0  # V(1) was never measured: one round of the target alone
+    cost.observe(0, 0.0, 1, 0.02)
+    assert policy.next_k() >= 1
+
+
+def test_cost_policy_checks_its_arguments():
     with pytest.raises(ValueError, match="start <= k_max"):
         CostPolicy(CostModel(), start=9, k_max=4)
     with pytest.raises(ValueError, match="probe_every >= 1"):

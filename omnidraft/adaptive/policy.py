@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CostPolicy", "Hysteresis"]
+__all__ = ["CostPolicy", "Hysteresis", "ModeChooser"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,18 +42,21 @@ class CostPolicy:
     per drafted token, a draft of k drafter tokens commits E(k) = 1 + sum_{j=1..rk} a^j tokens in
     o + k c_d + V(rk + 1) seconds (overhead, marginal drafter step, verifying rk tokens plus the
     pending one); k = 0 commits one token in V(1) + o_0 (the round's cost beyond drafting). The
-    policy takes the k in [0, k_max] of highest rate, so a pairing whose drafter cannot pay decodes
-    with the target alone, and tries a draft again every `probe_every` rounds (costs and acceptance
-    drift). Until the costs are measured it drafts `start` tokens. Mutable: one per pairing.
+    policy takes the k in [1, k_max] of highest rate unless k = 0 is faster by more than `margin`
+    (a knife-edge call on noisy timings would otherwise flip to not drafting and stay there), so a
+    pairing whose drafter cannot pay decodes with the target alone, and tries a draft again every
+    `probe_every` rounds (costs and acceptance drift). Until the costs are measured it drafts
+    `start` tokens, then decodes one round alone to measure V(1). Mutable: one per pairing.
     """
 
-    def __init__(self, cost: object, *, k_max: int = 12, start: int = 6, probe_every: int = 16,
-                 decay: float = 0.9) -> None:
+    def __init__(self, cost: object, *, k_max: int = 12, start: int = 6, probe_every: int = 8,
+                 decay: float = 0.8, margin: float = 0.05) -> None:
         if not 1 <= start <= k_max:
             raise ValueError(f"need 1 <= start <= k_max, got start={start}, k_max={k_max}")
-        if probe_every < 1 or not 0.0 <= decay < 1.0:
-            raise ValueError(f"need probe_every >= 1 and 0 <= decay < 1, got {probe_every} and {decay}")
+        if probe_every < 1 or not 0.0 <= decay < 1.0 or margin < 0:
+            raise ValueError(f"need probe_every >= 1, 0 <= decay < 1 and margin >= 0, got {probe_every}, {decay} and {margin}")
         self.cost, self.k_max, self.start, self.probe_every, self.decay = cost, k_max, start, probe_every, decay
+        self.margin = margin
         self.accepted = self.trials = self.ratio = None  # EMAs per drafting round
         self.idle = 0  # rounds since the last draft
         self.last_rates: dict[int, float] = {}
@@ -94,15 +97,57 @@ class CostPolicy:
     def next_k(self) -> int:
         if self.trials is None or not self.cost.ready or self.cost.draft is None:
             return self.start
+        if 1 not in self.cost.verify:  # measure a round of the target alone once: extrapolated, V(1) runs high
+            return 0
         self.last_rates = self.rates()
-        best = max(self.last_rates, key=self.last_rates.__getitem__)
-        if best == 0 and self.idle >= self.probe_every:  # look again at the best draft
-            return max(range(1, self.k_max + 1), key=self.last_rates.__getitem__)
-        return best
+        best = max(range(1, self.k_max + 1), key=self.last_rates.__getitem__)
+        if self.speculating or self.idle >= self.probe_every:  # drafting pays, or time to look again
+            return best
+        return 0
 
     @property
     def speculating(self) -> bool:
-        """Whether the measured costs say drafting pays (True until they are measured)."""
+        """Whether the measured costs say drafting pays (True until they are measured): False only
+        when the target alone is faster than the best draft length by more than `margin`."""
         if not self.last_rates:
             return True
-        return max(self.last_rates, key=self.last_rates.__getitem__) > 0
+        return self.last_rates[0] <= (1 + self.margin) * max(v for k, v in self.last_rates.items() if k > 0)
+
+
+class ModeChooser:
+    """Per request, for a target that can decode alone on its own side (a remote server): speculate,
+    or hand the whole completion to the target, whichever has measured more committed tokens per
+    second. Each mode is tried once first; afterwards the slower one is tried again every
+    `probe_every` requests, since prompts, load and the network drift. Mutable: one per pairing."""
+
+    MODES = ("speculate", "alone")
+
+    def __init__(self, *, probe_every: int = 8, decay: float = 0.7) -> None:
+        if probe_every < 2 or not 0.0 <= decay < 1.0:
+            raise ValueError(f"need probe_every >= 2 and 0 <= decay < 1, got {probe_every} and {decay}")
+        self.probe_every, self.decay = probe_every, decay
+        self.rates: dict[str, float | None] = {m: None for m in self.MODES}
+        self.requests = 0
+
+    def choose(self) -> str:
+        self.requests += 1
+        for mode in self.MODES:
+            if self.rates[mode] is None:
+                return mode
+        best = max(self.MODES, key=lambda m: self.rates[m])
+        other = self.MODES[1 - self.MODES.index(best)]
+        return other if self.requests % self.probe_every == 0 else best
+
+    def observe(self, mode: str, tokens: int, seconds: float) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        if tokens < 1 or seconds <= 0:
+            return
+        rate, old = tokens / seconds, self.rates[mode]
+        self.rates[mode] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+    @property
+    def speculating(self) -> bool:
+        """Whether speculating is (so far) the faster mode."""
+        s, a = self.rates["speculate"], self.rates["alone"]
+        return s is None or a is None or s >= a
