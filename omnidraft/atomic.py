@@ -7,7 +7,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes"]
+__all__ = ["atomic_write_bytes", "fsync_dir"]
 
 
 def _umask() -> int:
@@ -41,3 +41,19 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)  # the rename itself survives a power cut only once the directory is synced
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so the names created or renamed in it are durable (a no-op where the
+    platform cannot open a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -14,6 +14,7 @@ targets' tokenizers.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -201,8 +202,11 @@ class Drafter:
 
     @staticmethod
     def adapter_name(target: str, user: str | None) -> str:
-        """A peft-safe adapter name for a (target, user) pairing."""
-        return re.sub(r"[^A-Za-z0-9]", "_", f"{target}__{user or 'default'}")
+        """A peft-safe adapter name for a (target, user) pairing, injective: a readable prefix plus a
+        hash of the exact pair, so users "a.b", "a_b" and "a-b" never share an adapter."""
+        exact = f"{target}\0{user or 'default'}".encode()
+        readable = re.sub(r"[^A-Za-z0-9]", "_", f"{target}__{user or 'default'}")[:48]
+        return f"{readable}_{hashlib.sha256(exact).hexdigest()[:16]}"
 
     def add_adapter(self, name: str, config: AdapterConfig | None = None,
                     state: dict[str, torch.Tensor] | None = None) -> None:

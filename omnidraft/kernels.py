@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 PATHS = ("dense", "onednn")
 BUCKETS = (1, 2, 4, 8, 16, 64)  # a call of r rows runs the path chosen for the smallest bucket >= r
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: timed with cold caches
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -112,25 +112,36 @@ def host_key() -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def _median_ms(fn: Any, reps: int) -> float:
-    fn()
+COLD_BYTES = 256 << 20  # weights rotated through per timing: more than a CPU's last-level cache
+
+
+def _median_ms(fn: Any, weights: list[torch.Tensor], reps: int) -> float:
+    """Median over `reps` passes of the mean ms of `fn(w)` over `weights`, after one warm pass."""
+    for w in weights:
+        fn(w)
     times = []
     for _ in range(reps):
         started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
+        for w in weights:
+            fn(w)
+        times.append((time.perf_counter() - started) / len(weights))
     return 1000 * median(times)
 
 
 @torch.inference_mode()
 def _time_shape(linear: nn.Linear, reps: int) -> dict[str, list[float]]:
-    """Median ms of each path at each bucket's row count, on `linear`'s own weight."""
-    w, b = linear.weight, linear.bias
+    """Median ms of each path at each bucket's row count. A model's forward streams its weights
+    from memory, so each call reads a different copy of the weight, COLD_BYTES in all (the layer's
+    own weight when it alone is that large): a single weight timed again and again would stay
+    in cache and flatter the one-row paths."""
+    b = linear.bias
+    copies = max(1, min(32, COLD_BYTES // (linear.weight.numel() * linear.weight.element_size())))
+    weights = [linear.weight] + [torch.randn_like(linear.weight) for _ in range(copies - 1)]
     out: dict[str, list[float]] = {p: [] for p in PATHS}
     for rows in BUCKETS:
         x = torch.randn(rows, linear.in_features)
-        out["dense"].append(_median_ms(lambda: nn.functional.linear(x, w, b), reps))
-        out["onednn"].append(_median_ms(lambda: _onednn(x, w, b), reps))
+        out["dense"].append(_median_ms(lambda w: nn.functional.linear(x, w, b), weights, reps))
+        out["onednn"].append(_median_ms(lambda w: _onednn(x, w, b), weights, reps))
     return out
 
 
@@ -153,7 +164,7 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
             if type(child) is nn.Linear and child.weight.dtype == torch.float32]
 
 
-def kernel_plan(model: nn.Module, *, cache: Path | None = None, reps: int = 5) -> KernelPlan:
+def kernel_plan(model: nn.Module, *, cache: Path | None = None, reps: int = 3) -> KernelPlan:
     """The fastest path per bucket for every distinct fp32 linear shape of `model` on this machine:
     read from the per-machine cache, timing only shapes it does not hold yet (then saved)."""
     path = _cache_file(cache)

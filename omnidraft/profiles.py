@@ -7,16 +7,21 @@ A profile is a directory of versions plus a `CURRENT` pointer:
                                     /v000003/ngram.json   the n-gram cache
                                     /v000003/*.safetensors  adapter / acceptance head tensors, when present
 
-A save writes a complete new version, fsyncs it, then swaps `CURRENT` atomically and prunes old
-versions, so a crash at any point leaves the previous profile loadable. Loading refuses a profile
-whose tokenizer fingerprints differ from the pairing's. One profile exports to a single .tar file
-(to move a user's personalization between devices). No training code here.
+A save takes the profile's inter-process lock (`<user>/.lock`, filelock), writes a complete new
+version, fsyncs its files and directory, swaps `CURRENT` atomically and keeps the last `KEEP`
+versions, so a crash at any point leaves a loadable profile and two writers never interleave.
+Readers take no lock: a version is complete before `CURRENT` names it, and a reader whose version
+was pruned under it reads `CURRENT` again. A `CURRENT` that names no complete version falls back
+to the newest complete one. Loading refuses a profile whose tokenizer fingerprints differ from the
+pairing's. One profile exports to a single .tar file (to move a user's personalization between
+devices). No training code here.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,14 +30,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .atomic import atomic_write_bytes
+from .atomic import atomic_write_bytes, fsync_dir
 from .errors import CorruptFileError, IncompatibleError
 
-__all__ = ["PairingProfile", "ProfileStore"]
+__all__ = ["KEEP", "PairingProfile", "ProfileStore"]
+
+log = logging.getLogger(__name__)
 
 FORMAT = "omnidraft.profile"
 VERSION = 1
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+KEEP = 2  # versions kept: a broken or pruned-under-a-reader CURRENT falls back to the one before
+LOCK_TIMEOUT_S = 60.0
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # fullmatch: "$" would also match before a trailing newline
+_VERSION = re.compile(r"v\d{6}")
+_READ_TRIES = 5
 
 
 @dataclass
@@ -51,7 +62,7 @@ class PairingProfile:
 
 
 def _check_name(kind: str, value: str) -> str:
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise ValueError(f"{kind} name must be 1-100 characters of letters, digits, '.', '_' or '-', got {value!r}")
     return value
 
@@ -71,27 +82,43 @@ class ProfileStore:
 
     def save(self, profile: PairingProfile) -> Path:
         """Write a new version of `profile` and make it current; returns its directory."""
+        from filelock import FileLock, Timeout
+
         home = self.path(profile.drafter, profile.target, profile.user)
         home.mkdir(parents=True, exist_ok=True)
-        current = self._current(home)
-        number = int(current[1:]) + 1 if current else 1
+        try:
+            with FileLock(home / ".lock", timeout=LOCK_TIMEOUT_S):
+                return self._save_locked(home, profile)
+        except Timeout:
+            raise TimeoutError(f"profile {home} stayed locked by another writer for {LOCK_TIMEOUT_S:.0f} s") from None
+
+    def _save_locked(self, home: Path, profile: PairingProfile) -> Path:
+        _clean_leftovers(home)
+        versions = _versions(home)
+        number = int(versions[-1][1:]) + 1 if versions else 1
         version = home / f"v{number:06d}"
-        shutil.rmtree(version, ignore_errors=True)  # a leftover of a crashed save
         version.mkdir()
         _write_version(version, profile)
+        fsync_dir(version)
+        fsync_dir(home)
         atomic_write_bytes(home / "CURRENT", version.name.encode())
-        for old in home.glob("v*"):
-            if old.name != version.name:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in _complete(home)[:-KEEP]:
+            shutil.rmtree(home / old, ignore_errors=True)
         return version
 
     def load(self, drafter: str, target: str, user: str, *, fingerprint: str | None = None) -> PairingProfile | None:
         """The current profile, or None if there is none. A tokenizer mismatch raises IncompatibleError."""
         home = self.path(drafter, target, user)
-        current = self._current(home)
-        if current is None:
-            return None
-        profile = _read_version(home / current)
+        for attempt in range(_READ_TRIES):
+            current = self._current(home)
+            if current is None:
+                return None
+            try:
+                profile = _read_version(home / current)
+                break
+            except (FileNotFoundError, CorruptFileError):  # pruned by a writer while we read: look again
+                if attempt == _READ_TRIES - 1 or self._current(home) == current and (home / current).is_dir():
+                    raise
         if fingerprint is not None and profile.fingerprint != fingerprint:
             raise IncompatibleError(
                 f"profile {home} was made for tokenizers {profile.fingerprint!r}, this pairing has {fingerprint!r}; "
@@ -127,13 +154,44 @@ class ProfileStore:
 
     @staticmethod
     def _current(home: Path) -> str | None:
+        """The version `CURRENT` names, or the newest complete one when it names none (a broken
+        pointer is logged, never fatal while a complete version exists); None for no profile."""
         try:
             name = (home / "CURRENT").read_text().strip()
         except FileNotFoundError:
+            name = None
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        if name is not None and _VERSION.fullmatch(name) and (home / name / "meta.json").is_file():
+            return name
+        complete = _complete(home)
+        if name is None and not complete:
             return None
-        if not re.match(r"^v\d{6}$", name) or not (home / name / "meta.json").exists():
-            raise CorruptFileError(f"{home}/CURRENT points at {name!r}, which is not a complete profile version")
-        return name
+        if not complete:
+            raise CorruptFileError(f"{home / 'CURRENT'} names {name!r}, and no complete profile version is left")
+        log.warning("%s names %r, not a complete version; using %s", home / "CURRENT", name, complete[-1])
+        return complete[-1]
+
+
+def _versions(home: Path) -> list[str]:
+    """Every version directory's name, oldest first."""
+    return sorted(p.name for p in home.glob("v*") if p.is_dir() and _VERSION.fullmatch(p.name))
+
+
+def _complete(home: Path) -> list[str]:
+    """The versions whose meta.json (written last) exists, oldest first."""
+    return [v for v in _versions(home) if (home / v / "meta.json").is_file()]
+
+
+def _clean_leftovers(home: Path) -> None:
+    """What killed saves leave (under the lock: no writer is using them): temp files and versions
+    that never got their meta.json."""
+    for tmp in home.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+    complete = set(_complete(home))
+    for name in _versions(home):
+        if name not in complete:
+            shutil.rmtree(home / name, ignore_errors=True)
 
 
 def _write_version(version: Path, profile: PairingProfile) -> None:
@@ -159,18 +217,21 @@ def _from_files(files: dict[str, bytes], where: str) -> PairingProfile:
 
     try:
         meta = json.loads(files["meta.json"])
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise CorruptFileError(f"{where}: not an omnidraft profile of format version {VERSION}")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise CorruptFileError(f"{where}/meta.json: not an omnidraft profile of format version {VERSION}")
         tensors = {stem: load_tensors(files[f"{stem}.safetensors"]) for stem in meta["tensors"]}
         ngram = json.loads(files["ngram.json"]) if "ngram.json" in files else None
-    except (KeyError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CorruptFileError(f"{where}: incomplete or corrupt profile ({exc})") from exc
+        return PairingProfile(drafter=meta["drafter"], target=meta["target"], user=meta["user"],
+                              fingerprint=meta["fingerprint"], steps=meta["steps"], metrics=meta["metrics"], ngram=ngram,
+                              tensors=tensors)
+    except KeyError as exc:
+        raise CorruptFileError(f"{where}: incomplete profile: {exc.args[0]!r} is missing (from meta.json or its files)") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
+        raise CorruptFileError(f"{where}: corrupt profile ({exc})") from exc
     except Exception as exc:  # safetensors raises its own error type on a truncated file
         if isinstance(exc, CorruptFileError):
             raise
         raise CorruptFileError(f"{where}: unreadable tensors ({exc})") from exc
-    return PairingProfile(drafter=meta["drafter"], target=meta["target"], user=meta["user"], fingerprint=meta["fingerprint"],
-                          steps=meta["steps"], metrics=meta["metrics"], ngram=ngram, tensors=tensors)
 
 
 def _library_version() -> str:

@@ -128,3 +128,15 @@ def test_the_offline_optimum_evicts_what_is_next_used_furthest_ahead():
     assert offline_optimum(events, 2) == 1.0 and offline_optimum(events, 0) == 0.0
     assert offline_optimum([add(a), add(b)], 1) is None  # no use to serve
     # LRU with one slot would have evicted a for c and hit nothing
+
+
+def test_default_against_fixed_k_pairs_every_prompt(tiny_drafter, tiny_target):
+    from omnidraft.bench.runner import default_against_fixed_k
+
+    prompts = [p[:60] for p in load_prompts("gsm8k", 3)]
+    res = default_against_fixed_k(tiny_drafter, tiny_target, prompts, 10, [2, 4])
+    assert [r["variant"] for r in res["rows"]] == ["default", "k=2", "k=4"]
+    assert all(r["identical"] == 3 for r in res["rows"]) and res["best_fixed"] in ("k=2", "k=4")
+    assert res["default_vs_best"]["prompts"] == 3 and res["default_vs_best"]["low"] <= res["default_vs_best"]["ratio"]
+    with pytest.raises(ValueError, match="draft lengths >= 1"):
+        default_against_fixed_k(tiny_drafter, tiny_target, prompts, 10, [0])

@@ -44,6 +44,21 @@ def test_remote_placement_adds_one_exchange_per_round(tmp_path):
     assert r.bytes_sent == 12
 
 
+def test_the_remote_baseline_is_one_streamed_completion_not_a_round_trip_per_token(tmp_path):
+    path = _trace(tmp_path, [dict(context=11, drafted=3, proposed=3, accepted=3, emitted=4),
+                             dict(context=15, drafted=3, proposed=2, accepted=0, emitted=1)])
+    net = NetworkProfile(name="n", source="hand-built", rtt_ms=50.0, bandwidth_mbps=1e9, loss=0.0, overhead_bytes=0)
+    r = simulate(read_trace(path), Scenario(device=DEVICE, server=DEVICE, network=net, id_bytes=4, reply_bytes=16))
+    # the server alone: one exchange (50 ms) + prefill 2*10 + 5 tokens at 100 ms = 570 ms; 11 prompt ids sent
+    assert r.baseline_seconds * 1000 == pytest.approx(570.0, abs=0.01) and r.baseline_bytes_sent == 44
+    # speculating: 191 + 161 ms of compute plus one 50 ms exchange per round = 452 ms, 2 forwards for 5 tokens
+    assert r.seconds * 1000 == pytest.approx(452.0, abs=0.01) and r.forwards_per_token == pytest.approx(0.4)
+    assert r.speculation_pays
+    slow = simulate(read_trace(path), Scenario(device=DEVICE, server=DEVICE, id_bytes=4, reply_bytes=16,
+                                                network=NetworkProfile(name="far", source="x", rtt_ms=400.0, overhead_bytes=0)))
+    assert not slow.speculation_pays  # at 400 ms a round trip per round loses to one streamed request
+
+
 def test_loss_costs_expected_resends():
     net = NetworkProfile(name="n", source="x", rtt_ms=100, loss=0.5, bandwidth_mbps=1e9, overhead_bytes=0)
     assert net.exchange_ms(0, 0) == pytest.approx(200.0)

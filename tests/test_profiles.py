@@ -76,7 +76,111 @@ def test_export_import_moves_a_profile_between_stores(tmp_path):
         b.import_file(tmp_path / "junk.tar")
 
 
-@pytest.mark.parametrize("bad", ["", "../etc", "a/b", "x" * 101])
+@pytest.mark.parametrize("bad", ["", "../etc", "a/b", "x" * 101, "alice\n", "alice\r\n"])
 def test_names_are_checked(tmp_path, bad):
     with pytest.raises(ValueError, match="name must be"):
         ProfileStore(tmp_path).path("d", "t", bad)
+
+
+PROFILE = ("smollm2-135m", "qwen2.5-coder-0.5b", "alice")
+
+
+def _writer(root: str, first_step: int, saves: int) -> None:
+    store = ProfileStore(root)
+    for i in range(saves):
+        store.save(_profile(steps=first_step + i))
+
+
+def test_two_writers_and_a_reader_never_see_a_half_written_profile(tmp_path):
+    """Two processes save the same profile 300 times each while this one reads it: every read is a
+    complete version (never a false "not a complete profile"), and the profile loads at the end."""
+    import multiprocessing
+
+    store = ProfileStore(tmp_path)
+    store.save(_profile(steps=0))
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_writer, args=(str(tmp_path), start, 300)) for start in (1, 1001)]
+    for w in writers:
+        w.start()
+    reads = 0
+    while any(w.is_alive() for w in writers):
+        profile = store.load(*PROFILE, fingerprint="d:t")
+        assert profile is not None and profile.tensors["adapter"]["lora_A"].shape == (4, 8)
+        reads += 1
+    for w in writers:
+        w.join()
+        assert w.exitcode == 0
+    home = store.path(*PROFILE)
+    final = store.load(*PROFILE, fingerprint="d:t")
+    assert final.steps in (300, 1300) and reads > 0
+    assert len(list(home.glob("v*"))) == 2 and not list(home.glob(".*.tmp"))  # the last two versions kept
+    numbers = sorted(int(v.name[1:]) for v in home.glob("v*"))
+    assert numbers[-1] == 601  # one version per save: no two writers picked the same number
+
+
+def test_a_broken_current_falls_back_to_the_previous_version(tmp_path):
+    store = ProfileStore(tmp_path)
+    store.save(_profile(steps=1))
+    second = store.save(_profile(steps=2))
+    import shutil
+
+    shutil.rmtree(second)  # CURRENT now names a deleted version
+    assert store.load(*PROFILE).steps == 1
+    store.save(_profile(steps=3))  # and saving still works
+    assert store.load(*PROFILE).steps == 3
+    (store.path(*PROFILE) / "CURRENT").write_text("garbage")
+    assert store.load(*PROFILE).steps == 3
+
+
+def test_leftovers_of_killed_saves_are_cleaned_and_missing_keys_name_the_file(tmp_path):
+    import json
+
+    store = ProfileStore(tmp_path)
+    version = store.save(_profile(steps=1))
+    home = version.parent
+    (home / ".CURRENT.abc.tmp").write_bytes(b"v0000")
+    (home / "v000009").mkdir()  # a version that never got its meta.json
+    store.save(_profile(steps=2))
+    assert not (home / ".CURRENT.abc.tmp").exists() and not (home / "v000009").exists()
+    current = home / (home / "CURRENT").read_text()
+    meta = json.loads((current / "meta.json").read_text())
+    del meta["steps"]
+    (current / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CorruptFileError, match="'steps' is missing") as err:
+        store.load(*PROFILE)
+    assert str(current) in str(err.value)
+
+
+def test_adapter_names_are_injective():
+    from omnidraft import Drafter
+
+    users = ["a.b", "a_b", "a-b", "a__b", None, "default"]
+    names = {Drafter.adapter_name("qwen", u) for u in users} | {Drafter.adapter_name("qwen_x", "y"),
+                                                                  Drafter.adapter_name("qwen", "x_y")}
+    assert len(names) == len(users) + 2 - 1  # None is the "default" user
+    assert all(n.replace("_", "").isalnum() for n in names)
+
+
+def test_users_on_one_drafter_never_share_adapter_weights(draft_tokenizer, tiny_target, tmp_path):
+    """Users "a.b" and "a_b" used to map to one adapter name, and the second drafted with (and saved)
+    the first's weights."""
+    from omnidraft import Drafter
+    from omnidraft.distill.adapters import adapter_state
+
+    from .conftest import tiny_llama
+
+    drafter = Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    store = ProfileStore(tmp_path)
+    a, b = (drafter.pair(tiny_target, user=u, learn=True, store=store) for u in ("a.b", "a_b"))
+    assert a.adapter != b.adapter
+    with torch.no_grad():
+        for name, param in drafter.trainable.named_parameters():
+            if f".{a.adapter}." in name and "lora_B" in name:
+                param.fill_(0.5)  # only user a.b's adapter moves
+    moved = {k: v for k, v in adapter_state(drafter.trainable, a.adapter).items() if "lora_B" in k}
+    kept = {k: v for k, v in adapter_state(drafter.trainable, b.adapter).items() if "lora_B" in k}
+    assert moved and all(bool((v == 0.5).all()) for v in moved.values())
+    assert kept and all(float(v.abs().sum()) == 0.0 for v in kept.values())
+    b.save()
+    assert all(float(v.abs().sum()) == 0.0 for k, v in store.load("tiny-drafter", tiny_target.name, "a_b")
+               .tensors["adapter"].items() if "lora_B" in k)

@@ -13,6 +13,7 @@ import torch
 from omnidraft.errors import IncompatibleError, RemoteRequestError, TargetUnavailableError
 from omnidraft.remote.client import RemoteTarget
 from omnidraft.remote.server import ServerConfig, create_app
+from omnidraft.target import Rule
 
 from .conftest import target_greedy
 
@@ -242,3 +243,48 @@ def test_openai_target_feeds_learning_with_top_rows(http, draft_tokenizer, tiny_
                         train=TrainConfig(interval=1, lr=1e-2), store=ProfileStore(tmp_path))
     out = pair.generate(PROMPTS[1], max_new_tokens=16)
     assert out.token_ids == target_greedy(tiny_target, PROMPTS[1], 16) and pair.steps == 1
+
+
+def test_a_session_hands_the_rest_of_a_completion_to_the_server(http, tiny_target):
+    """POST /v1/sessions/{id}/generate streams the server's own greedy tokens, committed as they come."""
+    remote = _remote(http)
+    ids = tiny_target.tokenizer(PROMPTS[0])["input_ids"]
+    session = remote.begin(ids)
+    first = session.verify(torch.zeros(0, dtype=torch.long), Rule()).token
+    rest = list(session.decode(15))
+    assert [first, *rest] == target_greedy(tiny_target, PROMPTS[0], 16)[: 1 + len(rest)]
+    assert session.ids == ids + [first, *rest] and session.forwards == 1 + len(rest)
+    stale = http.post(f"/v1/sessions/{session.sid}/generate", json={"committed": len(ids), "max_tokens": 4},
+                      headers={"authorization": f"Bearer {KEY}"})
+    assert stale.status_code == 409 and "stale request" in stale.json()["error"]
+    bad = http.post(f"/v1/sessions/{session.sid}/generate", json={"committed": len(session.ids), "max_tokens": 0},
+                    headers={"authorization": f"Bearer {KEY}"})
+    assert bad.status_code == 422
+    session.close()
+
+
+def test_the_latency_objective_measures_both_modes_and_stays_identical(http, tiny_drafter, tiny_target):
+    pair = tiny_drafter.pair(_remote(http))  # defaults: cost-driven k, latency objective
+    assert pair.modes is not None
+    ref = target_greedy(tiny_target, PROMPTS[1], 20)
+    outs = [pair.generate(PROMPTS[1], max_new_tokens=20) for _ in range(3)]
+    assert all(o.token_ids == ref for o in outs)
+    assert any(r.drafted for r in outs[0].rounds)  # first request: speculate
+    assert all(r.drafted == 0 and r.emitted == 1 for r in outs[1].rounds)  # second: the server alone
+    assert all(rate is not None for rate in pair.modes.rates.values())
+    compute = tiny_drafter.pair(_remote(http), objective="compute")
+    assert compute.modes is None and tiny_drafter.pair(tiny_target).modes is None  # local targets decide per round
+    with pytest.raises(ValueError, match="objective must be 'latency' or 'compute'"):
+        tiny_drafter.pair(tiny_target, objective="fast")
+
+
+def test_mode_chooser_takes_the_faster_mode_and_probes_the_other():
+    from omnidraft.adaptive.policy import ModeChooser
+
+    chooser = ModeChooser(probe_every=4)
+    assert chooser.choose() == "speculate"  # each mode is measured once first
+    chooser.observe("speculate", 100, 10.0)
+    assert chooser.choose() == "alone"
+    chooser.observe("alone", 100, 5.0)
+    picks = [chooser.choose() for _ in range(8)]
+    assert picks.count("alone") == 6 and picks.count("speculate") == 2 and not chooser.speculating

@@ -1,28 +1,29 @@
 """`omnidraft bench --remote`: hybrid edge-cloud decoding with an injected network round trip.
 
 The target is served by our own verification server on loopback (uvicorn in a thread); the
-client adds `rtt` seconds to every HTTP exchange and counts the bytes it sends. Both contenders go
-through the same server and the same network:
-- remote target alone: one verify with an empty proposal per token (one round trip per token);
-- omnidraft: the local drafter proposes, one round trip verifies several tokens.
+client adds `rtt` seconds to every HTTP exchange and counts the bytes it sends. Every contender
+goes through the same server and the same network:
+- the server alone, as deployed servers run: one completion request, the whole completion
+  generated on the server (one round trip, then one target step per token);
+- omnidraft with the default "latency" objective: per request it speculates or hands the request
+  to the server, whichever it has measured faster (two untimed warm-up requests measure both);
+- omnidraft with the "compute" objective: always speculates (fewest target forwards per token).
 On one machine the server's compute competes with the drafter for the same cores; a real
 deployment runs them on different hardware (device_sim models that).
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from typing import Any
 
-import torch
-
 from ..remote.client import RemoteTarget
 from ..remote.server import ServerConfig, create_app
-from ..target import Rule
 
-__all__ = ["LatencyClient", "run_remote", "serve_in_thread"]
+__all__ = ["ROWS", "LatencyClient", "run_remote", "serve_in_thread"]
 
 
 class LatencyClient:
@@ -41,6 +42,12 @@ class LatencyClient:
         self.sent += len(path) + len(kwargs.get("content") or b"") + 64  # request line + headers, roughly
         self.received += len(response.content)
         return response
+
+    def stream(self, method: str, path: str, **kwargs: Any) -> Any:
+        """A streamed exchange: one round trip before the reply starts (bytes received not counted)."""
+        time.sleep(self.rtt)
+        self.sent += len(path) + len(kwargs.get("content") or b"") + 64
+        return self.inner.stream(method, path, **kwargs)
 
     def close(self) -> None:
         self.inner.close()
@@ -69,21 +76,25 @@ def serve_in_thread(app: Any) -> tuple[str, Any]:
     return f"http://127.0.0.1:{port}", stop
 
 
-def _alone(remote: RemoteTarget, prompt: str, max_new_tokens: int) -> list[int]:
-    session = remote.begin(remote.tokenizer(prompt)["input_ids"])
-    start, empty = len(session.ids), torch.zeros(0, dtype=torch.long)
-    while len(session.ids) - start < max_new_tokens and session.ids[-1] not in remote.eos_ids:
-        session.verify(empty, Rule())
-    session.close()
-    return session.ids[start:]
+def _server_alone(client: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """One greedy /v1/completions request for the whole completion; the generated ids."""
+    body = {"prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0.0, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    reply = client.request("POST", "/v1/completions", content=json.dumps(body),
+                           headers={"content-type": "application/json"})
+    reply.raise_for_status()
+    return [int(t.removeprefix("token_id:")) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
 
 
-def run_remote(drafter: Any, target: Any, prompts: list[str], max_new_tokens: int, rtts: list[float], *, k: int,
-               stop_confidence: float, progress: Any = lambda msg: None,
-               trace: Any = None) -> list[dict[str, Any]]:
-    """One row per round-trip time: tokens/s of omnidraft and of the remote target alone, bytes per token.
+ROWS = ("server alone", "omnidraft (latency)", "omnidraft (compute)")
 
-    `trace(rtt, index, output)`, if given, is called after each omnidraft generation (per-round traces).
+
+def run_remote(drafter: Any, target: Any, prompts: list[str], max_new_tokens: int, rtts: list[float], *,
+               k: int | None = None, progress: Any = lambda msg: None, trace: Any = None) -> list[dict[str, Any]]:
+    """Per round-trip time and row of ROWS: seconds per request, tok/s, speedup over the server
+    alone, target forwards and bytes sent per committed token, outputs identical to the server's.
+
+    `trace(rtt, index, output)`, if given, is called after each speculating generation.
     """
     url, stop = serve_in_thread(create_app(target, ServerConfig(api_key=None)))
     rows = []
@@ -91,33 +102,43 @@ def run_remote(drafter: Any, target: Any, prompts: list[str], max_new_tokens: in
         for rtt in rtts:
             client = LatencyClient(url, rtt)
             remote = RemoteTarget(url, tokenizer=target.tokenizer, client=client)
-            pair = drafter.pair(remote, k=k, stop_confidence=stop_confidence)
-            row = {"rtt_ms": rtt * 1000, "prompts": len(prompts), "omnidraft_s": 0.0, "alone_s": 0.0, "tokens": 0,
-                   "alone_tokens": 0, "omnidraft_bytes": 0, "alone_bytes": 0, "identical": 0, "rounds": 0}
+            pairs = {ROWS[1]: drafter.pair(remote, k=k), ROWS[2]: drafter.pair(remote, k=k, objective="compute")}
+            for pair in pairs.values():  # untimed: the latency pairing measures both of its modes here
+                for _ in range(2):
+                    pair.generate(prompts[0], max_new_tokens=max_new_tokens)
+            stats = {name: {"seconds": 0.0, "tokens": 0, "forwards": 0, "sent": 0, "identical": 0, "speculated": 0}
+                     for name in ROWS}
             for i, prompt in enumerate(prompts):
-                progress(f"rtt {rtt * 1000:.0f} ms, prompt {i}: target alone")
+                progress(f"rtt {rtt * 1000:.0f} ms, prompt {i}: server alone")
+                ids = target.tokenizer(prompt)["input_ids"]
                 before, started = client.sent, time.perf_counter()
-                reference = _alone(remote, prompt, max_new_tokens)
-                row["alone_s"] += time.perf_counter() - started
-                row["alone_bytes"] += client.sent - before
-                row["alone_tokens"] += len(reference)
-                progress(f"rtt {rtt * 1000:.0f} ms, prompt {i}: omnidraft")
-                before, started = client.sent, time.perf_counter()
-                out = pair.generate(prompt, max_new_tokens=max_new_tokens)
-                row["omnidraft_s"] += time.perf_counter() - started
-                row["omnidraft_bytes"] += client.sent - before
-                row["tokens"] += len(out.token_ids)
-                row["rounds"] += len(out.rounds)
-                row["identical"] += out.token_ids == reference
-                if trace is not None:
-                    trace(rtt, i, out)
-            row.update(omnidraft_tok_s=row["tokens"] / row["omnidraft_s"], alone_tok_s=row["alone_tokens"] / row["alone_s"],
-                       tau=row["tokens"] / max(1, row["rounds"]),
-                       omnidraft_bytes_per_token=row["omnidraft_bytes"] / max(1, row["tokens"]),
-                       alone_bytes_per_token=row["alone_bytes"] / max(1, row["alone_tokens"]))
-            row["speedup"] = row["omnidraft_tok_s"] / row["alone_tok_s"]
-            rows.append(row)
+                reference = _server_alone(client, ids, max_new_tokens)
+                _add(stats[ROWS[0]], time.perf_counter() - started, len(reference), len(reference), client.sent - before, True, 0)
+                for name, pair in pairs.items():
+                    progress(f"rtt {rtt * 1000:.0f} ms, prompt {i}: {name}")
+                    before, started = client.sent, time.perf_counter()
+                    out = pair.generate(prompt, max_new_tokens=max_new_tokens)
+                    _add(stats[name], time.perf_counter() - started, len(out.token_ids), len(out.rounds), client.sent - before,
+                         out.token_ids == reference, any(r.drafted for r in out.rounds))
+                    if trace is not None and any(r.drafted for r in out.rounds):
+                        trace(rtt, i, out)
+            alone_s = stats[ROWS[0]]["seconds"]
+            for name, st in stats.items():
+                rows.append({"rtt_ms": rtt * 1000, "row": name, "prompts": len(prompts),
+                             "seconds_per_request": st["seconds"] / len(prompts), "tok_s": st["tokens"] / st["seconds"],
+                             "speedup": alone_s / st["seconds"], "forwards_per_token": st["forwards"] / max(1, st["tokens"]),
+                             "bytes_sent_per_token": st["sent"] / max(1, st["tokens"]), "identical": st["identical"],
+                             "speculated": st["speculated"]})
             client.close()
     finally:
         stop()
     return rows
+
+
+def _add(row: dict[str, Any], seconds: float, tokens: int, forwards: int, sent: int, identical: bool, speculated: bool) -> None:
+    row["seconds"] += seconds
+    row["tokens"] += tokens
+    row["forwards"] += forwards
+    row["sent"] += sent
+    row["identical"] += identical
+    row["speculated"] += speculated

@@ -13,6 +13,7 @@ __all__ = ["markdown_table", "write_report"]
 COLUMNS = [
     ("pair", "pair", "{}"), ("dataset", "dataset", "{}"), ("n", "prompts", "{}"),
     ("accept", "acceptance_rate", "{:.2f}"), ("τ", "mean_accepted_length", "{:.2f}"),
+    ("drafted/round", "drafted_per_round", "{:.2f}"), ("rounds drafting", "speculating", "{:.0%}"),
     ("n-gram/round", "ngram_hits_per_round", "{:.2f}"), ("omnidraft tok/s", "omnidraft_tok_s", "{:.2f}"),
     ("target alone tok/s", "target_tok_s", "{:.2f}"), ("omnidraft speedup", "speedup", "{:.2f}×"),
     ("stock-kernel HF", "stock_speedup", "{:.2f}×"), ("prompt lookup", "lookup_speedup", "{:.2f}×"),

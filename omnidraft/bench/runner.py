@@ -16,7 +16,8 @@ from typing import Any, Callable
 from ..session import Pairing
 from .baselines import Timed, hf_assisted, prompt_lookup, stock_generate, target_alone
 
-__all__ = ["PEERS", "PromptResult", "compare_pairings", "paired_ratio", "run_prompts", "summarize"]
+__all__ = ["PEERS", "PromptResult", "compare_pairings", "default_against_fixed_k", "pairing_costs", "paired_ratio",
+           "run_prompts", "summarize"]
 
 # peer rows: name -> (label in reports, runner(pair, prompt, n) -> Timed)
 PEERS: dict[str, tuple[str, Callable[[Pairing, str, int], Timed]]] = {
@@ -38,6 +39,8 @@ class PromptResult:
     target_s: float
     time_split: dict[str, float]
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> seconds, identical, tau
+    drafted_per_round: float = 0.0
+    speculating: float = 1.0  # share of rounds that drafted
 
     @property
     def speedup(self) -> float:
@@ -81,9 +84,27 @@ def run_prompts(pair: Pairing, prompts: list[str], max_new_tokens: int, *, peers
             acceptance_rate=out.stats.acceptance_rate, mean_accepted_length=out.stats.mean_accepted_length,
             ngram_hits_per_round=out.stats.ngram_hits_per_round, omnidraft_s=out.stats.seconds,
             target_s=ref.seconds, time_split=out.stats.time_split, peers=rows,
+            drafted_per_round=sum(r.drafted for r in out.rounds) / max(1, len(out.rounds)),
+            speculating=out.stats.speculating,
         ))
         done(results)
     return results
+
+
+def pairing_costs(pair: Pairing, target_step_s: float) -> dict[str, Any]:
+    """What the pairing measured (ms): drafter step, round overhead, verify(m), its per-token
+    acceptance and target tokens per drafted token; and the limit check of docs/benchmarks.md:
+    a round of k drafted tokens costs k * step + verify(k + 1) + overhead for tau tokens, which
+    beats the target alone only while that is below tau * target step."""
+    cost, policy = pair.cost, pair.policy
+    out: dict[str, Any] = {"target_step_ms": 1000 * target_step_s,
+                           "draft_ms": 1000 * cost.draft if cost.draft is not None else None,
+                           "overhead_ms": 1000 * cost.overhead,
+                           "verify_ms": {m: 1000 * v for m, v in sorted(cost.verify.items())}}
+    if policy is not None and policy.trials:
+        out.update(acceptance=policy.acceptance, target_per_drafted=policy.ratio,
+                   rates_tok_s={k: round(v, 2) for k, v in policy.rates().items()})
+    return out
 
 
 def _counting_forwards(model: Any, run: Callable[[], Timed]) -> tuple[Timed, int]:
@@ -113,6 +134,8 @@ def summarize(results: list[PromptResult]) -> dict[str, Any]:
         "target_tok_s": tokens / target_s,
         "speedup": target_s / omni_s,
         "median_speedup": median(r.speedup for r in results),
+        "drafted_per_round": sum(r.drafted_per_round for r in results) / len(results),
+        "speculating": sum(r.speculating for r in results) / len(results),
         "time_split": split,
     }
     for name in results[0].peers:
@@ -183,3 +206,19 @@ def paired_ratio(faster: list[float], slower: list[float]) -> dict[str, float]:
 # key's (larger, so conservative) quantile, and beyond 30 the quantile at 30 (the normal's is 1.96)
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20,
         12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09, 25: 2.06, 30: 2.04}
+
+
+def default_against_fixed_k(drafter: Any, target: Any, prompts: list[str], max_new_tokens: int, ks: list[int],
+                            progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """The default pairing (draft length from measured costs) beside each fixed k, same prompts,
+    same run (`compare_pairings`), and how the default compares with the best fixed k per prompt
+    (`paired_ratio`: above 1, the default is faster)."""
+    if not ks or any(k < 1 for k in ks):
+        raise ValueError(f"ks must be draft lengths >= 1, got {ks}")
+    pairs = {"default": drafter.pair(target), **{f"k={k}": drafter.pair(target, k=k) for k in ks}}
+    result = compare_pairings(pairs, prompts, max_new_tokens, progress)
+    rows = {row["variant"]: row for row in result["rows"]}
+    best = max((name for name in rows if name != "default"), key=lambda name: rows[name]["tok_s"])
+    result["best_fixed"] = best
+    result["default_vs_best"] = paired_ratio(rows["default"]["prompt_s"], rows[best]["prompt_s"])
+    return result

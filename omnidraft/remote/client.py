@@ -16,7 +16,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -24,7 +24,8 @@ from ..errors import IncompatibleError, RemoteRequestError, TargetUnavailableErr
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
-from .protocol import InfoReply, OpenReply, OpenRequest, SparseRow, VerifyReply, VerifyRequest
+from .protocol import (GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest, SparseRow, VerifyReply,
+                       VerifyRequest)
 
 __all__ = ["RemoteTarget", "call_json"]
 
@@ -32,7 +33,11 @@ _RETRY_STATUS = (502, 503, 504)
 
 
 class RemoteTarget:
-    """A target served by `omnidraft serve` (see remote/server.py)."""
+    """A target served by `omnidraft serve` (see remote/server.py). Its sessions can hand the rest
+    of a completion to the server (`generates_alone`), which a latency-objective pairing does when
+    speculating measures slower than the server decoding alone."""
+
+    generates_alone = True
 
     def __init__(self, url: str, *, api_key: str | None = None, tokenizer: Any = None, timeout: float = 30.0,
                  retries: int = 2, client: Any = None) -> None:
@@ -132,6 +137,32 @@ class _RemoteSession:
         if reply.topk_ids is not None and reply.topk_logp is not None:
             top = (torch.tensor(reply.topk_ids, dtype=torch.long), torch.tensor(reply.topk_logp))
         return Verdict(reply.accepted, reply.token, top)
+
+    def decode(self, max_tokens: int) -> Iterator[int]:
+        """The server greedy-decodes up to `max_tokens` more tokens alone (stopping after an EOS) and
+        streams them; each is committed here as it arrives. One request, no retry: a broken stream
+        raises TargetUnavailableError (the session is then out of step and must be closed)."""
+        import httpx
+
+        owner, path = self.owner, f"/v1/sessions/{self.sid}/generate"
+        content = GenerateRequest(committed=len(self.ids), max_tokens=max_tokens).model_dump_json()
+        try:
+            with owner.http.stream("POST", path, content=content, headers={"content-type": "application/json"}) as reply:
+                if reply.status_code >= 400:
+                    reply.read()
+                    raise RemoteRequestError(f"{owner.url}{path} refused the request: HTTP {reply.status_code}: "
+                                             f"{_reason(reply)}")
+                for line in reply.iter_lines():
+                    if not line.strip():
+                        continue
+                    chunk = GenerateChunk.model_validate_json(line)
+                    self.ids += chunk.tokens
+                    self.forwards += len(chunk.tokens)
+                    yield from chunk.tokens
+                    if chunk.done:
+                        return
+        except httpx.TransportError as exc:
+            raise TargetUnavailableError(f"{owner.url}{path}: the stream broke ({type(exc).__name__}: {exc})") from exc
 
     def close(self) -> None:
         """Free the server's KV cache for this session now (it would expire anyway)."""

@@ -7,19 +7,22 @@ proposal) gets the stored reply again, and anything else is refused as stale: a 
 applied twice. Replies carry the accepted count, the emitted token and, when asked, the target's
 top-k log-probabilities per committed position (what distillation needs: K pairs, not 150k floats).
 Draft rows q' for rejection sampling travel sparse: only the target ids with q' > 0.
+A generate request hands the rest of a completion to the server (greedy, no draft): its reply
+streams one `GenerateChunk` per line (NDJSON) as the tokens are committed.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["VERSION", "ErrorReply", "InfoReply", "OpenReply", "OpenRequest", "SparseRow", "VerifyReply",
-           "VerifyRequest"]
+__all__ = ["VERSION", "ErrorReply", "GenerateChunk", "GenerateRequest", "InfoReply", "OpenReply", "OpenRequest",
+           "SparseRow", "VerifyReply", "VerifyRequest"]
 
 VERSION = 1
 MAX_PROMPT = 32_768
 MAX_PROPOSAL = 64
 MAX_TOPK = 64
+MAX_GENERATE = 4096
 
 
 class _Message(BaseModel):
@@ -80,6 +83,19 @@ class VerifyReply(_Message):
     token: int
     topk_ids: list[list[int]] | None = None
     topk_logp: list[list[float]] | None = None
+
+
+class GenerateRequest(_Message):
+    """Greedy-decode up to `max_tokens` more tokens alone (stopping after an EOS)."""
+
+    committed: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=MAX_GENERATE)
+
+
+class GenerateChunk(_Message):
+    tokens: list[int]
+    committed: int  # the session's committed length after these tokens
+    done: bool = False
 
 
 class ErrorReply(_Message):

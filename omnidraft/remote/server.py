@@ -2,6 +2,7 @@
 
     POST   /v1/sessions                 OpenRequest  -> OpenReply
     POST   /v1/sessions/{id}/verify     VerifyRequest -> VerifyReply
+    POST   /v1/sessions/{id}/generate   GenerateRequest -> NDJSON GenerateChunk per committed token
     DELETE /v1/sessions/{id}
     GET    /v1/info, /v1/tokenizer      what a device needs to pair (name, vocab, fingerprint, files)
     GET    /health, /metrics            liveness; Prometheus text
@@ -23,16 +24,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ..target import Rule
-from .protocol import VERSION, InfoReply, OpenReply, OpenRequest, VerifyReply, VerifyRequest
+from .protocol import (VERSION, GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest, VerifyReply,
+                       VerifyRequest)
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -152,6 +154,34 @@ class _Service:
                             topk_logp=verdict.topk[1].tolist() if verdict.topk else None)
         session.last, session.used = (request.committed, proposal, reply), time.monotonic()
         return reply
+
+    def generate(self, sid: str, request: GenerateRequest) -> Iterator[bytes]:
+        """Checks `request` now (so a stale one is refused with its status), then returns the
+        NDJSON stream that decodes alone: one token per step, the model lock held per step only,
+        so other sessions' verifies interleave."""
+        session = self._session(sid)
+        with self.model_lock:
+            if request.committed != len(session.inner.ids):
+                raise _HTTPError(409, f"stale request: it builds on {request.committed} committed tokens, "
+                                      f"the session has {len(session.inner.ids)}")
+        with self.table_lock:
+            self._reserve(request.max_tokens)
+        return self._decode(session, request.max_tokens)
+
+    def _decode(self, session: _Session, max_tokens: int) -> Iterator[bytes]:
+        empty, rule = torch.zeros(0, dtype=torch.long), Rule()
+        for step in range(max_tokens):
+            with self.model_lock:
+                started = time.perf_counter()
+                token = session.inner.verify(empty, rule).token
+                self.metrics.observe(time.perf_counter() - started)
+                committed = len(session.inner.ids)
+            self.metrics.rounds += 1
+            session.last, session.used = None, time.monotonic()
+            done = token in self.target.eos_ids or step == max_tokens - 1
+            yield GenerateChunk(tokens=[token], committed=committed, done=done).model_dump_json().encode() + b"\n"
+            if done:
+                return
 
     def complete(self, request: Any) -> dict[str, Any]:
         """The OpenAI-compatible /v1/completions (greedy, stateless; see remote/openai.py)."""
@@ -279,6 +309,14 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         except _HTTPError as exc:
             return fail(exc.status, exc.message)
         return reply.model_dump(exclude_none=True)
+
+    @app.post("/v1/sessions/{sid}/generate")
+    async def generate(sid: str, request: Request) -> Any:
+        try:
+            stream = await run_in_threadpool(service.generate, sid, await body(request, GenerateRequest))
+        except _HTTPError as exc:
+            return fail(exc.status, exc.message)
+        return StreamingResponse(stream, media_type="application/x-ndjson")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
