@@ -2,8 +2,12 @@
 
 Traces are omnidraft's per-round JSONL (`omnidraft.stats`, which imports nothing heavy). Each round costs: drafting (device), one target forward over the pending token plus the proposal
 (the first round also prefills the prompt), the bookkeeping, and in a remote placement one network
-exchange. The target-alone baseline is charged the same prefill and one forward (and one exchange)
-per token. Jitter is mean-zero and so does not move an expected latency; loss adds expected resends.
+exchange. The target-alone baseline is charged the same prefill and one forward per token; in a
+remote placement it is what a deployed server does: one request carrying the prompt, the whole
+completion generated on the server and streamed back (one exchange, then one target step per
+token), never one round trip per token. Beside latency the result counts target forwards per
+committed token, what speculation saves a server (the streaming server spends one per token).
+Jitter is mean-zero and so does not move an expected latency; loss adds expected resends.
 """
 
 from __future__ import annotations
@@ -44,6 +48,19 @@ class SimResult:
     ttft_s: float
     baseline_seconds: float
     bytes_sent: int
+    rounds: int = 0
+    baseline_bytes_sent: int = 0
+
+    @property
+    def forwards_per_token(self) -> float:
+        """Target forwards per committed token while speculating (the baseline spends 1)."""
+        return self.rounds / self.tokens
+
+    @property
+    def speculation_pays(self) -> bool:
+        """Whether speculating beats the baseline on latency (a latency-objective pairing lets the
+        target generate alone otherwise)."""
+        return self.seconds < self.baseline_seconds
 
     @property
     def tokens_per_s(self) -> float:
@@ -69,27 +86,32 @@ def _round_ms(r: TraceRound, sc: Scenario, first: bool) -> tuple[float, int]:
     return ms, up if sc.remote else 0
 
 
-def _baseline_ms(run: list[TraceRound], sc: Scenario) -> float:
+def _baseline_ms(run: list[TraceRound], sc: Scenario) -> tuple[float, int]:
+    """The target alone: prefill, then one step per token; remote, one request whose reply streams
+    every token back (one exchange). Returns (ms, bytes sent)."""
     host, tokens, prompt = sc.target_host, sum(r.emitted for r in run), run[0].context
-    per_token = host.target_cost(1) + (sc.network.exchange_ms(sc.id_bytes, sc.reply_bytes) if sc.remote else 0.0)
-    first = host.prefill_ms_per_token * max(0, prompt - 1) + host.target_cost(1)
-    if sc.remote:
-        first += sc.network.exchange_ms(sc.id_bytes * prompt, sc.reply_bytes)
-    return first + per_token * (tokens - 1)
+    ms = host.prefill_ms_per_token * max(0, prompt - 1) + host.target_cost(1) * tokens
+    if not sc.remote:
+        return ms, 0
+    up = sc.id_bytes * prompt
+    return ms + sc.network.exchange_ms(up, sc.reply_bytes * tokens), up
 
 
 def simulate(runs: list[list[TraceRound]], sc: Scenario) -> SimResult:
     """Expected totals over every generation in `runs` under scenario `sc`."""
     tokens = seconds = baseline = ttft = 0.0
-    sent = 0
+    sent = baseline_sent = rounds = 0
     for run in runs:
         costs = [_round_ms(r, sc, i == 0) for i, r in enumerate(run)]
         seconds += sum(c for c, _ in costs) / 1000
         sent += sum(b for _, b in costs)
         ttft += costs[0][0] / 1000
-        baseline += _baseline_ms(run, sc) / 1000
+        alone_ms, alone_sent = _baseline_ms(run, sc)
+        baseline += alone_ms / 1000
+        baseline_sent += alone_sent
         tokens += sum(r.emitted for r in run)
-    return SimResult(int(tokens), seconds, ttft / len(runs), baseline, sent)
+        rounds += len(run)
+    return SimResult(int(tokens), seconds, ttft / len(runs), baseline, sent, rounds, baseline_sent)
 
 
 def acceptance_per_position(runs: list[list[TraceRound]]) -> float:
