@@ -186,9 +186,11 @@ class Pairing:
             self.adapter = drafter.adapter_name(target.name, user)
             drafter.add_adapter(self.adapter, config_from_state(saved) if saved is not None else adapter, saved)
         self.cost = CostModel()
-        self.policy = CostPolicy(self.cost, k_max=config.k_max, start=config.start_k) if config.cost_driven else None
         self.modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and not learn
                       and getattr(target, "generates_alone", False) else None)
+        # with a mode chooser, whether to draft at all is decided per request from measured throughput
+        self.policy = (CostPolicy(self.cost, k_max=config.k_max, start=config.start_k, idle=self.modes is None)
+                       if config.cost_driven else None)
         self.head: AcceptanceHead | None = None
         self.head_trainer: Any = None
         if config.head is not None:
@@ -281,6 +283,8 @@ class Pairing:
         if tts:
             self.learner.begin_request()
         mode = self.modes.choose() if self.modes is not None else "speculate"
+        if self.policy is not None:
+            self.policy.begin_request()
         try:
             for new, record in self._rounds(prompt, max_new_tokens, generator, alone=mode == "alone"):
                 rounds.append(record)
@@ -309,8 +313,14 @@ class Pairing:
             yield text[shown:]
         stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
         self.last = Generation(text, out, stats, rounds, reason)
-        if self.modes is not None:
-            self.modes.observe(mode, len(out), stats.seconds)
+        if self.modes is not None and len(rounds) > 1:  # decode-phase rate: the first round also prefills
+            first, was = rounds[0], self.modes.speculating
+            self.modes.observe(mode, len(out) - first.emitted, stats.seconds - first.seconds)
+            if self.modes.speculating != was:
+                log.info("%s -> %s: %s (measured %s)", self.drafter.name, self.target.name,
+                         "speculating is faster again" if self.modes.speculating else
+                         "the target alone is faster here; requests decode without drafts (re-measured now and then)",
+                         ", ".join(f"{m} {r:.1f} tok/s" for m, r in self.modes.rates.items() if r is not None))
         if self.head_trainer is not None and self.config.head.train is not None:
             self._head_update()
         if self.learner is not None and out:
@@ -323,7 +333,9 @@ class Pairing:
             try:
                 yield from _decode_alone(tsession, max_new_tokens)
             finally:
-                tsession.close()
+                close = getattr(tsession, "close", None)
+                if close is not None:
+                    close()  # a remote session frees its server-side KV cache now
             return
         if hasattr(self.drafter, "activate"):  # drafters without adapters (a fake, an exported graph) have none
             self.drafter.activate(self.adapter)
@@ -350,7 +362,7 @@ class Pairing:
         k = self.policy.next_k() if self.policy is not None else self.config.start_k
         hc = self.config.head
         stopper = Stopper(self.head, hc, self._shared, self.cost) if hc is not None else None
-        first, previous = True, None
+        first, previous, idle = True, None, False  # idle: the last round did not draft
         draft_table = self.drafter.token_bytes.table
         while produced < max_new_tokens:
             t0 = time.perf_counter()
@@ -382,9 +394,12 @@ class Pairing:
             produced += len(new)
             # the first verification also prefills the prompt: not a verification cost. The round is
             # observed when the next one starts, so its overhead includes the head's bookkeeping, the
-            # caller's handling of the yielded tokens and whatever else stands between two rounds
-            previous = None if first else (len(draft.ids), t1 - t0, len(proposal) + 1, t3 - t2, t0)
-            first = False
+            # caller's handling of the yielded tokens and whatever else stands between two rounds.
+            # A draft right after rounds without one first catches the drafter up on every token
+            # committed meanwhile: a one-off, so its time does not enter the drafting cost line
+            drafted = 0 if idle else len(draft.ids)
+            previous = None if first else (drafted, t1 - t0, len(proposal) + 1, t3 - t2, t0)
+            first, idle = False, k == 0
             k = self._next_length(k, stopper, len(draft.ids), len(proposal), verdict.accepted, keep)
             yield new, RoundRecord(
                 context=context, drafted=len(draft.ids), proposed=len(proposal), accepted=verdict.accepted,

@@ -9,7 +9,7 @@ remote target implements the same protocol over HTTP.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -23,6 +23,7 @@ from .translate.token_bytes import TokenBytes, build_token_bytes
 __all__ = ["LocalTarget", "Rule", "Target", "TargetSession"]
 
 MODES = ("greedy", "match", "exact", "omnidraft")
+MIN_TEMPERATURE = 1e-3  # sampling temperatures below this overflow exp(logits / T)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,9 @@ class Rule:
             raise ValueError(f"verification mode must be one of {MODES}, got {self.mode!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}: "
+                             "a smaller one overflows the softmax")
         if (self.mode == "greedy") != (self.temperature == 0):
             raise ValueError(
                 f"mode {self.mode!r} with temperature {self.temperature}: greedy needs temperature 0, "
@@ -71,9 +75,22 @@ class Target(Protocol):
 
 
 class _LocalSession:
-    def __init__(self, model: Any, prompt_ids: list[int]) -> None:
+    def __init__(self, model: Any, prompt_ids: list[int], eos_ids: frozenset[int] = frozenset()) -> None:
         self.runner = CausalRunner(model, prompt_ids)
+        self.eos_ids = eos_ids
         self.forwards = 0
+
+    def decode(self, max_tokens: int) -> Iterator[int]:
+        """Greedy-decode up to `max_tokens` tokens with the target alone (stopping after an EOS),
+        committing each: the plain decoding loop, on the same model and kernels."""
+        with torch.inference_mode():
+            for _ in range(max_tokens):
+                token = int(self.runner.forward(keep=1)[-1].argmax())
+                self.runner.extend([token])
+                self.forwards += 1
+                yield token
+                if token in self.eos_ids:
+                    return
 
     @property
     def ids(self) -> list[int]:
@@ -108,7 +125,10 @@ def _judge(logits: torch.Tensor, proposal: torch.Tensor, rule: Rule, q: torch.Te
 
 
 class LocalTarget:
-    """An HF causal LM in this process, used as a target."""
+    """An HF causal LM in this process, used as a target. Its sessions can decode alone
+    (`generates_alone`): a latency-objective pairing does so where drafting measured slower."""
+
+    generates_alone = True
 
     def __init__(self, model: Any, tokenizer: Any, name: str = "target") -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
@@ -131,7 +151,7 @@ class LocalTarget:
         return cls(loaded.model, loaded.tokenizer, loaded.name)
 
     def begin(self, prompt_ids: list[int]) -> _LocalSession:
-        return _LocalSession(self.model, prompt_ids)
+        return _LocalSession(self.model, prompt_ids, self.eos_ids)
 
     def __repr__(self) -> str:
         return f"LocalTarget({self.name!r}, vocab {len(self.token_bytes)})"

@@ -351,6 +351,11 @@ def test_cost_policy_stops_speculating_when_the_drafter_cannot_pay_and_probes_ag
     assert probe >= 1  # after probe_every idle rounds it drafts once to measure again
     policy.observe(probe, probe, 0)
     assert policy.next_k() == 0
+    for _ in range(5):
+        policy.observe(0, 0, 0)
+    assert policy.next_k() == 0 and policy.wait == 6  # the probe did not pay: the next one waits twice as long
+    policy.observe(0, 0, 0)
+    assert policy.next_k() >= 1
 
 
 def test_cost_policy_starts_at_its_start_and_measures_the_target_alone_once():

@@ -43,20 +43,27 @@ class CostPolicy:
     o + k c_d + V(rk + 1) seconds (overhead, marginal drafter step, verifying rk tokens plus the
     pending one); k = 0 commits one token in V(1) + o_0 (the round's cost beyond drafting). The
     policy takes the k in [1, k_max] of highest rate unless k = 0 is faster by more than `margin`
-    (a knife-edge call on noisy timings would otherwise flip to not drafting and stay there), so a
-    pairing whose drafter cannot pay decodes with the target alone, and tries a draft again every
-    `probe_every` rounds (costs and acceptance drift). Until the costs are measured it drafts
-    `start` tokens, then decodes one round alone to measure V(1). Mutable: one per pairing.
+    (a knife-edge call on noisy timings would otherwise flip to not drafting and stay there); each
+    request drafts its first `fresh` rounds, since acceptance depends on the prompt. So a
+    pairing whose drafter cannot pay decodes with the target alone, and tries a draft again after
+    `probe_every` rounds (costs and acceptance drift), waiting twice as long after each probe that
+    did not pay (up to `max_wait` rounds), so a pairing that never pays loses little to probing.
+    Until the costs are measured it drafts `start` tokens, then decodes one round alone to measure
+    V(1). Mutable: one per pairing.
     """
 
     def __init__(self, cost: object, *, k_max: int = 12, start: int = 6, probe_every: int = 8,
-                 decay: float = 0.8, margin: float = 0.05) -> None:
+                 decay: float = 0.8, margin: float = 0.2, max_wait: int = 256, fresh: int = 2,
+                 idle: bool = True) -> None:
         if not 1 <= start <= k_max:
             raise ValueError(f"need 1 <= start <= k_max, got start={start}, k_max={k_max}")
         if probe_every < 1 or not 0.0 <= decay < 1.0 or margin < 0:
             raise ValueError(f"need probe_every >= 1, 0 <= decay < 1 and margin >= 0, got {probe_every}, {decay} and {margin}")
         self.cost, self.k_max, self.start, self.probe_every, self.decay = cost, k_max, start, probe_every, decay
-        self.margin = margin
+        self.margin, self.max_wait = margin, max(max_wait, probe_every)
+        self.wait = probe_every  # idle rounds before the next probe
+        self.fresh, self.fresh_left = fresh, 0  # rounds each request drafts before the policy may idle
+        self.idle_ok = idle  # False: never k = 0 (a ModeChooser decides per request whether to draft)
         self.accepted = self.trials = self.ratio = None  # EMAs per drafting round
         self.idle = 0  # rounds since the last draft
         self.last_rates: dict[int, float] = {}
@@ -64,11 +71,18 @@ class CostPolicy:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
+    def begin_request(self) -> None:
+        """A new request: acceptance depends on the prompt, so it drafts its first `fresh` rounds
+        (measured again) before the policy may decide to decode with the target alone."""
+        self.idle, self.wait, self.fresh_left = 0, self.probe_every, self.fresh
+
     def observe(self, drafted: int, proposed: int, accepted: int) -> None:
         """One finished round: `drafted` drafter tokens became `proposed` target tokens, `accepted` kept."""
         if drafted == 0:
             self.idle += 1
             return
+        if self.idle:  # a probe: if drafting still does not pay, wait longer before the next
+            self.wait = min(2 * self.wait, self.max_wait)
         self.idle = 0
         self.accepted = self._ema(self.accepted, accepted)
         self.trials = self._ema(self.trials, accepted + (accepted < proposed))
@@ -97,54 +111,72 @@ class CostPolicy:
     def next_k(self) -> int:
         if self.trials is None or not self.cost.ready or self.cost.draft is None:
             return self.start
+        if not self.idle_ok:
+            self.last_rates = self.rates()
+            return max(range(1, self.k_max + 1), key=self.last_rates.__getitem__)
         if 1 not in self.cost.verify:  # measure a round of the target alone once: extrapolated, V(1) runs high
             return 0
         self.last_rates = self.rates()
         best = max(range(1, self.k_max + 1), key=self.last_rates.__getitem__)
-        if self.speculating or self.idle >= self.probe_every:  # drafting pays, or time to look again
+        if self.fresh_left > 0:
+            self.fresh_left -= 1
             return best
-        return 0
+        if self.speculating:
+            self.wait = self.probe_every
+            return best
+        return best if self.idle >= self.wait else 0  # time to look again, or the target alone
 
     @property
     def speculating(self) -> bool:
         """Whether the measured costs say drafting pays (True until they are measured): False only
         when the target alone is faster than the best draft length by more than `margin`."""
-        if not self.last_rates:
+        if not self.last_rates or not self.idle_ok:
             return True
         return self.last_rates[0] <= (1 + self.margin) * max(v for k, v in self.last_rates.items() if k > 0)
 
 
 class ModeChooser:
-    """Per request, for a target that can decode alone on its own side (a remote server): speculate,
-    or hand the whole completion to the target, whichever has measured more committed tokens per
-    second. Each mode is tried once first; afterwards the slower one is tried again every
-    `probe_every` requests, since prompts, load and the network drift. Mutable: one per pairing."""
+    """Per request: speculate, or let the target decode alone (a remote target: the server generates
+    the whole completion), whichever has measured more committed tokens per second. Each mode is
+    tried once first; afterwards the slower one is tried again after `probe_every` requests, and
+    after twice as many each time a probe confirms the faster one (up to `max_interval`): prompts,
+    load and the network drift, but a settled choice should cost little. Mutable: one per pairing."""
 
     MODES = ("speculate", "alone")
 
-    def __init__(self, *, probe_every: int = 8, decay: float = 0.7) -> None:
+    def __init__(self, *, probe_every: int = 8, decay: float = 0.7, max_interval: int = 64) -> None:
         if probe_every < 2 or not 0.0 <= decay < 1.0:
             raise ValueError(f"need probe_every >= 2 and 0 <= decay < 1, got {probe_every} and {decay}")
-        self.probe_every, self.decay = probe_every, decay
+        self.probe_every, self.decay, self.max_interval = probe_every, decay, max(max_interval, probe_every)
         self.rates: dict[str, float | None] = {m: None for m in self.MODES}
-        self.requests = 0
+        self.interval, self.since_probe = probe_every, 0
+        self.probing: str | None = None  # the mode a probe request is measuring
+
+    def best(self) -> str:
+        return max(self.MODES, key=lambda m: self.rates[m])
 
     def choose(self) -> str:
-        self.requests += 1
         for mode in self.MODES:
             if self.rates[mode] is None:
                 return mode
-        best = max(self.MODES, key=lambda m: self.rates[m])
-        other = self.MODES[1 - self.MODES.index(best)]
-        return other if self.requests % self.probe_every == 0 else best
+        self.since_probe += 1
+        if self.since_probe >= self.interval:
+            self.since_probe = 0
+            self.probing = self.MODES[1 - self.MODES.index(self.best())]
+            return self.probing
+        return self.best()
 
     def observe(self, mode: str, tokens: int, seconds: float) -> None:
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
         if tokens < 1 or seconds <= 0:
             return
+        before = self.best() if None not in self.rates.values() else None
         rate, old = tokens / seconds, self.rates[mode]
         self.rates[mode] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+        if self.probing == mode:  # a probe: confirmed, probe half as often; overturned, probe soon again
+            self.probing = None
+            self.interval = min(2 * self.interval, self.max_interval) if self.best() == before else self.probe_every
 
     @property
     def speculating(self) -> bool:
