@@ -1,5 +1,6 @@
-"""Greedy verification through an OpenAI-compatible `/v1/completions` endpoint (vLLM, llama.cpp's
-server, or `omnidraft serve`), for targets already running on a serving engine.
+"""Greedy verification through an OpenAI-compatible `/v1/completions` endpoint that returns prompt
+log-probabilities (`echo` with `logprobs`: vLLM, `omnidraft serve`; not llama.cpp's `llama-server`
+nor OpenAI's API, which refuse or ignore it), for targets already running on a serving engine.
 
 One verify is one stateless completion request: the prompt is the committed ids plus the proposal
 (token ids, not text), `echo` returns the prompt's own log-probabilities, `logprobs` the top
@@ -11,12 +12,16 @@ endpoints do not return: only greedy verification is offered (a clear error othe
 
 Tokens come back as strings. Ask for `return_tokens_as_token_ids` (vLLM: "token_id:123"); servers
 that ignore it return text, mapped back to ids through the tokenizer's byte view (ambiguous text is
-refused with an error naming the option). The whole sequence is re-sent every round: the engine's
-prefix cache (vLLM, llama.cpp) keeps that cheap server-side; our own server recomputes it.
+refused with an error naming the option). The whole sequence is re-sent every round and
+scored again: engines do not serve prompt log-probabilities from their prefix cache (vLLM
+bypasses it for such requests; llama.cpp's server does not return prompt log-probabilities), so a
+round costs O(context) there, and our own server recomputes it too. Prefer `RemoteTarget`, whose
+sessions keep the KV cache; see docs/remote.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import httpx
@@ -59,47 +64,79 @@ def token_string(token_bytes: Any, token: int, as_ids: bool) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
-def complete(target: Any, request: CompletionRequest, max_tokens_total: int) -> dict[str, Any]:
-    """Run one greedy completion on LocalTarget `target` and shape the OpenAI reply."""
+ECHO_CHUNK = 64  # prompt positions scored per forward when echoing: bounds a request's logits memory
+MAX_PROMPT_CHARS = 1 << 19  # a text prompt longer than this is refused before it is tokenized
+
+
+def complete(target: Any, request: CompletionRequest, max_tokens_total: int, *, max_prompt: int = 32_768,
+             context: int | None = None, lock: Any = None) -> dict[str, Any]:
+    """Run one greedy completion on LocalTarget `target` and shape the OpenAI reply.
+
+    Memory is bounded whatever the request: an echoed prompt is scored ECHO_CHUNK positions per
+    forward, and every row of logits is reduced at once to the token's log-probability and its
+    top-k, so at most ECHO_CHUNK rows of the vocabulary are alive. `lock` (the server's model lock)
+    is held per forward only, so other sessions' verifies interleave with a long completion."""
     if request.stream:
         raise ValueError("stream=true is not supported by this endpoint")
     if request.temperature != 0:
         raise ValueError("only greedy completions (temperature 0) are served on this endpoint")
+    if isinstance(request.prompt, str) and len(request.prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"a text prompt may have at most {MAX_PROMPT_CHARS} characters, got {len(request.prompt)}")
     ids = list(request.prompt) if isinstance(request.prompt, list) else target.tokenizer(request.prompt)["input_ids"]
     vocab = len(target.token_bytes)
     if not ids or any(not 0 <= i < vocab for i in ids):
         raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
+    if len(ids) > max_prompt:
+        raise ValueError(f"the prompt has {len(ids)} tokens; this server takes at most {max_prompt}")
     if len(ids) + request.max_tokens > max_tokens_total:
         raise ValueError(f"prompt plus max_tokens exceeds this server's limit of {max_tokens_total} tokens")
-    k = request.logprobs
-    session = target.begin(ids)
-    runner = session.runner
-    rows = [runner.forward(keep=len(ids)).float()] if request.echo else [runner.forward(keep=1).float()]
+    if context is not None and len(ids) + request.max_tokens > context:
+        raise ValueError(f"prompt plus max_tokens ({len(ids) + request.max_tokens}) is past the target's context of {context}")
+    k, lock = request.logprobs, lock or contextlib.nullcontext()
+    runner = target.begin(ids[:ECHO_CHUNK] if request.echo else ids).runner
+    scored: list[tuple[float, torch.Tensor, torch.Tensor] | None] = [None] if request.echo else []
+    if request.echo:  # position i's row scores token i + 1: feed the prompt in chunks, reduce each row at once
+        for start in range(0, len(ids), ECHO_CHUNK):
+            chunk = ids[start : start + ECHO_CHUNK]
+            if start:
+                runner.extend(chunk)
+            with lock:
+                rows = runner.forward(keep=len(chunk)).float()
+            last = rows[-1]
+            scored += [_score(rows[j], ids[start + j + 1], k) for j in range(len(rows)) if start + j + 1 < len(ids)]
+    else:
+        with lock:
+            last = runner.forward(keep=1).float()[-1]
     generated = []
     for step in range(request.max_tokens):
-        token = int(rows[-1][-1].argmax())
+        token = int(last.argmax())
         generated.append(token)
+        scored.append(_score(last, token, k))
         if token in target.eos_ids or step == request.max_tokens - 1:
             break
         runner.extend([token])
-        rows.append(runner.forward(keep=1).float())
-    logits = torch.cat(rows)  # row i predicts the token after position i (of the echoed prompt, then generated)
+        with lock:
+            last = runner.forward(keep=1).float()[-1]
     shown = (ids if request.echo else []) + generated
     choice: dict[str, Any] = {"index": 0, "text": target.tokenizer.decode(shown), "finish_reason":
                               "stop" if generated and generated[-1] in target.eos_ids else "length"}
     if k is not None:
-        logp = torch.log_softmax(logits, -1)
-        first = 1 if request.echo else 0  # the first echoed token has no prediction
         name = lambda t: token_string(target.token_bytes, t, request.return_tokens_as_token_ids)  # noqa: E731
-        predictors = [None] * first + [logp[i] for i in range(len(shown) - first)]
         choice["logprobs"] = {
             "tokens": [name(t) for t in shown],
-            "token_logprobs": [None if p is None else float(p[t]) for t, p in zip(shown, predictors)],
+            "token_logprobs": [None if p is None else p[0] for p in scored],
             "top_logprobs": [None if p is None or k == 0 else
-                             {name(int(i)): float(v) for v, i in zip(*p.topk(k))} for p in predictors],
+                             {name(int(i)): float(v) for v, i in zip(p[1], p[2])} for p in scored],
         }
     return {"object": "text_completion", "model": request.model or target.name, "choices": [choice],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(generated)}}
+
+
+def _score(row: torch.Tensor, token: int, k: int | None) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """row (V,) logits -> (log p(token), top-k log-probs (k,), their ids (k,))."""
+    logp = torch.log_softmax(row, -1)
+    top = logp.topk(k) if k else (logp[:0], torch.zeros(0, dtype=torch.long))
+    return float(logp[token]), top[0], top[1]
 
 
 class OpenAICompletionsTarget:

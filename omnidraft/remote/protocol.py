@@ -13,9 +13,11 @@ streams one `GenerateChunk` per line (NDJSON) as the tokens are committed.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import math
 
-__all__ = ["VERSION", "ErrorReply", "GenerateChunk", "GenerateRequest", "InfoReply", "OpenReply", "OpenRequest",
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["MIN_TEMPERATURE", "VERSION", "ErrorReply", "GenerateChunk", "GenerateRequest", "InfoReply", "OpenReply", "OpenRequest",
            "SparseRow", "VerifyReply", "VerifyRequest"]
 
 VERSION = 1
@@ -23,10 +25,13 @@ MAX_PROMPT = 32_768
 MAX_PROPOSAL = 64
 MAX_TOPK = 64
 MAX_GENERATE = 4096
+MIN_TEMPERATURE = 1e-3  # sampling temperatures are 0 (greedy) or at least this: smaller ones overflow the softmax
+MAX_SEED = 2**63 - 1
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a token id is a JSON integer, never `true` or "3"
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     version: int = VERSION
 
     @model_validator(mode="after")
@@ -64,6 +69,11 @@ class SparseRow(_Message):
     def _same_length(self) -> SparseRow:
         if len(self.ids) != len(self.probs):
             raise ValueError(f"a sparse row needs as many probs as ids, got {len(self.ids)} and {len(self.probs)}")
+        bad = [p for p in self.probs if not (math.isfinite(p) and 0.0 <= p <= 1.0)]
+        if bad:
+            raise ValueError(f"probabilities must be finite and in [0, 1], got {bad[:3]}")
+        if self.probs and not math.fsum(self.probs) > 0:
+            raise ValueError("a draft row needs some probability mass (all its probs are 0)")
         return self
 
 
@@ -71,10 +81,17 @@ class VerifyRequest(_Message):
     committed: int = Field(ge=1)
     proposal: list[int] = Field(max_length=MAX_PROPOSAL)
     mode: str = "greedy"
-    temperature: float = Field(default=0.0, ge=0.0)
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
     q: list[SparseRow] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     topk: int = Field(default=0, ge=0, le=MAX_TOPK)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        if value != 0 and not value >= MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
+        return value
 
 
 class VerifyReply(_Message):

@@ -7,8 +7,10 @@
     GET    /v1/info, /v1/tokenizer      what a device needs to pair (name, vocab, fingerprint, files)
     GET    /health, /metrics            liveness; Prometheus text
 
-Every /v1 route needs `Authorization: Bearer <key>` when the server has a key (compared in
-constant time; missing or wrong -> 401). Bodies are read with a size cap (413) and validated by
+Every /v1 route and /metrics need `Authorization: Bearer <key>` when the server has a key
+(compared in constant time; missing or wrong -> 401; `open_metrics` opens /metrics to scrapers).
+A body is read within `body_timeout_s` (408) and a client gone mid-body is answered 400, not logged
+as a crash. Bodies are read with a size cap (413) and validated by
 the protocol models (422 with the reason); ids outside the vocabulary are refused (422). Sessions
 expire after `ttl_s` idle, and a cap on sessions and on committed tokens across sessions (KV memory)
 answers 503 rather than exhausting the host. One model forward runs at a time (a CPU has no spare
@@ -17,7 +19,9 @@ parallelism to give); requests queue in the thread pool. See protocol.py for the
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import tempfile
 import threading
 import time
@@ -31,12 +35,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from ..target import Rule
-from .protocol import (VERSION, GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest, VerifyReply,
-                       VerifyRequest)
+from .protocol import (MAX_PROMPT, VERSION, GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest,
+                       VerifyReply, VerifyRequest)
 
 __all__ = ["ServerConfig", "create_app"]
+
+log = logging.getLogger(__name__)
 
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -48,9 +55,12 @@ class ServerConfig:
     ttl_s: float = 600.0
     max_body_bytes: int = 8 << 20
     max_tokens: int = 262_144  # committed tokens over all sessions: bounds KV-cache memory
+    body_timeout_s: float = 30.0  # a request body not read completely within this is refused (408)
+    open_metrics: bool = False  # True: /metrics without the API key (a scraper on a private network)
 
     def __post_init__(self) -> None:
-        if self.max_sessions < 1 or self.ttl_s <= 0 or self.max_body_bytes < 1024 or self.max_tokens < 1:
+        if (self.max_sessions < 1 or self.ttl_s <= 0 or self.max_body_bytes < 1024 or self.max_tokens < 1
+                or self.body_timeout_s <= 0):
             raise ValueError(f"server limits must be positive (body >= 1 KiB), got {self}")
 
 
@@ -58,7 +68,7 @@ class ServerConfig:
 class _Session:
     inner: Any
     used: float
-    last: tuple[int, tuple[int, ...], VerifyReply] | None = None  # (committed before, proposal, reply)
+    last: tuple[VerifyRequest, VerifyReply] | None = None  # the request applied last and its reply
 
 
 @dataclass
@@ -105,6 +115,9 @@ class _Service:
         self.sessions: dict[str, _Session] = {}
         self.metrics = _Metrics()
         self.table_lock, self.model_lock = threading.Lock(), threading.Lock()
+        self.inflight = 0  # tokens of /v1/completions requests being served (counted in the KV budget)
+        model = getattr(target, "model", None)
+        self.context = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # None: unbounded
         with tempfile.TemporaryDirectory() as tmp:
             target.tokenizer.save_pretrained(tmp)
             self.tokenizer_files = {p.name: p.read_text(encoding="utf-8") for p in Path(tmp).iterdir() if p.is_file()}
@@ -115,6 +128,7 @@ class _Service:
 
     def open(self, request: OpenRequest) -> OpenReply:
         self._check_ids(request.prompt_ids, "prompt")
+        self._check_context(len(request.prompt_ids) + 1, "the session")
         with self.table_lock:
             self._expire()
             if len(self.sessions) >= self.config.max_sessions:
@@ -136,10 +150,11 @@ class _Service:
         with self.model_lock:  # also serializes requests of one session: the committed check below is race-free
             committed = len(session.inner.ids)
             if request.committed != committed:
-                if session.last is not None and session.last[:2] == (request.committed, proposal):
-                    return session.last[2]  # a retry of the request applied last: same answer, applied once
+                if session.last is not None and session.last[0] == request:
+                    return session.last[1]  # a retry of the request applied last (all of it): same answer, applied once
                 raise _HTTPError(409, f"stale request: it builds on {request.committed} committed tokens, "
                                       f"the session has {committed}")
+            self._check_context(committed + len(proposal) + 1, "the session")
             with self.table_lock:
                 self._reserve(len(proposal) + 1)
             q = self._dense(request) if rule.mode in ("exact", "omnidraft") and proposal else None
@@ -152,7 +167,7 @@ class _Service:
         reply = VerifyReply(committed=len(session.inner.ids), accepted=verdict.accepted, token=verdict.token,
                             topk_ids=verdict.topk[0].tolist() if verdict.topk else None,
                             topk_logp=verdict.topk[1].tolist() if verdict.topk else None)
-        session.last, session.used = (request.committed, proposal, reply), time.monotonic()
+        session.last, session.used = (request, reply), time.monotonic()
         return reply
 
     def generate(self, sid: str, request: GenerateRequest) -> Iterator[bytes]:
@@ -164,6 +179,7 @@ class _Service:
             if request.committed != len(session.inner.ids):
                 raise _HTTPError(409, f"stale request: it builds on {request.committed} committed tokens, "
                                       f"the session has {len(session.inner.ids)}")
+        self._check_context(request.committed + request.max_tokens, "the session")
         with self.table_lock:
             self._reserve(request.max_tokens)
         return self._decode(session, request.max_tokens)
@@ -187,13 +203,22 @@ class _Service:
         """The OpenAI-compatible /v1/completions (greedy, stateless; see remote/openai.py)."""
         from .openai import complete
 
-        with self.model_lock:
-            started = time.perf_counter()
-            try:
-                reply = complete(self.target, request, self.config.max_tokens)
-            except ValueError as exc:
-                raise _HTTPError(422, str(exc)) from None
-            self.metrics.observe(time.perf_counter() - started)
+        budget = min(len(request.prompt), MAX_PROMPT) + request.max_tokens  # a text prompt's characters bound its tokens
+        if isinstance(request.prompt, list):
+            self._check_context(budget, "the completion")
+        with self.table_lock:
+            self._reserve(budget)
+            self.inflight += budget
+        started = time.perf_counter()
+        try:
+            reply = complete(self.target, request, self.config.max_tokens, max_prompt=MAX_PROMPT, context=self.context,
+                             lock=self.model_lock)
+        except ValueError as exc:
+            raise _HTTPError(422, str(exc)) from None
+        finally:
+            with self.table_lock:
+                self.inflight -= budget
+        self.metrics.observe(time.perf_counter() - started)
         self.metrics.rounds += 1
         return reply
 
@@ -217,9 +242,13 @@ class _Service:
             del self.sessions[sid]
 
     def _reserve(self, extra: int) -> None:
-        held = sum(len(s.inner.ids) for s in self.sessions.values())
+        held = sum(len(s.inner.ids) for s in self.sessions.values()) + self.inflight
         if held + extra > self.config.max_tokens:
             raise _HTTPError(503, f"the server's KV budget of {self.config.max_tokens} tokens is in use; retry later")
+
+    def _check_context(self, tokens: int, what: str) -> None:
+        if self.context is not None and tokens > self.context:
+            raise _HTTPError(422, f"{what} would hold {tokens} tokens, past the target's context of {self.context}")
 
     def _check_ids(self, ids: Any, what: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab]
@@ -229,11 +258,11 @@ class _Service:
     def _dense(self, request: VerifyRequest) -> torch.Tensor:
         if request.q is None or len(request.q) != len(request.proposal):
             raise _HTTPError(422, f"mode {request.mode!r} needs one draft row q per proposed token")
-        q = torch.zeros(len(request.q), self.vocab)
+        q = torch.zeros(len(request.q), self.vocab, dtype=torch.float64)
         for i, row in enumerate(request.q):
             self._check_ids(row.ids, "q")
-            q[i, torch.tensor(row.ids, dtype=torch.long)] = torch.tensor(row.probs)
-        return q
+            q[i, torch.tensor(row.ids, dtype=torch.long)] = torch.tensor(row.probs, dtype=torch.float64)
+        return (q / q.sum(-1, keepdim=True)).float()  # a distribution, whatever the rows summed to
 
 
 def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
@@ -254,15 +283,24 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         given = header[7:] if header.lower().startswith("bearer ") else ""
         return hmac.compare_digest(given.encode(), config.api_key.encode())
 
-    async def body(request: Request, model: type) -> Any:
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > config.max_body_bytes):
-            raise _HTTPError(413, f"request body over the limit of {config.max_body_bytes} bytes")
+    async def read(request: Request) -> bytes:
         data = b""
         async for chunk in request.stream():
             data += chunk
             if len(data) > config.max_body_bytes:
                 raise _HTTPError(413, f"request body over the limit of {config.max_body_bytes} bytes")
+        return data
+
+    async def body(request: Request, model: type) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > config.max_body_bytes):
+            raise _HTTPError(413, f"request body over the limit of {config.max_body_bytes} bytes")
+        try:
+            data = await asyncio.wait_for(read(request), timeout=config.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise _HTTPError(408, f"request body not received within {config.body_timeout_s:g} s") from None
+        except ClientDisconnect:
+            raise _HTTPError(400, "the client disconnected while sending the body") from None
         try:
             return model.model_validate_json(data)
         except ValidationError as exc:
@@ -271,12 +309,18 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Any:
-        if request.url.path.startswith("/v1/") and not authorized(request):
+        guarded = request.url.path.startswith("/v1/") or (request.url.path == "/metrics" and not config.open_metrics)
+        if guarded and not authorized(request):
             return fail(401, "missing or wrong API key (send Authorization: Bearer <key>)")
         try:
             return await call_next(request)
         except _HTTPError as exc:
             return fail(exc.status, exc.message)
+        except Exception:  # a bug, never expected: logged, and the client is told to reconnect
+            log.exception("unhandled error serving %s %s", request.method, request.url.path)
+            reply = fail(500, "internal server error (logged on the server)")
+            reply.headers["connection"] = "close"
+            return reply
 
     @app.get("/health")
     async def health() -> dict:

@@ -1,0 +1,174 @@
+"""The verification server under hostile or careless clients: strict types, values that used to
+reach a 500, retries matched on the whole request, bounded memory, no stalls, and a fuzz test."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from omnidraft.remote import openai as oai
+from omnidraft.remote.server import ServerConfig, create_app
+
+from .conftest import target_greedy
+
+KEY = "k3y"
+AUTH = {"authorization": f"Bearer {KEY}"}
+PROMPT = "Question: Tom has 3 apples and buys 5 more."
+
+
+@pytest.fixture(scope="module")
+def client(tiny_target):
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY, max_sessions=64))) as c:
+        yield c
+
+
+def _open(client, tiny_target) -> tuple[str, list[int]]:
+    ids = tiny_target.tokenizer(PROMPT)["input_ids"]
+    r = client.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()["session"], ids
+
+
+@pytest.mark.parametrize("body, reason", [
+    ({"proposal": [True]}, "valid integer"),  # a bool is not a token id
+    ({"proposal": ["3"]}, "valid integer"),
+    ({"committed": "COMMITTED_STR"}, "valid integer"),  # "12" is not a committed length
+    ({"seed": 2**64}, "less than or equal"),  # outside int64, even in greedy mode
+    ({"mode": "match", "temperature": 1e-320}, "temperature must be 0"),
+    ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [float("nan")]}]}, "finite"),
+    ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [-0.5]}]}, "in [0, 1]"),
+    ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [0.0]}]}, "probability mass"),
+])
+def test_values_that_used_to_reach_a_500_get_a_422_naming_the_field(client, tiny_target, body, reason):
+    sid, ids = _open(client, tiny_target)
+    full = {"committed": len(ids), "proposal": [], **body}
+    if full["committed"] == "COMMITTED_STR":
+        full["committed"] = str(len(ids))
+    r = client.post(f"/v1/sessions/{sid}/verify", content=json.dumps(full, allow_nan=True),
+                    headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 422 and reason in r.json()["error"], r.text
+    ok = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=AUTH)
+    assert ok.status_code == 200  # the session and the connection still serve
+
+
+def test_q_rows_that_sum_above_one_are_renormalised_not_a_500(client, tiny_target):
+    sid, ids = _open(client, tiny_target)
+    q = [{"ids": list(range(50)), "probs": [1.0] * 50}]
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": [7], "mode": "exact",
+                                                        "temperature": 1.0, "q": q, "seed": 3}, headers=AUTH)
+    assert r.status_code == 200, r.text
+
+
+def test_a_retry_is_matched_on_the_whole_request(client, tiny_target):
+    """A retry that asks for top-k rows must not get the stored reply of a request without them."""
+    sid, ids = _open(client, tiny_target)
+    first = {"committed": len(ids), "proposal": [5, 6]}
+    assert client.post(f"/v1/sessions/{sid}/verify", json=first, headers=AUTH).status_code == 200
+    again = client.post(f"/v1/sessions/{sid}/verify", json=first, headers=AUTH)
+    assert again.status_code == 200  # the same request: its stored reply, applied once
+    other = client.post(f"/v1/sessions/{sid}/verify", json={**first, "topk": 4}, headers=AUTH)
+    assert other.status_code == 409 and "stale" in other.json()["error"]
+
+
+def test_metrics_need_the_key_unless_opened(tiny_target):
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as c:
+        assert c.get("/metrics").status_code == 401 and c.get("/health").status_code == 200
+        assert c.get("/metrics", headers=AUTH).status_code == 200
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY, open_metrics=True))) as c:
+        assert c.get("/metrics").status_code == 200
+
+
+def test_an_echoed_prompt_holds_at_most_one_chunk_of_logits(tiny_target, monkeypatch):
+    """Memory bound of one /v1/completions request: rows of logits alive at once <= ECHO_CHUNK,
+    however long the echoed prompt (it used to keep one row per prompt position, +3.56 GB at 2,048
+    prompt tokens on the 0.5B). The scores equal a single full forward's."""
+    from omnidraft.runner import CausalRunner
+
+    rows = []
+    real = CausalRunner.forward
+    monkeypatch.setattr(CausalRunner, "forward", lambda self, keep=1, **kw: rows.append(keep) or real(self, keep, **kw))
+    ids = (tiny_target.tokenizer(PROMPT)["input_ids"] * 20)[:300]
+    request = oai.CompletionRequest(prompt=ids, max_tokens=3, echo=True, logprobs=2, temperature=0.0)
+    reply = oai.complete(tiny_target, request, 10_000)
+    assert max(rows) <= oai.ECHO_CHUNK and sum(1 for r in rows if r > 1) == -(-len(ids) // oai.ECHO_CHUNK)
+    with torch.inference_mode():
+        logp = torch.log_softmax(tiny_target.model(torch.tensor([ids])).logits[0].float(), -1)
+    got = reply["choices"][0]["logprobs"]["token_logprobs"]
+    want = [None] + [float(logp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    assert got[0] is None and all(abs(a - b) < 1e-3 for a, b in zip(got[1 : len(ids)], want[1:]))
+    with pytest.raises(ValueError, match="at most 5"):
+        oai.complete(tiny_target, request, 10_000, max_prompt=5)
+
+
+def test_a_long_completion_does_not_stall_other_sessions(client, tiny_target):
+    """The model lock is held per forward: a verify of another session finishes while a long
+    /v1/completions request is still running (it used to wait for the whole completion)."""
+    sid, ids = _open(client, tiny_target)
+    done = {}
+
+    def long_completion():
+        client.post("/v1/completions", json={"prompt": ids, "max_tokens": 400, "temperature": 0.0}, headers=AUTH)
+        done["completion"] = time.perf_counter()
+
+    thread = threading.Thread(target=long_completion)
+    thread.start()
+    time.sleep(0.05)
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=AUTH)
+    done["verify"] = time.perf_counter()
+    thread.join()
+    assert r.status_code == 200 and done["verify"] < done["completion"]
+
+
+_ID = st.one_of(st.integers(-5, 800), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True), st.none())
+_BODY = st.fixed_dictionaries({}, optional={
+    "committed": st.one_of(st.integers(-3, 60), st.text(max_size=3), st.booleans(), st.floats()),
+    "proposal": st.one_of(st.lists(_ID, max_size=70), st.text(max_size=5), st.none()),
+    "mode": st.one_of(st.sampled_from(["greedy", "match", "exact", "omnidraft", "nope"]), st.integers()),
+    "temperature": st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 5), st.text(max_size=2)),
+    "q": st.one_of(st.none(), st.lists(st.fixed_dictionaries({"ids": st.lists(_ID, max_size=4),
+                                                              "probs": st.lists(st.floats(allow_nan=True), max_size=4)}),
+                                       max_size=4)),
+    "seed": st.one_of(st.none(), st.integers(-2**70, 2**70), st.floats(allow_nan=True)),
+    "topk": st.one_of(st.integers(-3, 100), st.booleans()),
+    "version": st.one_of(st.just(1), st.integers(-2, 3)),
+    "extra": st.integers(),
+})
+_VALID = st.fixed_dictionaries({"committed": st.just(1), "proposal": st.lists(st.integers(0, 699), max_size=8)},
+                               optional={"topk": st.integers(0, 8)})  # committed 1 becomes the session's length
+
+
+def test_fuzzed_verify_bodies_never_get_a_5xx(client, tiny_target, tiny_drafter):
+    """1,000 generated verify bodies, valid and not, on live sessions: no 5xx, and afterwards the
+    server serves a normal pairing whose output is the target's own."""
+    sid, ids = _open(client, tiny_target)
+    statuses, committed = [], [len(ids)]
+
+    @settings(max_examples=1000, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=st.one_of(_BODY, _VALID))
+    def fuzz(body):
+        if isinstance(body.get("committed"), int) and not isinstance(body["committed"], bool) and body["committed"] >= 0:
+            body["committed"] = committed[0] + body["committed"] % 3 - 1  # near the session's real length
+        r = client.post(f"/v1/sessions/{sid}/verify", content=json.dumps(body, allow_nan=True),
+                        headers={**AUTH, "content-type": "application/json"})
+        statuses.append(r.status_code)
+        if r.status_code == 200:
+            committed[0] = r.json()["committed"]
+        assert r.status_code < 500, (body, r.text)
+
+    fuzz()
+    assert len(statuses) == 1000 and 200 in statuses
+    from omnidraft.remote.client import RemoteTarget
+
+    pair = tiny_drafter.pair(RemoteTarget("http://testserver", api_key=KEY, client=client), k=3)
+    assert pair.generate(PROMPT, max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPT, 16)
