@@ -19,6 +19,7 @@ devices). No training code here.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -33,7 +34,7 @@ from typing import Any
 from .atomic import atomic_write_bytes, fsync_dir
 from .errors import CorruptFileError, IncompatibleError
 
-__all__ = ["KEEP", "PairingProfile", "ProfileStore"]
+__all__ = ["KEEP", "PairingProfile", "ProfileStore", "model_dir_name"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,17 @@ class PairingProfile:
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def model_dir_name(value: str) -> str:
+    """A directory name for a model spec, injective: a preset or plain name as it is, an HF id or
+    a path ("Qwen/Qwen2.5-0.5B", "./my-drafter") as a readable part plus a hash of the whole spec."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"model name must be a non-empty string, got {value!r}")
+    if _NAME.fullmatch(value) and "-h-" not in value:
+        return value
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", value).strip("._-")[:60] or "model"
+    return f"{readable}-h-{hashlib.sha256(value.encode()).hexdigest()[:12]}"
+
+
 def _check_name(kind: str, value: str) -> str:
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise ValueError(f"{kind} name must be 1-100 characters of letters, digits, '.', '_' or '-', got {value!r}")
@@ -78,7 +90,9 @@ class ProfileStore:
         self.root = Path(root)
 
     def path(self, drafter: str, target: str, user: str) -> Path:
-        return self.root / _check_name("drafter", drafter) / _check_name("target", target) / _check_name("user", user)
+        """The profile's directory: model names of any form (preset, HF id, path) map injectively to
+        directory names; a user name must be a plain name (checked)."""
+        return self.root / model_dir_name(drafter) / model_dir_name(target) / _check_name("user", user)
 
     def save(self, profile: PairingProfile) -> Path:
         """Write a new version of `profile` and make it current; returns its directory."""

@@ -82,6 +82,25 @@ def test_names_are_checked(tmp_path, bad):
         ProfileStore(tmp_path).path("d", "t", bad)
 
 
+def test_hf_ids_and_paths_as_model_names_get_their_own_profile_directories(tmp_path):
+    """Any model spec works with user=: "Qwen/Qwen2.5-0.5B" used to fail the name check."""
+    from omnidraft.profiles import model_dir_name
+
+    store = ProfileStore(tmp_path)
+    specs = ["Qwen/Qwen2.5-0.5B", "Qwen_Qwen2.5-0.5B", "./my-drafter", "../my-drafter", "/abs/path/m.gguf", "smollm2-135m",
+             "x" * 150, "x" * 151]
+    dirs = [model_dir_name(s) for s in specs]
+    assert len(set(dirs)) == len(specs) and dirs[-3] == "smollm2-135m"
+    for d in dirs:
+        assert "/" not in d and d not in (".", "..") and len(d) <= 100
+        assert store.path(d, "t", "alice").parent.parent.parent == tmp_path  # no escape from the store
+    profile = _profile()
+    profile.drafter, profile.target = "./my-drafter", "Qwen/Qwen2.5-0.5B"
+    store.save(profile)
+    assert store.load("./my-drafter", "Qwen/Qwen2.5-0.5B", "alice").target == "Qwen/Qwen2.5-0.5B"
+    assert store.load("../my-drafter", "Qwen/Qwen2.5-0.5B", "alice") is None
+
+
 PROFILE = ("smollm2-135m", "qwen2.5-coder-0.5b", "alice")
 
 
