@@ -46,11 +46,12 @@ K_START = 6  # a cost-driven pairing's first draft length, before any cost is me
 class DecodeConfig:
     """How a pairing decodes. `k`: drafter tokens per round; None (default) lets the pairing choose
     each round's length in [0, `k_max`] from its measured costs and acceptance (adaptive/policy.py
-    `CostPolicy`; 0: the target decodes alone where drafting cannot pay); an int fixes it (and is
-    where `adaptive` and `head` start). `objective` for a target that can decode alone on its own
-    side (`RemoteTarget`): "latency" (default) hands a greedy request to the server whenever
-    speculating measured slower than the server decoding alone (adaptive/policy.py `ModeChooser`);
-    "compute" always speculates, which spends fewer target forwards per token.
+    `CostPolicy`); an int fixes it (and is where `adaptive` and `head` start). `objective`:
+    "latency" (default) serves each greedy request of a pairing with the default `k` either
+    speculatively or with the target decoding alone (a remote target: the server generating the
+    whole completion), whichever measured faster (adaptive/policy.py `ModeChooser`), so such a
+    pairing is never much slower than its target alone; "compute" always speculates, which spends
+    fewer target forwards per token.
     `mode`/`temperature`: see verify.py.
     `strategy`: draft-to-target translation ("text" or "ngram", see translator.py).
     `stop_confidence`: end a draft early after a token the drafter gives less probability than this.
@@ -186,8 +187,8 @@ class Pairing:
             self.adapter = drafter.adapter_name(target.name, user)
             drafter.add_adapter(self.adapter, config_from_state(saved) if saved is not None else adapter, saved)
         self.cost = CostModel()
-        self.modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and not learn
-                      and getattr(target, "generates_alone", False) else None)
+        self.modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and config.k is None
+                      and not learn and getattr(target, "generates_alone", False) else None)
         # with a mode chooser, whether to draft at all is decided per request from measured throughput
         self.policy = (CostPolicy(self.cost, k_max=config.k_max, start=config.start_k, idle=self.modes is None)
                        if config.cost_driven else None)
