@@ -190,7 +190,7 @@ class Pairing:
         self.modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and config.k is None
                       and not learn and getattr(target, "generates_alone", False) else None)
         # with a mode chooser, whether to draft at all is decided per request from measured throughput
-        self.policy = (CostPolicy(self.cost, k_max=config.k_max, start=config.start_k, idle=self.modes is None)
+        self.policy = (CostPolicy(self.cost, k_max=config.k_max, start=config.start_k, may_idle=self.modes is None)
                        if config.cost_driven else None)
         self.head: AcceptanceHead | None = None
         self.head_trainer: Any = None
@@ -330,21 +330,16 @@ class Pairing:
     def _rounds(self, prompt: str, max_new_tokens: int, generator: torch.Generator | None,
                 alone: bool = False) -> Iterator[tuple[list[int], RoundRecord]]:
         tsession = self.target.begin(self.target.tokenizer(prompt)["input_ids"])
-        if alone:  # the target decodes the whole request on its side: no draft at all
-            try:
-                yield from _decode_alone(tsession, max_new_tokens)
-            finally:
-                close = getattr(tsession, "close", None)
-                if close is not None:
-                    close()  # a remote session frees its server-side KV cache now
-            return
-        if hasattr(self.drafter, "activate"):  # drafters without adapters (a fake, an exported graph) have none
-            self.drafter.activate(self.adapter)
-        ids = self.drafter.tokenizer(prompt)["input_ids"]
-        dsession = self.drafter.begin(ids)
-        topk = self.learner.config.topk if self.learner is not None else 0
-        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
+            if alone:  # the target decodes the whole request on its side: no draft at all
+                yield from _decode_alone(tsession, max_new_tokens)
+                return
+            if hasattr(self.drafter, "activate"):  # drafters without adapters (a fake, an exported graph) have none
+                self.drafter.activate(self.adapter)
+            ids = self.drafter.tokenizer(prompt)["input_ids"]
+            dsession = self.drafter.begin(ids)
+            topk = self.learner.config.topk if self.learner is not None else 0
+            self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
             yield from self._loop(tsession, dsession, max_new_tokens, generator, topk, ids[-1] if ids else -1)
         finally:
             close = getattr(tsession, "close", None)

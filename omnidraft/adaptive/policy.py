@@ -34,6 +34,11 @@ class Hysteresis:
         return max(self.k_min, min(k, accepted + 1))
 
 
+def _ema(old: float | None, new: float, decay: float) -> float:
+    """Exponential moving average: `new` itself when there is no `old` yet."""
+    return new if old is None else decay * old + (1 - decay) * new
+
+
 class CostPolicy:
     """The draft length that maximises committed tokens per second, from the pairing's measured
     costs (`CostModel`) and its observed acceptance; 0 means "do not speculate this round".
@@ -54,7 +59,7 @@ class CostPolicy:
 
     def __init__(self, cost: object, *, k_max: int = 12, start: int = 6, probe_every: int = 8,
                  decay: float = 0.8, margin: float = 0.2, max_wait: int = 256, fresh: int = 2,
-                 idle: bool = True) -> None:
+                 may_idle: bool = True) -> None:
         if not 1 <= start <= k_max:
             raise ValueError(f"need 1 <= start <= k_max, got start={start}, k_max={k_max}")
         if probe_every < 1 or not 0.0 <= decay < 1.0 or margin < 0:
@@ -63,13 +68,13 @@ class CostPolicy:
         self.margin, self.max_wait = margin, max(max_wait, probe_every)
         self.wait = probe_every  # idle rounds before the next probe
         self.fresh, self.fresh_left = fresh, 0  # rounds each request drafts before the policy may idle
-        self.idle_ok = idle  # False: never k = 0 (a ModeChooser decides per request whether to draft)
+        self.may_idle = may_idle  # False: never k = 0 (a ModeChooser decides per request whether to draft)
         self.accepted = self.trials = self.ratio = None  # EMAs per drafting round
         self.idle = 0  # rounds since the last draft
         self.last_rates: dict[int, float] = {}
 
     def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
+        return _ema(old, new, self.decay)
 
     def begin_request(self) -> None:
         """A new request: acceptance depends on the prompt, so it drafts its first `fresh` rounds
@@ -111,10 +116,7 @@ class CostPolicy:
     def next_k(self) -> int:
         if self.trials is None or not self.cost.ready or self.cost.draft is None:
             return self.start
-        if not self.idle_ok:
-            self.last_rates = self.rates()
-            return max(range(1, self.k_max + 1), key=self.last_rates.__getitem__)
-        if 1 not in self.cost.verify:  # measure a round of the target alone once: extrapolated, V(1) runs high
+        if self.may_idle and 1 not in self.cost.verify:  # one round alone measures V(1); extrapolated, it runs high
             return 0
         self.last_rates = self.rates()
         best = max(range(1, self.k_max + 1), key=self.last_rates.__getitem__)
@@ -130,7 +132,7 @@ class CostPolicy:
     def speculating(self) -> bool:
         """Whether the measured costs say drafting pays (True until they are measured): False only
         when the target alone is faster than the best draft length by more than `margin`."""
-        if not self.last_rates or not self.idle_ok:
+        if not self.last_rates or not self.may_idle:
             return True
         return self.last_rates[0] <= (1 + self.margin) * max(v for k, v in self.last_rates.items() if k > 0)
 
@@ -173,7 +175,7 @@ class ModeChooser:
             return
         before = self.best() if None not in self.rates.values() else None
         rate, old = tokens / seconds, self.rates[mode]
-        self.rates[mode] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+        self.rates[mode] = _ema(old, rate, self.decay)
         if self.probing == mode:  # a probe: confirmed, probe half as often; overturned, probe soon again
             self.probing = None
             self.interval = min(2 * self.interval, self.max_interval) if self.best() == before else self.probe_every

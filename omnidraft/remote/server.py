@@ -309,6 +309,7 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Any:
+        """Auth, and the one place a refusal (`_HTTPError`, raised anywhere below) becomes its reply."""
         guarded = request.url.path.startswith("/v1/") or (request.url.path == "/metrics" and not config.open_metrics)
         if guarded and not authorized(request):
             return fail(401, "missing or wrong API key (send Authorization: Bearer <key>)")
@@ -340,44 +341,29 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.post("/v1/sessions")
     async def open_session(request: Request) -> Any:
-        try:
-            reply = await run_in_threadpool(service.open, await body(request, OpenRequest))
-        except _HTTPError as exc:
-            return fail(exc.status, exc.message)
+        reply = await run_in_threadpool(service.open, await body(request, OpenRequest))
         return reply.model_dump()
 
     @app.post("/v1/sessions/{sid}/verify")
     async def verify(sid: str, request: Request) -> Any:
-        try:
-            reply = await run_in_threadpool(service.verify, sid, await body(request, VerifyRequest))
-        except _HTTPError as exc:
-            return fail(exc.status, exc.message)
+        reply = await run_in_threadpool(service.verify, sid, await body(request, VerifyRequest))
         return reply.model_dump(exclude_none=True)
 
     @app.post("/v1/sessions/{sid}/generate")
     async def generate(sid: str, request: Request) -> Any:
-        try:
-            stream = await run_in_threadpool(service.generate, sid, await body(request, GenerateRequest))
-        except _HTTPError as exc:
-            return fail(exc.status, exc.message)
+        stream = await run_in_threadpool(service.generate, sid, await body(request, GenerateRequest))
         return StreamingResponse(stream, media_type="application/x-ndjson")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         from .openai import CompletionRequest
 
-        try:
-            reply = await run_in_threadpool(service.complete, await body(request, CompletionRequest))
-        except _HTTPError as exc:
-            return fail(exc.status, exc.message)
+        reply = await run_in_threadpool(service.complete, await body(request, CompletionRequest))
         return reply
 
     @app.delete("/v1/sessions/{sid}")
     async def close(sid: str) -> Any:
-        try:
-            service.close(sid)
-        except _HTTPError as exc:
-            return fail(exc.status, exc.message)
+        service.close(sid)
         return {"version": VERSION, "closed": sid}
 
     return app
