@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--adaptive-k", type=int, default=None, metavar="K_MAX",
                        help="move the draft length with acceptance (hysteresis), up to K_MAX; default: fixed --k")
         q.add_argument("--max-new-tokens", type=int, default=128)
+        q.add_argument("--drafts", action="append", choices=["hybrid", "model", "retrieval"],
+                       help="where drafts come from (default hybrid: the drafter model or text retrieved from the "
+                            "context, whichever is expected to be faster); `bench` takes several and compares them")
 
     g = sub.add_parser("generate", help="stream one speculative generation")
     g.add_argument("prompt")
@@ -220,7 +223,8 @@ def _load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) ->
         from .adaptive.policy import Hysteresis
 
         extra["adaptive"] = Hysteresis(k_min=2, k_max=args.adaptive_k)
-    return drafter.pair(target, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy, **extra)
+    return drafter.pair(target, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy,
+                        drafts=(args.drafts or ["hybrid"])[0], **extra)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -360,6 +364,29 @@ def _bench_k_grid(args: argparse.Namespace) -> None:
     print(f"wrote {out / args.name}.json and .md")
 
 
+def _bench_sources(args: argparse.Namespace) -> None:
+    import json
+
+    from tqdm import tqdm
+
+    from .atomic import atomic_write_bytes
+    from .bench.sources import markdown, run_sources
+
+    out, results = Path(args.out), {}
+    for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}"):
+        bar = tqdm(desc=f"{pair_spec} drafts", file=sys.stderr)
+        results[pair_spec] = run_sources(
+            drafter, target, args.dataset or ["summarize", "rag", "code-edit", "chat", "gsm8k", "humaneval"], args.n,
+            args.max_new_tokens, drafts=tuple(args.drafts), peers=() if args.no_peers else tuple(args.peer or ("lookup", "assisted")),
+            progress=bar.set_postfix_str, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy)
+        bar.close()
+        text = "".join(f"## {spec}\n\n{markdown(r)}\n" for spec, r in results.items())
+        atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
+        atomic_write_bytes(out / f"{args.name}.md", text.encode())
+    print(text)
+    print(f"wrote {out / args.name}.json and .md")
+
+
 def _bench(args: argparse.Namespace) -> None:
     from .bench.report import markdown_table, write_report
 
@@ -367,6 +394,8 @@ def _bench(args: argparse.Namespace) -> None:
         return _bench_remote(args)
     if args.k_grid:
         return _bench_k_grid(args)
+    if args.drafts and len(args.drafts) > 1:
+        return _bench_sources(args)
 
     pairs = args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]
     summaries, per_prompt = [], {}

@@ -5,6 +5,7 @@ A profile is a directory of versions plus a `CURRENT` pointer:
     <root>/<drafter>/<target>/<user>/CURRENT          "v000003"
                                     /v000003/meta.json    library version, tokenizer fingerprints, steps, metrics
                                     /v000003/ngram.json   the n-gram cache
+                                    /v000003/history.json the user's past outputs (retrieval drafts)
                                     /v000003/*.safetensors  adapter / acceptance head tensors, when present
 
 A save takes the profile's inter-process lock (`<user>/.lock`, filelock), writes a complete new
@@ -50,7 +51,8 @@ _READ_TRIES = 5
 @dataclass
 class PairingProfile:
     """What a pairing keeps between sessions. `tensors` maps a file stem ("adapter", "head") to a
-    dict of tensors; `ngram` is the n-gram cache document (see NgramCache.save)."""
+    dict of tensors; `ngram` is the n-gram cache document (see NgramCache.save); `history` the
+    datastore of the user's past outputs (see retrieve/datastore.py)."""
 
     drafter: str
     target: str
@@ -59,6 +61,7 @@ class PairingProfile:
     steps: int = 0
     metrics: list[dict[str, Any]] = field(default_factory=list)
     ngram: dict[str, Any] | None = None
+    history: dict[str, Any] | None = None
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -219,6 +222,8 @@ def _write_version(version: Path, profile: PairingProfile) -> None:
                            save_tensors({k: v.contiguous() for k, v in tensors.items()}))
     if profile.ngram is not None:
         atomic_write_bytes(version / "ngram.json", json.dumps(profile.ngram).encode())
+    if profile.history is not None:
+        atomic_write_bytes(version / "history.json", json.dumps(profile.history).encode())
     atomic_write_bytes(version / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the version complete
 
 
@@ -235,9 +240,10 @@ def _from_files(files: dict[str, bytes], where: str) -> PairingProfile:
             raise CorruptFileError(f"{where}/meta.json: not an omnidraft profile of format version {VERSION}")
         tensors = {stem: load_tensors(files[f"{stem}.safetensors"]) for stem in meta["tensors"]}
         ngram = json.loads(files["ngram.json"]) if "ngram.json" in files else None
+        history = json.loads(files["history.json"]) if "history.json" in files else None
         return PairingProfile(drafter=meta["drafter"], target=meta["target"], user=meta["user"],
                               fingerprint=meta["fingerprint"], steps=meta["steps"], metrics=meta["metrics"], ngram=ngram,
-                              tensors=tensors)
+                              history=history, tensors=tensors)
     except KeyError as exc:
         raise CorruptFileError(f"{where}: incomplete profile: {exc.args[0]!r} is missing (from meta.json or its files)") from exc
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:

@@ -20,11 +20,13 @@ from .adaptive.head import AcceptanceHead, CostModel, HeadConfig, Stopper, head_
 from .adaptive.policy import CostPolicy, Hysteresis, ModeChooser
 from .draft import NO_DRAFT
 from .errors import TargetError
+from .retrieve import DRAFT_SOURCES, ContextIndex, Datastore, RetrievalConfig
+from .retrieve.planner import Retriever, Used
 from .stats import GenerationStats, RoundRecord
 from .target import Rule
 from .translate.healing import Healer
 from .translate.ngram_cache import NgramCache, NgramCacheConfig
-from .translate.translator import Source, Translator
+from .translate.translator import Proposal, Source, Translator
 from .translate.vocab_map import ROLES, VocabMap, build_vocab_map
 
 if TYPE_CHECKING:
@@ -60,7 +62,12 @@ class DecodeConfig:
     adaptive/head.py); until it has seen `head.warmup` labelled tokens the hysteresis fallback
     (or `adaptive`) does. `heal`: token healing of the drafter's context (translate/healing.py);
     it acts where it is lossless and the translation re-tokenizes text: greedy and `match`
-    verification with the "text" strategy (`healing` says whether it acts)."""
+    verification with the "text" strategy (`healing` says whether it acts).
+    `drafts`: where proposals come from. "hybrid" (default): the drafter model, or a continuation
+    retrieved from the request's context (and the user's past outputs, with a profile) where that
+    is expected to commit more tokens per second, and a model draft may run on into a retrieved
+    continuation (retrieve/, `retrieval` configures it); "model": the drafter only; "retrieval":
+    retrieved drafts only, no drafter forward at all. Every mode verifies them the same way."""
 
     k: int | None = None
     k_max: int = 12
@@ -73,8 +80,12 @@ class DecodeConfig:
     head: HeadConfig | None = None
     ngram: NgramCacheConfig = field(default_factory=NgramCacheConfig)
     heal: bool = True
+    drafts: str = "hybrid"
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
 
     def __post_init__(self) -> None:
+        if self.drafts not in DRAFT_SOURCES:
+            raise ValueError(f"drafts must be one of {DRAFT_SOURCES}, got {self.drafts!r}")
         if self.k is not None and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
             raise ValueError(f"draft length k must be None (chosen from measured costs) or an integer >= 1, got {self.k!r}")
         if self.objective not in ("latency", "compute"):
@@ -99,7 +110,7 @@ class DecodeConfig:
     @property
     def cost_driven(self) -> bool:
         """Whether the pairing chooses each round's draft length from its measured costs."""
-        return self.k is None and self.adaptive is None and self.head is None
+        return self.k is None and self.adaptive is None and self.head is None and self.drafts != "retrieval"
 
     @property
     def healing(self) -> bool:
@@ -187,9 +198,20 @@ class Pairing:
             self.adapter = drafter.adapter_name(target.name, user)
             drafter.add_adapter(self.adapter, config_from_state(saved) if saved is not None else adapter, saved)
         self.cost = CostModel()
+        self.retriever: Retriever | None = None
+        if config.drafts != "model":
+            history = None
+            if user is not None:  # the user's past outputs are drafts too, kept in their profile
+                where, tfp = f"profile of {user!r}", target.token_bytes.fingerprint
+                history = (Datastore.from_doc(profile.history, where=where, fingerprint=tfp)
+                           if profile is not None and profile.history is not None else Datastore(fingerprint=tfp))
+            self.retriever = Retriever(config.retrieval, history, model=config.drafts == "hybrid")
+        # with a mode chooser, whether to draft at all is decided per request from measured throughput. With
+        # retrieval drafts, whose worth depends on each request's context, an in-process target decides it
+        # round by round instead (a round without a draft costs it no more than decoding alone)
+        per_round = config.drafts != "model" and getattr(target, "in_process", False)
         self.modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and config.k is None
-                      and not learn and getattr(target, "generates_alone", False) else None)
-        # with a mode chooser, whether to draft at all is decided per request from measured throughput
+                      and not per_round and not learn and getattr(target, "generates_alone", False) else None)
         self.policy = (CostPolicy(self.cost, k_max=config.k_max, start=config.start_k, may_idle=self.modes is None)
                        if config.cost_driven else None)
         self.head: AcceptanceHead | None = None
@@ -259,7 +281,8 @@ class Pairing:
         metrics = self.metrics + (self.learner.metrics if self.learner else [])
         profile = PairingProfile(drafter=self.drafter.name, target=self.target.name, user=self.user,
                                  fingerprint=self.fingerprint, steps=self.steps, metrics=metrics,
-                                 ngram=self.translator.cache.to_doc(), tensors=tensors)
+                                 ngram=self.translator.cache.to_doc(), tensors=tensors,
+                                 history=self.retriever.history.to_doc() if self.retriever and self.retriever.history else None)
         return self.store.save(profile)
 
     def generate(self, prompt: str, max_new_tokens: int = 128, *, stop: tuple[str, ...] = (),
@@ -314,6 +337,8 @@ class Pairing:
             yield text[shown:]
         stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
         self.last = Generation(text, out, stats, rounds, reason)
+        if self.retriever is not None:
+            self.retriever.finish(out)
         if self.modes is not None and len(rounds) > 1:  # decode-phase rate: the first round also prefills
             first, was = rounds[0], self.modes.speculating
             self.modes.observe(mode, len(out) - first.emitted, stats.seconds - first.seconds)
@@ -329,33 +354,38 @@ class Pairing:
 
     def _rounds(self, prompt: str, max_new_tokens: int, generator: torch.Generator | None,
                 alone: bool = False) -> Iterator[tuple[list[int], RoundRecord]]:
-        tsession = self.target.begin(self.target.tokenizer(prompt)["input_ids"])
+        prompt_ids = self.target.tokenizer(prompt)["input_ids"]
+        tsession = self.target.begin(prompt_ids)
         try:
             if alone:  # the target decodes the whole request on its side: no draft at all
                 yield from _decode_alone(tsession, max_new_tokens)
                 return
+            index = self.retriever.begin(prompt_ids) if self.retriever is not None else None
             if hasattr(self.drafter, "activate"):  # drafters without adapters (a fake, an exported graph) have none
                 self.drafter.activate(self.adapter)
             ids = self.drafter.tokenizer(prompt)["input_ids"]
             dsession = self.drafter.begin(ids)
             topk = self.learner.config.topk if self.learner is not None else 0
             self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
-            yield from self._loop(tsession, dsession, max_new_tokens, generator, topk, ids[-1] if ids else -1)
+            yield from self._loop(tsession, dsession, max_new_tokens, generator, topk, ids[-1] if ids else -1, index)
         finally:
             close = getattr(tsession, "close", None)
             if close is not None:
                 close()  # a remote session frees its server-side KV cache now
 
     def _loop(self, tsession: Any, dsession: Any, max_new_tokens: int, generator: torch.Generator | None,
-              topk: int, last: int) -> Iterator[tuple[list[int], RoundRecord]]:
+              topk: int, last: int, index: ContextIndex | None) -> Iterator[tuple[list[int], RoundRecord]]:
         """Algorithm 1's rounds. `last`: the drafter context's last token, which token healing may
-        let the next draft replace (translate/healing.py)."""
+        let the next draft replace (translate/healing.py). `index`: the request's retrieval index
+        (None: model drafts only)."""
         target, translator, rule = self.target, self.translator, self.config.rule
         only = {"exact": "direct", "omnidraft": "aligned"}.get(rule.mode, "any")
         aligned = only != "any"
         allowed = self._shared if rule.mode == "exact" else None
         produced = 0
         k = self.policy.next_k() if self.policy is not None else self.config.start_k
+        if self.config.drafts == "retrieval":
+            k = 0
         hc = self.config.head
         stopper = Stopper(self.head, hc, self._shared, self.cost) if hc is not None else None
         first, previous, idle = True, None, False  # idle: the last round did not draft
@@ -365,13 +395,24 @@ class Pairing:
             if previous is not None:  # the round's whole wall time beyond drafting and verifying is overhead
                 drafted, t_draft, verified, t_verify, started = previous
                 self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
-            draft = NO_DRAFT if k == 0 else self._draft(dsession, k, stopper, last,
-                                                         tsession.ids[-1] if tsession.ids else None, allowed, generator)
-            t1 = time.perf_counter()
+            room = max_new_tokens - produced - 1  # tokens a proposal may hold: the target adds one
+            used = None
+            if index is not None:
+                used = self.retriever.plan(index, self.cost, self.policy.last_rates if self.policy else {}, room)
+            if used is not None:  # a retrieved draft: no drafter forward this round
+                draft, t1 = NO_DRAFT, time.perf_counter()
+                proposal = translator.translate([], only=only).then(used.candidate.ids[: used.length])
+            else:
+                draft = NO_DRAFT if k == 0 else self._draft(dsession, k, stopper, last,
+                                                             tsession.ids[-1] if tsession.ids else None, allowed, generator)
+                t1 = time.perf_counter()
+                proposal = translator.translate(draft.ids, only=only, skip=len(draft_table[last]) if draft.healed else 0)
+                proposal = proposal.cut(min(len(proposal), room))
+                if index is not None:
+                    proposal, used = self.retriever.extend(index, proposal, room)
             held = draft_table[last] if draft.healed else b""  # committed bytes the draft starts with
-            proposal = translator.translate(draft.ids, only=only, skip=len(held))
-            proposal = proposal.cut(min(len(proposal), max_new_tokens - produced - 1))
-            q = translator.draft_probs(proposal, draft.ids, draft.q) if aligned and draft.q is not None else None
+            modeled = len(proposal) - proposal.retrieved  # proposed tokens that came from the model
+            q = _draft_rows(translator, proposal, modeled, draft) if aligned and len(proposal) else None
             t2 = time.perf_counter()
             context = len(tsession.ids)
             verdict = tsession.verify(proposal.ids, rule, q, generator, topk=topk)
@@ -385,6 +426,9 @@ class Pairing:
             keep, tail = translator.resync(draft.ids, held + target.token_bytes.join(new))
             translator.learn(draft.ids[:keep] + tail, new, skip=len(held))
             dsession.commit(keep, tail)
+            if index is not None:
+                index.commit(new)
+                self.retriever.observe(used, len(proposal), verdict.accepted)
             last = (draft.ids[:keep] + tail or [last])[-1]
             t4 = time.perf_counter()
             produced += len(new)
@@ -395,12 +439,15 @@ class Pairing:
             # committed meanwhile: a one-off, so its time does not enter the drafting cost line
             drafted = 0 if idle else len(draft.ids)
             previous = None if first else (drafted, t1 - t0, len(proposal) + 1, t3 - t2, t0)
-            first, idle = False, k == 0
-            k = self._next_length(k, stopper, len(draft.ids), len(proposal), verdict.accepted, keep)
+            first, idle = False, not draft.ids
+            retrieved_accepted = sum(1 for s in proposal.sources[: verdict.accepted] if s == Source.RETRIEVED)
+            if self.config.drafts != "retrieval":
+                k = self._next_length(k, stopper, len(draft.ids), modeled, verdict.accepted - retrieved_accepted, keep)
             yield new, RoundRecord(
                 context=context, drafted=len(draft.ids), proposed=len(proposal), accepted=verdict.accepted,
                 emitted=len(new), from_cache=sum(1 for s in proposal.sources[: verdict.accepted] if s == Source.NGRAM),
                 t_draft=t1 - t0, t_translate=t2 - t1, t_verify=t3 - t2, t_resync=t4 - t3,
+                retrieved=proposal.retrieved, retrieved_accepted=retrieved_accepted,
             )
             if new and new[-1] in target.eos_ids:
                 return
@@ -468,6 +515,20 @@ class Pairing:
         ids, logp = (torch.cat(parts)[: len(out)] for parts in zip(*self._rows))
         positions = [j + 1 for r in rounds for j in range(r.emitted)][: len(out)]
         return VerifiedRequest(prompt, out, ids, logp, positions)
+
+
+def _draft_rows(translator: Translator, proposal: Proposal, modeled: int, draft: Any) -> torch.Tensor | None:
+    """q' rows (M, Vt) for rejection sampling: the model tokens' from the drafter's distributions,
+    a retrieved token's one-hot (it was proposed with certainty, so rejection sampling stays exact)."""
+    parts = []
+    if modeled:
+        if draft.q is None:
+            return None
+        parts.append(translator.draft_probs(proposal.cut(modeled), draft.ids, draft.q))
+    retrieved = proposal.ids[modeled:]
+    if len(retrieved):
+        parts.append(torch.nn.functional.one_hot(retrieved, len(translator.map.t2d)).float())
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int], RoundRecord]]:

@@ -21,7 +21,9 @@ TRACE_VERSION = 1
 @dataclass(frozen=True, kw_only=True)
 class RoundRecord:
     """One draft-translate-verify-resync round. Times in seconds; counts in target tokens except
-    `drafted` (drafter tokens) and `context` (committed target tokens before the round)."""
+    `drafted` (drafter tokens) and `context` (committed target tokens before the round).
+    `retrieved` of the proposed tokens were retrieved (retrieve/) rather than drafted by the model,
+    and `retrieved_accepted` of those were accepted."""
 
     context: int
     drafted: int
@@ -33,6 +35,8 @@ class RoundRecord:
     t_translate: float
     t_verify: float
     t_resync: float
+    retrieved: int = 0
+    retrieved_accepted: int = 0
 
     @property
     def seconds(self) -> float:
@@ -40,6 +44,7 @@ class RoundRecord:
 
 
 _FIELDS = {f.name for f in fields(RoundRecord)}
+_REQUIRED = {f.name for f in fields(RoundRecord) if f.name not in ("retrieved", "retrieved_accepted")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +57,8 @@ class GenerationStats:
     ngram_hits_per_round: float
     time_split: dict[str, float]
     speculating: float = 1.0  # share of rounds that drafted (a cost-driven pairing may decode alone)
+    retrieved_share: float = 0.0  # share of the new tokens that were retrieved drafts, accepted
+    acceptance_by_source: dict[str, float] | None = None  # accepted / proposed, model and retrieved tokens apart
 
     @property
     def tokens_per_second(self) -> float:
@@ -71,8 +78,20 @@ class GenerationStats:
             mean_accepted_length=new_tokens / len(rounds) if rounds else 0.0,
             ngram_hits_per_round=fmean(r.from_cache for r in rounds) if rounds else 0.0,
             time_split=split,
-            speculating=sum(r.drafted > 0 for r in rounds) / len(rounds) if rounds else 1.0,
+            speculating=sum(r.drafted > 0 or r.retrieved > 0 for r in rounds) / len(rounds) if rounds else 1.0,
+            retrieved_share=sum(r.retrieved_accepted for r in rounds) / new_tokens if new_tokens else 0.0,
+            acceptance_by_source=_by_source(rounds),
         )
+
+
+def _by_source(rounds: list[RoundRecord]) -> dict[str, float]:
+    """Accepted / proposed target tokens of each source, over the whole generation. A model token
+    counts as proposed when the round's model part was verified at all."""
+    model_p = sum(r.proposed - r.retrieved for r in rounds)
+    model_a = sum(r.accepted - r.retrieved_accepted for r in rounds)
+    retr_p = sum(r.retrieved for r in rounds)
+    retr_a = sum(r.retrieved_accepted for r in rounds)
+    return {name: a / p for name, a, p in (("model", model_a, model_p), ("retrieved", retr_a, retr_p)) if p}
 
 
 def write_trace(path: str | os.PathLike[str], rounds: Iterable[RoundRecord], meta: dict | None = None) -> None:
@@ -106,10 +125,11 @@ def read_trace(path: str | os.PathLike[str], *, select: dict[str, str] | None = 
                     continue
                 if current is None:
                     raise ValueError("round before any trace header")
-                if set(doc) != _FIELDS:
+                if not _REQUIRED <= set(doc) <= _FIELDS:
                     raise ValueError(f"fields differ from a round record: {sorted(set(doc) ^ _FIELDS)}")
                 r = RoundRecord(**doc)
-                if min(r.context, r.drafted, r.proposed, r.accepted, r.emitted) < 0 or r.accepted > r.proposed:
+                if (min(r.context, r.drafted, r.proposed, r.accepted, r.emitted, r.retrieved, r.retrieved_accepted) < 0
+                        or r.accepted > r.proposed or r.retrieved > r.proposed or r.retrieved_accepted > r.retrieved):
                     raise ValueError("counts out of range")
                 current.append(r)
             except (json.JSONDecodeError, TypeError, ValueError) as exc:

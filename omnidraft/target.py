@@ -129,6 +129,7 @@ class LocalTarget:
     (`generates_alone`): a latency-objective pairing does so where drafting measured slower."""
 
     generates_alone = True
+    in_process = True  # a round without a draft costs what decoding one token alone costs
 
     def __init__(self, model: Any, tokenizer: Any, name: str = "target") -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name

@@ -80,7 +80,7 @@ def _reference_pairing(drafter_end, target_end, pairs, accuracy, strategy):
 
     traces = reference_traces(target_end, pairs)
     oracle = ReferenceDrafter(drafter_end, dict(pairs), accuracy=accuracy, generator=torch.Generator().manual_seed(0))
-    return Pairing(oracle, ReplayTarget.like(target_end, traces), DecodeConfig(k=4, strategy=strategy, stop_confidence=0.0)), traces
+    return Pairing(oracle, ReplayTarget.like(target_end, traces), DecodeConfig(k=4, strategy=strategy, stop_confidence=0.0, drafts="model")), traces
 
 
 @pytest.mark.parametrize("accuracy", [1.0, 0.5])

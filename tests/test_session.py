@@ -31,7 +31,7 @@ def test_oracle_drafter_is_accepted_in_full(tiny_drafter, tiny_target):
     prompt = PROMPTS[0]
     ref = target_greedy(tiny_target, prompt, 40)
     oracle = OracleDrafter(tiny_target, ref)
-    out = od.Pairing(oracle, tiny_target, od.DecodeConfig(k=5, strategy="ngram")).generate(prompt, max_new_tokens=40)
+    out = od.Pairing(oracle, tiny_target, od.DecodeConfig(k=5, strategy="ngram", drafts="model")).generate(prompt, max_new_tokens=40)
     assert out.token_ids == ref
     assert out.stats.acceptance_rate == 1.0 and out.stats.mean_accepted_length == pytest.approx(40 / 7)
 
@@ -40,7 +40,7 @@ def test_forced_rejection_gives_partial_acceptance_and_same_output(tiny_drafter,
     prompt = PROMPTS[1]
     ref = target_greedy(tiny_target, prompt, 40)
     oracle = OracleDrafter(tiny_target, ref, wrong_at=2)
-    out = od.Pairing(oracle, tiny_target, od.DecodeConfig(k=5, strategy="ngram")).generate(prompt, max_new_tokens=40)
+    out = od.Pairing(oracle, tiny_target, od.DecodeConfig(k=5, strategy="ngram", drafts="model")).generate(prompt, max_new_tokens=40)
     assert out.token_ids == ref
     assert [r.accepted for r in out.rounds] == [2] * (len(out.rounds) - 1) + [out.rounds[-1].accepted]
 
@@ -235,7 +235,7 @@ class _SpyDrafter:
 def test_healed_drafts_keep_greedy_output_and_the_drafter_context_spells_the_committed_text(tiny_drafter, tiny_target,
                                                                                             prompt):
     spy = _SpyDrafter(tiny_drafter)
-    pair = od.Pairing(spy, tiny_target, od.DecodeConfig(k=4))
+    pair = od.Pairing(spy, tiny_target, od.DecodeConfig(k=4, drafts="model"))
     table = tiny_drafter.token_bytes.table
     # every longer token may replace the last one (no filter by the target's last token): heals often
     pair.healer.candidates = lambda token, last: torch.tensor([bool(d) and bool(table[token]) and d.startswith(table[token]) for d in table])

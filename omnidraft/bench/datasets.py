@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["data_dir", "load_prompts", "load_references"]
+__all__ = ["WORKLOADS", "data_dir", "load_prompts", "load_references"]
 
 HUMANEVAL_TRAIN_FROM = 64
 
@@ -50,12 +50,73 @@ def _gsm8k_prompt(row: dict) -> str:
     return f"Question: {row['question']}\nAnswer: Let's think step by step."
 
 
+def _cnndm() -> list[dict]:
+    return _jsonl(data_dir() / "cnndm" / "train_sample.jsonl")
+
+
+def _words(text: str, n: int) -> str:
+    words = text.split()
+    return " ".join(words[:n]) + (" ..." if len(words) > n else "")
+
+
+def _summarize(n: int) -> list[str]:
+    """An article (its first 350 words), then a request for a summary in its own words."""
+    return [f"Article: {_words(r['article'], 350)}\n\nSummarize the article above in three sentences, "
+            "keeping its own wording.\nSummary:" for r in _cnndm()[:n]]
+
+
+def _rag(n: int) -> list[str]:
+    """Three articles (150 words each, from the second half of the sample) and a question that the
+    one named by i % 3 answers: which document reports its first highlight, quoted."""
+    rows, out = _cnndm()[50:], []
+    for i in range(n):
+        docs = [rows[(3 * i + j) % len(rows)] for j in range(3)]
+        answer = docs[i % 3]
+        fact = answer["highlights"].split("\n")[0].strip().rstrip(".")
+        context = "\n".join(f"[{j + 1}] {_words(d['article'], 150)}" for j, d in enumerate(docs))
+        out.append(f"Documents:\n{context}\n\nQuestion: Which document reports that {fact}? Name it and quote the "
+                   "sentences of that document that say so.\nAnswer:")
+    return out
+
+
+_DOCSTRING = re.compile(r'\n\s*(\"\"\"|\'\'\')[\s\S]*?\1\n', re.M)
+
+
+def _code_edit(n: int) -> list[str]:
+    """A HumanEval canonical solution with its docstring stripped, to be rewritten with type hints
+    and a docstring (most of the body is copied)."""
+    out = []
+    for r in _humaneval("")[:n]:
+        code = _DOCSTRING.sub("\n", r["prompt"], count=1).rstrip() + "\n" + r["canonical_solution"].rstrip()
+        out.append(f"# Original code:\n{code}\n\n# The same code, rewritten with type hints on every function and a "
+                   "docstring for the entry point; the logic is unchanged:\n")
+    return out
+
+
+def _chat(n: int) -> list[str]:
+    """A GSM8K question and its worked answer as a first turn, then a follow-up quoting a line of it."""
+    out = []
+    for r in _gsm8k("test")[:n]:
+        answer = _CALCULATOR.sub("", r["answer"]).replace("####", "The answer is")
+        lines = [ln for ln in answer.split("\n") if ln.strip()]
+        quoted = lines[len(lines) // 2 - 1] if len(lines) > 1 else lines[0]
+        out.append(f"User: {r['question']}\nAssistant: {answer}\nUser: You wrote \"{quoted}\" Explain that step again, "
+                   "repeating your calculation.\nAssistant:")
+    return out
+
+
+WORKLOADS = {"summarize": _summarize, "rag": _rag, "code-edit": _code_edit, "chat": _chat}
+
+
 def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:
-    """First `n` prompts of `dataset`: "gsm8k", "gsm8k:train", "humaneval", "humaneval:train" or a
-    .jsonl path. HumanEval has no train split: "humaneval:train" is problems 64-163, disjoint from
-    the first 64 that benchmarks evaluate on."""
+    """First `n` prompts of `dataset`: "gsm8k", "gsm8k:train", "humaneval", "humaneval:train", one of
+    the copy-heavy WORKLOADS ("summarize", "rag", "code-edit", "chat"; docs/retrieval.md says how
+    each is built) or a .jsonl path. HumanEval has no train split: "humaneval:train" is problems
+    64-163, disjoint from the first 64 that benchmarks evaluate on."""
     if n < 1:
         raise ValueError(f"number of prompts n must be >= 1, got {n}")
+    if dataset in WORKLOADS:
+        return WORKLOADS[dataset](n)
     name, _, part = dataset.partition(":")
     if name == "gsm8k":
         return [_gsm8k_prompt(r) for r in _gsm8k(part or split)[:n]]
@@ -67,7 +128,8 @@ def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:
         if not rows or any("prompt" not in r for r in rows):
             raise ValueError(f"{path}: every line needs a \"prompt\" field")
         return [r["prompt"] for r in rows[:n]]
-    raise ValueError(f"unknown dataset {dataset!r}: use gsm8k, gsm8k:train, humaneval or a path to a .jsonl file")
+    raise ValueError(f"unknown dataset {dataset!r}: use gsm8k, gsm8k:train, humaneval, humaneval:train, "
+                     f"{', '.join(WORKLOADS)} or a path to a .jsonl file")
 
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations, "<<48/2=24>>", which no model writes

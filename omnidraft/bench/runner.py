@@ -148,21 +148,28 @@ def summarize(results: list[PromptResult]) -> dict[str, Any]:
 
 
 def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_tokens: int,
-                     progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Several pairings of one target, side by side: per prompt the target alone once, then each
-    pairing, all timed in one process. The pairings' order rotates from prompt to prompt, so none
-    always runs first after the target (or last, when the machine has drifted most). Rows:
-    acceptance, τ, drafted/round, tok/s, speedup, identical, and each prompt's seconds (`prompt_s`,
-    for paired comparisons: `paired_ratio`)."""
+                     progress: Callable[[str], None] = lambda _: None, *, peers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Several pairings of one target (and `peers`, keys of PEERS, run on the first pairing's
+    target), side by side: per prompt the target alone once, then each row, all timed in one
+    process. The rows' order rotates from prompt to prompt, so none always runs first after the
+    target (or last, when the machine has drifted most). Rows: acceptance, τ, drafted/round,
+    retrieved share, tok/s, speedup, identical, and each prompt's seconds (`prompt_s`, for paired
+    comparisons: `paired_ratio`)."""
     from ..stats import GenerationStats
 
-    target = next(iter(pairs.values())).target
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        raise ValueError(f"unknown peer rows {sorted(unknown)}; known: {sorted(PEERS)}")
+    first = next(iter(pairs.values()))
+    target = first.target
     for pair in pairs.values():  # warm-up (and a first cost estimate for cost-aware pairings)
         pair.generate(prompts[0], max_new_tokens=16)
+    for name in peers:
+        PEERS[name][1](first, prompts[0], 8)
     target_alone(target, prompts[0], 8)
-    names = list(pairs)
-    runs: dict[str, list[Any]] = {name: [] for name in pairs}
-    identical = {name: 0 for name in pairs}
+    names = [*pairs, *peers]
+    runs: dict[str, list[Any]] = {name: [] for name in names}
+    identical = {name: 0 for name in names}
     alone_s = alone_tokens = 0.0
     for i, prompt in enumerate(prompts):
         progress(f"prompt {i + 1}/{len(prompts)}: target alone")
@@ -170,20 +177,31 @@ def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_toke
         alone_s, alone_tokens = alone_s + ref.seconds, alone_tokens + len(ref.token_ids)
         for name in names[i % len(names):] + names[: i % len(names)]:
             progress(f"prompt {i + 1}/{len(prompts)}: {name}")
-            out = pairs[name].generate(prompt, max_new_tokens=max_new_tokens)
+            if name in pairs:
+                out = pairs[name].generate(prompt, max_new_tokens=max_new_tokens)
+                ids = out.token_ids
+            else:
+                out = _counting_forwards(target.model, lambda name=name: PEERS[name][1](first, prompt, max_new_tokens))
+                ids = out[0].token_ids
             runs[name].append(out)
-            identical[name] += out.token_ids == ref.token_ids
+            identical[name] += ids == ref.token_ids
     rows = []
     for name, outs in runs.items():
-        rounds = [r for o in outs for r in o.rounds]
-        tokens, seconds = sum(len(o.token_ids) for o in outs), sum(o.stats.seconds for o in outs)
-        s = GenerationStats.from_rounds(rounds, tokens, seconds)
-        rows.append({"variant": name, "acceptance_rate": s.acceptance_rate, "tau": s.mean_accepted_length,
-                     "drafted_per_round": sum(r.drafted for r in rounds) / len(rounds),
-                     "draft_ms_per_token": 1000 * sum(r.t_draft for r in rounds) / max(1, sum(r.drafted for r in rounds)),
-                     "tok_s": tokens / seconds, "speedup": (tokens / seconds) / (alone_tokens / alone_s),
-                     "identical": identical[name], "prompts": len(prompts),
-                     "prompt_s": [o.stats.seconds for o in outs]})
+        row: dict[str, Any] = {"variant": name, "identical": identical[name], "prompts": len(prompts)}
+        if name in pairs:
+            rounds = [r for o in outs for r in o.rounds]
+            tokens, seconds = sum(len(o.token_ids) for o in outs), sum(o.stats.seconds for o in outs)
+            s = GenerationStats.from_rounds(rounds, tokens, seconds)
+            row.update(acceptance_rate=s.acceptance_rate, tau=s.mean_accepted_length, retrieved_share=s.retrieved_share,
+                       drafted_per_round=sum(r.drafted for r in rounds) / len(rounds),
+                       draft_ms_per_token=1000 * sum(r.t_draft for r in rounds) / max(1, sum(r.drafted for r in rounds)),
+                       prompt_s=[o.stats.seconds for o in outs])
+        else:
+            tokens, seconds = sum(len(t.token_ids) for t, _ in outs), sum(t.seconds for t, _ in outs)
+            row.update(label=PEERS[name][0], tau=tokens / max(1, sum(f - 1 for _, f in outs)),
+                       prompt_s=[t.seconds for t, _ in outs])
+        row.update(tok_s=tokens / seconds, speedup=(tokens / seconds) / (alone_tokens / alone_s))
+        rows.append(row)
     return {"target_tok_s": alone_tokens / alone_s, "rows": rows}
 
 

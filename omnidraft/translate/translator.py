@@ -37,6 +37,7 @@ class Source(IntEnum):
     DIRECT = 0
     NGRAM = 1
     TEXT = 2  # re-tokenized text whose boundaries do not line up with drafter tokens
+    RETRIEVED = 3  # copied from the context or the user's past outputs, in target ids (retrieve/)
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,20 @@ class Proposal:
     def from_cache(self) -> int:
         return sum(s == Source.NGRAM for s in self.sources)
 
+    @property
+    def retrieved(self) -> int:
+        return sum(s == Source.RETRIEVED for s in self.sources)
+
     def cut(self, m: int) -> Proposal:
         """The first `m` proposals."""
         return Proposal(self.ids[:m], self.sources[:m], self.spans[:m])
+
+    def then(self, retrieved: list[int]) -> Proposal:
+        """This proposal followed by `retrieved` target ids (no drafter span under them)."""
+        if not retrieved:
+            return self
+        ids = torch.cat([self.ids, torch.tensor(retrieved, dtype=torch.long)])
+        return Proposal(ids, self.sources + (Source.RETRIEVED,) * len(retrieved), self.spans + (None,) * len(retrieved))
 
 
 class Translator:

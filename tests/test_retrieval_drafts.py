@@ -1,0 +1,120 @@
+"""Retrieval drafts in the pairing loop (tiny models): lossless in every mode, sources recorded,
+no drafter forward in retrieval-only rounds, the user's datastore kept in the profile."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import omnidraft as od
+from omnidraft.errors import IncompatibleError
+from omnidraft.retrieve import Datastore, RetrievalConfig
+
+from .conftest import gsm8k_texts, target_greedy, tiny_llama, train_bpe
+
+COPY = ["The cat sat on the mat. The dog sat on the log. The cat sat on the",
+        "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return",
+        gsm8k_texts("test", 1)[0][:120] * 2]
+
+
+@pytest.mark.parametrize("drafts", ["hybrid", "retrieval", "model"])
+@pytest.mark.parametrize("k", [None, 3])
+def test_greedy_output_is_the_targets_own_whatever_drafts(tiny_drafter, tiny_target, drafts, k):
+    pair = tiny_drafter.pair(tiny_target, k=k, drafts=drafts)
+    retrieved = 0
+    for prompt in COPY:
+        out = pair.generate(prompt, max_new_tokens=40)
+        assert out.token_ids == target_greedy(tiny_target, prompt, 40), prompt
+        retrieved += sum(r.retrieved_accepted for r in out.rounds)
+        assert all(r.retrieved <= r.proposed and r.retrieved_accepted <= r.retrieved for r in out.rounds)
+        if drafts == "model":
+            assert all(r.retrieved == 0 for r in out.rounds)
+        if drafts == "retrieval":
+            assert all(r.drafted == 0 for r in out.rounds)
+    if drafts != "model":
+        assert retrieved > 0  # a tiny random model repeats itself: its own output is there to copy
+        assert out.stats.acceptance_by_source is not None
+
+
+class _NoForward:
+    """A drafter whose sessions must never draft."""
+
+    def __init__(self, drafter):
+        self.inner = drafter
+        for name in ("name", "tokenizer", "token_bytes", "codec"):
+            setattr(self, name, getattr(drafter, name))
+
+    def begin(self, ids):
+        session = self.inner.begin(ids)
+        session.propose = lambda *a, **k: pytest.fail("retrieval-only drafts called the drafter")
+        return session
+
+
+def test_retrieval_only_never_runs_the_drafter(tiny_drafter, tiny_target):
+    pair = od.Pairing(_NoForward(tiny_drafter), tiny_target, od.DecodeConfig(drafts="retrieval"))
+    for prompt in COPY:
+        assert pair.generate(prompt, max_new_tokens=30).token_ids == target_greedy(tiny_target, prompt, 30)
+
+
+def test_a_bad_drafts_value_is_refused():
+    with pytest.raises(ValueError, match="drafts must be one of"):
+        od.DecodeConfig(drafts="retrieved")
+    with pytest.raises(ValueError, match="max_len"):
+        RetrievalConfig(max_len=0)
+
+
+@pytest.mark.parametrize("mode", ["match", "exact"])
+@pytest.mark.parametrize("drafts", ["retrieval", "hybrid"])
+def test_sampling_with_retrieved_drafts_keeps_the_target_distribution(mode, drafts):
+    """First token over 1,200 generations from a prompt whose end is found earlier in it, so the
+    first round proposes a retrieved continuation; chi-square against the target's softmax."""
+    tok_d, tok_t = train_bpe(300, gsm8k_texts(n=300)), train_bpe(330, gsm8k_texts(n=300))
+    target = od.LocalTarget(tiny_llama(len(tok_t), seed=5, logit_scale=8.0), tok_t, "t")
+    drafter = od.Drafter(tiny_llama(len(tok_d), seed=5, logit_scale=8.0), tok_d, "d")
+    pair = drafter.pair(target, k=3, mode=mode, temperature=1.0, drafts=drafts,
+                        retrieval=RetrievalConfig(min_match=2))
+    gen = torch.Generator().manual_seed(13)
+    prompt = "Question: how many apples are there? Question: how many"
+    n, counts, retrieved_first = 1200, Counter(), 0
+    for _ in range(n):
+        out = pair.generate(prompt, max_new_tokens=2, generator=gen)
+        counts[out.token_ids[0]] += 1
+        retrieved_first += out.rounds[0].retrieved > 0
+    assert retrieved_first > n // 2
+    ids = tok_t(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        p = torch.softmax(target.model(ids).logits[0, -1].float(), -1)
+    big = [t for t in range(len(p)) if p[t] * n >= 5]
+    observed = [counts[t] for t in big] + [n - sum(counts[t] for t in big)]
+    expected = [float(p[t]) * n for t in big] + [n - sum(float(p[t]) * n for t in big)]
+    assert len(big) >= 5
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_the_users_past_outputs_are_drafts_and_live_in_the_profile(tiny_drafter, tiny_target, tmp_path):
+    store = od.ProfileStore(tmp_path)
+    pair = tiny_drafter.pair(tiny_target, user="ann", store=store, drafts="retrieval")
+    first = pair.generate(COPY[0], max_new_tokens=30)
+    assert list(pair.retriever.history.docs) == [first.token_ids]
+    pair.save()
+    again = tiny_drafter.pair(tiny_target, user="ann", store=store, drafts="retrieval")
+    assert list(again.retriever.history.docs) == [first.token_ids]
+    # the same request again: its whole output is in the user's history now
+    second = again.generate(COPY[0], max_new_tokens=30)
+    assert second.token_ids == first.token_ids
+    assert sum(r.retrieved_accepted for r in second.rounds) > sum(r.retrieved_accepted for r in first.rounds)
+    # no user, no history: nothing is remembered between requests
+    assert tiny_drafter.pair(tiny_target, drafts="retrieval").retriever.history is None
+
+
+def test_a_datastore_of_another_tokenizer_is_refused(tiny_drafter, tiny_target, tmp_path):
+    store = od.ProfileStore(tmp_path)
+    pair = tiny_drafter.pair(tiny_target, user="bo", store=store)
+    pair.retriever.history = Datastore(fingerprint="another")
+    pair.retriever.history.add([1, 2, 3])
+    pair.save()
+    with pytest.raises(IncompatibleError, match="another target tokenizer"):
+        tiny_drafter.pair(tiny_target, user="bo", store=store)
