@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--remote", action="store_true",
                    help="serve the target on loopback and verify over HTTP with --rtt injected per round trip")
     b.add_argument("--rtt", type=float, action="append", metavar="MS", help="round-trip time(s) in ms for --remote")
+    b.add_argument("--relaxed", action="store_true",
+                   help="with several --drafts: also the hybrid under relaxed verification, a LOSSY row, with ROUGE-L")
     decoding(b)
     a = sub.add_parser("adapt", help="online distillation: acceptance and τ against training steps, held-out")
     a.add_argument("--pair", default=f"{DRAFTER}:qwen2.5-coder-0.5b")
@@ -378,7 +380,7 @@ def _bench_sources(args: argparse.Namespace) -> None:
         results[pair_spec] = run_sources(
             drafter, target, args.dataset or ["summarize", "rag", "code-edit", "chat", "gsm8k", "humaneval"], args.n,
             args.max_new_tokens, drafts=tuple(args.drafts), peers=() if args.no_peers else tuple(args.peer or ("lookup", "assisted")),
-            progress=bar.set_postfix_str, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy)
+            relaxed=args.relaxed, progress=bar.set_postfix_str, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy)
         bar.close()
         text = "".join(f"## {spec}\n\n{markdown(r)}\n" for spec, r in results.items())
         atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 
 K_START = 6  # a cost-driven pairing's first draft length, before any cost is measured
+RELAXED = "relaxed-lossy"  # the one verification mode whose output may differ from the target's own
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +55,10 @@ class DecodeConfig:
     whole completion), whichever measured faster (adaptive/policy.py `ModeChooser`), so such a
     pairing is never much slower than its target alone; "compute" always speculates, which spends
     fewer target forwards per token.
-    `mode`/`temperature`: see verify.py.
+    `mode`/`temperature`: see verify.py. `mode="relaxed-lossy"` (LOSSY, in-process targets, greedy):
+    ReSpec's relaxed verification, a retrieved token is accepted within the target's top
+    `relaxed_top_r` when the target carries the copy on (verify.relaxed); model drafts stay
+    greedy. Its output may differ from the target's own: docs/retrieval.md measures by how much.
     `strategy`: draft-to-target translation ("text" or "ngram", see translator.py).
     `stop_confidence`: end a draft early after a token the drafter gives less probability than this.
     `adaptive`: a Hysteresis policy that moves the draft length (starting at k) with acceptance;
@@ -82,6 +86,7 @@ class DecodeConfig:
     heal: bool = True
     drafts: str = "hybrid"
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    relaxed_top_r: int = 3
 
     def __post_init__(self) -> None:
         if self.drafts not in DRAFT_SOURCES:
@@ -96,11 +101,22 @@ class DecodeConfig:
             raise ValueError(f"translation strategy must be 'text' or 'ngram', got {self.strategy!r}")
         if not 0.0 <= self.stop_confidence < 1.0:
             raise ValueError(f"stop_confidence must be in [0, 1), got {self.stop_confidence}")
-        Rule(mode=self.mode, temperature=self.temperature)  # validates mode and temperature
+        if self.mode == RELAXED:
+            if self.drafts == "model":
+                raise ValueError("relaxed-lossy verification relaxes retrieved drafts only; drafts='model' has none")
+            if not isinstance(self.relaxed_top_r, int) or self.relaxed_top_r < 2:
+                raise ValueError(f"relaxed_top_r must be an integer >= 2, got {self.relaxed_top_r!r}")
+        Rule(mode="greedy" if self.mode == RELAXED else self.mode, temperature=self.temperature)  # validates both
+
+    @property
+    def lossy(self) -> bool:
+        """Whether outputs may differ from the target's own (greedy) or its distribution (sampling)."""
+        return self.mode in (RELAXED, "omnidraft")
 
     @property
     def rule(self) -> Rule:
-        return Rule(mode=self.mode, temperature=self.temperature)
+        """The target's acceptance rule; relaxed verification is greedy's, relaxed for retrieved tokens."""
+        return Rule(mode="greedy" if self.mode == RELAXED else self.mode, temperature=self.temperature)
 
     @property
     def start_k(self) -> int:
@@ -173,6 +189,11 @@ class Pairing:
         from .profiles import ProfileStore
 
         self.drafter, self.target, self.config, self.user = drafter, target, config, user
+        if config.mode == RELAXED:
+            if not getattr(target, "in_process", False):
+                raise ValueError(f"relaxed-lossy verification needs an in-process target; {target!r} verifies remotely")
+            log.warning("%s -> %s: relaxed-lossy verification; outputs may differ from the target's own greedy output",
+                        drafter.name, target.name)
         vmap, healer = pair_tables(drafter, target, healing=config.healing)
         self.fingerprint = f"{drafter.token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
         self.store = store or ProfileStore()
@@ -415,7 +436,11 @@ class Pairing:
             q = _draft_rows(translator, proposal, modeled, draft) if aligned and len(proposal) else None
             t2 = time.perf_counter()
             context = len(tsession.ids)
-            verdict = tsession.verify(proposal.ids, rule, q, generator, topk=topk)
+            relax = {}
+            if self.config.mode == RELAXED and proposal.retrieved:
+                mask = torch.tensor([s == Source.RETRIEVED for s in proposal.sources], dtype=torch.bool)
+                relax = {"relax": (mask, self.config.relaxed_top_r)}
+            verdict = tsession.verify(proposal.ids, rule, q, generator, topk=topk, **relax)
             t3 = time.perf_counter()
             new = tsession.ids[context:]
             eos = next((i for i, t in enumerate(new) if t in target.eos_ids), None)

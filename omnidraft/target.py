@@ -97,13 +97,21 @@ class _LocalSession:
         return self.runner.ids
 
     def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, *, topk: int = 0) -> V.Verdict:
-        """proposal (M,) int64; q (M, Vt) draft rows, needed by the rejection modes only."""
+               generator: torch.Generator | None = None, *, topk: int = 0,
+               relax: tuple[torch.Tensor, int] | None = None) -> V.Verdict:
+        """proposal (M,) int64; q (M, Vt) draft rows, needed by the rejection modes only. `relax`
+        (LOSSY, greedy rules only): (mask (M,) of the proposals that may be accepted without being
+        the argmax, top r), see verify.relaxed."""
         base, m = len(self.runner.ids), int(proposal.shape[0])
         self.runner.extend(proposal.tolist())
         logits = self.runner.forward(keep=m + 1)
         self.forwards += 1
-        verdict = _judge(logits, proposal, rule, q, generator)
+        if relax is not None:
+            if rule.mode != "greedy":
+                raise ValueError(f"relaxed verification is a greedy rule; got mode {rule.mode!r}")
+            verdict = V.relaxed(logits, proposal, relax[0], relax[1])
+        else:
+            verdict = _judge(logits, proposal, rule, q, generator)
         if topk > 0:
             logp, ids = torch.log_softmax(logits[: verdict.accepted + 1].float(), -1).topk(topk, dim=-1)
             verdict = replace(verdict, topk=(ids, logp))

@@ -10,6 +10,7 @@ tokenizers, no per-token Python loops. Shapes: M proposed tokens, Vt target voca
 | greedy    | proposal == argmax p                                  | yes      |
 | match     | proposal == a sample from p                          | yes      |
 | rejection | u < p(t)/q'(t); then resample norm(max(0, p - q'))   | yes if the proposals were drawn from q' |
+| relaxed   | greedy, or a retrieved token in p's top r whose next token is p's argmax | **no** (lossy) |
 
 `rejection` is exact when each proposed token was sampled from the row of `q` given for it (the
 `exact` mode: drafter sampling restricted to the shared vocabulary). With OmniDraft's n-gram rows
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Verdict", "greedy", "match", "probabilities", "rejection"]
+__all__ = ["Verdict", "greedy", "match", "probabilities", "rejection", "relaxed"]
 
 
 @dataclass(frozen=True)
@@ -87,3 +88,22 @@ def rejection(
             residual = probs[n]
     token = torch.multinomial(residual / residual.sum(), 1, generator=generator)
     return Verdict(n, int(token))
+
+
+def relaxed(logits: torch.Tensor, proposal: torch.Tensor, relax: torch.Tensor, top_r: int) -> Verdict:
+    """LOSSY: ReSpec's source-aware relaxed verification; the output may differ from the target's
+    greedy output. logits (M+1, Vt), proposal (M,), relax (M,) bool: the proposals that may be
+    accepted without being the argmax (retrieved ones). Such a token is accepted when it is among
+    the target's top `top_r` and the target's argmax at the next position is the next proposal (the
+    target carries the copied text on); every other token is verified greedily."""
+    best = logits.argmax(dim=-1)
+    strict = best[:-1] == proposal
+    m = int(proposal.shape[0])
+    if m == 0:
+        return Verdict(0, int(best[0]))
+    rows = logits[:-1].float()
+    kth = rows.topk(min(top_r, rows.shape[-1]), dim=-1).values[:, -1]
+    in_top = rows.gather(1, proposal[:, None]).squeeze(1) >= kth
+    ahead = torch.cat([strict[1:], torch.zeros(1, dtype=torch.bool)])
+    n = _first_false(strict | (relax & in_top & ahead))
+    return Verdict(n, int(best[n]))

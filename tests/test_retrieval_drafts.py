@@ -118,3 +118,56 @@ def test_a_datastore_of_another_tokenizer_is_refused(tiny_drafter, tiny_target, 
     pair.save()
     with pytest.raises(IncompatibleError, match="another target tokenizer"):
         tiny_drafter.pair(tiny_target, user="bo", store=store)
+
+
+def test_relaxed_verification_is_its_own_lossy_mode(tiny_drafter, tiny_target):
+    """It cannot be switched on by accident: only mode="relaxed-lossy" relaxes, never with model
+    drafts only, and every lossless mode stays identical to the target's greedy output."""
+    assert not od.DecodeConfig().lossy and od.DecodeConfig(mode="relaxed-lossy").lossy
+    assert od.DecodeConfig(mode="relaxed-lossy").rule == od.Rule()  # the target's rule stays greedy
+    with pytest.raises(ValueError, match="relaxes retrieved drafts only"):
+        od.DecodeConfig(mode="relaxed-lossy", drafts="model")
+    with pytest.raises(ValueError, match="relaxed_top_r"):
+        od.DecodeConfig(mode="relaxed-lossy", relaxed_top_r=1)
+    with pytest.raises(ValueError, match="verification mode"):
+        od.DecodeConfig(mode="relaxed")
+    pair = tiny_drafter.pair(tiny_target, mode="relaxed-lossy")
+    for prompt in COPY:
+        out = pair.generate(prompt, max_new_tokens=30)
+        assert len(out.token_ids) == 30
+
+
+def test_relaxed_rule_accepts_a_near_miss_copy_only_when_the_target_carries_it_on():
+    from omnidraft.verify import greedy, relaxed
+
+    logits = torch.full((4, 10), -5.0)
+    logits[0, 1], logits[0, 2] = 3.0, 2.9  # position 0: argmax 1, proposal 2 is second
+    logits[1, 3] = 3.0  # after it the target continues with 3, as proposed
+    logits[2, 7] = 3.0
+    logits[3, 0] = 3.0
+    proposal = torch.tensor([2, 3, 4])
+    retrieved = torch.tensor([True, True, True])
+    assert greedy(logits, proposal).accepted == 0
+    v = relaxed(logits, proposal, retrieved, top_r=2)
+    assert (v.accepted, v.token) == (2, 7)  # 2 (near miss, carried on), 3 (argmax); 4 is not in the top 2
+    assert relaxed(logits, proposal, torch.tensor([False, True, True]), top_r=2).accepted == 0  # a model token: strict
+    assert relaxed(logits, proposal, retrieved, top_r=1).accepted == 0
+    off = logits.clone()
+    off[1, 3], off[1, 5] = -5.0, 3.0  # the target does not carry the copy on: rejected
+    assert relaxed(off, proposal, retrieved, top_r=2).accepted == 0
+
+
+def test_rouge_l():
+    from omnidraft.bench.runner import rouge_l
+
+    assert rouge_l([1, 2, 3], [1, 2, 3]) == 1.0
+    assert rouge_l([1, 2, 3, 4], [1, 3, 4, 5]) == pytest.approx(0.75)
+    assert rouge_l([], [1]) == 0.0
+
+
+def test_relaxed_verification_refuses_a_remote_target(tiny_drafter):
+    class Remote:
+        name = "remote"
+
+    with pytest.raises(ValueError, match="needs an in-process target"):
+        od.Pairing(tiny_drafter, Remote(), od.DecodeConfig(mode="relaxed-lossy"))

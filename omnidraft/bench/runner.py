@@ -16,7 +16,7 @@ from typing import Any, Callable
 from ..session import Pairing
 from .baselines import Timed, hf_assisted, prompt_lookup, stock_generate, target_alone
 
-__all__ = ["PEERS", "PromptResult", "compare_pairings", "default_against_fixed_k", "pairing_costs", "paired_ratio",
+__all__ = ["PEERS", "PromptResult", "compare_pairings", "rouge_l", "default_against_fixed_k", "pairing_costs", "paired_ratio",
            "run_prompts", "summarize"]
 
 # peer rows: name -> (label in reports, runner(pair, prompt, n) -> Timed)
@@ -170,6 +170,7 @@ def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_toke
     names = [*pairs, *peers]
     runs: dict[str, list[Any]] = {name: [] for name in names}
     identical = {name: 0 for name in names}
+    rouge = {name: 0.0 for name in names}
     alone_s = alone_tokens = 0.0
     for i, prompt in enumerate(prompts):
         progress(f"prompt {i + 1}/{len(prompts)}: target alone")
@@ -185,9 +186,11 @@ def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_toke
                 ids = out[0].token_ids
             runs[name].append(out)
             identical[name] += ids == ref.token_ids
+            rouge[name] += rouge_l(ids, ref.token_ids) / len(prompts)
     rows = []
     for name, outs in runs.items():
-        row: dict[str, Any] = {"variant": name, "identical": identical[name], "prompts": len(prompts)}
+        row: dict[str, Any] = {"variant": name, "identical": identical[name], "prompts": len(prompts),
+                               "rouge_l": rouge[name]}
         if name in pairs:
             rounds = [r for o in outs for r in o.rounds]
             tokens, seconds = sum(len(o.token_ids) for o in outs), sum(o.stats.seconds for o in outs)
@@ -203,6 +206,20 @@ def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_toke
         row.update(tok_s=tokens / seconds, speedup=(tokens / seconds) / (alone_tokens / alone_s))
         rows.append(row)
     return {"target_tok_s": alone_tokens / alone_s, "rows": rows}
+
+
+def rouge_l(candidate: list[int], reference: list[int]) -> float:
+    """ROUGE-L F1 of two token sequences (longest common subsequence); 1.0 for identical ones."""
+    if not candidate or not reference:
+        return float(candidate == reference)
+    previous = [0] * (len(reference) + 1)
+    for a in candidate:
+        current = [0]
+        for j, b in enumerate(reference):
+            current.append(previous[j] + 1 if a == b else max(previous[j + 1], current[j]))
+        previous = current
+    lcs = previous[-1]
+    return 2 * lcs / (len(candidate) + len(reference))
 
 
 def paired_ratio(faster: list[float], slower: list[float]) -> dict[str, float]:
