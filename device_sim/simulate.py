@@ -7,6 +7,8 @@ remote placement it is what a deployed server does: one request carrying the pro
 completion generated on the server and streamed back (one exchange, then one target step per
 token), never one round trip per token. Beside latency the result counts target forwards per
 committed token, what speculation saves a server (the streaming server spends one per token).
+Rounds that proposed retrieved drafts (`retrieved` of their proposals) are charged the drafter
+only for the tokens it drafted, so traces that mix sources replay as they ran.
 Jitter is mean-zero and so does not move an expected latency; loss adds expected resends.
 """
 
@@ -124,7 +126,8 @@ def acceptance_per_position(runs: list[list[TraceRound]]) -> float:
 def sweep_k(runs: list[list[TraceRound]], sc: Scenario, ks: range = range(1, 13)) -> list[tuple[int, float, float]]:
     """(k, expected tau, expected tokens/s) per draft length under the geometric model fitted to `runs`."""
     alpha = acceptance_per_position(runs)
-    ratio = sum(r.proposed for run in runs for r in run) / max(1, sum(r.drafted for run in runs for r in run))
+    # target tokens per drafted token, over the model's part of each round (retrieved tokens cost no drafting)
+    ratio = sum(r.proposed - r.retrieved for run in runs for r in run) / max(1, sum(r.drafted for run in runs for r in run))
     context = sum(r.context for run in runs for r in run) / sum(len(run) for run in runs)
     rows = []
     for k in ks:

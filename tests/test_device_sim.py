@@ -91,3 +91,14 @@ def test_profiles_check_their_numbers():
 def test_device_sim_imports_no_torch():
     code = "import device_sim, device_sim.__main__, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_traces_that_mix_sources_charge_the_drafter_for_drafted_tokens_only(tmp_path):
+    path = _trace(tmp_path, [dict(context=11, drafted=0, proposed=3, accepted=3, emitted=4, retrieved=3, retrieved_accepted=3),
+                             dict(context=15, drafted=2, proposed=4, accepted=1, emitted=2, retrieved=2, retrieved_accepted=0)])
+    r = simulate(read_trace(path), Scenario(device=DEVICE))
+    # round 1: no drafting + prefill 2*10 + forward of 4 tokens 140 + bookkeeping 1 = 161 ms
+    # round 2: draft 2*10 + forward of 5 tokens (140 + 10) + bookkeeping 1 = 171 ms
+    assert r.seconds == pytest.approx(0.332) and r.tokens == 6
+    (k2,) = [row for row in sweep_k(read_trace(path), Scenario(device=DEVICE), range(2, 3))]
+    assert k2[0] == 2  # model part: 2 target tokens from 2 drafted, so k = 2 proposes 2
