@@ -119,3 +119,17 @@ def test_stats_rank_candidates_by_their_history():
     cand, m, _ = stats.best([a, b], Cost())
     assert cand is b and m == 8
     assert stats.best([Candidate([1], "context", 1)], None) is None  # under min_match, no costs: no retrieval
+
+
+def test_a_kind_of_match_that_failed_is_probed_again_and_fresh_requests_forgive():
+    stats = RetrievalStats(RetrievalConfig(probe_every=3))
+    c = Candidate([1] * 8, "context", 5)
+    for _ in range(6):
+        stats.observe("context", 5, 8, 0)
+    low = stats.acceptance("context", 5)[0]
+    assert low < 0.3
+    assert [stats.turned_down(c) for _ in range(3)] == [False, False, True]
+    stats.observe("context", 5, 8, 8)
+    assert not stats.turned_down(c)  # a trial resets the wait
+    stats.refresh()
+    assert stats.acceptance("context", 5)[0] > stats.acceptance("context", 5)[0] * 0 + low

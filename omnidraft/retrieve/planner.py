@@ -37,7 +37,20 @@ class Retriever:
         self.config, self.history, self.model = config, history, model
         self.stats = RetrievalStats(config)
 
+    @classmethod
+    def for_user(cls, config: RetrievalConfig, user: str | None, saved: dict[str, Any] | None, fingerprint: str, *,
+                 model: bool = True) -> Retriever:
+        """A pairing's retriever: with a `user`, their past outputs are drafts too, kept in their
+        profile (`saved`: its datastore document; `fingerprint`: the target tokenizer's)."""
+        history = None
+        if user is not None:
+            history = (Datastore.from_doc(saved, where=f"profile of {user!r}", fingerprint=fingerprint)
+                       if saved is not None else Datastore(fingerprint=fingerprint))
+        return cls(config, history, model=model)
+
     def begin(self, prompt_ids: list[int]) -> ContextIndex:
+        """A request's index (and its acceptance history moved back toward the priors)."""
+        self.stats.refresh()
         return ContextIndex(prompt_ids, self.history)
 
     def plan(self, index: ContextIndex, cost: Any, rates: dict[int, float], room: int) -> Used | None:
@@ -54,7 +67,7 @@ class Retriever:
         candidate, m, rate = best
         if measured:
             rival = max(rates.values()) if rates else 1.0 / (cost.other + cost.verify_cost(1))
-            if rate <= rival:
+            if rate <= rival and not (candidate.match >= self.config.min_match and self.stats.turned_down(candidate)):
                 return None
         return Used(candidate, m)
 

@@ -33,19 +33,24 @@ class RetrievalConfig:
     `prior`: first-token acceptance assumed for a one-token match with no history yet (a match of n
     tokens is assumed to miss n times less often).
     `decay`: of the acceptance averages. `extend`: let a model draft run on into a retrieved
-    continuation when the draft's end matches a source."""
+    continuation when the draft's end matches a source. `probe_every`: a kind of match (source and
+    length) the costs turned down this many rounds in a row is tried once anyway, so one that
+    failed before is measured again (acceptance depends on the request)."""
 
     max_len: int = 16
     min_match: int = 3
     prior: float = 0.5
     decay: float = 0.8
     extend: bool = True
+    probe_every: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or self.max_len < 1:
             raise ValueError(f"retrieval max_len must be an integer >= 1, got {self.max_len!r}")
         if not isinstance(self.min_match, int) or self.min_match < 1:
             raise ValueError(f"retrieval min_match must be an integer >= 1, got {self.min_match!r}")
+        if not isinstance(self.probe_every, int) or self.probe_every < 1:
+            raise ValueError(f"retrieval probe_every must be an integer >= 1, got {self.probe_every!r}")
         if not 0.0 <= self.prior < 1.0 or not 0.0 <= self.decay < 1.0:
             raise ValueError(f"retrieval prior and decay must be in [0, 1), got {self.prior} and {self.decay}")
 
@@ -112,6 +117,22 @@ class RetrievalStats:
         self.first: dict[tuple[str, int], float] = {}
         self.kept: dict[tuple[str, int], float] = {}  # tokens accepted after the first
         self.trials: dict[tuple[str, int], float] = {}  # and their trials
+        self.waiting: dict[tuple[str, int], int] = {}  # rounds turned down since the last trial
+
+    def _prior(self, key: tuple[str, int]) -> float:
+        return 1.0 - (1.0 - self.config.prior) / BUCKETS[key[1]]
+
+    def refresh(self) -> None:
+        """A new request: acceptance depends on the request, so each first-token average moves
+        halfway back to its prior."""
+        for key, value in self.first.items():
+            self.first[key] = 0.5 * (value + self._prior(key))
+
+    def turned_down(self, candidate: Candidate) -> bool:
+        """The costs turned this candidate down; True when its kind is due for a probe anyway."""
+        key = (candidate.source, bucket(candidate.match))
+        self.waiting[key] = self.waiting.get(key, 0) + 1
+        return self.waiting[key] >= self.config.probe_every
 
     def _ema(self, table: dict[tuple[str, int], float], key: tuple[str, int], value: float) -> None:
         d = self.config.decay
@@ -120,8 +141,7 @@ class RetrievalStats:
     def acceptance(self, source: str, match: int) -> tuple[float, float]:
         """(first-token acceptance, per-token acceptance after it) of a candidate."""
         key = (source, bucket(match))
-        # with no history, a longer match is taken as likelier to go on as before
-        prior = 1.0 - (1.0 - self.config.prior) / BUCKETS[key[1]]
+        prior = self._prior(key)  # with no history, a longer match is taken as likelier to go on as before
         first = self.first.get(key, prior)
         then = min(0.99, self.kept[key] / self.trials[key]) if self.trials.get(key) else max(prior, 0.8)
         return first, then
@@ -130,6 +150,7 @@ class RetrievalStats:
         if proposed < 1:
             return
         key = (source, bucket(match))
+        self.waiting[key] = 0
         self._ema(self.first, key, float(accepted > 0))
         if accepted > 0 and proposed > 1:
             self._ema(self.kept, key, accepted - 1)
