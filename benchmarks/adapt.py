@@ -1,4 +1,4 @@
-"""`omnidraft adapt`: does online distillation make a pairing faster? Measured, not assumed.
+"""`python -m benchmarks adapt`: does online distillation make a pairing faster? Measured, not assumed.
 
 1. Record the target once per prompt (trace_store, batched): its greedy continuation and top-k
    log-probabilities. Cached beside the results, so a rerun or another variant costs no target time.
@@ -28,16 +28,18 @@ from typing import Any, Callable
 
 import torch
 
-from ..distill.buffer import VerifiedRequest, build_example
-from ..distill.trace_store import ReplayTarget, TargetTrace, load_traces, record_many, save_traces
-from ..distill.trainer import OnlineTrainer, TrainConfig
-from ..int8 import fake_int8, quantize_int8
-from ..models import load_model
-from ..session import DecodeConfig, Pairing
-from ..stats import GenerationStats
-from ..translate.ngram_cache import NgramCache, NgramCacheConfig
-from ..translate.vocab_map import build_vocab_map
-from .datasets import load_prompts
+from omnidraft.bench.datasets import load_prompts
+from omnidraft.distill.buffer import VerifiedRequest, build_example
+from omnidraft.distill.trace_store import ReplayTarget, TargetTrace, load_traces, record_many, save_traces
+from omnidraft.distill.trainer import OnlineTrainer, TrainConfig
+from omnidraft.int8 import fake_int8, quantize_int8
+from omnidraft.models import load_model
+from omnidraft.pairing import DecodeConfig, Pairing
+from omnidraft.stats import GenerationStats
+from omnidraft.translate.ngram_cache import NgramCache, NgramCacheConfig
+from omnidraft.translate.vocab_map import build_vocab_map
+
+from .adapt_report import FULL, NO_GAIN, write_report
 
 __all__ = ["FULL", "MARGINS", "VARIANTS", "agreement", "cache_ablation", "evaluate", "live_check", "prompts_for", "run_adapt",
            "traces_for"]
@@ -52,7 +54,6 @@ VARIANTS = {  # the paper's (dm, hybrid, full) on its own labels and losses; spa
     "full": {"spans": False, "direct_nll": 0.0},
     "full-spans": {"spans": True},
 }
-FULL = frozenset({"full", "full-spans"})  # variants that fine-tune every weight instead of a LoRA adapter
 
 
 def traces_for(target: Any, dataset: str, n: int, max_new_tokens: int, cache: Path, batch_size: int = 8) -> list[TargetTrace]:
@@ -101,7 +102,7 @@ def evaluate(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list
     generating as many tokens as its trace holds. `target`: a `ReplayTarget` of `traces` (drafter
     forwards only), or the live target they were recorded from (the check that replay tells the
     truth: "same_as_recorded" counts the prompts whose output is the recording's).
-    `drafter`: a Drafter, or any object of its protocol (bench/cache.py's reference drafter).
+    `drafter`: a Drafter, or any object of its protocol (benchmarks/ngram_cache.py's reference drafter).
     `cache`: the n-gram cache to run with (default: a new one of config `ngram`).
     `tts`: score with Test-Time Speculation (its `tts_every` > 0): `adapter` takes fast steps inside
     each request and is put back at its end, so it is the same before and after; Algorithm 2's
@@ -128,7 +129,7 @@ def evaluate(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list
 
 
 def _tts_learner(drafter: Any, adapter: str | None, t2d: torch.Tensor, target_bytes: Any, tts: TrainConfig) -> Any:
-    from ..distill.learner import Learner
+    from omnidraft.distill.learner import Learner
 
     if not tts.tts_every:
         raise ValueError("scoring with Test-Time Speculation needs TrainConfig.tts_every > 0")
@@ -153,7 +154,7 @@ def agreement(drafter: Any, adapter: str | None, target_bytes: Any, t2d: torch.T
     its choice turns on detail a small drafter cannot see. One forward of the drafting model per
     trace; an int8 drafter's runs as int8.fake_int8 emulates it, activations quantized per token as
     in drafting (the kernel would give the whole sequence one scale). None for a drafter without a
-    PyTorch model (bench/cache.py's reference drafter).
+    PyTorch model (benchmarks/ngram_cache.py's reference drafter).
     Rows: {"margin": label, "positions", "agreement"}, the last for all positions."""
     model = getattr(drafter, "model", None)
     if model is None or not hasattr(drafter, "activate"):
@@ -205,9 +206,8 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
     the unadapted drafter (on a fresh adapter) and each LoRA variant are also scored with Test-Time
     Speculation, which needs long held-out requests to show anything: `eval_max_new_tokens` records
     the held-out traces longer than the training ones (default: `max_new_tokens`)."""
-    from ..distill.adapters import AdapterConfig
-    from ..drafter import Drafter
-    from .adapt_report import write_report
+    from omnidraft.distill.adapters import AdapterConfig
+    from omnidraft.drafter import Drafter
 
     out.mkdir(parents=True, exist_ok=True)
     train_traces = traces_for(target, train, n_train, max_new_tokens, out, batch_size=record_batch)
@@ -329,8 +329,8 @@ def profile_footprint(drafter: Any, target: Any, adapter: str) -> dict[str, int]
     RAM (the adapter's tensors)."""
     import tempfile
 
-    from ..distill.adapters import adapter_state
-    from ..profiles import PairingProfile, ProfileStore
+    from omnidraft.distill.adapters import adapter_state
+    from omnidraft.profiles import PairingProfile, ProfileStore
 
     tensors = adapter_state(drafter.trainable, adapter)
     with tempfile.TemporaryDirectory() as tmp:
@@ -345,7 +345,7 @@ def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], prompts
     """The n-gram cache's gain under the paper's "ngram" translation, by size and policy.
 
     Gain = τ with the cache minus τ with none (max_entries=0). "full" is the default bound, which
-    these prompts never fill (run with `full_cache` if given: bench/cache.py's UseLog); "quarter"
+    these prompts never fill (run with `full_cache` if given: benchmarks/ngram_cache.py's UseLog); "quarter"
     holds 1/4 of the entries the full run ended with.
     """
     replay = ReplayTarget.like(target, traces)
@@ -362,7 +362,6 @@ def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], prompts
     return rows
 
 
-NO_GAIN = 0.01  # τ: a full cache gaining less than this has no gain to share out
 
 
 def gain_kept(tau: float, none: float, full: float) -> float | None:

@@ -1,4 +1,4 @@
-"""The report of `omnidraft adapt` (bench/adapt.py): its result as JSON, markdown tables and a PNG
+"""The report of `python -m benchmarks adapt` (benchmarks/adapt.py): its result as JSON, markdown tables and a PNG
 of the held-out curves."""
 
 from __future__ import annotations
@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write_bytes
-from .adapt import FULL, NO_GAIN
+from omnidraft.atomic import atomic_write_bytes
+
+FULL = frozenset({"full", "full-spans"})  # variants that fine-tune every weight instead of a LoRA adapter
+NO_GAIN = 0.01  # τ: a full cache gaining less than this has no gain to share out
 
 __all__ = ["markdown", "write_report"]
 

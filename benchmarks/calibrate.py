@@ -13,7 +13,7 @@ import time
 from statistics import median
 from typing import Any, Callable
 
-from .runner import CausalRunner
+from omnidraft.runner import CausalRunner
 
 __all__ = ["calibrate"]
 
@@ -53,7 +53,7 @@ def calibrate(pair: Any, *, max_tokens: int = 12, context: int = 256, reps: int 
     drafter_mb = sum(t.numel() * t.element_size() for t in drafter.state_dict().values() if hasattr(t, "numel")) / 2**20
     return {
         "name": f"this-machine:{pair.drafter.name}:{pair.target.name}",
-        "source": (f"omnidraft calibrate on {platform.node() or 'this host'} ({platform.processor() or platform.machine()}), "
+        "source": (f"python -m benchmarks calibrate on {platform.node() or 'this host'} ({platform.processor() or platform.machine()}), "
                    f"medians of {reps} runs at context {context}; drafter {pair.drafter.name}, target {pair.target.name}"),
         "drafter_ms": round(near - slope * 128 / 1000, 3),
         "drafter_ms_per_1k_context": round(slope, 3),

@@ -11,8 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import DRAFTER, loaded_pairs, split_pair
-from ..session import K_START
+from omnidraft.bench.pairs import DRAFTER, loaded_pairs, split_pair
+from omnidraft.config import K_START
 
 __all__ = ["adapt", "bench_cache", "bench_draft", "bench_drafters", "bench_replay", "bench_switch"]
 
@@ -22,7 +22,7 @@ def adapt(args: argparse.Namespace) -> None:
 
     import omnidraft as od
 
-    from ..distill.trainer import TrainConfig
+    from omnidraft.distill.trainer import TrainConfig
     from .adapt import run_adapt
     from .adapt_report import markdown
 
@@ -63,7 +63,7 @@ def adapt(args: argparse.Namespace) -> None:
 def bench_draft(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from .adaptive import run_draft_policies, write_draft_report
+    from .draft_lengths import run_draft_policies, write_draft_report
 
     if min(args.n_train, args.k_max) < 1 or any(k < 1 for k in (args.fixed_k or []) + (args.confidence_k or [])):
         raise SystemExit("--n-train, --k-max and every --fixed-k and --confidence-k must be >= 1")
@@ -94,7 +94,7 @@ def bench_drafters(args: argparse.Namespace) -> None:
 
     import omnidraft as od
 
-    from ..models import load_model
+    from omnidraft.models import load_model
     from .drafters import markdown, run_drafters
 
     drafter_spec, target_spec = split_pair(args.pair)
@@ -139,8 +139,8 @@ def bench_replay(args: argparse.Namespace) -> None:
 def bench_cache(args: argparse.Namespace) -> None:
     import json
 
-    from ..atomic import atomic_write_bytes
-    from .cache import load_end, markdown, run_cache_bench
+    from omnidraft.atomic import atomic_write_bytes
+    from .ngram_cache import load_end, markdown, run_cache_bench
 
     drafter, target = load_end(args.drafter), load_end(args.target)
     results = [run_cache_bench(drafter, target, dataset=dataset, n=args.n, k=args.k or K_START, accuracy=accuracy, seed=args.seed)
@@ -159,9 +159,9 @@ def bench_switch(args: argparse.Namespace) -> None:
 
     import omnidraft as od
 
-    from ..atomic import atomic_write_bytes
-    from ..profiles import ProfileStore
-    from .datasets import load_prompts
+    from omnidraft.atomic import atomic_write_bytes
+    from omnidraft.profiles import ProfileStore
+    from omnidraft.bench.datasets import load_prompts
     from .switch import markdown, run_switch_bench
 
     names = args.target or ["qwen2.5-coder-0.5b", "gemma3-270m"]

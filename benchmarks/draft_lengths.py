@@ -1,4 +1,4 @@
-"""`omnidraft bench-draft`: fixed k vs the hysteresis fallback vs acceptance heads, live.
+"""`python -m benchmarks draft-lengths`: fixed k vs the hysteresis fallback vs acceptance heads, live.
 
 1. Train one acceptance head per schedule (joint, interleaved) on recorded target traces of a
    training split (`adapt.traces_for`, cached): the engine runs against a `ReplayTarget`, so the
@@ -20,13 +20,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..adaptive.head import HeadConfig
-from ..adaptive.policy import Hysteresis
-from ..atomic import atomic_write_bytes
-from ..distill.trace_store import ReplayTarget
+from omnidraft.adaptive.head import HeadConfig
+from omnidraft.adaptive.policy import Hysteresis
+from omnidraft.atomic import atomic_write_bytes
+from omnidraft.distill.trace_store import ReplayTarget
 from .adapt import prompts_for, traces_for
-from .datasets import load_prompts
-from .runner import compare_pairings, paired_ratio
+from omnidraft.bench.datasets import load_prompts
+from omnidraft.bench.runner import compare_pairings, paired_ratio
 
 __all__ = ["Prequential", "against_best_fixed", "run_draft_policies", "train_heads", "write_draft_report"]
 
@@ -41,8 +41,8 @@ def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tok
     """
     from safetensors.torch import load_file, save_file
 
-    from ..adaptive.head import AcceptanceHead
-    from ..adaptive.trainer import HeadTrainer
+    from omnidraft.adaptive.head import AcceptanceHead
+    from omnidraft.adaptive.trainer import HeadTrainer
 
     # v2: heads with the confidence calibration path; a cache of older heads is not reused
     stem = f"head-v2-{drafter.name}-{target.name}-{train.replace(':', '-')}-{n_train}-{max_new_tokens}"

@@ -1,4 +1,4 @@
-"""`omnidraft bench-drafters`: drafting backends side by side (PyTorch fp32/int8, exported ONNX graphs).
+"""`python -m benchmarks draft-lengthsers`: drafting backends side by side (PyTorch fp32/int8, exported ONNX graphs).
 
 1. Drafter cost: ms per drafted token, greedy, after a prompt of about 200 tokens, median of
    `reps` drafts of `tokens` tokens each (the drafter alone, no target).
@@ -15,9 +15,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
-from ..atomic import atomic_write_bytes
-from .datasets import load_prompts
-from .runner import compare_pairings
+from omnidraft.atomic import atomic_write_bytes
+from omnidraft.bench.datasets import load_prompts
+from omnidraft.bench.runner import compare_pairings
 
 __all__ = ["drafter_ms_per_token", "run_drafters"]
 

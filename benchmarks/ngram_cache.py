@@ -1,4 +1,4 @@
-"""`omnidraft bench-cache`: what the n-gram cache buys, by size and eviction policy, on a pair of
+"""`python -m benchmarks ngram-cache`: what the n-gram cache buys, by size and eviction policy, on a pair of
 tokenizers alone (no weights).
 
 The cache pays only where the direct map proposes a split the target would not make: a word that is
@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from ..distill.trace_store import TargetTrace
-from ..drafter import Draft
-from ..translate.codec import ByteCodec
-from ..translate.ngram_cache import NgramCache
-from ..translate.token_bytes import TokenBytes, build_token_bytes
+from omnidraft.distill.trace_store import TargetTrace
+from omnidraft.drafter import Draft
+from omnidraft.translate.codec import ByteCodec
+from omnidraft.translate.ngram_cache import NgramCache
+from omnidraft.translate.token_bytes import TokenBytes, build_token_bytes
 from .adapt import cache_ablation
-from .datasets import load_references
+from omnidraft.bench.datasets import load_references
 
 __all__ = ["VOCABULARIES", "ReferenceDrafter", "TextEnd", "UseLog", "load_end", "markdown", "offline_optimum", "reference_traces",
            "run_cache_bench"]
@@ -57,8 +57,8 @@ class TextEnd:
 def load_end(spec: str) -> TextEnd:
     """A tokenizer by the name of a shared vocabulary ("llama-2", "llama-3"), a preset, a .gguf
     path or an HF directory (models.load_tokenizer)."""
-    from ..models import load_tokenizer
-    from .datasets import data_dir
+    from omnidraft.models import load_tokenizer
+    from omnidraft.bench.datasets import data_dir
 
     path = data_dir() / "tokenizers" / VOCABULARIES[spec] if spec in VOCABULARIES else None
     if path is not None and not path.is_file():
@@ -130,7 +130,7 @@ def reference_traces(target: TextEnd, pairs: list[tuple[str, str]]) -> list[Any]
 
 def run_cache_bench(drafter: TextEnd, target: TextEnd, *, dataset: str, n: int, k: int, accuracy: float,
                     seed: int = 0) -> dict[str, Any]:
-    """The cache ablation of bench/adapt.py (none, full, 1/4 LFU, LFU-DA and LRU) with the reference
+    """The cache ablation of benchmarks/adapt.py (none, full, 1/4 LFU, LFU-DA and LRU) with the reference
     drafter on `n` prompts of `dataset`: every row replays the same prompts in the same order, and
     the drafter errs at the same places in each (drawn once from `seed`)."""
     target.token_bytes.require_byte_coverage(target.name)

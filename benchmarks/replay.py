@@ -1,9 +1,9 @@
-"""`omnidraft bench-replay`: acceptance of decoding and drafter variants on recorded target traces.
+"""`python -m benchmarks replay`: acceptance of decoding and drafter variants on recorded target traces.
 
 In greedy mode the target's part of every round is fixed by its recorded continuation
 (distill/trace_store.py), so each variant runs the whole engine against a `ReplayTarget`: exact
 greedy acceptance, τ and draft lengths with drafter forwards only, minutes instead of hours.
-It times each drafter scheme alone (ms per drafted token, `bench.drafters`), not the variants end
+It times each drafter scheme alone (ms per drafted token, `benchmarks.drafters`), not the variants end
 to end: confirm a variant that wins here with `omnidraft bench`.
 
 Variants are a drafter numeric scheme (`SCHEMES`) times a set of `DecodeConfig` overrides
@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..atomic import atomic_write_bytes
-from ..distill.trace_store import ReplayTarget
-from ..stats import GenerationStats
+from omnidraft.atomic import atomic_write_bytes
+from omnidraft.distill.trace_store import ReplayTarget
+from omnidraft.stats import GenerationStats
 from .adapt import prompts_for, traces_for
-from .datasets import load_prompts
+from omnidraft.bench.datasets import load_prompts
 from .drafters import drafter_ms_per_token
 
 __all__ = ["SCHEMES", "parse_decode", "replay_variant", "run_replay"]
@@ -51,8 +51,8 @@ def parse_decode(text: str) -> dict[str, Any]:
 
 def drafter_for(scheme: str, fp32: Any) -> Any:
     """A Drafter of the loaded fp32 drafter model under `scheme` (the model itself for fp32)."""
-    from ..drafter import Drafter
-    from ..int8 import quantize_int8
+    from omnidraft.drafter import Drafter
+    from omnidraft.int8 import quantize_int8
 
     if scheme not in SCHEMES:
         raise ValueError(f"unknown drafter scheme {scheme!r}; use one of {SCHEMES}")
@@ -89,7 +89,7 @@ def run_replay(drafter_spec: str, target: Any, *, datasets: list[str], n: int, m
                schemes: list[str], decodes: list[str], base: dict[str, Any], cache: Path,
                progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Every (dataset, scheme, decode variant) on the first `n` traces of each dataset."""
-    from ..models import load_model
+    from omnidraft.models import load_model
 
     fp32 = load_model(drafter_spec)
     drafters = {scheme: drafter_for(scheme, fp32) for scheme in schemes}

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from ..distill.adapters import adapter_state
-from ..distill.trainer import TrainConfig
-from ..profiles import ProfileStore
-from ..translate.vocab_map import build_vocab_map
-from .baselines import target_alone
+from omnidraft.distill.adapters import adapter_state
+from omnidraft.distill.trainer import TrainConfig
+from omnidraft.profiles import ProfileStore
+from omnidraft.translate.vocab_map import build_vocab_map
+from omnidraft.bench.baselines import target_alone
 
 __all__ = ["markdown", "rss_bytes", "run_switch_bench"]
 

@@ -28,18 +28,19 @@ __all__ = [
     "Rule",
     "TrainConfig",
     "load_model",
+    "pair",
 ]
 __version__ = "0.1.0"
 
 _WHERE = {
-    "DecodeConfig": "session",
+    "DecodeConfig": "config",
     "Drafter": "drafter",
     "HeadConfig": "adaptive.head",
-    "Generation": "session",
+    "Generation": "pairing",
     "LocalTarget": "target",
     "OmnidraftError": "errors",
     "OpenAICompletionsTarget": "remote.openai",
-    "Pairing": "session",
+    "Pairing": "pairing",
     "PRESETS": "presets",
     "ProfileStore": "profiles",
     "RemoteTarget": "remote.client",
@@ -47,6 +48,7 @@ _WHERE = {
     "Rule": "target",
     "TrainConfig": "distill.trainer",
     "load_model": "models",
+    "pair": "pairing",
 }
 
 

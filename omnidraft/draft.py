@@ -1,16 +1,18 @@
-"""The drafting types every drafter backend shares: `Draft`, what one `propose` returns.
+"""What every drafter backend shares: `Draft` (what one `propose` returns) and the pure functions
+that pick a drafted token (`pick`, `restrict`, `confidence`).
 
 No model and no tokenizer here: the PyTorch drafter (drafter.py), the ONNX Runtime one
-(export/ort_drafter.py) and the pairing loop all import it from this module.
+(export/ort_drafter.py) and the pairing loop all import them from this module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Draft", "NO_DRAFT"]
+__all__ = ["Adaptable", "Draft", "NO_DRAFT", "confidence", "pick", "restrict"]
 
 
 @dataclass(frozen=True)
@@ -25,3 +27,39 @@ class Draft:
 
 
 NO_DRAFT = Draft([])  # a round that does not speculate: the target decodes one token alone
+
+
+@runtime_checkable
+class Adaptable(Protocol):
+    """A drafter that carries LoRA adapters, one per (target, user) pairing, and can learn: the
+    PyTorch `Drafter`. An exported graph drafts with the adapter it was exported with."""
+
+    lock: Any
+    trainable: Any
+
+    def adapter_name(self, target: str, user: str | None) -> str: ...
+
+    def add_adapter(self, name: str, config: Any = None, state: dict[str, torch.Tensor] | None = None) -> None: ...
+
+    def activate(self, name: str | None) -> None: ...
+
+
+def restrict(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """logits (Vd,) with every token outside `mask` (Vd,) bool at -inf; unchanged for None."""
+    return logits if mask is None else logits.masked_fill(~mask, float("-inf"))
+
+
+def confidence(logits: torch.Tensor, token: int, probs: torch.Tensor | None) -> float:
+    """Drafter probability of the token it just drafted."""
+    return float(probs[token] if probs is not None else torch.softmax(logits.float(), -1)[token])
+
+
+def pick(logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None,
+          generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """One token from logits (Vd,): argmax at temperature 0, else a sample and its distribution."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    if temperature == 0:
+        return int(logits.argmax()), None
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator)), probs

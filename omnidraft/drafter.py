@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from .draft import Draft
+from .draft import Draft, confidence, pick, restrict
 from .int8 import quantize_int8
 from .models import load_model
 from .runner import CausalRunner
@@ -31,9 +31,7 @@ from .translate.token_bytes import build_token_bytes
 if TYPE_CHECKING:
     from .adaptive.head import Stopper
     from .distill.adapters import AdapterConfig
-    from .distill.trainer import TrainConfig
-    from .profiles import ProfileStore
-    from .session import DecodeConfig, Pairing
+    from .pairing import DecodeConfig, Pairing
     from .target import Target
 
 __all__ = ["Draft", "DraftSession", "Drafter"]
@@ -81,13 +79,13 @@ class _TorchDraftSession:
             else:
                 logits = self.runner.forward(keep=1, hidden=stopper is not None)[0]
                 hidden = self.runner.hidden[0] if stopper is not None else None
-                token, probs = _pick(logits, temperature, allowed, generator)
+                token, probs = pick(logits, temperature, allowed, generator)
             ids.append(token)
             if probs is not None:
                 rows.append(probs)
             self.runner.extend([token])
             halt = stopper is not None and stopper.stop_after(step, token, logits, hidden)
-            if halt or token in self.stop_ids or (stop_confidence > 0 and _confidence(logits, token, probs) < stop_confidence):
+            if halt or token in self.stop_ids or (stop_confidence > 0 and confidence(logits, token, probs) < stop_confidence):
                 break
         return Draft(ids, torch.stack(rows) if rows else None, healed)
 
@@ -98,9 +96,9 @@ class _TorchDraftSession:
         logits = self.runner.forward(keep=2, hidden=hidden)
         states = self.runner.hidden if hidden else (None, None)
         back = restrict(logits[0], heal)
-        token, probs = _pick(back, temperature, allowed, generator)
+        token, probs = pick(back, temperature, allowed, generator)
         if token == self.runner.ids[-1]:  # the drafter keeps its last token: draft after it, as usual
-            token, probs = _pick(logits[1], temperature, allowed, generator)
+            token, probs = pick(logits[1], temperature, allowed, generator)
             return logits[1], states[1], token, probs, False
         self.runner.crop(len(self.runner.ids) - 1)  # a longer token replaces it
         self._base -= 1
@@ -113,27 +111,6 @@ class _TorchDraftSession:
         self._base = len(self.runner.ids)
 
 
-def restrict(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """logits (Vd,) with every token outside `mask` (Vd,) bool at -inf; unchanged for None."""
-    return logits if mask is None else logits.masked_fill(~mask, float("-inf"))
-
-
-def _confidence(logits: torch.Tensor, token: int, probs: torch.Tensor | None) -> float:
-    """Drafter probability of the token it just drafted."""
-    return float(probs[token] if probs is not None else torch.softmax(logits.float(), -1)[token])
-
-
-def _pick(logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None,
-          generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-    """One token from logits (Vd,): argmax at temperature 0, else a sample and its distribution."""
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
-    if temperature == 0:
-        return int(logits.argmax()), None
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator)), probs
-
-
 class Drafter:
     """A small causal LM shared by every pairing; per-target state lives in the pairing."""
 
@@ -143,7 +120,7 @@ class Drafter:
         from `spec`; otherwise `model` itself is trained when adapters are added.
         `train_through_int8` (int8 only): adapters learn through the int8 weights the drafter
         drafts with (int8.fake_int8: read from the twin, no weight copied); False trains them on
-        the fp32 base, as before 2026-11-25 (kept for comparison: `adapt --train-weights fp32`)."""
+        the fp32 base (kept for comparison: `python -m benchmarks adapt --train-weights fp32`)."""
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.token_bytes = build_token_bytes(tokenizer, model.config.vocab_size)
         self.codec = ByteCodec(tokenizer, self.token_bytes)
@@ -184,19 +161,11 @@ class Drafter:
     def begin(self, ids: list[int]) -> _TorchDraftSession:
         return _TorchDraftSession(self.model, ids, self.stop_ids, self.lock)
 
-    def pair(self, target: Target, config: DecodeConfig | None = None, *, user: str | None = None,
-             learn: bool = False, train: TrainConfig | None = None, adapter: AdapterConfig | None = None,
-             store: ProfileStore | None = None, **overrides: Any) -> Pairing:
-        """Pair this drafter with `target`; keyword overrides go into `DecodeConfig`.
+    def pair(self, target: Target, config: DecodeConfig | None = None, **options: Any) -> Pairing:
+        """Pair this drafter with `target`: see `omnidraft.pairing.pair` (user, learn, overrides)."""
+        from .pairing import pair
 
-        `user` loads (and `Pairing.save` writes) that user's profile for this target: n-gram cache,
-        LoRA adapter, metrics. `learn=True` distils every verified request into the pairing's
-        adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA shape).
-        """
-        from .session import DecodeConfig, Pairing
-
-        config = config or DecodeConfig(**overrides)
-        return Pairing(self, target, config, user=user, learn=learn, train=train, adapter=adapter, store=store)
+        return pair(self, target, config, **options)
 
     # -- adapters ------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 Dynamic int8 cuts a drafter's step on CPU to about a third (SmolLM2-135M: 56 -> 20 ms a token here)
 and costs acceptance, because each call scales its activations by one number and a few channels of
 the MLP activations are far larger than the rest. Two fixes, both measured on the 0.5B pair's
-held-out GSM8K traces (`omnidraft bench-replay`, k = 6): per-channel weight scales (tau 2.53 -> 2.65) and
+held-out GSM8K traces (`python -m benchmarks replay`, k = 6): per-channel weight scales (tau 2.53 -> 2.65) and
 moving the activation outliers of each MLP into its weights before quantizing (SmoothQuant, Xiao
 et al. 2023): the down projection's input channel j is divided by s_j in the up projection's
 output and multiplied back in the down projection's weights, and likewise the gate/up input
@@ -115,7 +115,7 @@ def quantize_int8(model: Any, tokenizer: Any | None = None, *, inplace: bool = F
     """Dynamic int8 copy of `model` (or `model` itself with `inplace`): its MLPs smoothed when a
     `tokenizer` is given for the calibration forward, then every nn.Linear (or those named in
     `only`) quantized with per-channel weights (one scale per tensor with `per_channel=False`,
-    kept for comparison: `omnidraft bench-replay --drafter int8-per-tensor`)."""
+    kept for comparison: `python -m benchmarks replay --drafter int8-per-tensor`)."""
     if not inplace:
         model = copy.deepcopy(model)
     if tokenizer is not None:

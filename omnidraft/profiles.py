@@ -35,7 +35,7 @@ from typing import Any
 from .atomic import atomic_write_bytes, fsync_dir
 from .errors import CorruptFileError, IncompatibleError
 
-__all__ = ["KEEP", "PairingProfile", "ProfileStore", "model_dir_name"]
+__all__ = ["KEEP", "PairingProfile", "ProfileStore", "model_dir_name", "pairing_profile"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,26 @@ class PairingProfile:
     ngram: dict[str, Any] | None = None
     history: dict[str, Any] | None = None
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def pairing_profile(pair: Any) -> PairingProfile:
+    """What a pairing keeps for its user: adapter (with its alpha), acceptance head, n-gram cache,
+    datastore of past outputs, metrics and optimizer steps (the caller waits for training first)."""
+    import torch
+
+    from .distill.adapters import adapter_state
+
+    tensors = {"head": head} if (head := pair.lengths.state()) is not None else {}
+    if pair.adapter is not None:
+        with pair.drafter.lock:
+            alpha = pair.drafter.trainable.peft_config[pair.adapter].lora_alpha
+            tensors["adapter"] = {**adapter_state(pair.drafter.trainable, pair.adapter), "meta.alpha": torch.tensor(alpha)}
+    history = pair.retriever.history if pair.retriever is not None else None
+    return PairingProfile(drafter=pair.drafter.name, target=pair.target.name, user=pair.user,
+                          fingerprint=pair.fingerprint, steps=pair.steps,
+                          metrics=pair.metrics + (pair.learner.metrics if pair.learner else []),
+                          ngram=pair.translator.cache.to_doc(), tensors=tensors,
+                          history=history.to_doc() if history is not None else None)
 
 
 def model_dir_name(value: str) -> str:

@@ -28,12 +28,29 @@ MIN_TEMPERATURE = 1e-3  # sampling temperatures below this overflow exp(logits /
 
 @dataclass(frozen=True, kw_only=True)
 class Rule:
-    """How proposals are accepted: `mode` (see verify.py) at `temperature` (0 for greedy)."""
+    """How proposals are accepted: `mode` (see verify.py) at `temperature` (0 for greedy). Sampling
+    modes draw from the target's distribution filtered by `top_k`, `top_p` and `min_p` (as HF and
+    vLLM apply them), which verification then reproduces exactly; greedy ignores them. With `seed`,
+    `match` draws the sample at each position from a generator keyed by (seed, position), so the
+    output depends on the seed alone, not on how drafting split it into rounds."""
 
     mode: str = "greedy"
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
         if self.mode not in MODES:
             raise ValueError(f"verification mode must be one of {MODES}, got {self.mode!r}")
         if not self.temperature >= 0:
@@ -111,7 +128,7 @@ class _LocalSession:
                 raise ValueError(f"relaxed verification is a greedy rule; got mode {rule.mode!r}")
             verdict = V.relaxed(logits, proposal, relax[0], relax[1])
         else:
-            verdict = _judge(logits, proposal, rule, q, generator)
+            verdict = _judge(logits, proposal, rule, q, generator, base)
         if topk > 0:
             logp, ids = torch.log_softmax(logits[: verdict.accepted + 1].float(), -1).topk(topk, dim=-1)
             verdict = replace(verdict, topk=(ids, logp))
@@ -121,10 +138,12 @@ class _LocalSession:
 
 
 def _judge(logits: torch.Tensor, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None,
-           generator: torch.Generator | None) -> V.Verdict:
+           generator: torch.Generator | None, base: int = 0) -> V.Verdict:
     if rule.mode == "greedy":
         return V.greedy(logits, proposal)
-    probs = V.probabilities(logits, rule.temperature)
+    probs = V.probabilities(logits, rule.temperature, top_k=rule.top_k, top_p=rule.top_p, min_p=rule.min_p)
+    if rule.mode == "match" and rule.seed is not None:  # position-keyed: independent of the round split
+        return V.match(probs, proposal, keys=[(rule.seed, base + i) for i in range(len(proposal) + 1)])
     if rule.mode == "match" or len(proposal) == 0:
         return V.match(probs, proposal, generator)
     if q is None:

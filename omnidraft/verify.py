@@ -38,9 +38,25 @@ class Verdict:
     topk: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
 
-def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Softmax of `logits` (..., V) at `temperature` > 0, in float32."""
-    return torch.softmax(logits.float() / temperature, dim=-1)
+def probabilities(logits: torch.Tensor, temperature: float, *, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> torch.Tensor:
+    """Softmax of `logits` (..., V) at `temperature` > 0, in float32, then (when set) restricted
+    to tokens with at least `min_p` times the top probability, to the `top_k` most probable, and
+    to the smallest most-probable set holding `top_p` of the mass, and renormalised."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:
+        return probs
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max(dim=-1, keepdim=True).values
+    if 0 < top_k < probs.shape[-1]:
+        keep &= probs >= probs.topk(top_k, dim=-1).values[..., -1:]
+    if top_p < 1.0:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        before = ordered.cumsum(-1) - ordered  # mass of the more probable tokens
+        keep &= torch.zeros_like(keep).scatter(-1, order, before < top_p)
+    probs = probs * keep
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _first_false(ok: torch.Tensor) -> int:
@@ -55,12 +71,19 @@ def greedy(logits: torch.Tensor, proposal: torch.Tensor) -> Verdict:
     return Verdict(n, int(best[n]))
 
 
-def match(probs: torch.Tensor, proposal: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
+def match(probs: torch.Tensor, proposal: torch.Tensor, generator: torch.Generator | None = None, *,
+          keys: list[tuple[int, int]] | None = None) -> Verdict:
     """`match` sampling: sample every position from p (M+1, Vt); accept while the sample equals the proposal.
 
-    Lossless for any proposal: the emitted tokens are the target's own samples.
+    Lossless for any proposal: the emitted tokens are the target's own samples. `keys` (seed,
+    position), one per row: each row is drawn from its own generator seeded by its key, so a
+    position's sample does not depend on how many draws came before it.
     """
-    samples = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if keys is not None:
+        samples = torch.stack([torch.multinomial(row, 1, generator=torch.Generator().manual_seed(
+            (seed * 1_000_003 + position) % 2**63)) for row, (seed, position) in zip(probs, keys)]).squeeze(1)
+    else:
+        samples = torch.multinomial(probs, 1, generator=generator).squeeze(1)
     n = _first_false(samples[:-1] == proposal)
     return Verdict(n, int(samples[n]))
 

@@ -12,7 +12,7 @@ from omnidraft.adaptive.policy import CostPolicy, Hysteresis
 
 from .conftest import target_greedy
 from .fakes import OracleDrafter
-from .test_session import PROMPTS
+from .test_pairing import PROMPTS
 
 
 def test_grows_slowly_and_shrinks_at_once():
@@ -280,7 +280,7 @@ def test_head_saves_loads_and_switches_with_the_target(tiny_drafter, tiny_target
 
 
 def test_bench_draft_trains_both_heads_once_and_compares_policies(tiny_drafter, tiny_target, tmp_path):
-    from omnidraft.bench.adaptive import run_draft_policies, write_draft_report
+    from benchmarks.draft_lengths import run_draft_policies, write_draft_report
 
     kwargs = dict(dataset="gsm8k", train="gsm8k:train", n=2, n_train=3, max_new_tokens=12, train_tokens=12,
                   fixed=[2, 4], confident=[4], k_max=6, cache=tmp_path)

@@ -35,7 +35,7 @@ def test_runner_reports_after_every_prompt(tiny_drafter, tiny_target, tmp_path):
 
 
 def test_replay_bench_scores_variants_and_checks_every_output(tiny_drafter, tiny_target, tmp_path):
-    from omnidraft.bench.replay import parse_decode, replay_variant, write_replay_report
+    from benchmarks.replay import parse_decode, replay_variant, write_replay_report
     from omnidraft.distill.trace_store import ReplayTarget, record
 
     prompts = [p[:60] for p in load_prompts("gsm8k", 3)]
@@ -66,7 +66,7 @@ def test_references_pair_each_dataset_prompt_with_its_answer():
 
 
 def _ends(draft_tokenizer, target_tokenizer):
-    from omnidraft.bench.cache import TextEnd
+    from benchmarks.ngram_cache import TextEnd
 
     return TextEnd(draft_tokenizer, "tiny-draft"), TextEnd(target_tokenizer, "tiny-target")
 
@@ -74,9 +74,9 @@ def _ends(draft_tokenizer, target_tokenizer):
 def _reference_pairing(drafter_end, target_end, pairs, accuracy, strategy):
     import torch
 
-    from omnidraft.bench.cache import ReferenceDrafter, reference_traces
+    from benchmarks.ngram_cache import ReferenceDrafter, reference_traces
     from omnidraft.distill.trace_store import ReplayTarget
-    from omnidraft.session import DecodeConfig, Pairing
+    from omnidraft.pairing import DecodeConfig, Pairing
 
     traces = reference_traces(target_end, pairs)
     oracle = ReferenceDrafter(drafter_end, dict(pairs), accuracy=accuracy, generator=torch.Generator().manual_seed(0))
@@ -101,7 +101,7 @@ def test_reference_drafter_spells_the_reference_and_errs_at_its_rate(draft_token
 
 
 def test_cache_bench_rows_are_paired_and_reproducible(draft_tokenizer, target_tokenizer):
-    from omnidraft.bench.cache import markdown, run_cache_bench
+    from benchmarks.ngram_cache import markdown, run_cache_bench
 
     drafter_end, target_end = _ends(draft_tokenizer, target_tokenizer)
     run = lambda: run_cache_bench(drafter_end, target_end, dataset="gsm8k:train", n=30, k=4, accuracy=0.8)  # noqa: E731
@@ -118,7 +118,7 @@ def test_cache_bench_rows_are_paired_and_reproducible(draft_tokenizer, target_to
 
 
 def test_the_offline_optimum_evicts_what_is_next_used_furthest_ahead():
-    from omnidraft.bench.cache import offline_optimum
+    from benchmarks.ngram_cache import offline_optimum
 
     a, b, c = (1, 2), (3, 4), (5, 6)
     add, use = (lambda k: (False, k)), (lambda k: (True, k))  # noqa: E731

@@ -14,7 +14,7 @@ from omnidraft.export.ort_drafter import OrtDrafter
 from omnidraft.runner import CausalRunner
 
 from .conftest import target_greedy
-from .test_session import PROMPTS
+from .test_pairing import PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -275,8 +275,8 @@ def test_bad_train_config_names_the_value():
 def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp_path, monkeypatch):
     import json
 
-    from omnidraft.bench import adapt
-    from omnidraft.bench.adapt import run_adapt
+    from benchmarks import adapt
+    from benchmarks.adapt import run_adapt
 
     def int8_drafting(*_: object, **__: object) -> None:
         raise AssertionError("an fp32 drafter's fully tuned copy was quantized")
@@ -324,7 +324,7 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
 
 
 def test_adapt_scores_test_time_speculation_on_longer_held_out_requests(drafter, tiny_target, tmp_path):
-    from omnidraft.bench.adapt import evaluate, run_adapt
+    from benchmarks.adapt import evaluate, run_adapt
     from omnidraft.distill.trace_store import ReplayTarget, record_many
 
     torch.manual_seed(0)
@@ -365,7 +365,7 @@ def test_adapt_scores_test_time_speculation_on_longer_held_out_requests(drafter,
 def test_agreement_counts_each_direct_position_once_by_the_target_margin(drafter, tiny_target):
     from types import SimpleNamespace
 
-    from omnidraft.bench.adapt import MARGINS, agreement
+    from benchmarks.adapt import MARGINS, agreement
     from omnidraft.distill.trace_store import record_many
 
     traces = record_many(tiny_target, PROMPTS, 16, k=4)
@@ -384,7 +384,7 @@ def test_agreement_counts_each_direct_position_once_by_the_target_margin(drafter
 
 
 def test_adapt_puts_adapters_on_the_projections_it_is_given(drafter, tiny_target, tmp_path):
-    from omnidraft.bench.adapt import run_adapt
+    from benchmarks.adapt import run_adapt
 
     result = run_adapt(drafter, tiny_target, train="gsm8k:train", evaluation="gsm8k:test", n_train=2, n_eval=1,
                        max_new_tokens=8, steps=1, eval_every=1, variants=["hybrid"], rank=2, k=4, stop_confidence=0.0,
@@ -396,7 +396,7 @@ def test_adapt_puts_adapters_on_the_projections_it_is_given(drafter, tiny_target
 
 
 def test_a_shorter_trace_recording_is_extended_not_recorded_again(tiny_target, tmp_path, monkeypatch):
-    from omnidraft.bench import adapt
+    from benchmarks import adapt
     from omnidraft.distill.trace_store import record_many
 
     asked = []
@@ -413,7 +413,7 @@ def test_a_shorter_trace_recording_is_extended_not_recorded_again(tiny_target, t
 
 
 def test_cache_ablation_share_is_undefined_when_the_full_cache_gains_nothing():
-    from omnidraft.bench.adapt import gain_kept
+    from benchmarks.adapt import gain_kept
 
     assert gain_kept(2.9, none=2.5, full=3.0) == pytest.approx(0.8)
     assert gain_kept(2.49, none=2.500, full=2.496) is None  # measured on the 0.5B GSM8K run: ±0.01 τ of noise
@@ -426,7 +426,7 @@ def test_adapt_replays_the_dataset_prompts_even_when_the_tokenizer_adds_bos(text
 
     from tokenizers import processors
 
-    from omnidraft.bench.adapt import prompts_for
+    from benchmarks.adapt import prompts_for
     from omnidraft.bench.datasets import load_prompts
     from omnidraft.distill.trace_store import TargetTrace
 
@@ -462,7 +462,7 @@ def test_an_int8_drafter_learns_through_the_weights_it_drafts_with(draft_tokeniz
     assert pair.steps == 3 and any(not torch.equal(v, adapter_state(drafter.trainable, pair.adapter)[k]) for k, v in before.items())
     emulated = any(isinstance(m, FakeInt8Linear) for m in drafter.learner.modules())
     assert emulated == through_int8 and (drafter.learner is drafter.trainable) == (not through_int8)
-    from omnidraft.bench.adapt import agreement
+    from benchmarks.adapt import agreement
     from omnidraft.distill.trace_store import record_many
 
     t2d = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer).t2d
@@ -476,3 +476,31 @@ def test_an_int8_drafter_learns_through_the_weights_it_drafts_with(draft_tokeniz
             with torch.no_grad():
                 ref, got = drafter.model(torch.tensor([[7]])).logits, drafter.learner(torch.tensor([[7]])).logits
             assert torch.allclose(got, ref, atol=1e-4 * ref.abs().max())
+
+
+def test_adapters_go_out_and_come_back_in_peft_format(drafter, tiny_target, draft_tokenizer, tmp_path):
+    """save_adapter writes what PeftModel.from_pretrained reads; pair(adapter=DIR) loads a peft LoRA
+    directory into another drafter, which then computes what the saving pairing's drafter does."""
+    from peft import PeftModel
+
+    pair = drafter.pair(tiny_target, k=4, learn=True, adapter=SMALL, train=TrainConfig(interval=1, batch_size=1, lr=1e-2))
+    for prompt in ("Question: how many apples", "def add(a, b):"):
+        pair.generate(prompt, max_new_tokens=16)
+    assert pair.steps > 0
+    out = pair.save_adapter(tmp_path / "adapter")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    ids = torch.tensor([draft_tokenizer("Question: how many apples")["input_ids"]])
+    with torch.no_grad():
+        drafter.activate(pair.adapter)
+        ours = drafter.trainable(ids).logits
+        theirs = PeftModel.from_pretrained(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), str(out))(ids).logits
+        assert torch.allclose(theirs, ours, atol=1e-5)
+        other = Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+        back = other.pair(tiny_target, adapter=str(out), k=4)
+        other.activate(back.adapter)
+        assert torch.allclose(other.trainable(ids).logits, ours, atol=1e-5)
+    assert back.generate("def add(a, b):", max_new_tokens=12).token_ids == target_greedy(tiny_target, "def add(a, b):", 12)
+    with pytest.raises(FileNotFoundError, match="not a peft adapter directory"):
+        other.pair(tiny_target, adapter=str(tmp_path))
+    with pytest.raises(ValueError, match="has no adapter"):
+        other.pair(tiny_target).save_adapter(tmp_path / "none")

@@ -114,9 +114,9 @@ def test_bench_cache_on_the_papers_vocabularies(tmp_path, capsys):
     """Llama-2 (32k) drafting for Llama-3 (128k), the paper's pair: direct mapping proposes splits the
     target never makes, so the cache must gain, and aging must not keep less of that gain at 1/4 size
     than plain LFU. The figures are deterministic (the reference drafter's errors come from a seed)."""
-    from omnidraft.cli import main
+    from benchmarks.__main__ import main
 
-    main(["bench-cache", "--dataset", "gsm8k:train", "--n", "120", "--out", str(tmp_path), "--name", "cache"])
+    main(["ngram-cache", "--dataset", "gsm8k:train", "--n", "120", "--out", str(tmp_path), "--name", "cache"])
     (result,) = json.loads((tmp_path / "cache.json").read_text())
     rows = {(r["cache"].split(" ")[0], r.get("policy")): r for r in result["rows"]}
     none, full = rows[("none", None)], rows[("full", None)]
@@ -130,8 +130,8 @@ def test_one_learning_drafter_moves_between_real_targets_and_keeps_each_profile(
     other tokenizers) as one user, switching back and forth; every output stays the target's own
     greedy one, each pairing has its own adapter, each profile fits the 16 MB bar at rank 32, and a
     drafter loaded afresh gets back exactly the adapter and n-gram cache that were saved. Times are
-    reported by `omnidraft bench-switch`, never asserted."""
-    from omnidraft.bench.switch import run_switch_bench
+    reported by `python -m benchmarks switch`, never asserted."""
+    from benchmarks.switch import run_switch_bench
     from omnidraft.distill.adapters import adapter_state
     from omnidraft.profiles import ProfileStore
     from omnidraft.translate.ngram_cache import NgramCache
@@ -152,3 +152,39 @@ def test_one_learning_drafter_moves_between_real_targets_and_keeps_each_profile(
         saved = {k: v for k, v in profile.tensors["adapter"].items() if not k.startswith("meta.")}
         got = adapter_state(fresh.trainable, name)
         assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+
+
+@pytest.mark.parametrize("target_name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_retrieval_drafts_stay_identical_on_every_workload(drafter, target_name):
+    """Hybrid (the default) and retrieval-only drafts, one prompt of each workload; the copy-heavy
+    ones must actually retrieve."""
+    from omnidraft.bench.datasets import load_prompts
+
+    target = od.LocalTarget.load(target_name)
+    pairs = {d: drafter.pair(target, drafts=d) for d in ("hybrid", "retrieval")}
+    workloads = ["summarize", "rag", "code-edit", "chat", "gsm8k", "humaneval"]
+    for workload in workloads if target_name.endswith("0.5b") else workloads[:4]:
+        (prompt,) = load_prompts(workload, 1)
+        reference = target_greedy(target, prompt, 32)
+        for name, pair in pairs.items():
+            out = pair.generate(prompt, max_new_tokens=32)
+            assert out.token_ids == reference, (workload, name)
+            if workload == "code-edit":
+                assert sum(r.retrieved_accepted for r in out.rounds) > 0, name
+
+
+@pytest.mark.parametrize("target_name", ["qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_chat_renders_the_template_once_with_one_bos(drafter, target_name):
+    target = od.LocalTarget.load(target_name)
+    pair = drafter.pair(target)
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    text = pair.render_chat(messages)
+    ids = target.tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = target.tokenizer.bos_token_id
+    if bos is not None and text.startswith(target.tokenizer.bos_token):
+        assert ids.count(bos) == 1 and ids[0] == bos  # the template's own BOS, not a second one
+    out = pair.chat(messages, max_new_tokens=24)
+    ref = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=24, do_sample=False, eos_token_id=sorted(target.eos_ids),
+                                pad_token_id=sorted(target.eos_ids)[0])[0, len(ids):].tolist()
+    assert out.token_ids == ref

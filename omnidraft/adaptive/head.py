@@ -73,10 +73,8 @@ class AcceptanceHead(nn.Module):
     distinct hidden layers. The calibration starts as logit(q) and the MLP's output layer at zero, so
     an untrained head predicts the drafter's probability of its token; training corrects the
     calibration (six weights, learnt from a few hundred rows) and the MLP adds what the hidden
-    state knows. The drafter's confidence is most of what predicts acceptance: scored online on 60
-    GSM8K and 60 HumanEval requests of the 0.5B pair (`omnidraft bench-draft`), heads with this
-    path reach BCE 0.43-0.44 where predicting the mean rate scores 0.59; the MLP alone, trained the
-    same way, reached 0.50-0.55 (bench_results/2026-11-23/draft/, "-confidence-head" against "-k2").
+    state knows. The drafter's confidence is most of what predicts acceptance (measured in
+    docs/acceptance-heads.md).
 
     `forward` gives the logit the class-weighted loss trains; `prob` gives the calibrated
     probability the stopping rule needs. Weighting positives by w+ and negatives by w- moves the

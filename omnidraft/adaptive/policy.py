@@ -6,6 +6,7 @@ so a new pairing is never stuck at a draft length that the target keeps cutting.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 __all__ = ["CostPolicy", "Hysteresis", "ModeChooser"]
@@ -168,17 +169,25 @@ class ModeChooser:
             return self.probing
         return self.best()
 
-    def observe(self, mode: str, tokens: int, seconds: float) -> None:
+    def observe(self, mode: str, tokens: int, seconds: float, *, label: str | None = None) -> None:
+        """A request served in `mode` committed `tokens` in `seconds`; with `label` (the pairing's
+        name), a change of the faster mode is logged."""
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
         if tokens < 1 or seconds <= 0:
             return
+        was = self.speculating
         before = self.best() if None not in self.rates.values() else None
         rate, old = tokens / seconds, self.rates[mode]
         self.rates[mode] = _ema(old, rate, self.decay)
         if self.probing == mode:  # a probe: confirmed, probe half as often; overturned, probe soon again
             self.probing = None
             self.interval = min(2 * self.interval, self.max_interval) if self.best() == before else self.probe_every
+        if label is not None and self.speculating != was:
+            logging.getLogger("omnidraft.pairing").info(
+                "%s: %s (measured %s)", label, "speculating is faster again" if self.speculating else
+                "the target alone is faster here; requests decode without drafts (re-measured now and then)",
+                ", ".join(f"{m} {r:.1f} tok/s" for m, r in self.rates.items() if r is not None))
 
     @property
     def speculating(self) -> bool:

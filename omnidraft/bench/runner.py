@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Any, Callable
 
-from ..session import Pairing
+from ..pairing import Pairing
 from .baselines import Timed, hf_assisted, prompt_lookup, stock_generate, target_alone
 
 __all__ = ["PEERS", "PromptResult", "compare_pairings", "rouge_l", "default_against_fixed_k", "pairing_costs", "paired_ratio",

@@ -14,13 +14,19 @@ Only adapter parameters ever require gradients; the base weights are shared by a
 from __future__ import annotations
 
 import copy
+import json
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 __all__ = ["AdapterConfig", "add_adapter", "adapter_state", "covers", "int8_learner", "int8_twin", "load_adapter_state",
-           "set_active"]
+           "load_peft", "save_peft", "set_active"]
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +100,49 @@ def load_adapter_state(model: Any, name: str, state: dict[str, torch.Tensor]) ->
     unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if unexpected:
         raise ValueError(f"adapter state does not fit this drafter: unexpected keys {unexpected[:3]}")
+
+
+def save_peft(model: Any, name: str, directory: str | os.PathLike[str]) -> Path:
+    """Adapter `name` of peft model `model` as a peft adapter directory (adapter_config.json and
+    adapter_model.safetensors, what `PeftModel.from_pretrained` reads), written whole into a
+    temporary directory and renamed into place, so a crash leaves the old directory or the new one."""
+    from safetensors.torch import save
+
+    from ..atomic import atomic_write_bytes, fsync_dir
+
+    final = Path(directory)
+    tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.peft_config[name].save_pretrained(str(tmp))
+    state = {k: v.contiguous() for k, v in adapter_state(model, name).items()}
+    atomic_write_bytes(tmp / PEFT_WEIGHTS, save(state, metadata={"format": "pt"}))
+    fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    return final
+
+
+def load_peft(directory: str | os.PathLike[str]) -> tuple[AdapterConfig, dict[str, torch.Tensor]]:
+    """A peft LoRA adapter directory (any tool's) as (config, tensors) for `add_adapter`; an error
+    names what is missing or unsupported."""
+    from safetensors.torch import load_file
+
+    path = Path(directory)
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path}: no adapter_config.json here; not a peft adapter directory")
+    doc = json.loads(config_file.read_text(encoding="utf-8"))
+    if doc.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: a {doc.get('peft_type')!r} adapter; only LoRA adapters fit a drafter")
+    modules = doc.get("target_modules")
+    if not isinstance(modules, list) or not modules:
+        raise ValueError(f"{path}: target_modules must be a list of module names, got {modules!r}")
+    if not (path / PEFT_WEIGHTS).is_file():
+        raise FileNotFoundError(f"{path}: no {PEFT_WEIGHTS} (only safetensors weights are read)")
+    config = AdapterConfig(rank=int(doc["r"]), alpha=int(doc["lora_alpha"]), modules=tuple(sorted(modules)))
+    return config, {**load_file(str(path / PEFT_WEIGHTS)), "meta.alpha": torch.tensor(config.alpha)}
 
 
 def int8_twin(model: Any, tokenizer: Any | None = None) -> Any:

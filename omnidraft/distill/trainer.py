@@ -34,12 +34,12 @@ class TrainConfig:
     False gives the paper's labels. On by default: every SmolLM2 newline+indent token (e.g. "\n   ")
     lacks a twin in Qwen2.5's and Gemma 3's vocabularies, so without spans the reverse KL's remainder
     bucket only ever pushes them down and the drafter unlearns how to spell indentation (Gemma
-    HumanEval: tau -9% with the paper's labels, +37% with spans; see README).
+    HumanEval, measured in docs/distillation.md).
     `direct_nll` adds that weight times the NLL of the committed token at direct positions
     (hard-label distillation: in greedy mode the committed token is the target's argmax, which is
     what greedy verification accepts; the reverse KL alone may settle on another mode of p, and its
-    gradient fades as q nears p). 0 gives the paper's loss; 1 is what learning pairings use (GSM8K,
-    held-out fixed-k acceptance gain: 0.5B +0.160 -> +0.173, 1.5B +0.114 -> +0.124; see README).
+    gradient fades as q nears p). 0 gives the paper's loss; 1 is what learning pairings use (it
+    keeps more held-out acceptance gain: docs/distillation.md).
     `decay_steps` > 0 anneals the learning rate from `lr` to `lr * final_lr_ratio` along a cosine
     over that many optimizer steps, then holds it there (0: constant, Algorithm 2's); the steps a
     profile already had count (`OnlineTrainer(start_step=)`), so a reloaded profile resumes the schedule.

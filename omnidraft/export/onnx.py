@@ -17,7 +17,6 @@ export time and its figures go into the JSON sidecar beside the .onnx.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -28,12 +27,12 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_write_bytes
+from .sidecar import SIDECAR_FORMAT, file_sha256, sidecar_path
 
-__all__ = ["SIDECAR_FORMAT", "LlamaGraph", "export_drafter", "file_sha256"]
+__all__ = ["LlamaGraph", "export_drafter"]
 
 log = logging.getLogger("omnidraft")
 
-SIDECAR_FORMAT = "omnidraft.onnx-drafter"
 OPSET = 17
 
 
@@ -105,14 +104,6 @@ class LlamaGraph(nn.Module):
 
     def empty_past(self) -> list[torch.Tensor]:
         return [torch.zeros(1, self.kv_heads, 0, self.head_dim) for _ in range(2 * len(self.layers))]
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _names(layers: int) -> tuple[list[str], list[str]]:
@@ -232,7 +223,3 @@ def _aligned(keep: list[int], vocab: int, block: int = 256) -> list[int]:
     kept = set(keep)
     extra = [i for i in range(vocab) if i not in kept][: want - len(keep)]
     return sorted(kept | set(extra))
-
-
-def sidecar_path(onnx: str | Path) -> Path:
-    return Path(str(onnx) + ".json")

@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..draft import Draft
-from ..drafter import _confidence, _pick, restrict
+from ..draft import Draft, confidence, pick, restrict
 from ..errors import CorruptFileError, IncompatibleError
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
-from .onnx import SIDECAR_FORMAT, file_sha256, sidecar_path
+from .sidecar import SIDECAR_FORMAT, file_sha256, sidecar_path
 
 if TYPE_CHECKING:
     from ..adaptive.head import Stopper
@@ -114,7 +113,7 @@ class _OrtDraftSession:
                 healed = logits is not None
             if logits is None:
                 logits = self.owner.full_logits(self._forward())
-                token, probs = _pick(logits, temperature, allowed, generator)
+                token, probs = pick(logits, temperature, allowed, generator)
             ids.append(token)
             if probs is not None:
                 rows.append(probs)
@@ -122,7 +121,7 @@ class _OrtDraftSession:
             self.ids.append(token)
             self._logits = None
             halt = stopper is not None and stopper.stop_after(step, token, logits, hidden)
-            if halt or token in self.owner.stop_ids or (stop_confidence > 0 and _confidence(logits, token, probs) < stop_confidence):
+            if halt or token in self.owner.stop_ids or (stop_confidence > 0 and confidence(logits, token, probs) < stop_confidence):
                 break
         return Draft(ids, torch.stack(rows) if rows else None, healed)
 
@@ -134,7 +133,7 @@ class _OrtDraftSession:
         n = len(self.ids) - 1
         self.graph.crop(self.state, min(self.state.length, n - 1))
         back = restrict(self.owner.full_logits(self.graph.feed(self.state, self.ids[self.state.length : n])), heal)
-        token, probs = _pick(back, temperature, allowed, generator)
+        token, probs = pick(back, temperature, allowed, generator)
         self._logits = None
         if token == self.ids[-1]:
             return None, -1, None
@@ -200,14 +199,11 @@ class OrtDrafter:
     def begin(self, ids: list[int]) -> _OrtDraftSession:
         return _OrtDraftSession(self, ids)
 
-    def pair(self, target: Any, config: Any = None, **overrides: Any) -> Any:
-        """Pair with `target` (see `Drafter.pair`); an exported drafter drafts but does not learn."""
-        from ..session import DecodeConfig, Pairing
+    def pair(self, target: Any, config: Any = None, **options: Any) -> Any:
+        """Pair with `target`: see `omnidraft.pairing.pair`; an exported drafter drafts but cannot learn."""
+        from ..pairing import pair
 
-        if overrides.pop("learn", False):
-            raise ValueError("an ONNX drafter cannot learn: learn with the PyTorch drafter, then export its adapter")
-        kwargs = {k: overrides.pop(k) for k in ("user", "store") if k in overrides}
-        return Pairing(self, target, config or DecodeConfig(**overrides), **kwargs)
+        return pair(self, target, config, **options)
 
     def __repr__(self) -> str:
         return f"OrtDrafter({self.name!r}, vocab {self.vocab_size}, {self.sidecar.get('quantization') or 'fp32'})"

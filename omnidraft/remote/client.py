@@ -126,7 +126,7 @@ class _RemoteSession:
         if q is not None and rule.mode in ("exact", "omnidraft"):
             rows = [SparseRow(ids=nz.tolist(), probs=row[nz].tolist()) for row in q for nz in [row.nonzero().flatten()]]
         request = VerifyRequest(committed=len(self.ids), proposal=ids, mode=rule.mode, temperature=rule.temperature,
-                                q=rows, seed=seed, topk=topk)
+                                q=rows, seed=seed, topk=topk, top_k=rule.top_k, top_p=rule.top_p, min_p=rule.min_p)
         reply = VerifyReply.model_validate(self.owner._call("POST", f"/v1/sessions/{self.sid}/verify", request))
         self.ids += ids[: reply.accepted] + [reply.token]
         self.forwards += 1

@@ -85,6 +85,9 @@ class VerifyRequest(_Message):
     q: list[SparseRow] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     topk: int = Field(default=0, ge=0, le=MAX_TOPK)
+    top_k: int = Field(default=0, ge=0, le=1_000_000)  # sampling filters of the target distribution (target.Rule)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
 
     @field_validator("temperature")
     @classmethod

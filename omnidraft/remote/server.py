@@ -143,7 +143,8 @@ class _Service:
         session = self._session(sid)
         self._check_ids(request.proposal, "proposal")
         try:
-            rule = Rule(mode=request.mode, temperature=request.temperature)
+            rule = Rule(mode=request.mode, temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                        min_p=request.min_p)
         except ValueError as exc:
             raise _HTTPError(422, str(exc)) from exc
         proposal = tuple(request.proposal)

@@ -36,8 +36,8 @@ class NgramCacheConfig:
     """Bounds and policy. `max_len` is the longest drafter run considered for one target token.
     `max_entries=0` keeps nothing: the translation then runs on the direct map alone.
     `policy`: "lfu-da" (LFU with dynamic aging, the default), "lfu" or "lru". On the paper's pair
-    (Llama-2 drafting for Llama-3, `omnidraft bench-cache`) a cache at 1/4 of its full size keeps
-    more of the full cache's gain with "lfu-da" than with either plain policy (README)."""
+    (Llama-2 drafting for Llama-3, `python -m benchmarks ngram-cache`) a cache at 1/4 of its full size keeps
+    more of the full cache's gain with "lfu-da" than with either plain policy (docs/distillation.md)."""
 
     max_entries: int = 65_536
     max_bytes: int = 8 << 20

@@ -1,0 +1,1 @@
+"""omnidraft's lab: the experiments behind docs/, run as `python -m benchmarks COMMAND`."""

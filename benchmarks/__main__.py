@@ -1,0 +1,162 @@
+"""The lab: `python -m benchmarks COMMAND`. The experiments behind docs/ (distillation, draft-length
+policies, replayed drafter variants, the n-gram cache, adapter switching, drafting backends,
+device calibration); the SDK (`omnidraft/`) never imports from here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from omnidraft.bench.pairs import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair
+
+from . import commands
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description="omnidraft's experiments (see docs/).")
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("adapt", help="online distillation: acceptance and τ against training steps, held-out")
+    a.add_argument("--pair", default=f"{DRAFTER}:qwen2.5-coder-0.5b")
+    a.add_argument("--train", default="gsm8k:train", help="dataset of training prompts")
+    a.add_argument("--eval", default="gsm8k:test", help="dataset of held-out prompts")
+    a.add_argument("--n-train", type=int, default=300)
+    a.add_argument("--n-eval", type=int, default=50)
+    a.add_argument("--steps", type=int, default=40, help="optimizer steps per variant")
+    a.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every this many steps")
+    a.add_argument("--variant", action="append", choices=["none", "dm", "hybrid", "spans", "full", "full-spans"],
+                   help="repeatable; default: none, hybrid and spans. dm = KL only; hybrid = the paper's KL + NLL; "
+                        "spans = hybrid + NLL on misaligned runs of target tokens (what learning pairings use); "
+                        "full = full fine-tuning on hybrid's loss; full-spans = full fine-tuning on spans' loss")
+    a.add_argument("--interval", type=int, default=8, help="requests between updates (Algorithm 2's I)")
+    a.add_argument("--batch-size", type=int, default=8)
+    a.add_argument("--epochs", type=int, default=1, help="passes over the buffer per update")
+    a.add_argument("--lr", type=float, default=1e-4)
+    a.add_argument("--full-lr", type=float,
+                   help="learning rate of the full fine-tuning variants (default: --lr; every weight moves, so it wants "
+                        "a smaller one)")
+    a.add_argument("--decay-steps", type=int, default=0,
+                   help="anneal the lr along a cosine to lr * --final-lr-ratio over this many steps (default 0: constant)")
+    a.add_argument("--final-lr-ratio", type=float, default=0.1)
+    a.add_argument("--lam", default="0.2", help="n-gram loss weight, or 'dynamic'")
+    a.add_argument("--direct-nll", type=float,
+                   help="weight of an NLL on the committed token at direct positions (hard labels), added to the KL; "
+                        "default: TrainConfig's (the paper's variants dm, hybrid and full always use 0)")
+    a.add_argument("--rank", type=int, default=32)
+    a.add_argument("--modules", help="comma-separated projections that get LoRA adapters; default: the attention's q,k,v,o")
+    a.add_argument("--cache-ablation", action="store_true", help="also measure the n-gram cache by size and policy")
+    a.add_argument("--record-batch", type=int, default=8,
+                   help="prompts the target records at once when traces are not cached yet (a larger batch records "
+                        "faster on CPU; a near-tie argmax may flip with the batch)")
+    a.add_argument("--drafter-precision", choices=["int8", "fp32"], default="int8",
+                   help="weights the drafter drafts with (default int8, as Drafter.load)")
+    a.add_argument("--train-weights", choices=["drafting", "fp32"], default="drafting",
+                   help="weights an int8 drafter's adapter trains through: the int8 ones it drafts with, emulated in "
+                        "fp32 (default), or the fp32 base")
+    a.add_argument("--tts-every", type=int, default=0, metavar="S",
+                   help="also score with Test-Time Speculation: a fast step every S rounds inside each held-out request")
+    a.add_argument("--tts-lr", type=float, default=1e-3, help="learning rate of those fast steps")
+    a.add_argument("--eval-max-new-tokens", type=int, default=None, metavar="N",
+                   help="held-out requests this long (default: --max-new-tokens); Test-Time Speculation needs long ones")
+    a.add_argument("--live", type=int, default=0, metavar="N",
+                   help="also run the unadapted and adapted drafters against the live target on the first N held-out "
+                        "prompts, beside replay's figures for them (the check that replay tells the truth)")
+    a.add_argument("--out", default="adapt_out")
+    a.add_argument("--name", default="adapt")
+    add_decoding_args(a)
+
+    h = sub.add_parser("draft-lengths", help="draft-length policies live: fixed k, hysteresis fallback, acceptance heads")
+    h.add_argument("--pair", action="append", help="DRAFTER:TARGET, repeatable")
+    h.add_argument("--dataset", action="append", help="gsm8k | humaneval, repeatable (heads train on its :train split)")
+    h.add_argument("--n", type=int, default=10, help="evaluation prompts per dataset")
+    h.add_argument("--n-train", type=int, default=100, help="training prompts per dataset for the heads")
+    h.add_argument("--max-new-tokens", type=int, default=128)
+    h.add_argument("--fixed-k", type=int, action="append", help="fixed draft lengths to compare, repeatable")
+    h.add_argument("--confidence-k", type=int, action="append",
+                   help="also draft up to this many tokens, stopping after one the drafter gives p < 0.3; repeatable")
+    h.add_argument("--k-max", type=int, default=12)
+    h.add_argument("--train-tokens", type=int, default=64, help="tokens per recorded training trace")
+    h.add_argument("--train-only", action="store_true", help="train and cache the heads, skip the timed evaluation")
+    h.add_argument("--cache", default="bench_out/traces", help="where recorded training traces are kept")
+    h.add_argument("--out", default="bench_out")
+    h.add_argument("--name", default="bench-draft")
+
+    r = sub.add_parser("replay", help="acceptance of drafter and decoding variants on recorded greedy traces")
+    r.add_argument("--pair", default=f"{DRAFTER}:qwen2.5-coder-0.5b")
+    r.add_argument("--dataset", action="append", help="gsm8k:test | humaneval | ..., repeatable")
+    r.add_argument("--n", type=int, default=50)
+    r.add_argument("--drafter", action="append", choices=["fp32", "int8", "int8-per-channel", "int8-per-tensor"],
+                   help="drafter numerics, repeatable (default: int8)")
+    r.add_argument("--decode", action="append", help='DecodeConfig overrides such as "heal=off,k=8", repeatable '
+                                                     "(keys: k, stop, heal, strategy; default: the defaults)")
+    r.add_argument("--cache", default="bench_out/traces", help="where recorded traces are kept")
+    r.add_argument("--out", default="bench_out")
+    r.add_argument("--name", default="bench-replay")
+    add_decoding_args(r)
+
+    c = sub.add_parser("ngram-cache", help="the n-gram cache by size and policy on two tokenizers (a reference drafter, no weights)")
+    c.add_argument("--drafter", default="llama-2", help="drafter tokenizer: llama-2, llama-3 (data/tokenizers), a preset or a path")
+    c.add_argument("--target", default="llama-3", help="target tokenizer, as --drafter")
+    c.add_argument("--dataset", action="append", help="gsm8k:train | gsm8k | humaneval | humaneval:train, repeatable")
+    c.add_argument("--n", type=int, default=500, help="reference answers per dataset (HumanEval has 164)")
+    c.add_argument("--k", type=int, default=6, help="drafted tokens per round")
+    c.add_argument("--accuracy", type=float, action="append", help="chance each drafted token is right, repeatable (default 0.8)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default="bench_out")
+    c.add_argument("--name", default="bench-cache")
+
+    w = sub.add_parser("switch", help="one drafter moving between targets: pair(), save, adapter switch, memory")
+    w.add_argument("--drafter", default=DRAFTER)
+    w.add_argument("--target", action="append", help="repeatable, at least two (default: qwen2.5-coder-0.5b and gemma3-270m)")
+    w.add_argument("--n", type=int, default=3, help="prompts (GSM8K and HumanEval, alternating)")
+    w.add_argument("--max-new-tokens", type=int, default=24)
+    w.add_argument("--repeats", type=int, default=200, help="adapter switches timed")
+    w.add_argument("--out", default="bench_out")
+    w.add_argument("--name", default="bench-switch")
+
+    r = sub.add_parser("drafters", help="drafting backends side by side: PyTorch fp32/int8 and exported ONNX graphs")
+    r.add_argument("--pair", default=f"{DRAFTER}:qwen2.5-coder-0.5b", help="DRAFTER:TARGET (the PyTorch drafter)")
+    r.add_argument("--onnx", action="append", default=[], metavar="LABEL=FILE", help="an exported drafter, repeatable")
+    r.add_argument("--dataset", action="append", help="gsm8k | humaneval, repeatable (none: drafter costs only)")
+    r.add_argument("--n", type=int, default=5)
+    r.add_argument("--out", default="bench_out")
+    r.add_argument("--name", default="bench-drafters")
+    add_decoding_args(r)
+
+    c = sub.add_parser("calibrate", help="time the real models; write a device_sim device profile")
+    c.add_argument("--pair", default=f"{DRAFTER}:{TARGET}")
+    c.add_argument("--out", required=True, help="profile JSON to write (device_sim --profiles FILE)")
+    c.add_argument("--max-tokens", type=int, default=12)
+    add_decoding_args(c)
+
+    return p
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    import json
+
+    from omnidraft.atomic import atomic_write_bytes
+    from .calibrate import calibrate
+
+    profile = calibrate(load_pair(*split_pair(args.pair), args), max_tokens=args.max_tokens)
+    atomic_write_bytes(Path(args.out), json.dumps({"devices": [profile]}, indent=1).encode())
+    print(json.dumps(profile, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("transformers", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
+        raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and "
+                         f"{getattr(args, 'max_new_tokens', 1)}")
+    run = {"adapt": commands.adapt, "draft-lengths": commands.bench_draft, "replay": commands.bench_replay,
+           "ngram-cache": commands.bench_cache, "switch": commands.bench_switch, "drafters": commands.bench_drafters,
+           "calibrate": _calibrate}
+    run[args.command](args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,123 @@
+"""How long each draft of a pairing is: the cost policy (the default), an acceptance head with its
+hysteresis fallback, a hysteresis policy alone, or a fixed k. One object per pairing; the pairing
+loop asks it for the first length, for the head's stopping rule, and for the next length after
+each round, and hands it each finished request for the head's training cadence.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .head import AcceptanceHead, CostModel, Stopper, head_state
+from .policy import CostPolicy, Hysteresis
+
+__all__ = ["DraftLengths"]
+
+log = logging.getLogger("omnidraft.pairing")
+
+
+class DraftLengths:
+    """`config`: the pairing's DecodeConfig. `may_idle`: the cost policy may decide not to draft
+    (False when a per-request ModeChooser decides that). `hidden_size`: the drafter's (an
+    acceptance head reads its hidden states); `saved_head`: the head's tensors from the profile.
+    `label` names the pairing in log lines."""
+
+    def __init__(self, config: Any, cost: CostModel, *, may_idle: bool, hidden_size: int | None,
+                 saved_head: dict[str, torch.Tensor] | None, shared: torch.Tensor, label: str) -> None:
+        self.config, self.cost, self.label, self.shared = config, cost, label, shared
+        self.policy = (CostPolicy(cost, k_max=config.k_max, start=config.start_k, may_idle=may_idle)
+                       if config.cost_driven else None)
+        self.head: AcceptanceHead | None = None
+        self.trainer: Any = None
+        self.fallback: Hysteresis | None = None
+        if config.head is not None:
+            self._init_head(config.head, hidden_size, saved_head)
+
+    def _init_head(self, hc: Any, hidden_size: int | None, saved: dict[str, torch.Tensor] | None) -> None:
+        from .trainer import HeadTrainer
+
+        if hidden_size is None:
+            raise ValueError(f"an acceptance head needs a drafter that exposes hidden states; {self.label} has none")
+        self.head = AcceptanceHead(hidden_size, hc.width, hc.depth, seed=hc.seed).eval()
+        self.trainer = HeadTrainer(self.head, hc)
+        if saved is not None:
+            saved = dict(saved)
+            self.trainer.trained = self.trainer.seen = int(saved.pop("meta.trained", torch.tensor(0)))
+            try:
+                self.head.load_state_dict(saved)
+            except RuntimeError as exc:
+                raise ValueError(f"the saved acceptance head does not fit this drafter or head config: {exc}") from None
+        self.fallback = self.config.adaptive or Hysteresis(k_min=max(2, hc.k_min), k_max=hc.k_max)
+
+    @property
+    def head_ready(self) -> bool:
+        """Whether the acceptance head (not the fallback) decides draft lengths now."""
+        return self.head is not None and self.trainer.trained >= self.config.head.warmup
+
+    @property
+    def speculating(self) -> bool:
+        return self.policy.speculating if self.policy is not None else True
+
+    def begin_request(self) -> tuple[int, Stopper | None]:
+        """A request's first draft length and the head's stopping rule (None without a head)."""
+        if self.policy is not None:
+            self.policy.begin_request()
+        k = self.policy.next_k() if self.policy is not None else self.config.start_k
+        hc = self.config.head
+        return k, Stopper(self.head, hc, self.shared, self.cost) if hc is not None else None
+
+    def for_draft(self, k: int, stopper: Stopper | None) -> tuple[int, float, dict[str, Any]]:
+        """(draft length, stop confidence, extra propose arguments) of this round's draft: up to k
+        tokens stopped by the drafter's confidence, or k_max stopped by the head once it decides."""
+        if stopper is None:
+            return k, self.config.stop_confidence, {}
+        stopper.reset()
+        stopper.decide = self.head_ready  # before warm-up it only records features; the fallback decides
+        if stopper.decide:
+            return self.config.head.k_max, 0.0, {"stopper": stopper}
+        return k, self.config.stop_confidence, {"stopper": stopper}
+
+    def next(self, k: int, stopper: Stopper | None, drafted: int, proposed: int, accepted: int, kept: int) -> int:
+        """The next round's draft length: the cost policy's, or the fallback's (or `adaptive`'s);
+        with a head, the round's features and the `kept` drafted tokens go to its trainer first."""
+        if self.policy is not None:
+            was = self.policy.speculating
+            self.policy.observe(drafted, proposed, accepted)
+            k = self.policy.next_k()
+            if self.policy.speculating != was:
+                rates = self.policy.last_rates
+                best = max((key for key in rates if key > 0), key=rates.__getitem__)
+                log.info("%s: %s (measured: %.1f tok/s drafting %d a round, %.1f tok/s alone)", self.label,
+                         "drafting pays again" if self.policy.speculating else
+                         "drafting costs more than it saves; the target decodes alone, with a probe draft now and then",
+                         rates[best], best, rates[0])
+            return k
+        if stopper is not None:
+            if self.config.head.train is not None:
+                self.trainer.add(stopper.features(), kept)
+            return self.fallback.next_k(k, proposed, accepted)
+        if self.config.adaptive is not None:
+            return self.config.adaptive.next_k(k, proposed, accepted)
+        return k
+
+    def end_request(self, learner: Any) -> dict[str, Any] | None:
+        """A finished request: the head's training cadence (interleaved: its own; joint: in step with
+        the adapter's updates). Returns the metrics row of an update, if one ran."""
+        if self.trainer is None or self.config.head.train is None:
+            return None
+        if self.config.head.train == "interleaved":
+            row = self.trainer.end_request()
+        else:
+            self.trainer.requests += 1
+            interval = learner.config.interval if learner is not None else self.config.head.interval
+            row = self.trainer.update() if self.trainer.requests % interval == 0 else None
+        return None if row is None else {"head_update": self.trainer.steps, **row}
+
+    def state(self) -> dict[str, torch.Tensor] | None:
+        """The head's tensors for the profile (None without a head)."""
+        if self.head is None:
+            return None
+        return {**head_state(self.head), "meta.trained": torch.tensor(self.trainer.trained)}

@@ -1,0 +1,158 @@
+"""The `omnidraft bench` command: the headline benchmark (omnidraft beside the target alone and the
+peers), and its remote, k-grid and draft-source variants. Argument parsing lives in cli.py."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+from .pairs import DRAFTER, TARGET, load_pair, loaded_pairs, split_pair
+
+__all__ = ["bench", "run_pair"]
+
+
+def run_pair(pair_spec: str, datasets: list[str], args: argparse.Namespace, peers: tuple[str, ...], trace: str | None,
+         partial: Callable[[list, dict], None] = lambda *_: None) -> tuple[list, dict]:
+    from tqdm import tqdm
+
+    from .datasets import load_prompts
+    from .runner import pairing_costs, run_prompts, summarize
+    from ..stats import write_trace
+
+    pair = load_pair(*split_pair(pair_spec), args)
+    summaries, per_prompt = [], {}
+    for dataset in datasets:
+        prompts = load_prompts(dataset, args.n)
+        bar = tqdm(total=len(prompts), desc=f"{pair_spec} {dataset}", file=sys.stderr)
+        record = (lambda i, out: write_trace(trace, out.rounds, {"pair": pair_spec, "dataset": dataset, "prompt": i})) if trace else None
+        head = {"pair": pair_spec, "dataset": dataset, "k": pair.config.k, "stop_confidence": pair.config.stop_confidence,
+                "adaptive_k_max": pair.config.adaptive.k_max if pair.config.adaptive else None,
+                "max_new_tokens": args.max_new_tokens}
+
+        def done(results: list, head: dict = head, key: str = f"{pair_spec}/{dataset}") -> None:
+            per_prompt[key] = [r.as_dict() for r in results]
+            partial([*summaries, {**head, **summarize(results)}], per_prompt)
+
+        results = run_prompts(pair, prompts, args.max_new_tokens, peers=peers, trace=record, done=done,
+                              progress=lambda msg: (bar.set_postfix_str(msg), bar.update(msg.endswith("omnidraft"))))
+        bar.close()
+        summary = summarize(results)
+        step = sum(r.target_s for r in results) / sum(r.new_tokens for r in results)
+        summaries.append({**head, **summary, "costs": pairing_costs(pair, step)})
+    return summaries, per_prompt
+
+
+def _bench_remote(args: argparse.Namespace) -> None:
+    import json
+
+    from tqdm import tqdm
+
+    from ..atomic import atomic_write_bytes
+    from .datasets import load_prompts
+    from .remote import run_remote
+    from ..stats import write_trace
+
+    rows = []
+    for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}"):
+        for dataset in args.dataset or ["gsm8k", "humaneval"]:
+            bar = tqdm(desc=f"{pair_spec} {dataset} remote", file=sys.stderr)
+            record = (lambda rtt, i, out, dataset=dataset, pair_spec=pair_spec: write_trace(
+                args.trace, out.rounds, {"pair": pair_spec, "dataset": dataset, "prompt": i, "rtt_ms": rtt * 1000})) \
+                if args.trace else None
+            for row in run_remote(drafter, target, load_prompts(dataset, args.n), args.max_new_tokens,
+                                  [ms / 1000 for ms in args.rtt or [20, 50, 100]], k=args.k,
+                                  progress=bar.set_postfix_str, trace=record):
+                rows.append({"pair": pair_spec, "dataset": dataset, **row})
+            bar.close()
+    out = Path(args.out)
+    table = ("Speedup is over the server alone: one completion request, the whole completion generated on the server, "
+             "at the same injected RTT. fwd/token: target forwards per committed token (what speculating saves a "
+             "server). speculated: requests the latency objective chose to speculate on.\n\n"
+             "| pair | dataset | RTT ms | row | s/request | tok/s | speedup | fwd/token | bytes sent/token | identical | "
+             "speculated |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    for r in rows:
+        table += (f"| {r['pair']} | {r['dataset']} | {r['rtt_ms']:.0f} | {r['row']} | {r['seconds_per_request']:.2f} | "
+                  f"{r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['forwards_per_token']:.2f} | {r['bytes_sent_per_token']:.0f} | "
+                  f"{r['identical']}/{r['prompts']} | {r['speculated']}/{r['prompts']} |\n")
+    atomic_write_bytes(out / f"{args.name}.json", json.dumps(rows, indent=1).encode())
+    atomic_write_bytes(out / f"{args.name}.md", table.encode())
+    print(table)
+    print(f"wrote {out / args.name}.json and .md")
+
+
+def _bench_k_grid(args: argparse.Namespace) -> None:
+    import json
+
+    from tqdm import tqdm
+
+    from ..atomic import atomic_write_bytes
+    from .datasets import load_prompts
+    from .runner import default_against_fixed_k
+
+    out, results, table = Path(args.out), [], ""
+    for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:qwen2.5-coder-0.5b"):
+        for dataset in args.dataset or ["gsm8k", "humaneval"]:
+            bar = tqdm(desc=f"{pair_spec} {dataset} k-grid", file=sys.stderr)
+            res = default_against_fixed_k(drafter, target, load_prompts(dataset, args.n), args.max_new_tokens,
+                                          args.k_grid, progress=bar.set_postfix_str)
+            bar.close()
+            results.append({"pair": pair_spec, "dataset": dataset, **res})
+            r = res["default_vs_best"]
+            table += (f"\n{pair_spec} {dataset}: target alone {res['target_tok_s']:.2f} tok/s; default vs best fixed "
+                      f"{res['best_fixed']}: {r['ratio']:.3f} (95% {r['low']:.3f}-{r['high']:.3f}), faster on "
+                      f"{r['wins']}/{r['prompts']} prompts\n\n| variant | tok/s | speedup | τ | drafted/round | identical |\n"
+                      "|---|---|---|---|---|---|\n")
+            table += "".join(f"| {row['variant']} | {row['tok_s']:.2f} | {row['speedup']:.2f}× | {row['tau']:.2f} | "
+                             f"{row['drafted_per_round']:.2f} | {row['identical']}/{row['prompts']} |\n" for row in res["rows"])
+            atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
+            atomic_write_bytes(out / f"{args.name}.md", table.encode())
+    print(table)
+    print(f"wrote {out / args.name}.json and .md")
+
+
+def _bench_sources(args: argparse.Namespace) -> None:
+    import json
+
+    from tqdm import tqdm
+
+    from ..atomic import atomic_write_bytes
+    from .sources import markdown, run_sources
+
+    out, results = Path(args.out), {}
+    for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}"):
+        bar = tqdm(desc=f"{pair_spec} drafts", file=sys.stderr)
+        results[pair_spec] = run_sources(
+            drafter, target, args.dataset or ["summarize", "rag", "code-edit", "chat", "gsm8k", "humaneval"], args.n,
+            args.max_new_tokens, drafts=tuple(args.drafts), peers=() if args.no_peers else tuple(args.peer or ("lookup", "assisted")),
+            relaxed=args.relaxed, progress=bar.set_postfix_str, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy)
+        bar.close()
+        text = "".join(f"## {spec}\n\n{markdown(r)}\n" for spec, r in results.items())
+        atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
+        atomic_write_bytes(out / f"{args.name}.md", text.encode())
+    print(text)
+    print(f"wrote {out / args.name}.json and .md")
+
+
+def bench(args: argparse.Namespace) -> None:
+    from .report import markdown_table, write_report
+
+    if args.remote:
+        return _bench_remote(args)
+    if args.k_grid:
+        return _bench_k_grid(args)
+    if args.drafts and len(args.drafts) > 1:
+        return _bench_sources(args)
+
+    pairs = args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]
+    summaries, per_prompt = [], {}
+    for pair_spec in pairs:
+        s, p = run_pair(pair_spec, args.dataset or ["gsm8k", "humaneval"], args, trace=args.trace,
+                    peers=() if args.no_peers else tuple(args.peer or ("stock", "lookup", "assisted")),
+                    partial=lambda rows, prompts: write_report(args.out, args.name, [*summaries, *rows], {**per_prompt, **prompts}))
+        summaries += s
+        per_prompt.update(p)
+        paths = write_report(args.out, args.name, summaries, per_prompt)  # rewritten after each pair
+    print(markdown_table(summaries))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")

@@ -1,0 +1,97 @@
+"""The pieces of a pairing's requests that need no pairing: a request's checks, its chat rendering
+and random generator, where a stop string cuts the text, the draft rows rejection sampling
+verifies against, a target decoding alone, and a finished request as distillation input."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from .stats import GenerationStats, RoundRecord
+from .translate.translator import Proposal, Translator
+
+__all__ = ["Generation", "check_request", "decode_alone", "draft_rows", "first_stop", "make_generator", "render_chat", "verified"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Result of `Pairing.generate`: the text, the target token ids generated, stats and rounds."""
+
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    rounds: list[RoundRecord]
+    finish_reason: str
+
+
+
+def draft_rows(translator: Translator, proposal: Proposal, modeled: int, draft: Any) -> torch.Tensor | None:
+    """q' rows (M, Vt) for rejection sampling: the model tokens' from the drafter's distributions,
+    a retrieved token's one-hot (it was proposed with certainty, so rejection sampling stays exact)."""
+    parts = []
+    if modeled:
+        if draft.q is None:
+            return None
+        parts.append(translator.draft_probs(proposal.cut(modeled), draft.ids, draft.q))
+    retrieved = proposal.ids[modeled:]
+    if len(retrieved):
+        parts.append(torch.nn.functional.one_hot(retrieved, len(translator.map.t2d)).float())
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int], RoundRecord]]:
+    """The target session decodes alone (greedy); one record per token, as one forward each."""
+    context, last = len(tsession.ids), time.perf_counter()
+    for token in tsession.decode(max_new_tokens):
+        now = time.perf_counter()
+        yield [token], RoundRecord(context=context, drafted=0, proposed=0, accepted=0, emitted=1, from_cache=0,
+                                   t_draft=0.0, t_translate=0.0, t_verify=now - last, t_resync=0.0)
+        context, last = context + 1, now
+
+
+def check_request(prompt: str, max_new_tokens: int, stop: tuple[str, ...]) -> None:
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(stop, str) or any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop must be a tuple of non-empty strings, got {stop!r}")
+
+
+def first_stop(text: str, start: int, stop: tuple[str, ...]) -> int | None:
+    """Where the earliest stop string found at or after `start` begins in `text`, or None."""
+    hits = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def verified(prompt: str, out: list[int], rounds: list[RoundRecord], rows: list) -> Any:
+    """A finished request as distillation input (committed tokens with the target's rows)."""
+    from .distill.buffer import VerifiedRequest
+
+    ids, logp = (torch.cat(parts)[: len(out)] for parts in zip(*rows))
+    positions = [j + 1 for r in rounds for j in range(r.emitted)][: len(out)]
+    return VerifiedRequest(prompt, out, ids, logp, positions)
+
+
+def make_generator(seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:
+    if seed is None:
+        return generator
+    if generator is not None:
+        raise ValueError("pass seed or generator, not both")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return torch.Generator().manual_seed(seed)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], name: str) -> str:
+    """`messages` in `tokenizer`'s chat template, ready for the assistant's turn (`name` for errors)."""
+    if (not isinstance(messages, list) or not messages
+            or any(not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
+                   for m in messages)):
+        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{name}'s tokenizer has no chat template: use generate() with your own prompt")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
