@@ -173,11 +173,21 @@ def test_retrieval_drafts_stay_identical_on_every_workload(drafter, target_name)
                 assert sum(r.retrieved_accepted for r in out.rounds) > 0, name
 
 
+# Gemma's turn format; the shipped Gemma 3 270M GGUF is the base model and carries no chat template
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+                  "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
 @pytest.mark.parametrize("target_name", ["qwen2.5-coder-0.5b", "gemma3-270m"])
-def test_chat_renders_the_template_once_with_one_bos(drafter, target_name):
+def test_chat_renders_the_template_once_with_one_bos(drafter, target_name, monkeypatch):
     target = od.LocalTarget.load(target_name)
     pair = drafter.pair(target)
     messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    if target_name.startswith("gemma"):
+        with pytest.raises(ValueError, match="has no chat template"):
+            pair.render_chat(messages)
+        monkeypatch.setattr(target.tokenizer, "chat_template", GEMMA_TEMPLATE, raising=False)
+        assert target.tokenizer(pair.render_chat(messages))["input_ids"][:2] == [target.tokenizer.bos_token_id] * 2
     text = pair.render_chat(messages)
     ids = target.tokenizer(text, add_special_tokens=False)["input_ids"]
     bos = target.tokenizer.bos_token_id
