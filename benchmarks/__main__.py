@@ -5,11 +5,10 @@ device calibration); the SDK (`omnidraft/`) never imports from here."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
-from omnidraft.bench.pairs import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair
+from omnidraft.bench.pairs import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
 
 from . import commands
 
@@ -146,12 +145,7 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for noisy in ("transformers", "httpx", "huggingface_hub"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-    if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
-        raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and "
-                         f"{getattr(args, 'max_new_tokens', 1)}")
+    start_run(args)
     run = {"adapt": commands.adapt, "draft-lengths": commands.bench_draft, "replay": commands.bench_replay,
            "ngram-cache": commands.bench_cache, "switch": commands.bench_switch, "drafters": commands.bench_drafters,
            "calibrate": _calibrate}

@@ -4,13 +4,11 @@ experiments are `python -m benchmarks` (benchmarks/)."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from .bench.pairs import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair
+from .bench.pairs import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
 
 __all__ = ["main"]
 
@@ -193,12 +191,7 @@ def _simulate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for noisy in ("transformers", "httpx", "huggingface_hub"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-    if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
-        raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and "
-                         f"{getattr(args, 'max_new_tokens', 1)}")
+    start_run(args)
     from .bench.commands import bench
 
     commands = {"generate": _generate, "demo": _demo, "bench": bench, "export": _export, "serve": _serve,

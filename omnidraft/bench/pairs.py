@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any, Iterator
 
-__all__ = ["DRAFTER", "TARGET", "add_decoding_args", "load_pair", "loaded_pairs", "split_pair"]
+__all__ = ["DRAFTER", "TARGET", "add_decoding_args", "load_pair", "loaded_pairs", "split_pair", "start_run"]
 
 DRAFTER = "smollm2-135m"
 TARGET = "qwen2.5-coder-1.5b"
@@ -61,3 +61,13 @@ def loaded_pairs(specs: list[str] | None, default: str) -> Iterator[tuple[str, A
     for pair_spec in specs or [default]:
         drafter_spec, target_spec = split_pair(pair_spec)
         yield pair_spec, od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
+
+
+def start_run(args: argparse.Namespace) -> None:
+    """A command's start: log lines to stderr (the chatty libraries quiet), counts checked."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("transformers", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
+        raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and "
+                         f"{getattr(args, 'max_new_tokens', 1)}")
