@@ -245,7 +245,8 @@ class Pairing:
             if alone:  # the target decodes the whole request on its side: no draft at all
                 yield from decode_alone(tsession, max_new_tokens)
                 return
-            index = self.retriever.begin(prompt_ids) if self.retriever is not None else None
+            with self._book:  # begin() also moves the shared acceptance history
+                index = self.retriever.begin(prompt_ids) if self.retriever is not None else None
             if isinstance(self.drafter, Adaptable):  # a fake or an exported graph has no adapters
                 self.drafter.activate(self.adapter)
             ids = self.drafter.tokenizer(prompt, add_special_tokens=special)["input_ids"]
