@@ -35,7 +35,7 @@ class Hysteresis:
         return max(self.k_min, min(k, accepted + 1))
 
 
-def _ema(old: float | None, new: float, decay: float) -> float:
+def ema(old: float | None, new: float, decay: float) -> float:
     """Exponential moving average: `new` itself when there is no `old` yet."""
     return new if old is None else decay * old + (1 - decay) * new
 
@@ -75,7 +75,7 @@ class CostPolicy:
         self.last_rates: dict[int, float] = {}
 
     def _ema(self, old: float | None, new: float) -> float:
-        return _ema(old, new, self.decay)
+        return ema(old, new, self.decay)
 
     def begin_request(self) -> None:
         """A new request: acceptance depends on the prompt, so it drafts its first `fresh` rounds
@@ -179,7 +179,7 @@ class ModeChooser:
         was = self.speculating
         before = self.best() if None not in self.rates.values() else None
         rate, old = tokens / seconds, self.rates[mode]
-        self.rates[mode] = _ema(old, rate, self.decay)
+        self.rates[mode] = ema(old, rate, self.decay)
         if self.probing == mode:  # a probe: confirmed, probe half as often; overturned, probe soon again
             self.probing = None
             self.interval = min(2 * self.interval, self.max_interval) if self.best() == before else self.probe_every

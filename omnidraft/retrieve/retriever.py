@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..adaptive.policy import ema
 from .automaton import Matcher, SuffixAutomaton
 from .datastore import SEP, Datastore
 
@@ -135,8 +136,7 @@ class RetrievalStats:
         return self.waiting[key] >= self.config.probe_every
 
     def _ema(self, table: dict[tuple[str, int], float], key: tuple[str, int], value: float) -> None:
-        d = self.config.decay
-        table[key] = value if key not in table else d * table[key] + (1 - d) * value
+        table[key] = ema(table.get(key), value, self.config.decay)
 
     def acceptance(self, source: str, match: int) -> tuple[float, float]:
         """(first-token acceptance, per-token acceptance after it) of a candidate."""
