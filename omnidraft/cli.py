@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--remote", action="store_true",
                    help="serve the target on loopback and verify over HTTP with --rtt injected per round trip")
     b.add_argument("--rtt", type=float, action="append", metavar="MS", help="round-trip time(s) in ms for --remote")
+    b.add_argument("--target-backend", choices=["torch", "llama.cpp"], default="torch",
+                   help="llama.cpp: the target on llama.cpp, against llama.cpp alone, its own speculative decoding and "
+                        "prompt lookup (with --remote: the server runs the target on llama.cpp)")
     b.add_argument("--relaxed", action="store_true",
                    help="with several --drafts: also the hybrid under relaxed verification, a LOSSY row, with ROUGE-L")
     add_decoding_args(b)
@@ -67,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key-file", default=None, help="file holding the API key clients must send")
     v.add_argument("--no-auth", action="store_true", help="serve without an API key (loopback development only)")
     v.add_argument("--max-sessions", type=int, default=64)
+    v.add_argument("--backend", choices=["torch", "llama.cpp"], default="torch",
+                   help="run the target on PyTorch (fp32) or on llama.cpp (the preset's or .gguf file's own weights)")
     v.add_argument("--ttl", type=float, default=600.0, help="seconds an idle session is kept")
 
     o = sub.add_parser("doctor", help="what this machine offers: backends, presets, and the measured kernel plan")
@@ -174,7 +179,8 @@ def _serve(args: argparse.Namespace) -> None:
         if not key:
             raise SystemExit(f"{args.api_key_file} is empty: put the API key in it")
     config = ServerConfig(api_key=key, max_sessions=args.max_sessions, ttl_s=args.ttl)
-    uvicorn.run(create_app(od.LocalTarget.load(args.target), config), host=args.host, port=args.port, log_level="warning")
+    target = od.LlamaCppTarget(args.target) if args.backend == "llama.cpp" else od.LocalTarget.load(args.target)
+    uvicorn.run(create_app(target, config), host=args.host, port=args.port, log_level="warning")
 
 
 def _doctor(args: argparse.Namespace) -> None:

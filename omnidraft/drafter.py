@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from .pairing import DecodeConfig, Pairing
     from .target import Target
 
-__all__ = ["Draft", "DraftSession", "Drafter"]
+__all__ = ["BACKENDS", "Draft", "DraftSession", "Drafter"]
+
+BACKENDS = ("torch", "llama.cpp", "auto")
 
 
 @runtime_checkable
@@ -132,13 +134,29 @@ class Drafter:
         self.active: str | None = None
 
     @classmethod
-    def load(cls, spec: str, *, quantize: str | None = "int8", train_through_int8: bool = True) -> Drafter:
+    def load(cls, spec: str, *, backend: str = "torch", quantize: str | None = "int8",
+             train_through_int8: bool = True, threads: int | None = None) -> Any:
         """Load a drafter by preset name, .gguf path, local dir or HF id.
 
-        `quantize="int8"` (default) applies dynamic int8 to its linear layers (int8.py: per-channel,
-        MLPs smoothed): about 3x faster per token on CPU. It changes only what is proposed, never
-        what the target commits. `train_through_int8`: see `__init__`.
+        `backend`: "torch" (this class: the only one that learns adapters), "llama.cpp" (the GGUF
+        file itself under llama.cpp: a preset or .gguf path; `threads` its thread count), or "auto":
+        whichever of the installed backends drafts a token fastest on this machine, timed once and
+        remembered per machine (backends.py).
+        `quantize="int8"` (torch, default) applies dynamic int8 to its linear layers (int8.py:
+        per-channel, MLPs smoothed): about 3x faster per token on CPU. It changes only what is
+        proposed, never what the target commits. `train_through_int8`: see `__init__`.
         """
+        if backend not in BACKENDS:
+            raise ValueError(f"drafter backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "auto":
+            from .backends import fastest_drafter
+
+            return fastest_drafter(spec, lambda name: cls.load(spec, backend=name, quantize=quantize,
+                                                               train_through_int8=train_through_int8, threads=threads))
+        if backend == "llama.cpp":
+            from .llamacpp.drafter import LlamaCppDrafter
+
+            return LlamaCppDrafter(spec, threads=threads)
         if quantize not in (None, "int8"):
             raise ValueError(f"drafter quantize must be None or 'int8', got {quantize!r}")
         loaded = load_model(spec)

@@ -3,7 +3,7 @@ failures (a missing model package, a corrupt profile file) raise an OmnidraftErr
 
 from __future__ import annotations
 
-__all__ = ["CorruptFileError", "IncompatibleError", "MissingModelError", "OmnidraftError", "RemoteRequestError",
+__all__ = ["CorruptFileError", "IncompatibleError", "MissingDependencyError", "MissingModelError", "OmnidraftError", "RemoteRequestError",
            "TargetError", "TargetUnavailableError"]
 
 
@@ -13,6 +13,10 @@ class OmnidraftError(Exception):
 
 class MissingModelError(OmnidraftError):
     """A preset's model package is not installed; the message names the pip command to run."""
+
+
+class MissingDependencyError(OmnidraftError):
+    """An optional engine (llama-cpp-python, onnxruntime) is not installed; the message says how."""
 
 
 class CorruptFileError(OmnidraftError):

@@ -77,12 +77,13 @@ class Pairing:
                                              target.token_bytes.fingerprint, model=config.drafts == "hybrid")
                           if config.drafts != "model" else None)
         # with a mode chooser, whether to draft at all is decided per request from measured throughput. With
-        # retrieval drafts, whose worth depends on each request's context, an in-process target decides it
-        # round by round instead (a round without a draft costs it no more than decoding alone)
+        # retrieval drafts, whose worth depends on each request's context, an in-process target also decides
+        # it round by round (a round without a draft costs it no more than decoding alone); the chooser
+        # then only keeps a whole request from speculating where that measured slower than decoding alone
         per_round = config.drafts != "model" and getattr(target, "in_process", False)
         self.modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and config.k is None
-                      and not per_round and not learn and getattr(target, "generates_alone", False) else None)
-        self.lengths = DraftLengths(config, self.cost, may_idle=self.modes is None,
+                      and not learn and getattr(target, "generates_alone", False) else None)
+        self.lengths = DraftLengths(config, self.cost, may_idle=self.modes is None or per_round,
                                     hidden_size=getattr(drafter, "hidden_size", None) if config.head else None,
                                     saved_head=profile.tensors.get("head") if profile else None, shared=self._shared,
                                     label=f"{drafter.name} -> {target.name}")
@@ -245,19 +246,23 @@ class Pairing:
             if alone:  # the target decodes the whole request on its side: no draft at all
                 yield from decode_alone(tsession, max_new_tokens)
                 return
-            with self._book:  # begin() also moves the shared acceptance history
-                index = self.retriever.begin(prompt_ids) if self.retriever is not None else None
-            if isinstance(self.drafter, Adaptable):  # a fake or an exported graph has no adapters
-                self.drafter.activate(self.adapter)
-            ids = self.drafter.tokenizer(prompt, add_special_tokens=special)["input_ids"]
-            dsession = self.drafter.begin(ids)
+            dsession, index, last = self.open_drafts(prompt_ids, self.drafter.tokenizer(prompt, add_special_tokens=special)["input_ids"])
             topk = self.learner.config.topk if self.learner is not None else 0
-            yield from self._loop(tsession, dsession, rule, max_new_tokens, generator, topk, ids[-1] if ids else -1, index,
-                                  rows)
+            yield from self._loop(tsession, dsession, rule, max_new_tokens, generator, topk, last, index, rows)
         finally:
             close = getattr(tsession, "close", None)
             if close is not None:
                 close()  # a remote session frees its server-side KV cache now
+
+    def open_drafts(self, prompt_ids: list[int], drafter_ids: list[int]) -> tuple[Any, ContextIndex | None, int]:
+        """A request's drafting side: (drafter session, retrieval index, the drafter context's last
+        token). With `propose_round` and `settle_round`, what a verifier that runs elsewhere needs
+        (llamacpp/hook.py)."""
+        with self._book:  # begin() also moves the shared acceptance history
+            index = self.retriever.begin(prompt_ids) if self.retriever is not None else None
+        if isinstance(self.drafter, Adaptable):  # a fake or an exported graph has no adapters
+            self.drafter.activate(self.adapter)
+        return self.drafter.begin(drafter_ids), index, drafter_ids[-1] if drafter_ids else -1
 
     def _loop(self, tsession: Any, dsession: Any, rule: Any, max_new_tokens: int, generator: torch.Generator | None,
               topk: int, last: int, index: ContextIndex | None, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
@@ -277,7 +282,7 @@ class Pairing:
                 drafted, t_draft, verified, t_verify, started = previous
                 with self._book:
                     self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
-            draft, proposal, used, q, t1 = self._propose(tsession, dsession, rule, index, k, stopper, last,
+            draft, proposal, used, q, t1 = self.propose_round(tsession, dsession, rule, index, k, stopper, last,
                                                          max_new_tokens - produced - 1, generator)
             t2 = time.perf_counter()
             context = len(tsession.ids)
@@ -295,7 +300,7 @@ class Pairing:
                 rows.append((verdict.topk[0][: len(new)], verdict.topk[1][: len(new)]))
             retrieved_accepted = sum(1 for s in proposal.sources[: verdict.accepted] if s == Source.RETRIEVED)
             with self._book:
-                last, k = self._settle(dsession, index, draft, proposal, used, new, verdict.accepted,
+                last, k = self.settle_round(dsession, index, draft, proposal, used, new, verdict.accepted,
                                        retrieved_accepted, last, k, stopper)
             t4 = time.perf_counter()
             produced += len(new)
@@ -316,7 +321,7 @@ class Pairing:
             if new and new[-1] in self.target.eos_ids:
                 return
 
-    def _propose(self, tsession: Any, dsession: Any, rule: Any, index: ContextIndex | None, k: int,
+    def propose_round(self, tsession: Any, dsession: Any, rule: Any, index: ContextIndex | None, k: int,
                  stopper: Stopper | None, last: int, room: int, generator: torch.Generator | None) -> tuple[Any, ...]:
         """This round's proposal in target ids, from retrieval or from a model draft (translated,
         and run on into a retrieved continuation), and the rows rejection sampling needs. Returns
@@ -346,7 +351,7 @@ class Pairing:
         q = draft_rows(translator, proposal, modeled, draft) if only != "any" and len(proposal) else None
         return draft, proposal, used, q, t1
 
-    def _settle(self, dsession: Any, index: ContextIndex | None, draft: Any, proposal: Any, used: Any, new: list[int],
+    def settle_round(self, dsession: Any, index: ContextIndex | None, draft: Any, proposal: Any, used: Any, new: list[int],
                 accepted: int, retrieved_accepted: int, last: int, k: int, stopper: Stopper | None) -> tuple[int, int]:
         """After the verdict: the drafter keeps what matches the committed text and re-encodes the
         rest, the n-gram cache learns, the retrieval index and stats see the round, and the next

@@ -20,7 +20,7 @@ from .runner import CausalRunner
 from .translate.codec import ByteCodec
 from .translate.token_bytes import TokenBytes, build_token_bytes
 
-__all__ = ["LocalTarget", "Rule", "Target", "TargetSession"]
+__all__ = ["LocalTarget", "Rule", "Target", "TargetSession", "judge"]
 
 MODES = ("greedy", "match", "exact", "omnidraft")
 MIN_TEMPERATURE = 1e-3  # sampling temperatures below this overflow exp(logits / T)
@@ -113,6 +113,13 @@ class _LocalSession:
     def ids(self) -> list[int]:
         return self.runner.ids
 
+    def scores(self, new: list[int], keep: int) -> torch.Tensor:
+        """Append `new` to the sequence and return the logits (keep, V) after its last `keep`
+        tokens: scoring without verifying (the server's /v1/completions)."""
+        self.runner.extend(new)
+        with torch.inference_mode():
+            return self.runner.forward(keep=keep)
+
     def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
                generator: torch.Generator | None = None, *, topk: int = 0,
                relax: tuple[torch.Tensor, int] | None = None) -> V.Verdict:
@@ -123,18 +130,28 @@ class _LocalSession:
         self.runner.extend(proposal.tolist())
         logits = self.runner.forward(keep=m + 1)
         self.forwards += 1
-        if relax is not None:
-            if rule.mode != "greedy":
-                raise ValueError(f"relaxed verification is a greedy rule; got mode {rule.mode!r}")
-            verdict = V.relaxed(logits, proposal, relax[0], relax[1])
-        else:
-            verdict = _judge(logits, proposal, rule, q, generator, base)
-        if topk > 0:
-            logp, ids = torch.log_softmax(logits[: verdict.accepted + 1].float(), -1).topk(topk, dim=-1)
-            verdict = replace(verdict, topk=(ids, logp))
+        verdict = judge(logits, proposal, rule, q, generator, base, topk=topk, relax=relax)
         self.runner.crop(base + verdict.accepted)
         self.runner.extend([verdict.token])
         return verdict
+
+
+def judge(logits: torch.Tensor, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None,
+          generator: torch.Generator | None, base: int, *, topk: int = 0,
+          relax: tuple[torch.Tensor, int] | None = None) -> V.Verdict:
+    """The verdict on `proposal` (M,) from the target's logits (M + 1, V) after the pending token
+    and after each proposed one; `base` is the proposal's first position. Every in-process target
+    (PyTorch, llama.cpp) verifies through this one function."""
+    if relax is not None:
+        if rule.mode != "greedy":
+            raise ValueError(f"relaxed verification is a greedy rule; got mode {rule.mode!r}")
+        verdict = V.relaxed(logits, proposal, relax[0], relax[1])
+    else:
+        verdict = _judge(logits, proposal, rule, q, generator, base)
+    if topk > 0:
+        logp, ids = torch.log_softmax(logits[: verdict.accepted + 1].float(), -1).topk(topk, dim=-1)
+        verdict = replace(verdict, topk=(ids, logp))
+    return verdict
 
 
 def _judge(logits: torch.Tensor, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None,

@@ -37,7 +37,7 @@ def _open(client, tiny_target) -> tuple[str, list[int]]:
     return r.json()["session"], ids
 
 
-@pytest.mark.parametrize("body, reason", [
+BAD_BODIES = [
     ({"proposal": [True]}, "valid integer"),  # a bool is not a token id
     ({"proposal": ["3"]}, "valid integer"),
     ({"committed": "COMMITTED_STR"}, "valid integer"),  # "12" is not a committed length
@@ -46,13 +46,21 @@ def _open(client, tiny_target) -> tuple[str, list[int]]:
     ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [float("nan")]}]}, "finite"),
     ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [-0.5]}]}, "in [0, 1]"),
     ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [0.0]}]}, "probability mass"),
-])
+]
+
+
+def bad_body(committed: int, body: dict) -> str:
+    """A verify body for a session with `committed` tokens, with `body`'s fields over the valid ones."""
+    full = {"committed": committed, "proposal": [], **body}
+    if full["committed"] == "COMMITTED_STR":
+        full["committed"] = str(committed)
+    return json.dumps(full, allow_nan=True)
+
+
+@pytest.mark.parametrize("body, reason", BAD_BODIES)
 def test_values_that_used_to_reach_a_500_get_a_422_naming_the_field(client, tiny_target, body, reason):
     sid, ids = _open(client, tiny_target)
-    full = {"committed": len(ids), "proposal": [], **body}
-    if full["committed"] == "COMMITTED_STR":
-        full["committed"] = str(len(ids))
-    r = client.post(f"/v1/sessions/{sid}/verify", content=json.dumps(full, allow_nan=True),
+    r = client.post(f"/v1/sessions/{sid}/verify", content=bad_body(len(ids), body),
                     headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 422 and reason in r.json()["error"], r.text
     ok = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=AUTH)

@@ -55,7 +55,7 @@ def _bench_remote(args: argparse.Namespace) -> None:
     from ..stats import write_trace
 
     rows = []
-    for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}"):
+    for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}", args.target_backend):
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
             bar = tqdm(desc=f"{pair_spec} {dataset} remote", file=sys.stderr)
             record = (lambda rtt, i, out, dataset=dataset, pair_spec=pair_spec: write_trace(
@@ -135,11 +135,42 @@ def _bench_sources(args: argparse.Namespace) -> None:
     print(f"wrote {out / args.name}.json and .md")
 
 
+def _bench_llama(args: argparse.Namespace) -> None:
+    import json
+
+    from tqdm import tqdm
+
+    from ..atomic import atomic_write_bytes
+    from .datasets import load_prompts
+    from .llama import run_llama, summarize_llama
+
+    out, results, text = Path(args.out), {}, ""
+    for pair_spec in args.pair or [f"{DRAFTER}:qwen2.5-coder-1.5b"]:
+        drafter_spec, target_spec = split_pair(pair_spec)
+        same = "qwen2.5-coder-0.5b" if target_spec == "qwen2.5-coder-1.5b" else None
+        for dataset in args.dataset or ["gsm8k", "humaneval"]:
+            bar = tqdm(desc=f"{pair_spec} {dataset} llama.cpp", file=sys.stderr)
+            rows = run_llama(drafter_spec, target_spec, load_prompts(dataset, args.n), args.max_new_tokens,
+                             same_vocab_draft=same, fp32=not args.no_peers, progress=bar.set_postfix_str)
+            bar.close()
+            results[f"{pair_spec}/{dataset}"] = rows
+            text += (f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens; speedup over llama.cpp "
+                     "alone (total time)\n\n| row | tok/s | speedup | identical |\n|---|---|---|---|\n")
+            text += "".join(f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n"
+                            for r in summarize_llama(rows))
+            atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
+            atomic_write_bytes(out / f"{args.name}.md", text.encode())
+    print(text)
+    print(f"wrote {out / args.name}.json and .md")
+
+
 def bench(args: argparse.Namespace) -> None:
     from .report import markdown_table, write_report
 
     if args.remote:
         return _bench_remote(args)
+    if args.target_backend == "llama.cpp":
+        return _bench_llama(args)
     if args.k_grid:
         return _bench_k_grid(args)
     if args.drafts and len(args.drafts) > 1:

@@ -54,13 +54,15 @@ def load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) -> 
                         drafts=(args.drafts or ["hybrid"])[0], **extra)
 
 
-def loaded_pairs(specs: list[str] | None, default: str) -> Iterator[tuple[str, Any, Any]]:
-    """(spec, drafter, target) for each DRAFTER:TARGET spec, loaded one pair at a time."""
+def loaded_pairs(specs: list[str] | None, default: str, target_backend: str = "torch") -> Iterator[tuple[str, Any, Any]]:
+    """(spec, drafter, target) for each DRAFTER:TARGET spec, loaded one pair at a time; the target
+    on PyTorch or (`target_backend="llama.cpp"`) on llama.cpp."""
     import omnidraft as od
 
     for pair_spec in specs or [default]:
         drafter_spec, target_spec = split_pair(pair_spec)
-        yield pair_spec, od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
+        target = od.LlamaCppTarget(target_spec) if target_backend == "llama.cpp" else od.LocalTarget.load(target_spec)
+        yield pair_spec, od.Drafter.load(drafter_spec), target
 
 
 def start_run(args: argparse.Namespace) -> None:

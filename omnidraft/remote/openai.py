@@ -93,20 +93,18 @@ def complete(target: Any, request: CompletionRequest, max_tokens_total: int, *, 
     if context is not None and len(ids) + request.max_tokens > context:
         raise ValueError(f"prompt plus max_tokens ({len(ids) + request.max_tokens}) is past the target's context of {context}")
     k, lock = request.logprobs, lock or contextlib.nullcontext()
-    runner = target.begin(ids[:ECHO_CHUNK] if request.echo else ids).runner
+    session = target.begin(ids[:1] if request.echo else ids)
     scored: list[tuple[float, torch.Tensor, torch.Tensor] | None] = [None] if request.echo else []
     if request.echo:  # position i's row scores token i + 1: feed the prompt in chunks, reduce each row at once
         for start in range(0, len(ids), ECHO_CHUNK):
             chunk = ids[start : start + ECHO_CHUNK]
-            if start:
-                runner.extend(chunk)
             with lock:
-                rows = runner.forward(keep=len(chunk)).float()
+                rows = session.scores(chunk[1:] if start == 0 else chunk, len(chunk)).float()
             last = rows[-1]
             scored += [_score(rows[j], ids[start + j + 1], k) for j in range(len(rows)) if start + j + 1 < len(ids)]
     else:
         with lock:
-            last = runner.forward(keep=1).float()[-1]
+            last = session.scores([], 1).float()[-1]
     generated = []
     for step in range(request.max_tokens):
         token = int(last.argmax())
@@ -114,9 +112,8 @@ def complete(target: Any, request: CompletionRequest, max_tokens_total: int, *, 
         scored.append(_score(last, token, k))
         if token in target.eos_ids or step == request.max_tokens - 1:
             break
-        runner.extend([token])
         with lock:
-            last = runner.forward(keep=1).float()[-1]
+            last = session.scores([token], 1).float()[-1]
     shown = (ids if request.echo else []) + generated
     choice: dict[str, Any] = {"index": 0, "text": target.tokenizer.decode(shown), "finish_reason":
                               "stop" if generated and generated[-1] in target.eos_ids else "length"}

@@ -116,8 +116,9 @@ class _Service:
         self.metrics = _Metrics()
         self.table_lock, self.model_lock = threading.Lock(), threading.Lock()
         self.inflight = 0  # tokens of /v1/completions requests being served (counted in the KV budget)
-        model = getattr(target, "model", None)
-        self.context = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # None: unbounded
+        model = getattr(target, "model", None)  # None: unbounded
+        self.context = getattr(target, "context_length", None) or getattr(getattr(model, "config", None),
+                                                                            "max_position_embeddings", None)
         with tempfile.TemporaryDirectory() as tmp:
             target.tokenizer.save_pretrained(tmp)
             self.tokenizer_files = {p.name: p.read_text(encoding="utf-8") for p in Path(tmp).iterdir() if p.is_file()}

@@ -1,0 +1,123 @@
+"""`omnidraft bench --target-backend llama.cpp`: the target on llama.cpp, every contender in one run.
+
+Rows, on the same prompts and the same GGUF file, each greedy, timed per request (prefill included):
+- llama.cpp alone: llama-cpp-python's own `generate` on a plain `Llama` (the speed to beat);
+- llama.cpp speculative: its `generate` with a same-vocabulary GGUF draft model (the 0.5B drafting
+  for the 1.5B), drafted as llama.cpp's own speculative example does (greedy, up to 16 tokens,
+  stopped below 0.75 draft probability);
+- llama.cpp prompt lookup: its `generate` with `LlamaPromptLookupDecoding` (its defaults);
+- omnidraft, in process: the SmolLM2 drafter on each installed backend paired with
+  `LlamaCppTarget` (defaults: hybrid drafts, costs measured per round);
+- omnidraft through the hook: llama-cpp-python's `generate` with `OmnidraftDraftModel`;
+- the fp32 PyTorch target alone, for reference.
+llama-cpp-python keeps logits for every position once a draft model is set (`logits_all`): the
+rows that use its `draft_model` pay that, prompt included; the in-process rows do not.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .baselines import Timed
+
+__all__ = ["GgufDraft", "run_llama", "summarize_llama"]
+
+SPEC_MAX, SPEC_P_MIN = 16, 0.75  # llama.cpp's speculative defaults (draft-max, draft-p-min)
+
+
+def GgufDraft(engine: Any, n_max: int = SPEC_MAX, p_min: float = SPEC_P_MIN) -> Any:  # noqa: N802 (a class factory)
+    """A `LlamaDraftModel` drafting greedily with another GGUF model of the same vocabulary."""
+    from llama_cpp.llama_speculative import LlamaDraftModel
+
+    class _GgufDraft(LlamaDraftModel):
+        def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
+            ids, out = [int(t) for t in input_ids], []
+            for _ in range(n_max):
+                row = engine.logits(ids + out, 1)[0]
+                token = int(row.argmax())
+                p = 1.0 / float(np.exp(row - row[token]).sum())
+                if p < p_min:
+                    break
+                out.append(token)
+            return np.asarray(out, dtype=np.intc)
+
+    return _GgufDraft()
+
+
+def _own(llm: Any, ids: list[int], n: int, eos: frozenset[int]) -> Timed:
+    started, out = time.perf_counter(), []
+    for token in llm.generate(ids, temp=0.0, reset=True):
+        out.append(int(token))
+        if len(out) >= n or token in eos:
+            break
+    return Timed(out, time.perf_counter() - started)
+
+
+def _pairing(pair: Any, prompt: str, n: int) -> Timed:
+    started = time.perf_counter()
+    out = pair.generate(prompt, max_new_tokens=n)
+    return Timed(out.token_ids, time.perf_counter() - started)
+
+
+def run_llama(drafter_spec: str, target_spec: str, prompts: list[str], max_new_tokens: int, *,
+              same_vocab_draft: str | None, fp32: bool = True, n_ctx: int = 4096,
+              progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+    """Per prompt, per row: {"row", "prompt", "tokens", "seconds", "identical"} (identical: the
+    same ids as llama.cpp alone)."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    import omnidraft as od
+
+    from ..llamacpp.engine import LlamaEngine, gguf_file, open_llama
+    from ..llamacpp.hook import OmnidraftDraftModel
+
+    target = od.LlamaCppTarget(target_spec, n_ctx=n_ctx)
+    path = target.engine.path
+    plain = open_llama(path, n_ctx=n_ctx)
+    spec = open_llama(path, n_ctx=n_ctx, logits_all=True)  # what llama-cpp-python sets with a draft model
+    drafters = {"llama.cpp": od.Drafter.load(drafter_spec, backend="llama.cpp"),
+                "torch int8": od.Drafter.load(drafter_spec, backend="torch")}
+    rows: dict[str, Callable[[str, list[int]], Timed]] = {"llama.cpp alone": lambda p, ids: _own(plain, ids, max_new_tokens, target.eos_ids)}
+    drafts: dict[str, Any] = {}
+    if same_vocab_draft:
+        drafts[f"llama.cpp speculative ({same_vocab_draft} draft)"] = GgufDraft(LlamaEngine(gguf_file(same_vocab_draft)[0], n_ctx=n_ctx))
+    drafts["llama.cpp prompt lookup"] = LlamaPromptLookupDecoding()
+    drafts["omnidraft via draft_model"] = OmnidraftDraftModel(drafters["llama.cpp"], target)
+    for name, draft in drafts.items():
+        rows[name] = lambda p, ids, draft=draft: (setattr(spec, "draft_model", draft),
+                                                  _own(spec, ids, max_new_tokens, target.eos_ids))[1]
+    for backend, drafter in drafters.items():
+        pair = drafter.pair(target)
+        rows[f"omnidraft ({backend} drafter)"] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
+    if fp32:
+        from .baselines import target_alone
+
+        local = od.LocalTarget.load(target_spec)
+        rows["PyTorch fp32 target alone"] = lambda p, ids: target_alone(local, p, max_new_tokens)
+    results = []
+    for i, prompt in enumerate(prompts):
+        ids = target.tokenizer(prompt)["input_ids"]
+        reference = None
+        for name, run in rows.items():
+            progress(f"prompt {i + 1}/{len(prompts)}: {name}")
+            timed = run(prompt, ids)
+            reference = timed.token_ids if reference is None else reference
+            results.append({"row": name, "prompt": i, "tokens": len(timed.token_ids), "seconds": timed.seconds,
+                            "identical": timed.token_ids == reference})
+    return results
+
+
+def summarize_llama(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per row: tok/s over all prompts, speedup over llama.cpp alone (total time), identical count."""
+    base = [r for r in results if r["row"] == "llama.cpp alone"]
+    base_rate = sum(r["tokens"] for r in base) / sum(r["seconds"] for r in base)
+    out = []
+    for name in dict.fromkeys(r["row"] for r in results):
+        mine = [r for r in results if r["row"] == name]
+        rate = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+        out.append({"row": name, "tok_s": rate, "speedup": rate / base_rate, "identical": sum(r["identical"] for r in mine),
+                    "prompts": len(mine)})
+    return out

@@ -1,0 +1,253 @@
+"""One GGUF model in llama.cpp (through llama-cpp-python's low-level API), evaluated by token id.
+
+`LlamaEngine.logits(ids, rows)` is the whole interface: the logits after each of the last `rows`
+tokens of `ids`, leaving the context's KV cache holding exactly `ids`. It reuses the longest prefix
+the cache already holds and removes everything after it first, so a rejected draft never leaves a
+stale entry behind, and sessions that take turns on one engine each pay only for what differs
+from the last caller's sequence (the prompt cache llama-cpp-python's own `generate` keeps).
+Only the rows asked for are computed and copied: a verify costs O(draft), not O(context).
+
+Lossless on llama.cpp needs the numbers, not only the algorithm, to match its own decoding: CPU
+matrix kernels differ by batch size (a repacked GEMM from four rows up, other tile kernels above
+some size), and logits then differ in the last bits, enough to flip a near-tie. So (docs/llamacpp.md):
+- the weights are not repacked (`use_extra_bufts` off: on the presets' quantization types it
+  costs nothing measurable), here and in every baseline built by `open_llama`;
+- how many tokens one call may evaluate and still give bit for bit what one token at a time gives
+  is measured per machine and model (`exact_rows`, cached), and a verify is fed in calls of at
+  most that many tokens;
+- a prompt is evaluated as llama-cpp-python's `generate` evaluates it: in one call up to and
+  including its last token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ..errors import MissingDependencyError
+
+__all__ = ["LlamaEngine", "gguf_file", "open_llama", "require_llama_cpp"]
+
+PROBE_ROWS = 16  # the most rows the batch-exactness probe tries
+
+INSTALL_HINT = ("llama-cpp-python is not installed; `make install` builds it once per machine "
+                "(pip install llama-cpp-python==0.3.36 compiles llama.cpp for several minutes)")
+
+
+def require_llama_cpp() -> Any:
+    """The `llama_cpp` module, or a MissingDependencyError that says how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise MissingDependencyError(INSTALL_HINT) from exc
+    return llama_cpp
+
+
+def gguf_file(spec: str | os.PathLike[str]) -> tuple[Path, str]:
+    """(path, name) of a preset name or a .gguf path."""
+    from ..presets import PRESETS, gguf_path
+
+    spec = os.fspath(spec)
+    if spec in PRESETS:
+        return gguf_path(spec), spec
+    path = Path(spec).expanduser()
+    if path.suffix != ".gguf":
+        raise ValueError(f"llama.cpp runs a preset ({', '.join(sorted(PRESETS))}) or a .gguf file, got {spec!r}")
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    return path, path.stem
+
+
+@contextlib.contextmanager
+def _no_repack(lc: Any) -> Iterator[None]:
+    """llama-cpp-python's `Llama` takes no model-parameter for weight repacking: default it off
+    while one is built (loading is rare and serialised by the import lock of whoever calls)."""
+    module = lc.llama_cpp
+    default = module.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    module.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = default
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def open_llama(path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None, n_batch: int = 512,
+               flash_attn: bool = True, **extra: Any) -> Any:
+    """A `llama_cpp.Llama` with the settings every engine here uses, so that a baseline (the
+    engine's own `generate`, its own speculative decoding) runs exactly as our sessions do: weights
+    not repacked, flash attention (faster on CPU here). swa_full: a sliding-window model (Gemma 3)
+    keeps every position, so any suffix can be removed."""
+    lc = require_llama_cpp()
+    threads = threads or os.cpu_count() or 1
+    with _LOAD_LOCK, _no_repack(lc):
+        return lc.Llama(model_path=os.fspath(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                        n_threads_batch=threads, swa_full=True, flash_attn=flash_attn, verbose=False, **extra)
+
+
+class LlamaEngine:
+    """A llama.cpp model and one context (one KV sequence) that callers take turns on.
+
+    `threads`: llama.cpp's threads for decoding and prompt batches (default: every core).
+    `n_ctx`: the longest sequence a caller may pass. `n_batch`: tokens per llama_decode call."""
+
+    def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
+                 n_batch: int = 512, flash_attn: bool = True, exact_rows: int | None = None) -> None:
+        if n_ctx < 16 or n_batch < 16:
+            raise ValueError(f"n_ctx and n_batch must be >= 16, got {n_ctx}, {n_batch}")
+        lc = self._lc = require_llama_cpp()
+        self.path = Path(path)
+        self.threads, self.flash_attn = threads or os.cpu_count() or 1, flash_attn
+        self.llm = open_llama(self.path, n_ctx=n_ctx, threads=self.threads, n_batch=n_batch, flash_attn=flash_attn)
+        self._ctx = self.llm._ctx.ctx
+        self._memory = lc.llama_get_memory(self._ctx)
+        self._vocab = lc.llama_model_get_vocab(self.llm._model.model)
+        self.n_vocab = int(self.llm.n_vocab())
+        self.n_ctx = int(self.llm.n_ctx())
+        self.n_batch = n_batch
+        self._batch = lc.llama_batch_init(n_batch, 0, 1)
+        self._free = weakref.finalize(self, lc.llama_batch_free, self._batch)
+        self.cached: list[int] = []  # the tokens whose KV entries the context holds, in order
+        self._owner: object = None  # who filled the cache (see logits)
+        self.lock = threading.RLock()
+        self.decoded = 0  # tokens evaluated so far (a counter for benchmarks)
+        self.exact_rows = exact_rows or self._exact_rows()
+
+    def eog_ids(self) -> frozenset[int]:
+        """Every id llama.cpp ends a generation on (EOS, EOT and the template's end tokens)."""
+        is_eog = self._lc.llama_vocab_is_eog
+        return frozenset(t for t in range(self.n_vocab) if is_eog(self._vocab, t))
+
+    def tokenize(self, text: str) -> list[int]:
+        """llama.cpp's own tokenization of `text` (no BOS, special tokens parsed)."""
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+
+    def logits(self, ids: Sequence[int], rows: int, *, prompt: int | None = None, owner: object = None) -> np.ndarray:
+        """(rows, V) float32: the logits after each of the last `rows` tokens of `ids`.
+
+        `prompt`: how many leading tokens are a prompt, evaluated as llama.cpp's `generate` does
+        (in calls of up to n_batch from position 0); every later token is evaluated at most
+        `exact_rows` a call, which gives what one token a call gives. Default: all but the asked
+        rows (fastest; a drafter's choice). `owner`: a caller whose outputs must not depend on who
+        used the engine before (a target session): when the cache was filled by someone else it
+        is cleared and this owner's sequence evaluated afresh."""
+        n = len(ids)
+        if not 1 <= rows <= n:
+            raise ValueError(f"rows must be in [1, len(ids)], got {rows} for {n} ids")
+        if n > self.n_ctx:
+            raise ValueError(f"the sequence has {n} tokens; this llama.cpp context holds {self.n_ctx} (n_ctx)")
+        first = n - rows  # the first position whose logits are asked for
+        prompt = first + 1 if prompt is None else prompt
+        with self.lock:
+            if owner is not None and owner is not self._owner:
+                self.reset()
+            self._drop_after(min(self._common_prefix(ids), first))
+            self._owner = owner
+            out = np.empty((rows, self.n_vocab), dtype=np.float32)
+            while len(self.cached) < n:
+                start = len(self.cached)
+                end = min(start + self.n_batch, prompt) if start < prompt else min(start + self.exact_rows, n)
+                keep = max(0, end - max(start, first))  # the batch's last `keep` tokens have asked-for rows
+                self._decode(ids[start:end], keep)
+                for i in range(keep):
+                    out[end - keep + i - first] = self._row(end - start - keep + i)
+            return out
+
+    def _row(self, i: int) -> np.ndarray:
+        return np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,))
+
+    def _exact_rows(self) -> int:
+        """The most tokens one call may evaluate and give, bit for bit, the logits one token a call
+        gives: measured once per machine, llama.cpp build and model file, then remembered."""
+        from ..kernels import host_key
+        from ..presets import cache_dir
+
+        key = f"{self.path.name}|{self.path.stat().st_size}|{self._lc.__version__}|{self.threads}|{self.flash_attn}"
+        path = cache_dir() / "kernels" / f"llama-exact-rows-{host_key()}.json"
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if key not in known:
+            known[key] = self._probe_exact_rows()
+            from ..atomic import atomic_write_bytes
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
+        return int(known[key])
+
+    def _probe_exact_rows(self) -> int:
+        prompt = self.tokenize("def area(radius):\n    return 3.14159 * radius ** 2\n\n# The area of a circle")[:24]
+        self.reset()
+        self._decode(prompt[:-1], 0)
+        reference, seq = [], list(prompt)
+        for _ in range(PROBE_ROWS):  # one token a call
+            self._decode(seq[len(self.cached) :], 1)
+            reference.append(self._row(0).copy())
+            seq.append(int(reference[-1].argmax()))
+        best = 1
+        for rows in range(2, PROBE_ROWS + 1):
+            self._drop_after(len(prompt) - 1)
+            self._decode(seq[len(prompt) - 1 : len(prompt) - 1 + rows], rows)
+            if not all(np.array_equal(self._row(i), reference[i]) for i in range(rows)):
+                break
+            best = rows
+        self.reset()
+        return best
+
+    def reset(self) -> None:
+        """Forget every cached entry."""
+        with self.lock:
+            self._lc.llama_memory_clear(self._memory, True)
+            self.cached = []
+            self._owner = None
+
+    def _common_prefix(self, ids: Sequence[int]) -> int:
+        cached, m = self.cached, min(len(self.cached), len(ids))
+        if list(ids[:m]) == cached[:m]:
+            return m
+        a, b = np.asarray(cached[:m]), np.asarray(ids[:m])
+        return int(np.argmax(a != b))
+
+    def _drop_after(self, keep: int) -> None:
+        if keep >= len(self.cached):
+            return
+        if not self._lc.llama_memory_seq_rm(self._memory, 0, keep, -1):
+            self._lc.llama_memory_clear(self._memory, True)  # a cache that cannot drop a suffix starts over
+            keep = 0
+        del self.cached[keep:]
+
+    def _decode(self, tokens: Sequence[int], with_logits: int) -> None:
+        """Feed `tokens` after the cache; the last `with_logits` of them keep their logits."""
+        b, n, start = self._batch, len(tokens), len(self.cached)
+        b.n_tokens = n
+        for i, token in enumerate(tokens):
+            b.token[i] = token
+            b.pos[i] = start + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = i >= n - with_logits
+        status = self._lc.llama_decode(self._ctx, b)
+        if status != 0:
+            self._lc.llama_memory_seq_rm(self._memory, 0, start, -1)  # nothing half-fed stays behind
+            raise RuntimeError(f"llama_decode failed with status {status} at position {start} ({n} tokens)")
+        self.cached.extend(int(t) for t in tokens)
+        self.decoded += n
+
+    def __repr__(self) -> str:
+        return f"LlamaEngine({self.path.name}, n_ctx {self.n_ctx}, {self.threads} threads, exact rows {self.exact_rows})"

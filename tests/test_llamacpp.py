@@ -1,0 +1,174 @@
+"""llama.cpp as drafter and as target (in process, behind the server, inside llama-cpp-python's own
+speculative decoding), on the presets' own GGUF files: identity with the engine's own greedy
+generation, no stale KV after any rejection, and the server's guarantees on the new backend."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import llama_cpp
+import pytest
+import torch
+
+import omnidraft as od
+from omnidraft.bench.datasets import load_prompts
+from omnidraft.errors import MissingDependencyError
+from omnidraft.llamacpp.engine import gguf_file, open_llama
+from omnidraft.llamacpp.hook import OmnidraftDraftModel
+from omnidraft.presets import gguf_path
+from omnidraft.remote.client import RemoteTarget
+from omnidraft.remote.server import ServerConfig, create_app
+from omnidraft.target import Rule
+
+pytestmark = pytest.mark.real
+
+KEY = "llama-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+TOKENS = 48
+
+
+def own_greedy(llm, ids: list[int], n: int, eos: frozenset[int]) -> list[int]:
+    """llama-cpp-python's own generation loop, greedy, on `llm`."""
+    out: list[int] = []
+    for token in llm.generate(ids, temp=0.0, reset=True):
+        out.append(int(token))
+        if len(out) >= n or token in eos:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return od.Drafter.load("smollm2-135m", backend="llama.cpp")
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def target(request):
+    return od.LlamaCppTarget(request.param, n_ctx=2048)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [load_prompts(w, 1)[0] for w in ("gsm8k", "humaneval", "code-edit")]
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    llm = open_llama(target.engine.path, n_ctx=2048)
+    ids = [target.tokenizer(p)["input_ids"] for p in prompts]
+    return [own_greedy(llm, i, TOKENS, target.eos_ids) for i in ids]
+
+
+def test_every_drafts_kind_equals_the_engines_own_greedy_generation(drafter, target, prompts, references):
+    """SmolLM2 on llama.cpp drafting for a Qwen GGUF on llama.cpp: model, retrieval and hybrid
+    drafts, and the target decoding alone, all give llama.cpp's own greedy tokens."""
+    for prompt, reference in zip(prompts, references):
+        alone = list(target.begin(target.tokenizer(prompt)["input_ids"]).decode(TOKENS))
+        assert alone == reference
+        for drafts in ("model", "retrieval", "hybrid"):  # (objective "compute": every request speculates)
+            out = drafter.pair(target, drafts=drafts, k=5, objective="compute").generate(prompt, max_new_tokens=TOKENS)
+            assert out.token_ids == reference, drafts
+            if drafts == "model":
+                assert sum(r.accepted for r in out.rounds) > 0
+
+
+def test_a_rejection_at_every_position_leaves_no_stale_kv(target, prompts, references):
+    """A proposal wrong at position j (every j of every length): the cache then holds exactly the
+    committed ids plus the proposal, no entry past them, and decoding goes on as the engine alone."""
+    engine = target.engine
+    ids = target.tokenizer(prompts[0])["input_ids"]
+    reference = references[0]
+    for m in range(1, 7):
+        for j in range(m):
+            session = target.begin(ids)
+            good = reference[:m]
+            proposal = good[:j] + [(good[j] + 1) % engine.n_vocab] + good[j + 1 :]
+            verdict = session.verify(torch.tensor(proposal), Rule())
+            assert (verdict.accepted, verdict.token) == (j, reference[j])
+            assert engine.cached == ids + proposal
+            assert llama_cpp.llama_memory_seq_pos_max(engine._memory, 0) == len(engine.cached) - 1
+            rest = list(session.decode(4))
+            assert session.ids == ids + reference[: j + 1 + len(rest)]
+            assert llama_cpp.llama_memory_seq_pos_max(engine._memory, 0) == len(engine.cached) - 1
+
+
+def test_the_draft_model_hook_gives_llama_cpp_python_cross_vocabulary_drafts(drafter, target, prompts, references):
+    """`Llama(..., draft_model=OmnidraftDraftModel(...))`: llama-cpp-python verifies omnidraft's
+    translated drafts itself; the output is the engine's own greedy output."""
+    hook = OmnidraftDraftModel(drafter, target, drafts="hybrid", k=4)
+    llm = open_llama(target.engine.path, n_ctx=2048, draft_model=hook)
+    for prompt, reference in zip(prompts, references):
+        assert own_greedy(llm, target.tokenizer(prompt)["input_ids"], TOKENS, target.eos_ids) == reference
+    assert hook.calls > 0 and hook.proposed > 0
+
+
+def test_the_server_backend_serves_the_engines_greedy_output_and_keeps_its_guarantees(drafter, target, prompts,
+                                                                                        references):
+    from fastapi.testclient import TestClient
+
+    from .test_server_hardening import BAD_BODIES, bad_body
+
+    config = ServerConfig(api_key=KEY, max_sessions=2, ttl_s=600.0, max_tokens=4096)
+    with TestClient(create_app(target, config)) as http:
+        remote = RemoteTarget("http://testserver", api_key=KEY, client=http)
+        assert remote.token_bytes.fingerprint == target.token_bytes.fingerprint
+        pair = drafter.pair(remote, k=4)
+        assert pair.generate(prompts[0], max_new_tokens=TOKENS).token_ids == references[0]
+        ids = target.tokenizer(prompts[0])["input_ids"]
+        sid = http.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).json()["session"]
+        for body, reason in BAD_BODIES:
+            r = http.post(f"/v1/sessions/{sid}/verify", content=bad_body(len(ids), body),
+                          headers={**AUTH, "content-type": "application/json"})
+            assert r.status_code == 422 and reason in r.text, (body, r.text)
+        ok = http.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": references[0][:3]}, headers=AUTH)
+        assert ok.status_code == 200 and ok.json()["accepted"] == 3
+        stale = http.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 1, "proposal": [5]}, headers=AUTH)
+        assert stale.status_code == 409 and "stale" in stale.text
+        outside = http.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 4, "proposal": [10**7]}, headers=AUTH)
+        assert outside.status_code == 422
+        too_long = http.post("/v1/sessions", json={"prompt_ids": [ids[0]] * 3000}, headers=AUTH)
+        assert too_long.status_code in (413, 422, 503), too_long.text
+        other = http.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH)
+        full = http.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH)
+        assert other.status_code == 200 and full.status_code == 503
+        for s in (sid, other.json()["session"]):
+            assert http.delete(f"/v1/sessions/{s}", headers=AUTH).status_code == 200
+        assert http.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 4, "proposal": []},
+                         headers=AUTH).status_code == 404
+        echoed = http.post("/v1/completions", headers=AUTH, json={"prompt": ids, "max_tokens": 8, "temperature": 0,
+                                                                  "echo": True, "logprobs": 2,
+                                                                  "return_tokens_as_token_ids": True}).json()
+        tokens = echoed["choices"][0]["logprobs"]["tokens"]
+        assert [int(t.split(":")[1]) for t in tokens] == ids + references[0][:8]
+
+
+def test_auto_picks_the_faster_drafter_backend_once_per_machine(tmp_path, monkeypatch):
+    from omnidraft import backends
+
+    monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
+    times = {"Drafter": 9.0, "LlamaCppDrafter": 4.0}
+    monkeypatch.setattr(backends, "draft_ms", lambda d, **_: times[type(d).__name__])
+    assert isinstance(od.Drafter.load("smollm2-135m", backend="auto"), od.LlamaCppDrafter)
+    (saved,) = tmp_path.joinpath("kernels").glob("drafter-backends-*.json")
+    assert json.loads(saved.read_text())["smollm2-135m"] == {"torch": 9.0, "llama.cpp": 4.0}
+    monkeypatch.setattr(backends, "draft_ms", lambda d, **_: pytest.fail("timed twice"))
+    assert isinstance(od.Drafter.load("smollm2-135m", backend="auto"), od.LlamaCppDrafter)
+
+
+def test_the_llama_cpp_drafter_refuses_what_it_cannot_do(drafter, tmp_path):
+    target = od.LocalTarget.load("qwen2.5-coder-0.5b")
+    with pytest.raises(ValueError, match="cannot learn"):
+        drafter.pair(target, learn=True)
+    with pytest.raises(ValueError, match="hidden states"):
+        drafter.pair(target, head=od.HeadConfig())
+    with pytest.raises(ValueError, match="llama.cpp runs a preset"):
+        gguf_file("Qwen/Qwen2.5-0.5B")
+    with pytest.raises(FileNotFoundError):
+        gguf_file(str(tmp_path / "missing.gguf"))
+
+
+def test_without_llama_cpp_python_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(MissingDependencyError, match="make install"):
+        od.LlamaCppTarget(str(gguf_path("smollm2-135m")))
