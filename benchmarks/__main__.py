@@ -121,7 +121,18 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--n", type=int, default=5)
     r.add_argument("--out", default="bench_out")
     r.add_argument("--name", default="bench-drafters")
+    r.add_argument("--target-backend", choices=["torch", "llama.cpp"], default="torch")
+    r.add_argument("--backend", action="append", choices=["fp32", "int8", "llama.cpp"],
+                   help="drafter backends to compare, repeatable (default: all three)")
+    r.add_argument("--shortlist", action="append", choices=["static", "evo", "dyna"],
+                   help="also the int8 drafter with this shortlisted head, repeatable")
     add_decoding_args(r)
+
+    v = sub.add_parser("server-rounds", help="the verification server's time per round against context length")
+    v.add_argument("--target", default="qwen2.5-coder-1.5b")
+    v.add_argument("--target-backend", choices=["torch", "llama.cpp"], default="llama.cpp")
+    v.add_argument("--context", type=int, action="append", help="context lengths (default 100 500 1000 2000)")
+    v.add_argument("--rounds", type=int, default=8)
 
     c = sub.add_parser("calibrate", help="time the real models; write a device_sim device profile")
     c.add_argument("--pair", default=f"{DRAFTER}:{TARGET}")
@@ -143,12 +154,25 @@ def _calibrate(args: argparse.Namespace) -> None:
     print(json.dumps(profile, indent=1))
 
 
+def _server_rounds(args: argparse.Namespace) -> None:
+    import omnidraft as od
+
+    from .server_rounds import round_times
+
+    target = od.LlamaCppTarget(args.target) if args.target_backend == "llama.cpp" else od.LocalTarget.load(args.target)
+    rows = round_times(target, args.context or [100, 500, 1000, 2000], rounds=args.rounds)
+    print(f"{target.name} on {args.target_backend}: server time per verify round (3-token proposals)\n\n"
+          "| context | median ms | min | max |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     start_run(args)
     run = {"adapt": commands.adapt, "draft-lengths": commands.bench_draft, "replay": commands.bench_replay,
            "ngram-cache": commands.bench_cache, "switch": commands.bench_switch, "drafters": commands.bench_drafters,
-           "calibrate": _calibrate}
+           "calibrate": _calibrate, "server-rounds": _server_rounds}
     run[args.command](args)
 
 

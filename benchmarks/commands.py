@@ -104,11 +104,21 @@ def bench_drafters(args: argparse.Namespace) -> None:
         if not sep or not Path(path).is_file():
             raise SystemExit(f"--onnx takes LABEL=FILE of an exported drafter, got {item!r}")
         files[label] = Path(path)
-    loaded = load_model(drafter_spec)
-    drafters = {"pytorch fp32": od.Drafter(loaded.model, loaded.tokenizer, loaded.name),
-                "pytorch int8": od.Drafter.load(drafter_spec)}
+    backends = args.backend or ["fp32", "int8", "llama.cpp"]
+    drafters = {}
+    if "fp32" in backends:
+        loaded = load_model(drafter_spec)
+        drafters["pytorch fp32"] = od.Drafter(loaded.model, loaded.tokenizer, loaded.name)
+    if "int8" in backends:
+        drafters["pytorch int8"] = od.Drafter.load(drafter_spec)
+    if "llama.cpp" in backends:
+        drafters["llama.cpp"] = od.Drafter.load(drafter_spec, backend="llama.cpp")
+    for kind in args.shortlist or []:
+        drafters[f"pytorch int8, {kind} head"] = od.Drafter.load(drafter_spec, shortlist=kind)
     drafters.update({label: od.Drafter.load_onnx(str(path)) for label, path in files.items()})
-    target = od.LocalTarget.load(target_spec) if args.dataset else None
+    target = None
+    if args.dataset:
+        target = od.LlamaCppTarget(target_spec) if args.target_backend == "llama.cpp" else od.LocalTarget.load(target_spec)
     bar = tqdm(desc="bench-drafters", file=sys.stderr)
     result = run_drafters(drafters, target, datasets=args.dataset or [], n=args.n, max_new_tokens=args.max_new_tokens,
                           k=args.k or K_START, stop_confidence=args.stop_confidence, files=files, out=Path(args.out), name=args.name,

@@ -1,4 +1,4 @@
-"""`python -m benchmarks draft-lengthsers`: drafting backends side by side (PyTorch fp32/int8, exported ONNX graphs).
+"""`python -m benchmarks drafters`: drafting backends side by side (PyTorch fp32/int8, llama.cpp, exported ONNX graphs).
 
 1. Drafter cost: ms per drafted token, greedy, after a prompt of about 200 tokens, median of
    `reps` drafts of `tokens` tokens each (the drafter alone, no target).
@@ -10,30 +10,15 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
-from statistics import median
 from typing import Any, Callable
 
 from omnidraft.atomic import atomic_write_bytes
+from omnidraft.backends import draft_ms
 from omnidraft.bench.datasets import load_prompts
 from omnidraft.bench.runner import compare_pairings
 
-__all__ = ["drafter_ms_per_token", "run_drafters"]
-
-
-def drafter_ms_per_token(drafter: Any, prompt_ids: list[int], tokens: int = 32, reps: int = 3) -> float:
-    """Median ms per token of `reps` greedy drafts of `tokens` tokens after `prompt_ids`."""
-    session = drafter.begin(prompt_ids)
-    session.propose(4, stop_confidence=0)  # warm-up (prefill)
-    session.commit(0, [])
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        session.propose(tokens, stop_confidence=0)
-        times.append((time.perf_counter() - started) / tokens)
-        session.commit(0, [])
-    return 1000 * median(times)
+__all__ = ["run_drafters"]
 
 
 def run_drafters(drafters: dict[str, Any], target: Any, *, datasets: list[str], n: int, max_new_tokens: int,
@@ -46,7 +31,7 @@ def run_drafters(drafters: dict[str, Any], target: Any, *, datasets: list[str], 
         progress(f"timing {label}")
         ids = drafter.tokenizer(prompt)["input_ids"][:200]
         size = files[label].stat().st_size if label in files else None
-        result["costs"].append({"drafter": label, "ms_per_token": drafter_ms_per_token(drafter, ids),
+        result["costs"].append({"drafter": label, "ms_per_token": draft_ms(drafter, ids),
                                 "file_mb": size / 2**20 if size else None})
     for dataset in datasets:
         pairs = {label: d.pair(target, k=k, stop_confidence=stop_confidence) for label, d in drafters.items()}

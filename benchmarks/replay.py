@@ -23,7 +23,7 @@ from omnidraft.distill.trace_store import ReplayTarget
 from omnidraft.stats import GenerationStats
 from .adapt import prompts_for, traces_for
 from omnidraft.bench.datasets import load_prompts
-from .drafters import drafter_ms_per_token
+from omnidraft.backends import draft_ms
 
 __all__ = ["SCHEMES", "parse_decode", "replay_variant", "run_replay"]
 
@@ -97,7 +97,7 @@ def run_replay(drafter_spec: str, target: Any, *, datasets: list[str], n: int, m
     costs = {}
     for scheme, drafter in drafters.items():  # timed first, while nothing else of this run competes
         progress(f"timing {scheme}")
-        costs[scheme] = drafter_ms_per_token(drafter, ids)
+        costs[scheme] = draft_ms(drafter, ids)
     rows = []
     for dataset in datasets:
         traces = traces_for(target, dataset, n, max_new_tokens, cache)

@@ -67,11 +67,16 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--target", default=TARGET)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--api-key-file", default=None, help="file holding the API key clients must send")
+    v.add_argument("--api-key-file", default=None, help="file holding the API key(s) clients must send, one per line")
     v.add_argument("--no-auth", action="store_true", help="serve without an API key (loopback development only)")
     v.add_argument("--max-sessions", type=int, default=64)
+    v.add_argument("--max-sessions-per-key", type=int, default=None,
+                   help="sessions one API key may hold (the key file may list several keys, one per line)")
     v.add_argument("--backend", choices=["torch", "llama.cpp"], default="torch",
                    help="run the target on PyTorch (fp32) or on llama.cpp (the preset's or .gguf file's own weights)")
+    v.add_argument("--slots", type=int, default=4,
+                   help="llama.cpp: sessions whose KV caches are kept side by side (each up to --n-ctx tokens)")
+    v.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp: the longest session, in tokens")
     v.add_argument("--ttl", type=float, default=600.0, help="seconds an idle session is kept")
 
     o = sub.add_parser("doctor", help="what this machine offers: backends, presets, and the measured kernel plan")
@@ -175,11 +180,14 @@ def _serve(args: argparse.Namespace) -> None:
         raise SystemExit("serve needs --api-key-file FILE (or --no-auth for a loopback-only development server)")
     key = None
     if args.api_key_file is not None:
-        key = Path(args.api_key_file).read_text().strip()
-        if not key:
-            raise SystemExit(f"{args.api_key_file} is empty: put the API key in it")
-    config = ServerConfig(api_key=key, max_sessions=args.max_sessions, ttl_s=args.ttl)
-    target = od.LlamaCppTarget(args.target) if args.backend == "llama.cpp" else od.LocalTarget.load(args.target)
+        keys = tuple(line.strip() for line in Path(args.api_key_file).read_text().splitlines() if line.strip())
+        if not keys:
+            raise SystemExit(f"{args.api_key_file} is empty: put the API key in it (one per line for several)")
+        key = keys[0] if len(keys) == 1 else keys
+    config = ServerConfig(api_key=key, max_sessions=args.max_sessions, ttl_s=args.ttl,
+                          max_sessions_per_key=args.max_sessions_per_key)
+    target = (od.LlamaCppTarget(args.target, slots=args.slots, n_ctx=args.n_ctx) if args.backend == "llama.cpp"
+              else od.LocalTarget.load(args.target))
     uvicorn.run(create_app(target, config), host=args.host, port=args.port, log_level="warning")
 
 

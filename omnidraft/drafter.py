@@ -30,6 +30,7 @@ from .translate.token_bytes import build_token_bytes
 
 if TYPE_CHECKING:
     from .adaptive.head import Stopper
+    from .shortlist.head import ShortlistHead
     from .distill.adapters import AdapterConfig
     from .pairing import DecodeConfig, Pairing
     from .target import Target
@@ -51,11 +52,15 @@ class DraftSession(Protocol):
 
 
 class _TorchDraftSession:
-    def __init__(self, model: Any, ids: list[int], stop_ids: frozenset[int], lock: threading.RLock) -> None:
+    def __init__(self, model: Any, ids: list[int], stop_ids: frozenset[int], lock: threading.RLock,
+                 head: ShortlistHead | None = None) -> None:
         self.runner = CausalRunner(model, ids)
         self.stop_ids = stop_ids
         self.lock = lock
+        self.head = head  # a shortlisted LM head: told the draft position, and what the context holds
         self._base = len(ids)
+        if head is not None:
+            head.policy.begin(list(ids))
 
     def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
                 generator: torch.Generator | None = None, stop_confidence: float = 0.0,
@@ -76,6 +81,8 @@ class _TorchDraftSession:
         self._base = len(self.runner.ids)
         ids, rows, healed = [], [], False
         for step in range(k):
+            if self.head is not None:
+                self.head.step = step
             if step == 0 and heal is not None and len(self.runner.ids) > 1:
                 logits, hidden, token, probs, healed = self._heal_step(heal, temperature, allowed, generator, stopper is not None)
             else:
@@ -111,6 +118,8 @@ class _TorchDraftSession:
         self.runner.crop(self._base + keep)
         self.runner.extend(tail)
         self._base = len(self.runner.ids)
+        if self.head is not None and tail:
+            self.head.policy.observe(tail)  # committed text the draft missed (an EvoSpec buffer recalls it)
 
 
 class Drafter:
@@ -132,10 +141,11 @@ class Drafter:
         self.trainable: Any = None  # the fp32 peft model, once an adapter exists
         self.learner: Any = None  # what adapters train through: `trainable`, or the int8 twin emulated
         self.active: str | None = None
+        self.head: ShortlistHead | None = None  # the shortlisted LM head, when one is in use
 
     @classmethod
     def load(cls, spec: str, *, backend: str = "torch", quantize: str | None = "int8",
-             train_through_int8: bool = True, threads: int | None = None) -> Any:
+             train_through_int8: bool = True, threads: int | None = None, shortlist: str | None = None) -> Any:
         """Load a drafter by preset name, .gguf path, local dir or HF id.
 
         `backend`: "torch" (this class: the only one that learns adapters), "llama.cpp" (the GGUF
@@ -145,6 +155,8 @@ class Drafter:
         `quantize="int8"` (torch, default) applies dynamic int8 to its linear layers (int8.py:
         per-channel, MLPs smoothed): about 3x faster per token on CPU. It changes only what is
         proposed, never what the target commits. `train_through_int8`: see `__init__`.
+        `shortlist` (torch): evaluate the LM head on part of the vocabulary only, "static",
+        "evo" or "dyna" (see `use_shortlist`).
         """
         if backend not in BACKENDS:
             raise ValueError(f"drafter backend must be one of {BACKENDS}, got {backend!r}")
@@ -161,8 +173,11 @@ class Drafter:
             raise ValueError(f"drafter quantize must be None or 'int8', got {quantize!r}")
         loaded = load_model(spec)
         model = quantize_int8(loaded.model, loaded.tokenizer, inplace=True) if quantize == "int8" else loaded.model
-        return cls(model, loaded.tokenizer, loaded.name, spec=spec, int8=quantize == "int8",
-                   train_through_int8=train_through_int8)
+        drafter = cls(model, loaded.tokenizer, loaded.name, spec=spec, int8=quantize == "int8",
+                      train_through_int8=train_through_int8)
+        if shortlist not in (None, "full"):
+            drafter.use_shortlist(shortlist)
+        return drafter
 
     @property
     def hidden_size(self) -> int:
@@ -177,7 +192,33 @@ class Drafter:
         return OrtDrafter.load(path, threads=threads)
 
     def begin(self, ids: list[int]) -> _TorchDraftSession:
-        return _TorchDraftSession(self.model, ids, self.stop_ids, self.lock)
+        return _TorchDraftSession(self.model, ids, self.stop_ids, self.lock, self.head)
+
+    def use_shortlist(self, kind: str | None, **options: Any) -> None:
+        """Draft from part of the vocabulary: "static" (the most frequent tokens: FR-Spec), "evo"
+        (those plus a buffer recalled from the context: EvoSpec), "dyna" (a router picks clusters
+        of the head's rows per position: DynaSpec); None or "full" for the whole head. Built once
+        per tokenizer and cached (shortlist/build.py); `options` go to `shortlist.build.shortlist`.
+        Verification is unchanged: drafts come from the drafter's distribution on the support."""
+        from .shortlist.build import shortlist
+        from .shortlist.head import ShortlistHead, install
+
+        with self.lock:
+            if kind in (None, "full"):
+                current = self.model.get_output_embeddings()
+                if isinstance(current, ShortlistHead):
+                    self.model.set_output_embeddings(current.full)
+                self.head = None
+                return
+            self.head = install(self.model, shortlist(self, kind, **options))
+
+    def fp32_model(self) -> Any:
+        """The drafter's fp32 weights (this model, or reloaded from the spec for an int8 drafter)."""
+        if not self._int8:
+            return self.model
+        if self._spec is None:
+            raise ValueError("this int8 drafter was built without a spec to reload fp32 weights from")
+        return load_model(self._spec).model
 
     def pair(self, target: Target, config: DecodeConfig | None = None, **options: Any) -> Pairing:
         """Pair this drafter with `target`: see `omnidraft.pairing.pair` (user, learn, overrides)."""
@@ -218,6 +259,10 @@ class Drafter:
             elif first or not covers(self.model, self.trainable):  # (LoRA layers on new projections: rebuild)
                 self.model = int8_twin(self.trainable, self.tokenizer)
                 self.learner = int8_learner(self.model) if self._through_int8 else self.trainable
+                if self.head is not None:  # the twin's head holds the same int8 rows: the blocks stay valid
+                    from .shortlist.head import install
+
+                    self.head = install(self.model, self.head.policy)
             # else the twin and learner already share the new adapter's modules: no second int8 copy
             self.active = None
             self.activate(name)

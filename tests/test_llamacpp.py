@@ -29,7 +29,8 @@ TOKENS = 48
 
 
 def own_greedy(llm, ids: list[int], n: int, eos: frozenset[int]) -> list[int]:
-    """llama-cpp-python's own generation loop, greedy, on `llm`."""
+    """llama-cpp-python's own generation loop, greedy, on `llm` from a fresh context."""
+    llm.reset()
     out: list[int] = []
     for token in llm.generate(ids, temp=0.0, reset=True):
         out.append(int(token))
@@ -91,6 +92,21 @@ def test_a_rejection_at_every_position_leaves_no_stale_kv(target, prompts, refer
             rest = list(session.decode(4))
             assert session.ids == ids + reference[: j + 1 + len(rest)]
             assert llama_cpp.llama_memory_seq_pos_max(engine._memory, 0) == len(engine.cached) - 1
+
+
+def test_interleaved_sessions_on_their_own_slots_pay_only_for_their_new_tokens(target, prompts, references):
+    """A server's sessions take turns: with a KV slot each, a round evaluates only that session's
+    new token, and each still gets the engine's own greedy output."""
+    served = od.LlamaCppTarget(str(target.engine.path), tokenizer=target.tokenizer, n_ctx=2048, slots=2)
+    sessions = [served.begin(served.tokenizer(p)["input_ids"]) for p in prompts[:2]]
+    streams = [s.decode(12) for s in sessions]
+    out = [[next(st)] for st in streams]  # both prompts evaluated once
+    before = served.engine.decoded
+    for _ in range(11):
+        for stream, got in zip(streams, out):
+            got.append(next(stream))
+    assert out == [r[:12] for r in references[:2]]
+    assert served.engine.decoded - before == 2 * 11
 
 
 def test_the_draft_model_hook_gives_llama_cpp_python_cross_vocabulary_drafts(drafter, target, prompts, references):
@@ -172,3 +188,46 @@ def test_without_llama_cpp_python_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     with pytest.raises(MissingDependencyError, match="make install"):
         od.LlamaCppTarget(str(gguf_path("smollm2-135m")))
+
+
+def test_an_openai_target_on_llama_cpp_pythons_own_server_is_refused_or_identical(drafter, tmp_path):
+    """`python -m llama_cpp.server`: the OpenAI-compatible target probes it at construction and
+    either refuses with an error that names what is missing, or verifies to the engine's output."""
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    from omnidraft.errors import IncompatibleError
+    from omnidraft.remote.openai import OpenAICompletionsTarget
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = gguf_path("qwen2.5-coder-0.5b")
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--n_ctx", "2048",
+                               "--logits_all", "true", "--n_threads", "2", "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"llama_cpp.server did not start: {(tmp_path / 'server.log').read_text()[-2000:]}")
+        target = od.LlamaCppTarget("qwen2.5-coder-0.5b", n_ctx=2048)
+        try:
+            remote = OpenAICompletionsTarget(url, model=str(path), tokenizer=target.tokenizer, retries=0)
+        except IncompatibleError as exc:
+            assert "cannot verify drafts" in str(exc) or "echoed" in str(exc), exc
+            return
+        (prompt,) = load_prompts("gsm8k", 1)
+        reference = list(target.begin(target.tokenizer(prompt)["input_ids"]).decode(24))
+        assert drafter.pair(remote, k=4).generate(prompt, max_new_tokens=24).token_ids == reference
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -198,3 +198,26 @@ def test_chat_renders_the_template_once_with_one_bos(drafter, target_name, monke
                                 max_new_tokens=24, do_sample=False, eos_token_id=sorted(target.eos_ids),
                                 pad_token_id=sorted(target.eos_ids)[0])[0, len(ids):].tolist()
     assert out.token_ids == ref
+
+
+@pytest.fixture(scope="module")
+def gemma_drafter():
+    return od.Drafter.load("gemma3-270m")
+
+
+@pytest.mark.parametrize("kind", ["full", "static", "evo", "dyna"])
+def test_gemma_drafts_for_qwen_with_every_head_and_stays_identical(gemma_drafter, kind):
+    """Gemma 3 270M (262,144-token SentencePiece) as the drafter for Qwen2.5-Coder-0.5B (151,936-
+    token byte-level BPE): the full head and each shortlist keep greedy output the target's."""
+    from omnidraft.bench.datasets import load_prompts
+
+    target = od.LocalTarget.load("qwen2.5-coder-0.5b")
+    gemma_drafter.use_shortlist(kind)
+    try:
+        pair = gemma_drafter.pair(target, k=4, objective="compute")
+        for prompt in load_prompts("gsm8k", 1) + load_prompts("humaneval", 1):
+            out = pair.generate(prompt, max_new_tokens=32)
+            assert out.token_ids == target_greedy(target, prompt, 32), kind
+            assert sum(r.accepted for r in out.rounds) > 0
+    finally:
+        gemma_drafter.use_shortlist(None)

@@ -214,6 +214,30 @@ def test_openai_completions_target_is_token_identical_to_local(http, tiny_drafte
         tiny_drafter.pair(target, k=3, mode="match", temperature=0.8).generate(PROMPTS[0], max_new_tokens=4)
 
 
+@pytest.mark.parametrize("reply, reason", [
+    ((400, {"error": "echo is not supported with logprobs"}), "cannot verify drafts"),  # OpenAI's API
+    ((200, {"choices": [{"text": "x", "logprobs": {"tokens": ["token_id:5"], "top_logprobs": [{"token_id:5": -0.1}]}}]}),
+     "cannot verify drafts"),  # llama-server: log-probabilities of generated tokens only
+    ((200, "ECHO_OTHER_IDS"), "echoed other token ids"),  # a server that re-tokenized the prompt
+])
+def test_an_openai_server_that_cannot_verify_is_refused_at_construction(tiny_target, reply, reason):
+    """The probe: one scoring request at construction; a server without prompt log-probabilities or
+    with another vocabulary is refused with an error that names what is missing."""
+    from omnidraft.errors import IncompatibleError
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        status, body = reply
+        if body == "ECHO_OTHER_IDS":
+            n = len(json.loads(request.content)["prompt"])
+            body = {"choices": [{"text": "", "logprobs": {"tokens": ["token_id:7"] * (n + 1),
+                                                          "top_logprobs": [None] + [{"token_id:7": -0.1}] * n}}]}
+        return httpx.Response(status, json=body)
+
+    client = httpx.Client(base_url="http://fake", transport=httpx.MockTransport(answer))
+    with pytest.raises(IncompatibleError, match=reason):
+        _openai(client, tiny_target)
+
+
 def test_openai_endpoint_speaks_the_completions_shape(http, tiny_target):
     auth = {"authorization": f"Bearer {KEY}"}
     ids = tiny_target.tokenizer(PROMPTS[0])["input_ids"]

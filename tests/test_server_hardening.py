@@ -180,3 +180,60 @@ def test_fuzzed_verify_bodies_never_get_a_5xx(client, tiny_target, tiny_drafter)
 
     pair = tiny_drafter.pair(RemoteTarget("http://testserver", api_key=KEY, client=client), k=3)
     assert pair.generate(PROMPT, max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPT, 16)
+
+
+def test_each_key_holds_its_own_sessions_within_its_quota(tiny_target):
+    """Several API keys: a key past its quota gets a 429 while another key still opens sessions,
+    and a session answers only the key that opened it."""
+    from fastapi.testclient import TestClient
+
+    a, b = {"authorization": "Bearer key-a"}, {"authorization": "Bearer key-b"}
+    config = ServerConfig(api_key=("key-a", "key-b"), max_sessions=8, max_sessions_per_key=2)
+    ids = tiny_target.tokenizer(PROMPT)["input_ids"]
+    with TestClient(create_app(tiny_target, config)) as c:
+        mine = [c.post("/v1/sessions", json={"prompt_ids": ids}, headers=a) for _ in range(3)]
+        assert [r.status_code for r in mine] == [200, 200, 429] and "quota of 2" in mine[2].text
+        assert c.post("/v1/sessions", json={"prompt_ids": ids}, headers=b).status_code == 200
+        sid = mine[0].json()["session"]
+        body = {"committed": len(ids), "proposal": []}
+        assert c.post(f"/v1/sessions/{sid}/verify", json=body, headers=b).status_code == 404
+        assert c.delete(f"/v1/sessions/{sid}", headers=b).status_code == 404
+        assert c.post(f"/v1/sessions/{sid}/verify", json=body, headers=a).status_code == 200
+        assert c.delete(f"/v1/sessions/{sid}", headers=a).status_code == 200
+        assert c.post("/v1/sessions", json={"prompt_ids": ids}, headers=a).status_code == 200  # room again
+        assert c.post("/v1/sessions", json={"prompt_ids": ids}, headers={"authorization": "Bearer nope"}).status_code == 401
+
+
+def test_a_slow_body_times_out_and_a_client_gone_mid_body_is_not_a_crash(tiny_target, caplog):
+    """On a live server (uvicorn, loopback): a body that stalls past `body_timeout_s` is answered
+    408; a client that disconnects halfway through its body leaves no error logged, and the server
+    serves a normal session afterwards."""
+    import logging
+    import socket
+
+    import httpx
+
+    from omnidraft.bench.remote import serve_in_thread
+
+    url, stop = serve_in_thread(create_app(tiny_target, ServerConfig(api_key=KEY, body_timeout_s=0.5)))
+    host, port = url.removeprefix("http://").split(":")
+    head = (f"POST /v1/sessions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n").encode()
+    try:
+        with caplog.at_level(logging.ERROR, logger="omnidraft"):
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(head + b'{"prompt_ids": [1,')
+                reply = s.recv(4096).decode()
+            assert reply.startswith("HTTP/1.1 408") and "not received within 0.5 s" in reply
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(head + b'{"prompt_ids": [1,')
+            time.sleep(1.0)
+            ids = tiny_target.tokenizer(PROMPT)["input_ids"]
+            with httpx.Client(base_url=url, headers=AUTH) as http:
+                assert http.get("/health").status_code == 200
+                sid = http.post("/v1/sessions", json={"prompt_ids": ids}).json()["session"]
+                ok = http.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []})
+                assert ok.status_code == 200
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        stop()

@@ -48,6 +48,10 @@ def GgufDraft(engine: Any, n_max: int = SPEC_MAX, p_min: float = SPEC_P_MIN) -> 
 
 
 def _own(llm: Any, ids: list[int], n: int, eos: frozenset[int]) -> Timed:
+    """llama-cpp-python's `generate`, greedy, on a fresh context: its default reuses the prefix the
+    last request left, whose entries were computed in other batches, so its output would depend on
+    the request before (and no row would be comparable with another)."""
+    llm.reset()
     started, out = time.perf_counter(), []
     for token in llm.generate(ids, temp=0.0, reset=True):
         out.append(int(token))

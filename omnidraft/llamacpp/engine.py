@@ -100,30 +100,52 @@ def open_llama(path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int 
                         n_threads_batch=threads, swa_full=True, flash_attn=flash_attn, verbose=False, **extra)
 
 
+class _Slot:
+    """One KV sequence of the context: its tokens in order and the caller that filled it."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq, self.used = seq, 0
+        self.cached: list[int] = []
+        self.owner: object = None
+
+
 class LlamaEngine:
-    """A llama.cpp model and one context (one KV sequence) that callers take turns on.
+    """A llama.cpp model and one context that callers take turns on.
 
     `threads`: llama.cpp's threads for decoding and prompt batches (default: every core).
-    `n_ctx`: the longest sequence a caller may pass. `n_batch`: tokens per llama_decode call."""
+    `n_ctx`: the longest sequence a caller may pass. `n_batch`: tokens per llama_decode call.
+    `slots`: KV sequences kept side by side (each of `n_ctx`), one per recent owner (a server's
+    sessions): an owner that finds its slot intact pays only for its new tokens; past `slots`
+    owners, the least recently used slot is taken over and its owner evaluates afresh next time."""
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
-                 n_batch: int = 512, flash_attn: bool = True, exact_rows: int | None = None) -> None:
-        if n_ctx < 16 or n_batch < 16:
-            raise ValueError(f"n_ctx and n_batch must be >= 16, got {n_ctx}, {n_batch}")
+                 n_batch: int = 512, flash_attn: bool = True, exact_rows: int | None = None, slots: int = 1) -> None:
+        if n_ctx < 16 or n_batch < 16 or slots < 1:
+            raise ValueError(f"n_ctx and n_batch must be >= 16 and slots >= 1, got {n_ctx}, {n_batch}, {slots}")
         lc = self._lc = require_llama_cpp()
         self.path = Path(path)
         self.threads, self.flash_attn = threads or os.cpu_count() or 1, flash_attn
-        self.llm = open_llama(self.path, n_ctx=n_ctx, threads=self.threads, n_batch=n_batch, flash_attn=flash_attn)
-        self._ctx = self.llm._ctx.ctx
+        self.llm = open_llama(self.path, n_ctx=n_ctx if slots == 1 else 64, threads=self.threads, n_batch=n_batch,
+                              flash_attn=flash_attn)
+        self._context = self.llm._ctx
+        if slots > 1:  # llama-cpp-python's Llama keeps one sequence: a context of our own holds `slots`
+            from llama_cpp import _internals
+
+            params = lc.llama_context_params.from_buffer_copy(self.llm.context_params)
+            params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx * slots, slots, False
+            params.n_batch = params.n_ubatch = n_batch
+            self._context = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
+        self._ctx = self._context.ctx
         self._memory = lc.llama_get_memory(self._ctx)
         self._vocab = lc.llama_model_get_vocab(self.llm._model.model)
         self.n_vocab = int(self.llm.n_vocab())
-        self.n_ctx = int(self.llm.n_ctx())
+        self.n_ctx = n_ctx if slots > 1 else int(self.llm.n_ctx())
         self.n_batch = n_batch
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._free = weakref.finalize(self, lc.llama_batch_free, self._batch)
-        self.cached: list[int] = []  # the tokens whose KV entries the context holds, in order
-        self._owner: object = None  # who filled the cache (see logits)
+        self._slots = [_Slot(i) for i in range(slots)]
+        self._slot = self._slots[0]  # the slot the current call works on
+        self._clock = 0
         self.lock = threading.RLock()
         self.decoded = 0  # tokens evaluated so far (a counter for benchmarks)
         self.exact_rows = exact_rows or self._exact_rows()
@@ -154,10 +176,8 @@ class LlamaEngine:
         first = n - rows  # the first position whose logits are asked for
         prompt = first + 1 if prompt is None else prompt
         with self.lock:
-            if owner is not None and owner is not self._owner:
-                self.reset()
+            self._select(owner)
             self._drop_after(min(self._common_prefix(ids), first))
-            self._owner = owner
             out = np.empty((rows, self.n_vocab), dtype=np.float32)
             while len(self.cached) < n:
                 start = len(self.cached)
@@ -167,6 +187,33 @@ class LlamaEngine:
                 for i in range(keep):
                     out[end - keep + i - first] = self._row(end - start - keep + i)
             return out
+
+    @property
+    def cached(self) -> list[int]:
+        """The tokens whose KV entries the last caller's slot holds, in order."""
+        return self._slot.cached
+
+    def _select(self, owner: object) -> None:
+        """Work on `owner`'s slot; a new owner takes a free or the least recently used one, cleared.
+        Callers without an owner (drafters) share the first slot and reuse whatever prefix it holds."""
+        self._clock += 1
+        slot = next((s for s in self._slots if s.owner is owner), None) if owner is not None else self._slots[0]
+        if slot is None:
+            slot = min(self._slots, key=lambda s: (s.owner is not None, s.used))
+            self._slot = slot
+            self._clear()
+        self._slot, slot.owner, slot.used = slot, owner, self._clock
+
+    def release(self, owner: object) -> None:
+        """`owner` is done: its slot is the first to be taken over."""
+        with self.lock:
+            for slot in self._slots:
+                if slot.owner is owner:
+                    slot.owner, slot.used = None, 0
+
+    def _clear(self) -> None:
+        self._lc.llama_memory_seq_rm(self._memory, self._slot.seq, -1, -1)
+        self._slot.cached.clear()
 
     def _row(self, i: int) -> np.ndarray:
         return np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,))
@@ -211,11 +258,12 @@ class LlamaEngine:
         return best
 
     def reset(self) -> None:
-        """Forget every cached entry."""
+        """Forget every cached entry of every slot."""
         with self.lock:
             self._lc.llama_memory_clear(self._memory, True)
-            self.cached = []
-            self._owner = None
+            for slot in self._slots:
+                slot.cached.clear()
+                slot.owner = None
 
     def _common_prefix(self, ids: Sequence[int]) -> int:
         cached, m = self.cached, min(len(self.cached), len(ids))
@@ -227,9 +275,9 @@ class LlamaEngine:
     def _drop_after(self, keep: int) -> None:
         if keep >= len(self.cached):
             return
-        if not self._lc.llama_memory_seq_rm(self._memory, 0, keep, -1):
-            self._lc.llama_memory_clear(self._memory, True)  # a cache that cannot drop a suffix starts over
-            keep = 0
+        if not self._lc.llama_memory_seq_rm(self._memory, self._slot.seq, keep, -1):
+            self._clear()  # a cache that cannot drop a suffix starts over
+            return
         del self.cached[keep:]
 
     def _decode(self, tokens: Sequence[int], with_logits: int) -> None:
@@ -240,11 +288,11 @@ class LlamaEngine:
             b.token[i] = token
             b.pos[i] = start + i
             b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
+            b.seq_id[i][0] = self._slot.seq
             b.logits[i] = i >= n - with_logits
         status = self._lc.llama_decode(self._ctx, b)
         if status != 0:
-            self._lc.llama_memory_seq_rm(self._memory, 0, start, -1)  # nothing half-fed stays behind
+            self._lc.llama_memory_seq_rm(self._memory, self._slot.seq, start, -1)  # nothing half-fed stays behind
             raise RuntimeError(f"llama_decode failed with status {status} at position {start} ({n} tokens)")
         self.cached.extend(int(t) for t in tokens)
         self.decoded += n

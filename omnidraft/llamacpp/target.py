@@ -56,6 +56,10 @@ class _LlamaSession:
             self.prompt = len(self.ids)
         return self._logits(self.ids, keep)
 
+    def close(self) -> None:
+        """The generation is over: its KV slot may be taken over first."""
+        self.owner.engine.release(self)
+
     def decode(self, max_tokens: int) -> Iterator[int]:
         """Greedy-decode up to `max_tokens` tokens with the target alone (stopping after an
         end-of-generation token): llama.cpp's plain decoding loop."""
@@ -73,21 +77,22 @@ class LlamaCppTarget:
 
     `tokenizer`: the HF tokenizer for the same vocabulary (default: converted from the GGUF file);
     it must tokenize like llama.cpp does, which is checked on a probe string. `n_ctx` bounds a
-    session's sequence; `threads` defaults to every core. Sessions may interleave on one target:
-    each pays only for the tokens its sequence does not share with the previous caller's."""
+    session's sequence; `threads` defaults to every core. `slots`: sessions whose KV caches are kept
+    side by side (a server's concurrent sessions; see LlamaEngine); a session that lost its slot
+    evaluates its sequence afresh, so its output never depends on who ran before."""
 
     generates_alone = True
     in_process = True
 
     def __init__(self, model: str | os.PathLike[str] | LlamaEngine, *, tokenizer: Any = None, n_ctx: int = 4096,
-                 threads: int | None = None, name: str | None = None) -> None:
+                 threads: int | None = None, slots: int = 1, name: str | None = None) -> None:
         if isinstance(model, LlamaEngine):
             self.engine, spec = model, str(model.path)
             default_name = model.path.stem
         else:
             path, default_name = gguf_file(model)
             spec = os.fspath(model)
-            self.engine = LlamaEngine(path, n_ctx=n_ctx, threads=threads)
+            self.engine = LlamaEngine(path, n_ctx=n_ctx, threads=threads, slots=slots)
         self.name = name or default_name
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec)
         self.token_bytes = build_token_bytes(self.tokenizer, self.engine.n_vocab)

@@ -28,7 +28,7 @@ import httpx
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import RemoteRequestError
+from ..errors import IncompatibleError, RemoteRequestError
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
@@ -37,6 +37,7 @@ from .client import call_json
 __all__ = ["CompletionRequest", "OpenAICompletionsTarget", "complete", "token_string"]
 
 MAX_LOGPROBS = 20
+PROBE_TEXT = "def f(x):\n    return x + 1  # caf\u00e9"
 
 
 class CompletionRequest(BaseModel):
@@ -141,12 +142,13 @@ class OpenAICompletionsTarget:
 
     `tokenizer` is the served model's tokenizer (these servers do not ship it); `model` the name the
     server knows the model by; `topk` the most alternatives it returns per position (OpenAI: 5,
-    vLLM: 20) for the distillation signal.
+    vLLM: 20) for the distillation signal. `probe` (default): one scoring request at construction
+    checks that the server can verify at all, with this tokenizer (`probe()`).
     """
 
     def __init__(self, url: str, *, model: str, tokenizer: Any, api_key: str | None = None, vocab_size: int | None = None,
                  eos_ids: set[int] | None = None, timeout: float = 60.0, retries: int = 2, topk: int = 5,
-                 client: Any = None, name: str | None = None) -> None:
+                 client: Any = None, name: str | None = None, probe: bool = True) -> None:
         if not 1 <= topk <= MAX_LOGPROBS:
             raise ValueError(f"topk must be in [1, {MAX_LOGPROBS}], got {topk}")
         self.url, self.model, self.retries, self.topk = url, model, retries, topk
@@ -158,6 +160,47 @@ class OpenAICompletionsTarget:
         self.codec = ByteCodec(tokenizer, self.token_bytes)
         eos = eos_ids if eos_ids is not None else {tokenizer.eos_token_id}
         self.eos_ids = frozenset(i for i in eos if isinstance(i, int))
+        if probe:
+            self.probe()
+
+    def score(self, ids: list[int], k: int) -> tuple[list[Any], list[str]]:
+        """One scoring request: (top-k alternatives per position, the echoed token names) for the
+        prompt `ids` and one generated token after it."""
+        body = CompletionRequest(model=self.model, prompt=ids, max_tokens=1, echo=True, logprobs=k, temperature=0.0,
+                                 return_tokens_as_token_ids=True)
+        reply = call_json(self.http, self.url, "POST", "/v1/completions", body.model_dump_json(), self.retries)
+        try:
+            top = reply["choices"][0]["logprobs"]["top_logprobs"]
+            tokens = reply["choices"][0]["logprobs"]["tokens"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise RemoteRequestError(f"{self.url}/v1/completions reply lacks echoed logprobs ({exc!r})") from None
+        if not isinstance(top, list) or not isinstance(tokens, list) or len(top) < len(ids) + 1 or len(tokens) < len(ids) + 1:
+            raise RemoteRequestError(f"{self.url}/v1/completions echoed {len(tokens or [])} tokens with "
+                                     f"{len(top or [])} log-probability rows, expected {len(ids) + 1} of each")
+        return top, tokens
+
+    def probe(self) -> None:
+        """Check once that the server scores a prompt of token ids as verification needs, with this
+        tokenizer: IncompatibleError naming what is missing otherwise (docs/llamacpp.md)."""
+        ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        try:
+            top, tokens = self.score(ids, 1)
+        except RemoteRequestError as exc:
+            raise IncompatibleError(
+                f"{self.url} cannot verify drafts: a completion of token ids with echo and logprobs (the prompt's own "
+                f"log-probabilities) failed: {exc}. Servers that do not return prompt log-probabilities (llama.cpp's "
+                "llama-server, OpenAI's API) cannot be targets; use `omnidraft serve` in front of the model "
+                "(docs/llamacpp.md#support-matrix)") from None
+        if any(row is None or not row for row in top[1 : len(ids) + 1]):
+            raise IncompatibleError(f"{self.url} echoed the prompt without log-probability rows: it cannot verify drafts")
+        try:
+            echoed = [self.token_id(name) for name in tokens[: len(ids)]]
+        except RemoteRequestError as exc:
+            raise IncompatibleError(f"{self.url} names tokens this tokenizer does not have ({exc}); pass the served "
+                                    "model's tokenizer") from None
+        if echoed != ids:
+            raise IncompatibleError(f"{self.url} echoed other token ids than it was sent ({echoed[:8]}... vs {ids[:8]}...): "
+                                    "the server re-tokenized the prompt or serves another vocabulary")
 
     def begin(self, prompt_ids: list[int]) -> _CompletionSession:
         if not prompt_ids:
@@ -192,17 +235,7 @@ class _CompletionSession:
         if rule.mode != "greedy":
             raise ValueError(f"an OpenAI-compatible target verifies greedy drafts only, not mode {rule.mode!r}")
         o, base, draft = self.owner, len(self.ids), [int(t) for t in proposal.tolist()]
-        k = max(1, min(topk, o.topk))
-        body = CompletionRequest(model=o.model, prompt=self.ids + draft, max_tokens=1, echo=True, logprobs=k,
-                                 temperature=0.0, return_tokens_as_token_ids=True)
-        reply = call_json(o.http, o.url, "POST", "/v1/completions", body.model_dump_json(), o.retries)
-        try:
-            top = reply["choices"][0]["logprobs"]["top_logprobs"]
-            tokens = reply["choices"][0]["logprobs"]["tokens"]
-        except (KeyError, IndexError, TypeError) as exc:
-            raise RemoteRequestError(f"{o.url}/v1/completions reply lacks echoed logprobs ({exc!r})") from None
-        if len(top) < base + len(draft) + 1 or len(tokens) < base + len(draft) + 1:
-            raise RemoteRequestError(f"{o.url}/v1/completions echoed {len(tokens)} tokens, expected {base + len(draft) + 1}")
+        top, tokens = o.score(self.ids + draft, max(1, min(topk, o.topk)))
         rows = [{o.token_id(name): lp for name, lp in top[base + j].items()} for j in range(len(draft) + 1)]
         best = [max(row, key=row.get) for row in rows]
         accepted = next((j for j, t in enumerate(draft) if best[j] != t), len(draft))

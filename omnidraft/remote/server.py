@@ -9,6 +9,8 @@
 
 Every /v1 route and /metrics need `Authorization: Bearer <key>` when the server has a key
 (compared in constant time; missing or wrong -> 401; `open_metrics` opens /metrics to scrapers).
+With several keys, a session belongs to the key that opened it (404 to any other) and each key
+holds at most `max_sessions_per_key` sessions (429 past it).
 A body is read within `body_timeout_s` (408) and a client gone mid-body is answered 400, not logged
 as a crash. Bodies are read with a size cap (413) and validated by
 the protocol models (422 with the reason); ids outside the vocabulary are refused (422). Sessions
@@ -50,7 +52,8 @@ _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # one key, or several (each with its own session quota)
+    max_sessions_per_key: int | None = None  # None: a key may hold all `max_sessions`
     max_sessions: int = 64
     ttl_s: float = 600.0
     max_body_bytes: int = 8 << 20
@@ -60,14 +63,21 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if (self.max_sessions < 1 or self.ttl_s <= 0 or self.max_body_bytes < 1024 or self.max_tokens < 1
-                or self.body_timeout_s <= 0):
+                or self.body_timeout_s <= 0 or (self.max_sessions_per_key is not None and self.max_sessions_per_key < 1)):
             raise ValueError(f"server limits must be positive (body >= 1 KiB), got {self}")
+        if isinstance(self.api_key, tuple) and (not self.api_key or not all(self.api_key)):
+            raise ValueError("api_key: give one key or a non-empty tuple of non-empty keys")
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return () if self.api_key is None else (self.api_key,) if isinstance(self.api_key, str) else self.api_key
 
 
 @dataclass
 class _Session:
     inner: Any
     used: float
+    key: int = 0  # which API key opened it: only that key may use it
     last: tuple[VerifyRequest, VerifyReply] | None = None  # the request applied last and its reply
 
 
@@ -127,21 +137,24 @@ class _Service:
         return InfoReply(name=self.target.name, vocab_size=self.vocab, fingerprint=self.target.token_bytes.fingerprint,
                          eos_ids=sorted(self.target.eos_ids))
 
-    def open(self, request: OpenRequest) -> OpenReply:
+    def open(self, request: OpenRequest, key: int = 0) -> OpenReply:
         self._check_ids(request.prompt_ids, "prompt")
         self._check_context(len(request.prompt_ids) + 1, "the session")
         with self.table_lock:
             self._expire()
             if len(self.sessions) >= self.config.max_sessions:
                 raise _HTTPError(503, f"the server holds its maximum of {self.config.max_sessions} sessions; retry later")
+            quota = self.config.max_sessions_per_key
+            if quota is not None and sum(1 for v in self.sessions.values() if v.key == key) >= quota:
+                raise _HTTPError(429, f"this API key holds its quota of {quota} sessions; close one or retry later")
             self._reserve(len(request.prompt_ids))
             sid = uuid.uuid4().hex
-            self.sessions[sid] = _Session(self.target.begin(list(request.prompt_ids)), time.monotonic())
+            self.sessions[sid] = _Session(self.target.begin(list(request.prompt_ids)), time.monotonic(), key)
             self.metrics.opened += 1
         return OpenReply(session=sid, committed=len(request.prompt_ids))
 
-    def verify(self, sid: str, request: VerifyRequest) -> VerifyReply:
-        session = self._session(sid)
+    def verify(self, sid: str, request: VerifyRequest, key: int = 0) -> VerifyReply:
+        session = self._session(sid, key)
         self._check_ids(request.proposal, "proposal")
         try:
             rule = Rule(mode=request.mode, temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
@@ -172,11 +185,11 @@ class _Service:
         session.last, session.used = (request, reply), time.monotonic()
         return reply
 
-    def generate(self, sid: str, request: GenerateRequest) -> Iterator[bytes]:
+    def generate(self, sid: str, request: GenerateRequest, key: int = 0) -> Iterator[bytes]:
         """Checks `request` now (so a stale one is refused with its status), then returns the
         NDJSON stream that decodes alone: one token per step, the model lock held per step only,
         so other sessions' verifies interleave."""
-        session = self._session(sid)
+        session = self._session(sid, key)
         with self.model_lock:
             if request.committed != len(session.inner.ids):
                 raise _HTTPError(409, f"stale request: it builds on {request.committed} committed tokens, "
@@ -224,16 +237,18 @@ class _Service:
         self.metrics.rounds += 1
         return reply
 
-    def close(self, sid: str) -> None:
+    def close(self, sid: str, key: int = 0) -> None:
         with self.table_lock:
-            if self.sessions.pop(sid, None) is None:
+            session = self.sessions.get(sid)
+            if session is None or session.key != key:
                 raise _HTTPError(404, f"no session {sid!r} (closed, expired or never opened)")
+            del self.sessions[sid]
 
-    def _session(self, sid: str) -> _Session:
+    def _session(self, sid: str, key: int = 0) -> _Session:
         with self.table_lock:
             self._expire()
             session = self.sessions.get(sid)
-            if session is None:
+            if session is None or session.key != key:  # another key's session is not there for this one
                 raise _HTTPError(404, f"no session {sid!r} (closed, expired or never opened)")
             session.used = time.monotonic()
             return session
@@ -278,12 +293,15 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             service.metrics.rejected_requests += 1
         return JSONResponse({"version": VERSION, "error": message}, status_code=status)
 
-    def authorized(request: Request) -> bool:
-        if config.api_key is None:
-            return True
+    def key_of(request: Request) -> int | None:
+        """Which key the request carries (0 without keys), None for none of them; every key is
+        compared, in constant time each, whichever matches."""
+        if not config.keys:
+            return 0
         header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        return hmac.compare_digest(given.encode(), config.api_key.encode())
+        given = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+        matches = [hmac.compare_digest(given, key.encode()) for key in config.keys]
+        return matches.index(True) if any(matches) else None
 
     async def read(request: Request) -> bytes:
         data = b""
@@ -313,7 +331,8 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     async def guard(request: Request, call_next: Any) -> Any:
         """Auth, and the one place a refusal (`_HTTPError`, raised anywhere below) becomes its reply."""
         guarded = request.url.path.startswith("/v1/") or (request.url.path == "/metrics" and not config.open_metrics)
-        if guarded and not authorized(request):
+        request.state.key = key_of(request)
+        if guarded and request.state.key is None:
             return fail(401, "missing or wrong API key (send Authorization: Bearer <key>)")
         try:
             return await call_next(request)
@@ -343,17 +362,17 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.post("/v1/sessions")
     async def open_session(request: Request) -> Any:
-        reply = await run_in_threadpool(service.open, await body(request, OpenRequest))
+        reply = await run_in_threadpool(service.open, await body(request, OpenRequest), request.state.key)
         return reply.model_dump()
 
     @app.post("/v1/sessions/{sid}/verify")
     async def verify(sid: str, request: Request) -> Any:
-        reply = await run_in_threadpool(service.verify, sid, await body(request, VerifyRequest))
+        reply = await run_in_threadpool(service.verify, sid, await body(request, VerifyRequest), request.state.key)
         return reply.model_dump(exclude_none=True)
 
     @app.post("/v1/sessions/{sid}/generate")
     async def generate(sid: str, request: Request) -> Any:
-        stream = await run_in_threadpool(service.generate, sid, await body(request, GenerateRequest))
+        stream = await run_in_threadpool(service.generate, sid, await body(request, GenerateRequest), request.state.key)
         return StreamingResponse(stream, media_type="application/x-ndjson")
 
     @app.post("/v1/completions")
@@ -364,8 +383,8 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         return reply
 
     @app.delete("/v1/sessions/{sid}")
-    async def close(sid: str) -> Any:
-        service.close(sid)
+    async def close(sid: str, request: Request) -> Any:
+        service.close(sid, request.state.key)
         return {"version": VERSION, "closed": sid}
 
     return app

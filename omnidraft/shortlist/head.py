@@ -1,0 +1,94 @@
+"""`ShortlistHead`: a drafter's LM head evaluated only on a support of its vocabulary.
+
+The vocabulary is cut into blocks (an id tensor each, with a linear layer over just those rows of
+the head, packed once); a policy (policies.py) picks the blocks of each call. The head returns the
+full-width logits with -inf outside the support, so everything downstream (greedy pick, sampling,
+the q rows of `exact`) is unchanged and sees a drafter whose distribution is its own restricted to
+the support and renormalised: verification stays exact. A block's rows are the head's own rows, in
+the same numeric format (fp32, or int8 re-packed from the same int8 values), so on the support the
+logits equal the full head's (tests/test_shortlist.py states the difference).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["Block", "Policy", "ShortlistHead", "sub_linear"]
+
+
+def sub_linear(head: nn.Module, ids: torch.Tensor) -> nn.Module:
+    """A linear layer computing rows `ids` of `head` (an nn.Linear or a dynamic int8 Linear)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    if isinstance(head, DynamicLinear):  # the same int8 values and per-row scales, re-packed: no re-quantization
+        q = head.weight()
+        if q.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric):
+            raise TypeError("a shortlisted int8 head needs per-channel weights (int8.quantize_int8's default)")
+        rows = torch._make_per_channel_quantized_tensor(q.int_repr()[ids], q.q_per_channel_scales()[ids],
+                                                        q.q_per_channel_zero_points()[ids], 0)
+        part = DynamicLinear(q.shape[1], len(ids), dtype=torch.qint8)
+        bias = head.bias()
+        part.set_weight_bias(rows, None if bias is None else bias[ids].clone())
+        return part
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"a shortlisted head needs an nn.Linear or dynamic int8 LM head, got {type(head).__name__}")
+    part = nn.Linear(head.in_features, len(ids), bias=head.bias is not None)
+    part.weight = nn.Parameter(head.weight.detach()[ids].clone(), requires_grad=False)
+    if head.bias is not None:
+        part.bias = nn.Parameter(head.bias.detach()[ids].clone(), requires_grad=False)
+    return part
+
+
+class Block:
+    """Ids (sorted, int64) and the packed rows that compute their logits."""
+
+    def __init__(self, head: nn.Module, ids: torch.Tensor) -> None:
+        self.ids = torch.as_tensor(ids, dtype=torch.long).unique()
+        self.linear = sub_linear(head, self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class Policy(Protocol):
+    """Which blocks a call evaluates. `begin`/`observe` see a request's drafter ids."""
+
+    def blocks(self, hidden: torch.Tensor, step: int) -> list[Block]: ...
+
+    def begin(self, ids: list[int]) -> None: ...
+
+    def observe(self, ids: list[int]) -> None: ...
+
+
+class ShortlistHead(nn.Module):
+    """Replaces a drafter's `lm_head`: full-width logits, -inf outside the policy's support.
+    `step` is the position inside the current draft (the session sets it; budgets may use it)."""
+
+    def __init__(self, head: nn.Module, vocab_size: int, policy: Policy) -> None:
+        super().__init__()
+        self.full = head
+        self.vocab_size, self.policy, self.step = vocab_size, policy, 0
+        self.support_sizes: list[int] = []  # per call, for benchmarks
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.requires_grad:  # a training forward reads the whole head
+            return self.full(hidden)
+        blocks = self.policy.blocks(hidden, self.step)
+        out = hidden.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
+        for block in blocks:
+            out[..., block.ids] = block.linear(hidden).to(out.dtype)
+        self.support_sizes.append(sum(len(b) for b in blocks))
+        return out
+
+
+def install(model: Any, policy: Policy) -> ShortlistHead:
+    """Put a ShortlistHead with `policy` on `model` (an HF causal LM) in place of its LM head."""
+    head = model.get_output_embeddings()
+    if isinstance(head, ShortlistHead):
+        head = head.full
+    short = ShortlistHead(head, int(model.config.vocab_size), policy)
+    model.set_output_embeddings(short)
+    return short

@@ -1,0 +1,101 @@
+"""Shortlisted drafter heads (static / EvoSpec / DynaSpec): logits on the support equal the full
+head's, greedy output stays the target's, `exact` sampling keeps the target's distribution."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import omnidraft as od
+from omnidraft.int8 import quantize_int8
+from omnidraft.shortlist.head import ShortlistHead, install
+from omnidraft.shortlist.policies import Dyna, Evo, Static
+
+from .conftest import gsm8k_texts, target_greedy, tiny_llama, train_bpe
+
+PROMPTS = ["Question: Tom has 3 apples and buys 5 more.", "def add(a, b):\n    return"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
+
+
+def _policies(head, vocab: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    core = torch.randperm(vocab, generator=g)[: vocab // 3]
+    clusters = list(torch.randperm(vocab, generator=g).chunk(8))
+    router = torch.nn.Linear(head.in_features, 8)
+    evo = Evo(head, core, capacity=16)
+    evo.begin(torch.randperm(vocab, generator=g)[:40].tolist())
+    return {"static": Static(head, core), "evo": evo, "dyna": Dyna(head, core[:10], clusters, router, budget=(3, 2))}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_shortlisted_logits_equal_the_full_heads_on_the_support(draft_tokenizer, precision):
+    model = tiny_llama(len(draft_tokenizer), seed=3, logit_scale=30.0)
+    if precision == "int8":
+        model = quantize_int8(model)
+    head = model.get_output_embeddings()
+    x = torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(1))
+    full = head(x)
+    for name, policy in _policies(head, len(draft_tokenizer)).items():
+        short = ShortlistHead(head, len(draft_tokenizer), policy)(x)
+        support = torch.isfinite(short[0, -1])
+        assert 0 < int(support.sum()) < len(draft_tokenizer), name
+        diff = float((short[..., support] - full[..., support]).abs().max())
+        # int8: the same int8 rows and scales, integer accumulation: bit for bit. fp32: the same rows, but a
+        # GEMM over fewer rows may sum in another order (measured up to 1.2e-7 here)
+        assert diff == 0.0 if precision == "int8" else diff <= 1e-6, (name, diff)
+
+
+@pytest.mark.parametrize("kind", ["static", "evo", "dyna"])
+def test_greedy_output_stays_the_targets_with_every_policy(draft_tokenizer, tiny_target, kind):
+    drafter = od.Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    drafter.use_shortlist(kind, size=120, clusters=8, budget=(3, 2))
+    assert isinstance(drafter.model.get_output_embeddings(), ShortlistHead)
+    pair = drafter.pair(tiny_target, k=4)
+    for prompt in PROMPTS:
+        assert pair.generate(prompt, max_new_tokens=24).token_ids == target_greedy(tiny_target, prompt, 24)
+    assert max(drafter.head.support_sizes) < len(draft_tokenizer)
+    drafter.use_shortlist(None)
+    assert not isinstance(drafter.model.get_output_embeddings(), ShortlistHead)
+
+
+def test_exact_sampling_keeps_the_targets_distribution_with_a_shortlist():
+    """As test_pairing's chi-square test, with a drafter that drafts from a third of its vocabulary."""
+    tok_d, tok_t = train_bpe(300, gsm8k_texts(n=300)), train_bpe(330, gsm8k_texts(n=300))
+    target = od.LocalTarget(tiny_llama(len(tok_t), seed=5, logit_scale=8.0), tok_t, "t")
+    drafter = od.Drafter(tiny_llama(len(tok_d), seed=5, logit_scale=8.0), tok_d, "d")
+    install(drafter.model, Static(drafter.model.get_output_embeddings(), torch.arange(0, len(tok_d), 3)))
+    pair = drafter.pair(target, k=3, mode="exact", temperature=1.0)
+    gen = torch.Generator().manual_seed(11)
+    prompt = "Question: how many"
+    n = 1500
+    counts = Counter(pair.generate(prompt, max_new_tokens=2, generator=gen).token_ids[0] for _ in range(n))
+    ids = tok_t(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        p = torch.softmax(target.model(ids).logits[0, -1].float(), -1)
+    big = [t for t in range(len(p)) if p[t] * n >= 5]
+    observed = [counts[t] for t in big] + [n - sum(counts[t] for t in big)]
+    expected = [float(p[t]) * n for t in big] + [n - sum(float(p[t]) * n for t in big)]
+    assert len(big) >= 5 and chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_the_evo_buffer_recalls_the_context_and_stays_bounded():
+    head = torch.nn.Linear(8, 100)
+    evo = Evo(head, torch.arange(10), capacity=5)
+    evo.begin([1, 2, 50, 50, 60])  # 1, 2 are core
+    assert set(evo.counts) == {50, 60}
+    evo.observe([70, 71, 72, 73, 74, 50])
+    assert len(evo.counts) == 5 and 50 in evo.counts  # the most frequent stays
+    ids = torch.cat([b.ids for b in evo.blocks(torch.zeros(1, 8), 0)])
+    assert set(ids.tolist()) == set(range(10)) | set(evo.counts)
+
+
+def test_a_bad_shortlist_kind_names_the_choices(tiny_drafter):
+    with pytest.raises(ValueError, match="shortlist must be one of"):
+        tiny_drafter.use_shortlist("tiny")
