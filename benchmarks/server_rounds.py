@@ -20,7 +20,7 @@ __all__ = ["round_times"]
 
 def round_times(target: Any, contexts: list[int], *, rounds: int = 8, draft: int = 3) -> list[dict[str, Any]]:
     """Per context length: median and spread of the service's time per verify round."""
-    text = " ".join(load_prompts("summarize", 3))
+    text = " ".join(load_prompts("summarize", 8))
     ids = target.tokenizer(text)["input_ids"]
     if len(ids) < max(contexts):
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than the largest context {max(contexts)}")

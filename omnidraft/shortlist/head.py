@@ -24,13 +24,9 @@ def sub_linear(head: nn.Module, ids: torch.Tensor) -> nn.Module:
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     if isinstance(head, DynamicLinear):  # the same int8 values and per-row scales, re-packed: no re-quantization
-        q = head.weight()
-        if q.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric):
-            raise TypeError("a shortlisted int8 head needs per-channel weights (int8.quantize_int8's default)")
-        rows = torch._make_per_channel_quantized_tensor(q.int_repr()[ids], q.q_per_channel_scales()[ids],
-                                                        q.q_per_channel_zero_points()[ids], 0)
-        part = DynamicLinear(q.shape[1], len(ids), dtype=torch.qint8)
-        bias = head.bias()
+        ints, scales, zeros, bias = _unpacked(head)
+        rows = torch._make_per_channel_quantized_tensor(ints[ids], scales[ids], zeros[ids], 0)
+        part = DynamicLinear(ints.shape[1], len(ids), dtype=torch.qint8)
         part.set_weight_bias(rows, None if bias is None else bias[ids].clone())
         return part
     if not isinstance(head, nn.Linear):
@@ -40,6 +36,19 @@ def sub_linear(head: nn.Module, ids: torch.Tensor) -> nn.Module:
     if head.bias is not None:
         part.bias = nn.Parameter(head.bias.detach()[ids].clone(), requires_grad=False)
     return part
+
+
+def _unpacked(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A dynamic int8 head's (int8 values, per-row scales, zero points, bias), unpacked once and
+    kept on the module: unpacking reads the whole matrix, and a clustered head cuts it many times."""
+    cached = head.__dict__.get("_shortlist_unpacked")
+    if cached is None:
+        q, bias = head._weight_bias()
+        if q.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric):
+            raise TypeError("a shortlisted int8 head needs per-channel weights (int8.quantize_int8's default)")
+        cached = (q.int_repr(), q.q_per_channel_scales(), q.q_per_channel_zero_points(), bias)
+        head.__dict__["_shortlist_unpacked"] = cached
+    return cached
 
 
 class Block:
