@@ -79,3 +79,20 @@ def target_greedy(target, prompt: str, n: int) -> list[int]:
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                                 eos_token_id=sorted(target.eos_ids), pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()
+
+
+def assert_first_tokens_follow(target, prompt: str, counts) -> None:
+    """First generated tokens (`counts`: token -> times) against the target's softmax after
+    `prompt`: chi-square over the tokens with expected count >= 5 plus one pooled bin, alpha =
+    0.001 (a correct engine fails by chance once in 1,000 seeds; the seeds are fixed)."""
+    from scipy.stats import chisquare
+
+    n = sum(counts.values())
+    ids = target.tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        p = torch.softmax(target.model(ids).logits[0, -1].float(), -1)
+    big = [t for t in range(len(p)) if p[t] * n >= 5]
+    observed = [counts[t] for t in big] + [n - sum(counts[t] for t in big)]
+    expected = [float(p[t]) * n for t in big] + [n - sum(float(p[t]) * n for t in big)]
+    assert len(big) >= 5
+    assert chisquare(observed, expected).pvalue > 1e-3

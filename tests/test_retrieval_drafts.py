@@ -7,13 +7,12 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import omnidraft as od
 from omnidraft.errors import IncompatibleError
 from omnidraft.retrieve import Datastore, RetrievalConfig
 
-from .conftest import gsm8k_texts, target_greedy, tiny_llama, train_bpe
+from .conftest import assert_first_tokens_follow, gsm8k_texts, target_greedy, tiny_llama, train_bpe
 
 COPY = ["The cat sat on the mat. The dog sat on the log. The cat sat on the",
         "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return",
@@ -84,14 +83,7 @@ def test_sampling_with_retrieved_drafts_keeps_the_target_distribution(mode, draf
         counts[out.token_ids[0]] += 1
         retrieved_first += out.rounds[0].retrieved > 0
     assert retrieved_first > n // 2
-    ids = tok_t(prompt, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        p = torch.softmax(target.model(ids).logits[0, -1].float(), -1)
-    big = [t for t in range(len(p)) if p[t] * n >= 5]
-    observed = [counts[t] for t in big] + [n - sum(counts[t] for t in big)]
-    expected = [float(p[t]) * n for t in big] + [n - sum(float(p[t]) * n for t in big)]
-    assert len(big) >= 5
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert_first_tokens_follow(target, prompt, counts)
 
 
 def test_the_users_past_outputs_are_drafts_and_live_in_the_profile(tiny_drafter, tiny_target, tmp_path):

@@ -7,14 +7,13 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import omnidraft as od
 from omnidraft.int8 import quantize_int8
 from omnidraft.shortlist.head import ShortlistHead, install
 from omnidraft.shortlist.policies import Dyna, Evo, Static
 
-from .conftest import gsm8k_texts, target_greedy, tiny_llama, train_bpe
+from .conftest import assert_first_tokens_follow, gsm8k_texts, target_greedy, tiny_llama, train_bpe
 
 PROMPTS = ["Question: Tom has 3 apples and buys 5 more.", "def add(a, b):\n    return"]
 
@@ -76,13 +75,7 @@ def test_exact_sampling_keeps_the_targets_distribution_with_a_shortlist():
     prompt = "Question: how many"
     n = 1500
     counts = Counter(pair.generate(prompt, max_new_tokens=2, generator=gen).token_ids[0] for _ in range(n))
-    ids = tok_t(prompt, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        p = torch.softmax(target.model(ids).logits[0, -1].float(), -1)
-    big = [t for t in range(len(p)) if p[t] * n >= 5]
-    observed = [counts[t] for t in big] + [n - sum(counts[t] for t in big)]
-    expected = [float(p[t]) * n for t in big] + [n - sum(float(p[t]) * n for t in big)]
-    assert len(big) >= 5 and chisquare(observed, expected).pvalue > 1e-3
+    assert_first_tokens_follow(target, prompt, counts)
 
 
 def test_the_evo_buffer_recalls_the_context_and_stays_bounded():
