@@ -238,11 +238,9 @@ class _Service:
         return reply
 
     def close(self, sid: str, key: int = 0) -> None:
+        self._session(sid, key)  # 404 unless it is there for this key
         with self.table_lock:
-            session = self.sessions.get(sid)
-            if session is None or session.key != key:
-                raise _HTTPError(404, f"no session {sid!r} (closed, expired or never opened)")
-            del self.sessions[sid]
+            self.sessions.pop(sid, None)
 
     def _session(self, sid: str, key: int = 0) -> _Session:
         with self.table_lock:
