@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from .atomic import atomic_write_bytes
 
-__all__ = ["draft_ms", "fastest_drafter"]
+__all__ = ["draft_ms", "drafting_cost", "fastest_drafter", "pairing_outlook"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,29 @@ def draft_ms(drafter: Any, prompt_ids: list[int] | None = None, *, tokens: int =
         times.append((time.perf_counter() - started) * 1e3 / max(1, len(draft.ids)))
         session.commit(0, [])
     return median(times)
+
+
+def drafting_cost(drafter: Any) -> float:
+    """Seconds per drafted token of `drafter` (its class and model), measured once per machine
+    with `draft_ms` and remembered."""
+    from .kernels import remembered
+
+    head = getattr(drafter, "head", None)
+    key = (f"{getattr(drafter, 'name', '?')}|{type(drafter).__name__}|int8 {getattr(drafter, '_int8', None)}|"
+           f"head {type(head.policy).__name__ if head is not None else 'full'}")
+    return float(remembered("drafting-cost", key, lambda: draft_ms(drafter))) / 1e3
+
+
+def pairing_outlook(drafter: Any, target: Any, config: Any) -> Any:
+    """What drafting could gain at best for this pair on this machine (adaptive/policy.py
+    `Outlook`), for a target that reports measured verify costs (`verify_costs()`) and a config
+    that chooses draft lengths for speed; None otherwise (the pairing then measures as it goes)."""
+    from .adaptive.policy import outlook
+
+    verify_costs = getattr(target, "verify_costs", None)
+    if verify_costs is None or config.k is not None or config.objective != "latency":
+        return None
+    return outlook(verify_costs(), drafting_cost(drafter) if config.drafts != "retrieval" else 0.0)
 
 
 def _cache_file() -> Path:

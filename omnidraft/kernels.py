@@ -24,14 +24,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from .atomic import atomic_write_bytes
 
-__all__ = ["BUCKETS", "PATHS", "KernelLinear", "KernelPlan", "host_key", "kernel_plan", "stock_kernels", "use_kernels"]
+__all__ = ["BUCKETS", "PATHS", "KernelLinear", "KernelPlan", "host_key", "kernel_plan", "remembered", "stock_kernels",
+           "use_kernels"]
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,26 @@ def _time_shape(linear: nn.Linear, reps: int) -> dict[str, list[float]]:
         out["dense"].append(_median_ms(lambda w: nn.functional.linear(x, w, b), weights, reps))
         out["onednn"].append(_median_ms(lambda w: _onednn(x, w, b), weights, reps))
     return out
+
+
+def remembered(name: str, key: str, measure: Callable[[], Any]) -> Any:
+    """`measure()` for `key`, measured once per machine and remembered in the JSON file `name`
+    under `$OMNIDRAFT_CACHE/kernels/` (one per host_key; written atomically; an unreadable file is
+    measured again). For figures that depend on the machine, never on the request."""
+    from .presets import cache_dir
+
+    path = cache_dir() / "kernels" / f"{name}-{host_key()}.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if key not in known:
+        known[key] = measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
+    return known[key]
 
 
 def _cache_file(cache: Path | None) -> Path:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .adaptive.head import CostModel, Stopper
-from .adaptive.lengths import DraftLengths
-from .adaptive.policy import CostPolicy, ModeChooser
+from .adaptive.lengths import DraftLengths, plan_drafting
+from .adaptive.policy import CostPolicy
 from .config import K_START, RELAXED, DecodeConfig
 from .distill.attach import attach_adapter
 from .draft import NO_DRAFT, Adaptable
@@ -76,14 +76,9 @@ class Pairing:
         self.retriever = (Retriever.for_user(config.retrieval, user, profile.history if profile else None,
                                              target.token_bytes.fingerprint, model=config.drafts == "hybrid")
                           if config.drafts != "model" else None)
-        # with a mode chooser, whether to draft at all is decided per request from measured throughput. With
-        # retrieval drafts, whose worth depends on each request's context, an in-process target also decides
-        # it round by round (a round without a draft costs it no more than decoding alone); the chooser
-        # then only keeps a whole request from speculating where that measured slower than decoding alone
-        per_round = config.drafts != "model" and getattr(target, "in_process", False)
-        self.modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and config.k is None
-                      and not learn and getattr(target, "generates_alone", False) else None)
-        self.lengths = DraftLengths(config, self.cost, may_idle=self.modes is None or per_round,
+        plan = plan_drafting(drafter, target, config, learn)
+        self.outlook, self.model_drafts, self.free_drafts, self.modes = plan.outlook, plan.model, plan.free, plan.modes
+        self.lengths = DraftLengths(config, self.cost, may_idle=plan.may_idle,
                                     hidden_size=getattr(drafter, "hidden_size", None) if config.head else None,
                                     saved_head=profile.tensors.get("head") if profile else None, shared=self._shared,
                                     label=f"{drafter.name} -> {target.name}")
@@ -105,14 +100,15 @@ class Pairing:
     head = property(lambda self: self.lengths.head, doc="The acceptance head (None without one).")
     head_trainer = property(lambda self: self.lengths.trainer, doc="The head's trainer (None without a head).")
     head_ready = property(lambda self: self.lengths.head_ready, doc="Whether the head (not its fallback) decides.")
+    drafting = property(lambda self: self.model_drafts or self.free_drafts, doc="Whether any draft can pay here.")
 
     @property
     def speculating(self) -> bool:
         """Whether this pairing drafts: False once its measured costs say drafting cannot pay here
         (greedy requests then decode with the target alone, see `DecodeConfig.k` and `objective`)."""
-        if self.modes is not None and not self.modes.speculating:
+        if not self.drafting or (self.modes is not None and not self.modes.speculating):
             return False
-        return self.lengths.speculating
+        return self.lengths.speculating if self.model_drafts else True
 
     @property
     def steps(self) -> int:
@@ -194,6 +190,8 @@ class Pairing:
             self.learner.begin_request()
         with self._book:
             mode = self.modes.choose() if self.modes is not None and rule.mode == "greedy" else "speculate"
+            if not self.drafting and rule.mode == "greedy" and getattr(self.target, "generates_alone", False):
+                mode = "alone"
         try:
             for new, record in self._rounds(prompt, rule, max_new_tokens, generator, mode == "alone", special, rows):
                 rounds.append(record)
@@ -259,10 +257,16 @@ class Pairing:
         token). With `propose_round` and `settle_round`, what a verifier that runs elsewhere needs
         (llamacpp/hook.py)."""
         with self._book:  # begin() also moves the shared acceptance history
-            index = self.retriever.begin(prompt_ids) if self.retriever is not None else None
+            index = self.retriever.begin(prompt_ids) if self.retriever is not None and self.free_drafts else None
         if isinstance(self.drafter, Adaptable):  # a fake or an exported graph has no adapters
             self.drafter.activate(self.adapter)
         return self.drafter.begin(drafter_ids), index, drafter_ids[-1] if drafter_ids else -1
+
+    def first_k(self) -> tuple[int, Stopper | None]:
+        """A request's first draft length (0: no model draft) and the head's stopping rule."""
+        with self._book:
+            k, stopper = self.lengths.begin_request()
+        return (k if self.model_drafts else 0), stopper
 
     def _loop(self, tsession: Any, dsession: Any, rule: Any, max_new_tokens: int, generator: torch.Generator | None,
               topk: int, last: int, index: ContextIndex | None, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
@@ -271,10 +275,7 @@ class Pairing:
         which token healing may let the next draft replace (translate/healing.py). `index`: the
         request's retrieval index (None: model drafts only). `rows`: the target's top-k rows, kept
         for distillation when `topk` > 0."""
-        with self._book:
-            k, stopper = self.lengths.begin_request()
-        if self.config.drafts == "retrieval":
-            k = 0
+        k, stopper = self.first_k()
         produced, first, previous, idle = 0, True, None, False  # idle: the last round did not draft
         while produced < max_new_tokens:
             t0 = time.perf_counter()
@@ -363,7 +364,7 @@ class Pairing:
         if index is not None:
             index.commit(new)
             self.retriever.observe(used, len(proposal), accepted)
-        if self.config.drafts != "retrieval":
+        if self.model_drafts:
             modeled = len(proposal) - proposal.retrieved
             k = self.lengths.next(k, stopper, len(draft.ids), modeled, accepted - retrieved_accepted, keep)
         return (draft.ids[:keep] + tail or [last])[-1], k

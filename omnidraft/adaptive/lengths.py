@@ -7,16 +7,51 @@ each round, and hands it each finished request for the head's training cadence.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .head import AcceptanceHead, CostModel, Stopper, head_state
-from .policy import CostPolicy, Hysteresis
+from .policy import CostPolicy, Hysteresis, ModeChooser, Outlook
 
-__all__ = ["DraftLengths"]
+__all__ = ["DraftLengths", "DraftingPlan", "plan_drafting"]
 
 log = logging.getLogger("omnidraft.pairing")
+
+
+@dataclass(frozen=True)
+class DraftingPlan:
+    """Which drafts a pairing uses and who decides when: `model` / `free` (retrieved) drafts, each
+    on unless the config excludes it or the outlook says it cannot pay here; `modes`, the
+    per-request chooser between speculating and the target decoding alone (None: every request
+    speculates, or none can); `may_idle`, whether the cost policy may skip drafting a round."""
+
+    outlook: Outlook | None
+    model: bool
+    free: bool
+    modes: ModeChooser | None
+    may_idle: bool
+
+
+def plan_drafting(drafter: Any, target: Any, config: Any, learn: bool) -> DraftingPlan:
+    """The DraftingPlan of a new pairing. With a mode chooser, whether to draft at all is decided
+    per request from measured throughput. With retrieved drafts, whose worth depends on each
+    request's context, an in-process target also decides it round by round (a round without a
+    draft costs it no more than decoding alone); the chooser then only keeps a whole request from
+    speculating where that measured slower than decoding alone."""
+    from ..backends import pairing_outlook
+
+    seen = None if learn else pairing_outlook(drafter, target, config)
+    model = config.drafts != "retrieval" and (seen is None or seen.model_pays)
+    free = config.drafts != "model" and (seen is None or seen.free_pays)
+    if seen is not None and not (model or free):
+        log.info("%s -> %s: drafting cannot pay on this machine; the target decodes alone (%s)", drafter.name,
+                 target.name, seen.reason())
+    modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and config.k is None
+             and not learn and getattr(target, "generates_alone", False) and (model or free) else None)
+    per_round = config.drafts != "model" and getattr(target, "in_process", False)
+    return DraftingPlan(seen, model, free, modes, modes is None or per_round)
 
 
 class DraftLengths:

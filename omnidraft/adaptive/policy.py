@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-__all__ = ["CostPolicy", "Hysteresis", "ModeChooser"]
+__all__ = ["CostPolicy", "Hysteresis", "ModeChooser", "Outlook", "outlook"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +33,53 @@ class Hysteresis:
         if accepted >= proposed:
             return min(self.k_max, k + self.grow)
         return max(self.k_min, min(k, accepted + 1))
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """What drafting could gain at best, from a target's measured verify costs, before any request:
+    the highest expected speedup over decoding alone of drafts that cost nothing (retrieval) and
+    of model drafts (the drafter's cost per token added), at an optimistic per-token acceptance.
+    A kind of draft is used only when its gain reaches `need`; where neither does, the pairing
+    decodes with the target alone and never probes (`outlook` says why)."""
+
+    free: float
+    model: float
+    steps: dict[int, float]  # verifying n tokens, in units of one decoding step
+    draft_steps: float  # a drafted token, in units of one decoding step
+    acceptance: float
+    need: float
+
+    @property
+    def free_pays(self) -> bool:
+        return self.free >= self.need
+
+    @property
+    def model_pays(self) -> bool:
+        return self.model >= self.need
+
+    def reason(self) -> str:
+        curve = ", ".join(f"{n}: {s:.2f}" for n, s in sorted(self.steps.items()))
+        return (f"verifying n tokens costs [{curve}] decoding steps and a drafted token {self.draft_steps:.2f}; "
+                f"at {self.acceptance:.0%} acceptance the best draft would give {self.model:.2f}x (model drafts), "
+                f"{self.free:.2f}x (free retrieved drafts); drafting needs {self.need:.2f}x")
+
+
+def outlook(verify: dict[int, float], draft: float, *, acceptance: float = 0.9, need: float = 1.1) -> Outlook:
+    """The Outlook of a target whose verify of n tokens costs `verify[n]` seconds (n = 1 included)
+    with a drafter whose drafted token costs `draft` seconds. A draft of n - 1 tokens commits
+    E(n) = (1 - a^n) / (1 - a) tokens in V(n) + (n - 1) c_d; decoding alone, E(n) V(1)."""
+    if 1 not in verify or verify[1] <= 0:
+        raise ValueError(f"verify costs must include a positive cost for one token, got {verify}")
+    if not 0 < acceptance < 1:
+        raise ValueError(f"acceptance must be in (0, 1), got {acceptance}")
+    one, a = verify[1], acceptance
+
+    def best(c: float) -> float:
+        return max(((1 - a**n) / (1 - a)) * one / (v + (n - 1) * c) for n, v in verify.items() if n > 1)
+
+    return Outlook(free=best(0.0), model=best(draft), steps={n: v / one for n, v in verify.items()},
+                   draft_steps=draft / one, acceptance=a, need=need)
 
 
 def ema(old: float | None, new: float, decay: float) -> float:

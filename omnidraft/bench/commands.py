@@ -150,14 +150,16 @@ def _bench_llama(args: argparse.Namespace) -> None:
         same = "qwen2.5-coder-0.5b" if target_spec == "qwen2.5-coder-1.5b" else None
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
             bar = tqdm(desc=f"{pair_spec} {dataset} llama.cpp", file=sys.stderr)
+            notes: list[str] = []
             rows = run_llama(drafter_spec, target_spec, load_prompts(dataset, args.n), args.max_new_tokens,
-                             same_vocab_draft=same, fp32=not args.no_peers, progress=bar.set_postfix_str)
+                             same_vocab_draft=same, fp32=not args.no_peers, notes=notes, progress=bar.set_postfix_str)
             bar.close()
             results[f"{pair_spec}/{dataset}"] = rows
             text += (f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens; speedup over llama.cpp "
                      "alone (total time)\n\n| row | tok/s | speedup | identical |\n|---|---|---|---|\n")
             text += "".join(f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n"
                             for r in summarize_llama(rows))
+            text += "".join(f"\n- {note}" for note in notes) + "\n"
             atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
             atomic_write_bytes(out / f"{args.name}.md", text.encode())
     print(text)

@@ -7,7 +7,9 @@ Rows, on the same prompts and the same GGUF file, each greedy, timed per request
   stopped below 0.75 draft probability);
 - llama.cpp prompt lookup: its `generate` with `LlamaPromptLookupDecoding` (its defaults);
 - omnidraft, in process: the SmolLM2 drafter on each installed backend paired with
-  `LlamaCppTarget` (defaults: hybrid drafts, costs measured per round);
+  `LlamaCppTarget` (defaults: hybrid drafts; what drafting can gain decided from the target's
+  measured verify costs, then per round), and the llama.cpp drafter made to draft every request
+  (objective "compute"), to show what drafting costs where the defaults decline it;
 - omnidraft through the hook: llama-cpp-python's `generate` with `OmnidraftDraftModel`;
 - the fp32 PyTorch target alone, for reference.
 llama-cpp-python keeps logits for every position once a draft model is set (`logits_all`): the
@@ -67,10 +69,10 @@ def _pairing(pair: Any, prompt: str, n: int) -> Timed:
 
 
 def run_llama(drafter_spec: str, target_spec: str, prompts: list[str], max_new_tokens: int, *,
-              same_vocab_draft: str | None, fp32: bool = True, n_ctx: int = 4096,
+              same_vocab_draft: str | None, fp32: bool = True, n_ctx: int = 4096, notes: list[str] | None = None,
               progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
     """Per prompt, per row: {"row", "prompt", "tokens", "seconds", "identical"} (identical: the
-    same ids as llama.cpp alone)."""
+    same ids as llama.cpp alone). `notes` receives each pairing's outlook (why it drafts or not)."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     import omnidraft as od
@@ -93,9 +95,14 @@ def run_llama(drafter_spec: str, target_spec: str, prompts: list[str], max_new_t
     for name, draft in drafts.items():
         rows[name] = lambda p, ids, draft=draft: (setattr(spec, "draft_model", draft),
                                                   _own(spec, ids, max_new_tokens, target.eos_ids))[1]
-    for backend, drafter in drafters.items():
-        pair = drafter.pair(target)
-        rows[f"omnidraft ({backend} drafter)"] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
+    pairs = {f"omnidraft ({backend} drafter)": drafter.pair(target) for backend, drafter in drafters.items()}
+    pairs["omnidraft (llama.cpp drafter, always drafting)"] = drafters["llama.cpp"].pair(target, objective="compute")
+    for name, pair in pairs.items():
+        rows[name] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
+        if notes is not None and pair.outlook is not None:
+            notes.append(f"{name}: {'drafts' if pair.drafting else 'decodes alone'} "
+                         f"(model drafts {'on' if pair.model_drafts else 'off'}, retrieved drafts "
+                         f"{'on' if pair.free_drafts else 'off'}): {pair.outlook.reason()}")
     if fp32:
         from .baselines import target_alone
 

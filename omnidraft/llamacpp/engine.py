@@ -8,23 +8,22 @@ from the last caller's sequence (the prompt cache llama-cpp-python's own `genera
 Only the rows asked for are computed and copied: a verify costs O(draft), not O(context).
 
 Lossless on llama.cpp needs the numbers, not only the algorithm, to match its own decoding: CPU
-matrix kernels differ by batch size (a repacked GEMM from four rows up, other tile kernels above
-some size), and logits then differ in the last bits, enough to flip a near-tie. So (docs/llamacpp.md):
-- the weights are not repacked (`use_extra_bufts` off: on the presets' quantization types it
-  costs nothing measurable), here and in every baseline built by `open_llama`;
-- how many tokens one call may evaluate and still give bit for bit what one token at a time gives
-  is measured per machine and model (`exact_rows`, cached), and a verify is fed in calls of at
-  most that many tokens;
-- a prompt is evaluated as llama-cpp-python's `generate` evaluates it: in one call up to and
-  including its last token.
+matrix kernels differ by batch size (a repacked GEMM from a few rows up, other tile kernels above
+some size), and logits then differ in the last bits, enough to flip a near-tie. So
+(docs/llamacpp.md): how many tokens one call may evaluate and still give bit for bit what one
+token at a time gives is measured per machine, model and settings (`exact_rows`, remembered), a
+verify is fed in calls of at most that many tokens, and a prompt is evaluated as
+llama-cpp-python's `generate` evaluates it (in one call up to and including its last token).
+The weights are repacked as llama.cpp does by default (the fastest decoding; `repack=False`
+allows longer exact calls but slows every call), here and in every baseline `open_llama` builds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -88,14 +87,14 @@ _LOAD_LOCK = threading.Lock()
 
 
 def open_llama(path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None, n_batch: int = 512,
-               flash_attn: bool = True, **extra: Any) -> Any:
+               flash_attn: bool = True, repack: bool = True, **extra: Any) -> Any:
     """A `llama_cpp.Llama` with the settings every engine here uses, so that a baseline (the
-    engine's own `generate`, its own speculative decoding) runs exactly as our sessions do: weights
-    not repacked, flash attention (faster on CPU here). swa_full: a sliding-window model (Gemma 3)
-    keeps every position, so any suffix can be removed."""
+    engine's own `generate`, its own speculative decoding) runs exactly as our sessions do: flash
+    attention (faster on CPU here), weights repacked unless `repack=False`. swa_full: a
+    sliding-window model (Gemma 3) keeps every position, so any suffix can be removed."""
     lc = require_llama_cpp()
     threads = threads or os.cpu_count() or 1
-    with _LOAD_LOCK, _no_repack(lc):
+    with _LOAD_LOCK, (contextlib.nullcontext() if repack else _no_repack(lc)):
         return lc.Llama(model_path=os.fspath(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
                         n_threads_batch=threads, swa_full=True, flash_attn=flash_attn, verbose=False, **extra)
 
@@ -116,17 +115,19 @@ class LlamaEngine:
     `n_ctx`: the longest sequence a caller may pass. `n_batch`: tokens per llama_decode call.
     `slots`: KV sequences kept side by side (each of `n_ctx`), one per recent owner (a server's
     sessions): an owner that finds its slot intact pays only for its new tokens; past `slots`
-    owners, the least recently used slot is taken over and its owner evaluates afresh next time."""
+    owners, the least recently used slot is taken over and its owner evaluates afresh next time.
+    `repack`: llama.cpp's weight repacking (its default, and its fastest decoding here)."""
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
-                 n_batch: int = 512, flash_attn: bool = True, exact_rows: int | None = None, slots: int = 1) -> None:
+                 n_batch: int = 512, flash_attn: bool = True, exact_rows: int | None = None, slots: int = 1,
+                 repack: bool = True) -> None:
         if n_ctx < 16 or n_batch < 16 or slots < 1:
             raise ValueError(f"n_ctx and n_batch must be >= 16 and slots >= 1, got {n_ctx}, {n_batch}, {slots}")
         lc = self._lc = require_llama_cpp()
         self.path = Path(path)
-        self.threads, self.flash_attn = threads or os.cpu_count() or 1, flash_attn
+        self.threads, self.flash_attn, self.repack = threads or os.cpu_count() or 1, flash_attn, repack
         self.llm = open_llama(self.path, n_ctx=n_ctx if slots == 1 else 64, threads=self.threads, n_batch=n_batch,
-                              flash_attn=flash_attn)
+                              flash_attn=flash_attn, repack=repack)
         self._context = self.llm._ctx
         if slots > 1:  # llama-cpp-python's Llama keeps one sequence: a context of our own holds `slots`
             from llama_cpp import _internals
@@ -218,25 +219,41 @@ class LlamaEngine:
     def _row(self, i: int) -> np.ndarray:
         return np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,))
 
+    def _key(self) -> str:
+        """What this engine's numbers and costs are a function of besides the machine."""
+        return (f"{self.path.name}|{self.path.stat().st_size}|{self._lc.__version__}|{self.threads}|"
+                f"{self.flash_attn}|repack {self.repack}")
+
     def _exact_rows(self) -> int:
         """The most tokens one call may evaluate and give, bit for bit, the logits one token a call
-        gives: measured once per machine, llama.cpp build and model file, then remembered."""
-        from ..kernels import host_key
-        from ..presets import cache_dir
+        gives: measured once per machine, llama.cpp build, model file and settings, then remembered."""
+        from ..kernels import remembered
 
-        key = f"{self.path.name}|{self.path.stat().st_size}|{self._lc.__version__}|{self.threads}|{self.flash_attn}"
-        path = cache_dir() / "kernels" / f"llama-exact-rows-{host_key()}.json"
-        try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            known = {}
-        if key not in known:
-            known[key] = self._probe_exact_rows()
-            from ..atomic import atomic_write_bytes
+        return int(remembered("llama-exact-rows", self._key(), self._probe_exact_rows))
 
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
-        return int(known[key])
+    def row_costs(self, most: int = 8) -> dict[int, float]:
+        """Seconds to evaluate n = 1..`most` tokens after a context and get their logits, fed as a
+        verify is (calls of at most `exact_rows`): what verifying n tokens costs. Measured once per
+        machine, model and settings (a few seconds), then remembered."""
+        from ..kernels import remembered
+
+        costs = remembered("llama-row-costs", f"{self._key()}|rows {most}", lambda: self._time_rows(most))
+        return {int(n): float(s) for n, s in costs.items()}
+
+    def _time_rows(self, most: int, reps: int = 5) -> dict[str, float]:
+        text = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n" * 12
+        ids = self.tokenize(text)[: min(200, self.n_ctx - most - 1)]
+        times: dict[int, list[float]] = {n: [] for n in range(1, most + 1)}
+        with self.lock:
+            self._select(self)
+            self.logits(ids, 1, owner=self)
+            for _ in range(reps):  # interleaved, so that a slow moment spreads over every n
+                for n in times:
+                    started = time.perf_counter()
+                    self.logits(ids + ids[:n], n, prompt=len(ids), owner=self)
+                    times[n].append(time.perf_counter() - started)
+            self.release(self)
+        return {str(n): sorted(t)[len(t) // 2] for n, t in times.items()}
 
     def _probe_exact_rows(self) -> int:
         prompt = self.tokenize("def area(radius):\n    return 3.14159 * radius ** 2\n\n# The area of a circle")[:24]

@@ -75,9 +75,7 @@ class OmnidraftDraftModel(LlamaDraftModel):
         p = self.pairing
         text = p.target.token_bytes.join(ids).decode("utf-8", errors="replace")
         self.dsession, self.index, self.last = p.open_drafts(ids, p.drafter.tokenizer(text, add_special_tokens=False)["input_ids"])
-        self.k, self.stopper = p.lengths.begin_request()
-        if p.config.drafts == "retrieval":
-            self.k = 0
+        self.k, self.stopper = p.first_k()
         self._idle = False
 
     def _settle(self, new: list[int], now: float) -> None:

@@ -107,6 +107,11 @@ class LlamaCppTarget:
         eos = self.tokenizer.eos_token_id
         self.eos_ids = self.engine.eog_ids() | ({eos} if isinstance(eos, int) else set())
 
+    def verify_costs(self) -> dict[int, float]:
+        """Seconds to verify n tokens (n = 1 .. 8), measured on this machine (LlamaEngine.row_costs):
+        what a pairing reads to decide whether drafting can pay here at all."""
+        return self.engine.row_costs()
+
     @classmethod
     def load(cls, spec: str, **options: Any) -> LlamaCppTarget:
         """Same as the constructor, named like the other backends' loaders."""

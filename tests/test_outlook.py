@@ -1,0 +1,107 @@
+"""Whether drafting can pay at all, decided before any request from a target's measured verify
+costs (adaptive/policy.py `outlook`): where it cannot, the pairing decodes with the target alone
+and never probes; where only free retrieved drafts can, it drafts no model tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import omnidraft.backends
+from omnidraft import kernels
+from omnidraft.adaptive.policy import outlook
+from tests.conftest import target_greedy
+
+PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+
+
+class CostedTarget:
+    """A target that reports verify costs, as LlamaCppTarget does (measured there)."""
+
+    def __init__(self, inner, costs: dict[int, float]) -> None:
+        self._inner, self._costs = inner, costs
+
+    def verify_costs(self) -> dict[int, float]:
+        return dict(self._costs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+LINEAR = {n: 0.02 * n for n in range(1, 9)}  # n tokens cost n steps: nothing can pay
+CHEAP = {n: 0.02 * (1 + 0.1 * (n - 1)) for n in range(1, 9)}  # memory-bound: drafts pay
+
+
+@pytest.fixture(autouse=True)
+def drafter_cost(monkeypatch):
+    monkeypatch.setattr(omnidraft.backends, "drafting_cost", lambda drafter: 0.005)
+
+
+def test_the_outlook_of_linear_cheap_and_costly_drafts():
+    linear = outlook(LINEAR, 0.0)
+    assert linear.free < 1 and not linear.free_pays and not linear.model_pays
+    cheap = outlook(CHEAP, 0.002)
+    assert cheap.free_pays and cheap.model_pays and cheap.free > cheap.model
+    costly = outlook(CHEAP, 0.05)  # a drafted token dearer than two decoding steps
+    assert costly.free_pays and not costly.model_pays
+    assert "decoding steps" in costly.reason() and "1.10x" in costly.reason()
+    with pytest.raises(ValueError, match="one token"):
+        outlook({2: 0.1}, 0.0)
+    with pytest.raises(ValueError, match="acceptance"):
+        outlook(CHEAP, 0.0, acceptance=1.0)
+
+
+def test_where_drafting_cannot_pay_the_pairing_decodes_alone_and_says_why(tiny_drafter, tiny_target, caplog):
+    target = CostedTarget(tiny_target, LINEAR)
+    with caplog.at_level(logging.INFO, logger="omnidraft.pairing"):
+        pairing = tiny_drafter.pair(target)
+    assert not pairing.drafting and not pairing.speculating and pairing.modes is None
+    assert "drafting cannot pay" in caplog.text and "decoding steps" in caplog.text
+    for _ in range(3):  # never a probe
+        out = pairing.generate(PROMPT, max_new_tokens=24)
+        assert out.token_ids == target_greedy(tiny_target, PROMPT, 24)
+        assert sum(r.drafted + r.proposed for r in out.rounds) == 0
+    sampled = pairing.generate(PROMPT, max_new_tokens=8, temperature=0.8, seed=1)  # sampling: one token a round
+    assert all(r.proposed == 0 for r in sampled.rounds)
+
+
+def test_where_only_free_drafts_can_pay_no_model_token_is_drafted(tiny_drafter, tiny_target, monkeypatch):
+    monkeypatch.setattr(omnidraft.backends, "drafting_cost", lambda drafter: 0.05)
+    pairing = tiny_drafter.pair(CostedTarget(tiny_target, CHEAP))
+    assert pairing.free_drafts and not pairing.model_drafts and pairing.drafting
+    prompt = PROMPT + " " + PROMPT  # something to copy
+    out = pairing.generate(prompt, max_new_tokens=24)
+    assert out.token_ids == target_greedy(tiny_target, prompt, 24)
+    assert sum(r.drafted for r in out.rounds) == 0
+
+
+def test_where_drafting_can_pay_the_pairing_drafts(tiny_drafter, tiny_target):
+    pairing = tiny_drafter.pair(CostedTarget(tiny_target, CHEAP))
+    assert pairing.outlook.model_pays and pairing.model_drafts and pairing.free_drafts
+    out = pairing.generate(PROMPT, max_new_tokens=24)
+    assert out.token_ids == target_greedy(tiny_target, PROMPT, 24)
+    assert sum(r.drafted for r in out.rounds) > 0
+
+
+def test_a_fixed_draft_length_or_learning_skips_the_outlook(tiny_drafter, tiny_target):
+    target = CostedTarget(tiny_target, LINEAR)
+    assert tiny_drafter.pair(target, k=4).outlook is None
+    assert tiny_drafter.pair(target, objective="compute").outlook is None
+
+
+def test_machine_figures_are_measured_once_and_survive_a_corrupt_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"1": 0.5}
+
+    assert kernels.remembered("probe", "model|a", measure) == {"1": 0.5}
+    assert kernels.remembered("probe", "model|a", measure) == {"1": 0.5}
+    assert len(calls) == 1
+    (file,) = (tmp_path / "kernels").glob("probe-*.json")
+    file.write_text("{not json")
+    assert kernels.remembered("probe", "model|a", measure) == {"1": 0.5}
+    assert len(calls) == 2
