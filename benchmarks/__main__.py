@@ -126,7 +126,24 @@ def _parser() -> argparse.ArgumentParser:
                    help="drafter backends to compare, repeatable (default: all three)")
     r.add_argument("--shortlist", action="append", choices=["static", "evo", "dyna"],
                    help="also the int8 drafter with this shortlisted head, repeatable")
+    r.add_argument("--shortlist-size", type=int, default=8192, help="static core size (DynaSpec: its core is 1/8 of it)")
+    r.add_argument("--shortlist-clusters", type=int, default=64, help="DynaSpec's clusters of head rows")
+    r.add_argument("--shortlist-buffer", type=int, default=2048, help="EvoSpec's buffer capacity")
+    r.add_argument("--shortlist-budget", default="8,6,4", help="DynaSpec clusters per draft position, comma-separated")
     add_decoding_args(r)
+
+    s = sub.add_parser("shortlists", help="shortlist policies by support size, teacher-forced on the target's text")
+    s.add_argument("--pair", default="gemma3-270m:qwen2.5-coder-0.5b", help="DRAFTER:TARGET (the target on llama.cpp)")
+    s.add_argument("--dataset", action="append", help="repeatable (default: gsm8k, humaneval, summarize)")
+    s.add_argument("--n", type=int, default=10)
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--size", type=int, action="append", help="static/evo support sizes (default 1k to 64k)")
+    s.add_argument("--buffer", type=int, default=512, help="EvoSpec's buffer, inside each size")
+    s.add_argument("--clusters", type=int, default=256, help="DynaSpec's clusters of head rows")
+    s.add_argument("--core", type=int, default=1024, help="DynaSpec's static core")
+    s.add_argument("--budget", type=int, action="append", help="DynaSpec clusters per position (default 1 2 4 8 16 32)")
+    s.add_argument("--out", default="bench_out")
+    s.add_argument("--name", default="shortlists")
 
     v = sub.add_parser("server-rounds", help="the verification server's time per round against context length")
     v.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -167,12 +184,31 @@ def _server_rounds(args: argparse.Namespace) -> None:
         print(f"| {r['context']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} |")
 
 
+def _shortlists(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    import omnidraft as od
+
+    from .shortlists import markdown, run_shortlists
+
+    drafter_spec, target_spec = split_pair(args.pair)
+    bar = tqdm(desc="shortlists", file=sys.stderr)
+    result = run_shortlists(od.Drafter.load(drafter_spec), target_spec,
+                            datasets=args.dataset or ["gsm8k", "humaneval", "summarize"], n=args.n,
+                            tokens=args.max_new_tokens, sizes=args.size or [1024, 2048, 4096, 8192, 16384, 32768, 65536],
+                            buffer=args.buffer, clusters=args.clusters, core=args.core,
+                            budgets=args.budget or [1, 2, 4, 8, 16, 32], out=Path(args.out), name=args.name,
+                            progress=bar.set_postfix_str)
+    bar.close()
+    print(markdown(result))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     start_run(args)
     run = {"adapt": commands.adapt, "draft-lengths": commands.bench_draft, "replay": commands.bench_replay,
            "ngram-cache": commands.bench_cache, "switch": commands.bench_switch, "drafters": commands.bench_drafters,
-           "calibrate": _calibrate, "server-rounds": _server_rounds}
+           "calibrate": _calibrate, "server-rounds": _server_rounds, "shortlists": _shortlists}
     run[args.command](args)
 
 

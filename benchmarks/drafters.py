@@ -35,7 +35,14 @@ def run_drafters(drafters: dict[str, Any], target: Any, *, datasets: list[str], 
                                 "file_mb": size / 2**20 if size else None})
     for dataset in datasets:
         pairs = {label: d.pair(target, k=k, stop_confidence=stop_confidence) for label, d in drafters.items()}
+        heads = {label: getattr(d, "head", None) for label, d in drafters.items()}
+        for head in heads.values():
+            if head is not None:
+                head.support_sizes.clear()
         rows = compare_pairings(pairs, load_prompts(dataset, n), max_new_tokens, progress)
+        for row in rows["rows"]:  # a shortlisted head's mean support over the run's drafter calls
+            head = heads.get(row["variant"])
+            row["support"] = sum(head.support_sizes) / len(head.support_sizes) if head is not None and head.support_sizes else None
         result["runs"].append({"dataset": dataset, **rows})
         _write(result, out, name)
     _write(result, out, name)
@@ -51,11 +58,12 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {c['drafter']} | {c['ms_per_token']:.1f} | {'%.0f' % c['file_mb'] if c['file_mb'] else '–'} |")
     for run in result["runs"]:
         lines += ["", f"{run['dataset']}: target alone {run['target_tok_s']:.2f} tok/s", "",
-                  "| drafter | acceptance | τ | draft ms/token | tok/s | speedup vs target | identical |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| drafter | mean support | acceptance | τ | draft ms/token | tok/s | speedup vs target | identical |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in run["rows"]:
-            lines.append(f"| {r['variant']} | {r['acceptance_rate']:.3f} | {r['tau']:.2f} | {r['draft_ms_per_token']:.1f} | "
-                         f"{r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |")
+            support = f"{r['support']:.0f}" if r.get("support") else "all"
+            lines.append(f"| {r['variant']} | {support} | {r['acceptance_rate']:.3f} | {r['tau']:.2f} | "
+                         f"{r['draft_ms_per_token']:.1f} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |")
     return "\n".join(lines) + "\n"
 
 

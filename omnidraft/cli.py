@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--prune", action="store_true",
                    help="keep only LM-head rows the pairing can use (shared vocabulary + n-gram sub-tokens); needs --target")
     e.add_argument("--parity-prompts", type=int, default=4, help="prompts for the export-time parity check (0: skip)")
+    e.add_argument("--head", choices=["inside", "outside"], default="inside",
+                   help="outside: the graph ends at the hidden state and the LM head is saved beside it, for "
+                        "shortlisted heads (OrtDrafter.use_shortlist)")
 
     v = sub.add_parser("serve", help="a verification server for remote pairing (RemoteTarget)")
     v.add_argument("--target", default=TARGET)
@@ -138,7 +141,8 @@ def _export(args: argparse.Namespace) -> None:
                + load_prompts("humaneval", max(1, args.parity_prompts - args.parity_prompts // 2))][: args.parity_prompts]
     sidecar = export_drafter(loaded.model, args.out, name=loaded.name, tokenizer=tokenizer, fingerprint=token_bytes.fingerprint,
                              adapter=adapter, adapter_config=config_from_state(adapter) if adapter else None,
-                             adapter_id=adapter_id, quantize=args.quantize, keep_ids=keep, parity_prompts=prompts or None)
+                             adapter_id=adapter_id, quantize=args.quantize, keep_ids=keep, parity_prompts=prompts or None,
+                             head=args.head)
     shown = {k: v for k, v in sidecar.items() if k != "keep_ids"}
     shown["kept_tokens"] = len(sidecar["keep_ids"]) if sidecar["keep_ids"] else None
     print(json.dumps(shown, indent=1))

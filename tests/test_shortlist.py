@@ -92,3 +92,33 @@ def test_the_evo_buffer_recalls_the_context_and_stays_bounded():
 def test_a_bad_shortlist_kind_names_the_choices(tiny_drafter):
     with pytest.raises(ValueError, match="shortlist must be one of"):
         tiny_drafter.use_shortlist("tiny")
+
+
+def test_shortlist_files_are_versioned_and_refused_when_they_do_not_fit(tiny_drafter, target_tokenizer, tmp_path):
+    """A shortlist kept beside the drafter is read back; one for another tokenizer, of another
+    format or with a router of another width is refused with the reason; a bad cached one is rebuilt."""
+    import io
+
+    from omnidraft.shortlist.build import shortlist
+
+    path = tmp_path / "drafter.shortlist.pt"
+    built = shortlist(tiny_drafter, "dyna", size=256, clusters=8, path=path)
+    again = shortlist(tiny_drafter, "dyna", size=256, clusters=8, path=path)
+    assert torch.equal(built.core.ids, again.core.ids)
+    other = od.Drafter(tiny_llama(len(target_tokenizer), seed=3), target_tokenizer, "other")
+    with pytest.raises(ValueError, match="another tokenizer"):
+        shortlist(other, "static", size=256, clusters=8, path=path)
+    saved = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+    for change, reason in [({"format": 0}, "format"), ({"router": {"weight": torch.zeros(8, 3)}}, "router"),
+                           ({"core": torch.tensor([10**7])}, "vocabulary")]:
+        bad = tmp_path / f"bad-{reason}.pt"
+        torch.save({**saved, **change}, bad)
+        with pytest.raises(ValueError, match=reason):
+            shortlist(tiny_drafter, "dyna", size=256, clusters=8, path=bad)
+    bad.write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="unreadable"):
+        shortlist(tiny_drafter, "static", size=256, path=bad)
+    cached = shortlist(tiny_drafter, "static", size=256)  # the cache: built, then a corrupt copy rebuilt
+    (file,) = (tmp_path / "shortlists").glob("*.pt")
+    file.write_bytes(b"torn")
+    assert torch.equal(shortlist(tiny_drafter, "static", size=256).core.ids, cached.core.ids)

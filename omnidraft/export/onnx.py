@@ -39,8 +39,9 @@ OPSET = 17
 class LlamaGraph(nn.Module):
     """The Llama forward of `model` (an HF LlamaForCausalLM, adapters merged) over explicit KV tensors."""
 
-    def __init__(self, model: Any, keep_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, model: Any, keep_ids: Sequence[int] | None = None, *, head: bool = True) -> None:
         super().__init__()
+        self.with_head = head
         cfg = model.config
         if cfg.model_type != "llama":
             raise ValueError(f"ONNX export supports Llama-architecture drafters; this one is {cfg.model_type!r}")
@@ -100,7 +101,7 @@ class LlamaGraph(nn.Module):
             h = self._rms(x, layer.post_attention_layernorm.weight)
             x = x + mlp.down_proj(nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         hidden = self._rms(x[:, -1], self.norm.weight)
-        return (hidden @ self.lm_head_t, hidden, *presents)
+        return (hidden @ self.lm_head_t, hidden, *presents) if self.with_head else (hidden, *presents)
 
     def empty_past(self) -> list[torch.Tensor]:
         return [torch.zeros(1, self.kv_heads, 0, self.head_dim) for _ in range(2 * len(self.layers))]
@@ -119,7 +120,7 @@ def _export_graph(graph: LlamaGraph, path: Path) -> None:
     axes = {"input_ids": {1: "new"}, **{n: {2: "past"} for n in past_names}, **{n: {2: "total"} for n in present_names}}
     with torch.no_grad():
         torch.onnx.export(graph, (ids, *past), str(path), input_names=["input_ids", *past_names],
-                          output_names=["logits", "hidden", *present_names], dynamic_axes=axes,
+                          output_names=["logits"] * graph.with_head + ["hidden", *present_names], dynamic_axes=axes,
                           opset_version=OPSET, dynamo=False)
 
 
@@ -171,9 +172,17 @@ def parity(model: Any, onnx_path: Path, keep_ids: Sequence[int] | None, prompts:
 def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fingerprint: str,
                    adapter: dict[str, torch.Tensor] | None = None, adapter_config: Any = None, adapter_id: str | None = None,
                    quantize: str | None = None, keep_ids: Sequence[int] | None = None,
-                   parity_prompts: list[list[int]] | None = None, parity_steps: int = 16) -> dict[str, Any]:
+                   parity_prompts: list[list[int]] | None = None, parity_steps: int = 16,
+                   head: str = "inside") -> dict[str, Any]:
     """Export fp32 HF Llama `model` (drafter `name`) with `adapter` merged: writes `out` (.onnx), its
-    tokenizer beside it (OUT.tokenizer/) and the JSON sidecar (OUT.json); returns the sidecar."""
+    tokenizer beside it (OUT.tokenizer/) and the JSON sidecar (OUT.json); returns the sidecar.
+    `head="outside"`: the graph ends at the final hidden state and the LM head's weight is saved
+    beside it (OUT.head.pt), for the drafter to evaluate in PyTorch, whole or shortlisted
+    (`OrtDrafter.use_shortlist`)."""
+    if head not in ("inside", "outside"):
+        raise ValueError(f"head must be 'inside' or 'outside', got {head!r}")
+    if head == "outside" and keep_ids is not None:
+        raise ValueError("a pruned head (keep_ids) is a head inside the graph; outside, shortlist it instead")
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     out = Path(out)
@@ -188,7 +197,7 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
         smooth_mlps(model, tokenizer)
     if keep_ids is not None:
         keep_ids = _aligned(sorted(set(int(i) for i in keep_ids)), int(model.config.vocab_size))
-    graph = LlamaGraph(model, keep_ids).eval()
+    graph = LlamaGraph(model, keep_ids, head=head == "inside").eval()
     tmp = out.with_name(out.name + ".tmp")
     _export_graph(graph, tmp)
     if quantize == "int8":
@@ -200,13 +209,23 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
         fp32.unlink()
     tmp.replace(out)
     tokenizer.save_pretrained(str(out.with_suffix(".tokenizer")))
-    report = parity(model, out, keep_ids, parity_prompts or [], parity_steps) if parity_prompts else None
+    head_file = None
+    if head == "outside":
+        import io
+
+        head_file = out.with_suffix(".head.pt")
+        buffer = io.BytesIO()
+        torch.save({"weight": model.lm_head.weight.detach().clone()}, buffer)
+        atomic_write_bytes(head_file, buffer.getvalue())
+    report = (parity(model, out, keep_ids, parity_prompts or [], parity_steps)
+              if parity_prompts and head == "inside" else None)
     sidecar = {
         "format": SIDECAR_FORMAT, "version": 1, "drafter": name, "tokenizer_fingerprint": fingerprint,
         "vocab_size": int(model.config.vocab_size), "hidden_size": int(model.config.hidden_size),
         "layers": len(graph.layers), "kv_heads": graph.kv_heads, "head_dim": graph.head_dim,
         "eos_token_id": tokenizer.eos_token_id, "adapter": adapter_id, "opset": OPSET, "quantization": quantize,
-        "keep_ids": keep_ids, "onnx_sha256": file_sha256(out), "onnx_bytes": out.stat().st_size,
+        "keep_ids": keep_ids, "onnx_sha256": file_sha256(out), "onnx_bytes": out.stat().st_size, "head": head,
+        "head_sha256": file_sha256(head_file) if head_file else None,
         "parity": report, "export_seconds": round(time.perf_counter() - started, 1),
     }
     atomic_write_bytes(sidecar_path(out), json.dumps(sidecar, indent=1).encode())

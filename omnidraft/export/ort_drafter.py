@@ -67,9 +67,15 @@ class OrtGraph:
         return _State([np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32) for _ in self.past_names])
 
     def feed(self, state: _State, ids: list[int]) -> np.ndarray:
-        """Feed `ids` after the state's cache; returns the last position's logits (V',)."""
+        """Feed `ids` after the state's cache; returns the last position's logits (V',), or its
+        final hidden state (d,) from a graph without its LM head."""
         feeds = {"input_ids": np.asarray([ids], dtype=np.int64), **dict(zip(self.past_names, state.past))}
-        logits, hidden, *present = self.session.run(self.output_names, feeds)
+        outputs = self.session.run(self.output_names, feeds)
+        if self.output_names[0] == "logits":
+            logits, hidden, *present = outputs
+        else:
+            hidden, *present = outputs
+            logits = hidden
         state.past, state.hidden = present, hidden[0]
         return logits[0]
 
@@ -83,6 +89,8 @@ class _OrtDraftSession:
     def __init__(self, owner: OrtDrafter, ids: list[int]) -> None:
         self.owner, self.graph = owner, owner.graph
         self.state = self.graph.start()
+        if owner.head is not None:
+            owner.head.policy.begin(list(ids))
         self.ids = list(ids)  # the sequence; the cache holds its first state.length tokens
         self._base = len(self.ids)
         self._logits: np.ndarray | None = None  # logits after the whole sequence, when the cache is full
@@ -107,6 +115,8 @@ class _OrtDraftSession:
         self._base = len(self.ids)
         ids, rows, healed = [], [], False
         for step in range(k):
+            if self.owner.head is not None:
+                self.owner.head.step = step
             logits = None
             if step == 0 and heal is not None and len(self.ids) > 1:
                 logits, token, probs = self._heal_step(heal, temperature, allowed, generator)
@@ -147,6 +157,8 @@ class _OrtDraftSession:
         self.ids.extend(tail)
         self._logits = None
         self._base = len(self.ids)
+        if self.owner.head is not None and tail:
+            self.owner.head.policy.observe(tail)
 
 
 class OrtDrafter:
@@ -162,6 +174,8 @@ class OrtDrafter:
         keep = sidecar.get("keep_ids")
         self.keep_ids = torch.as_tensor(keep, dtype=torch.long) if keep is not None else None
         self.hidden_size = int(sidecar["hidden_size"])
+        self.lm_head: torch.nn.Module | None = None  # the LM head, when the graph ends at the hidden state
+        self.head: Any = None  # its shortlisted form (shortlist/head.py ShortlistHead), when one is in use
 
     @classmethod
     def load(cls, path: str | Path, *, threads: int | None = None) -> OrtDrafter:
@@ -182,14 +196,20 @@ class OrtDrafter:
             raise CorruptFileError(f"{path}: the file's SHA-256 differs from its sidecar's: truncated or modified; export again")
         tokenizer = AutoTokenizer.from_pretrained(str(path.with_suffix(".tokenizer")))
         drafter = cls(OrtGraph(path, threads), tokenizer, sidecar, Path(sidecar.get("drafter") or path.stem).name)
+        if sidecar.get("head") == "outside":
+            drafter.lm_head = _load_head(path.with_suffix(".head.pt"), sidecar)
         if drafter.token_bytes.fingerprint != sidecar.get("tokenizer_fingerprint"):
             raise IncompatibleError(f"{path}: the tokenizer beside the graph is not the one it was exported with "
                                     f"(fingerprint {drafter.token_bytes.fingerprint} vs {sidecar.get('tokenizer_fingerprint')})")
         return drafter
 
     def full_logits(self, logits: np.ndarray) -> torch.Tensor:
-        """Graph logits as (V,) over the drafter vocabulary (-inf where a pruned head has no row)."""
+        """Graph logits as (V,) over the drafter vocabulary (-inf where a pruned head has no row, or
+        outside a shortlist); from a graph without its head, its hidden state through the head here."""
         t = torch.from_numpy(logits)
+        if self.lm_head is not None:
+            with torch.inference_mode():
+                return (self.head if self.head is not None else self.lm_head)(t[None])[0].float()
         if self.keep_ids is None:
             return t
         full = torch.full((self.vocab_size,), float("-inf"))
@@ -199,6 +219,19 @@ class OrtDrafter:
     def begin(self, ids: list[int]) -> _OrtDraftSession:
         return _OrtDraftSession(self, ids)
 
+    def use_shortlist(self, kind: str | None, **options: Any) -> None:
+        """As `Drafter.use_shortlist`, for a graph exported with its head outside (`omnidraft
+        export --head outside`); a DynaSpec router comes from a file the PyTorch drafter built
+        (`path=`). None or "full": the whole head."""
+        from ..shortlist.build import shortlist
+        from ..shortlist.head import ShortlistHead
+
+        if self.lm_head is None:
+            raise ValueError(f"{self.name}: a shortlist needs a graph exported with its LM head outside (--head outside)")
+        with self.lock:
+            self.head = None if kind in (None, "full") else ShortlistHead(
+                self.lm_head, self.vocab_size, shortlist(self, kind, head=self.lm_head, **options))
+
     def pair(self, target: Any, config: Any = None, **options: Any) -> Any:
         """Pair with `target`: see `omnidraft.pairing.pair`; an exported drafter drafts but cannot learn."""
         from ..pairing import pair
@@ -207,3 +240,25 @@ class OrtDrafter:
 
     def __repr__(self) -> str:
         return f"OrtDrafter({self.name!r}, vocab {self.vocab_size}, {self.sidecar.get('quantization') or 'fp32'})"
+
+
+def _load_head(path: Path, sidecar: dict[str, Any]) -> torch.nn.Module:
+    """The LM head saved beside a graph exported without it: checked against the sidecar, int8
+    (per-channel dynamic) when the graph is."""
+    import io
+
+    if not path.is_file() or file_sha256(path) != sidecar.get("head_sha256"):
+        raise CorruptFileError(f"{path}: the LM head beside the graph is missing or differs from its sidecar's; export again")
+    weight = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)["weight"]
+    if tuple(weight.shape) != (int(sidecar["vocab_size"]), int(sidecar["hidden_size"])):
+        raise CorruptFileError(f"{path}: an LM head of shape {tuple(weight.shape)} does not fit the sidecar's vocabulary "
+                               f"and hidden size")
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    head.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if sidecar.get("quantization") == "int8":
+        from ..int8 import int8_qconfig
+
+        holder = torch.nn.Sequential(head)
+        torch.ao.quantization.quantize_dynamic(holder, {"0": int8_qconfig(True)}, dtype=torch.qint8, inplace=True)
+        head = holder[0]
+    return head

@@ -3,7 +3,10 @@
 Everything is fitted on the repository's training text only (GSM8K train questions and worked
 answers, HumanEval problems 64-163 with their solutions, the second half of the CNN/DailyMail
 sample), never on the prompts benchmarks evaluate, and cached per drafter tokenizer under
-`$OMNIDRAFT_CACHE/shortlists/` (atomic; a corrupt file is rebuilt).
+`$OMNIDRAFT_CACHE/shortlists/` or at a path the caller keeps beside the drafter. A file is
+written atomically and carries its format version and the drafter tokenizer's fingerprint; one
+that does not fit the drafter (version, tokenizer, vocabulary, clusters, router width) is
+rebuilt in the cache and refused, naming why, at a caller's path.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +24,7 @@ from torch import nn
 
 from ..atomic import atomic_write_bytes
 
-__all__ = ["POLICIES", "cluster_rows", "corpus", "frequent_ids", "shortlist", "train_router"]
+__all__ = ["FORMAT", "POLICIES", "check_fits", "cluster_rows", "corpus", "frequent_ids", "shortlist", "train_router"]
 
 log = logging.getLogger(__name__)
 
@@ -97,41 +102,88 @@ def train_router(model: Any, tokenizer: Any, texts: list[str], assign: torch.Ten
     return router
 
 
+FORMAT = 1  # the version of a shortlist file's layout
+
+
 def _cache_path(name: str, fingerprint: str, kind: str, size: int, m: int) -> Any:
     from ..presets import cache_dir
 
     return cache_dir() / "shortlists" / f"{name}-{fingerprint[:16]}-{kind}-{size}-{m}.pt"
 
 
+def check_fits(saved: Any, drafter: Any, kind: str, clusters: int, where: str) -> None:
+    """Raise ValueError naming what in the shortlist file `saved` (read from `where`) does not fit
+    `drafter`: its format version, tokenizer, vocabulary, ids, clusters or router width."""
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        got = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(f"{where}: not a shortlist file of format {FORMAT} (found {got!r}); rebuild it")
+    vocab = len(drafter.token_bytes.table)
+    if saved.get("tokenizer") != drafter.token_bytes.fingerprint:
+        raise ValueError(f"{where}: built for another tokenizer than {drafter.name}'s")
+    core = saved.get("core")
+    if not isinstance(core, torch.Tensor) or core.dtype != torch.long or core.numel() == 0 or int(core.max()) >= vocab \
+            or int(core.min()) < 0:
+        raise ValueError(f"{where}: its core ids do not fit {drafter.name}'s vocabulary of {vocab}")
+    if kind != "dyna":
+        return
+    assign, router = saved.get("assign"), saved.get("router")
+    if not isinstance(assign, torch.Tensor) or assign.shape != (vocab,) or int(assign.max()) >= clusters:
+        raise ValueError(f"{where}: its clusters do not cover {drafter.name}'s {vocab} head rows in {clusters} clusters")
+    width = drafter.hidden_size
+    if not isinstance(router, dict) or tuple(router.get("weight", torch.empty(0)).shape) != (clusters, width):
+        raise ValueError(f"{where}: its router does not map {drafter.name}'s hidden size {width} to {clusters} clusters")
+
+
+def _build(drafter: Any, kind: str, size: int, clusters: int) -> dict[str, Any]:
+    texts = corpus()
+    saved: dict[str, Any] = {"format": FORMAT, "tokenizer": drafter.token_bytes.fingerprint,
+                             "core": frequent_ids(drafter.tokenizer, drafter.token_bytes, texts, size, set(drafter.stop_ids))}
+    if kind == "dyna":
+        fp32 = drafter.fp32_model()
+        weight = fp32.get_output_embeddings().weight.detach()
+        saved["assign"] = cluster_rows(weight, clusters)
+        saved["router"] = train_router(fp32, drafter.tokenizer, texts, saved["assign"], clusters).state_dict()
+    return saved
+
+
 def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 64, capacity: int = 2048,
-              budget: tuple[int, ...] = (8, 6, 4)) -> Any:
-    """The policy object of `kind` ("static", "evo", "dyna") for `drafter`'s head, built once per
-    drafter tokenizer and cached (the router is fitted through the drafter's fp32 weights)."""
+              budget: tuple[int, ...] = (8, 6, 4), path: str | os.PathLike[str] | None = None,
+              head: nn.Module | None = None) -> Any:
+    """The policy object of `kind` ("static", "evo", "dyna") for `drafter`'s head (or `head`, an
+    LM head outside the drafter's model: an exported graph's). Built once per drafter tokenizer and
+    cached (the router is fitted through the drafter's fp32 weights: only a PyTorch drafter builds
+    one); a cached file that does not fit is rebuilt. `path`: a shortlist file kept beside the
+    drafter instead: read when it exists (refused, naming why, when it does not fit), else built there."""
     from .policies import Dyna, Evo, Static
 
     if kind not in POLICIES[1:]:
         raise ValueError(f"shortlist must be one of {POLICIES}, got {kind!r}")
-    head = drafter.model.get_output_embeddings()
+    if head is None:
+        head = drafter.model.get_output_embeddings()
     head = getattr(head, "full", head)
-    path = _cache_path(drafter.name, drafter.token_bytes.fingerprint, "dyna" if kind == "dyna" else "core", size, clusters)
+    own = path is not None
+    file = Path(path) if own else _cache_path(drafter.name, drafter.token_bytes.fingerprint,
+                                               "dyna" if kind == "dyna" else "core", size, clusters)
     saved = None
-    try:
-        saved = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
-    except (OSError, RuntimeError, EOFError, ValueError):
-        pass
+    if file.exists():
+        try:
+            saved = torch.load(io.BytesIO(file.read_bytes()), weights_only=True)
+            check_fits(saved, drafter, kind, clusters, str(file))
+        except Exception as exc:  # torch's unpickler raises many kinds on a torn file
+            if own:
+                raise ValueError(str(exc) if isinstance(exc, ValueError) else f"{file}: unreadable ({exc})") from None
+            log.warning("rebuilding the %s shortlist of %s: %s", kind, drafter.name, exc)
+            saved = None
     if saved is None:
-        texts = corpus()
-        saved = {"core": frequent_ids(drafter.tokenizer, drafter.token_bytes, texts, size, set(drafter.stop_ids))}
-        if kind == "dyna":
-            fp32 = drafter.fp32_model()
-            weight = fp32.get_output_embeddings().weight.detach()
-            saved["assign"] = cluster_rows(weight, clusters)
-            saved["router"] = train_router(fp32, drafter.tokenizer, texts, saved["assign"], clusters).state_dict()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "dyna" and not hasattr(drafter, "fp32_model"):
+            raise ValueError(f"{drafter.name}: a DynaSpec router is fitted through the PyTorch drafter's weights; build "
+                             "it there (Drafter.load(spec).use_shortlist('dyna', path=FILE)) and pass path=FILE here")
+        saved = _build(drafter, kind, size, clusters)
+        file.parent.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
         torch.save(saved, buffer)
-        atomic_write_bytes(path, buffer.getvalue())
-        log.info("built the %s shortlist of %s (%d core tokens) into %s", kind, drafter.name, len(saved["core"]), path)
+        atomic_write_bytes(file, buffer.getvalue())
+        log.info("built the %s shortlist of %s (%d core tokens) into %s", kind, drafter.name, len(saved["core"]), file)
     stops = torch.tensor(sorted(drafter.stop_ids), dtype=torch.long)
     if kind == "static":
         return Static(head, saved["core"])
