@@ -72,12 +72,13 @@ class Pairing:
         self._steps0 = profile.steps if profile else 0
         self.adapter = attach_adapter(drafter, target.name, user, learn=learn, adapter=adapter,
                                       saved=profile.tensors.get("adapter") if profile else None)
-        self.cost = CostModel()
-        self.retriever = (Retriever.for_user(config.retrieval, user, profile.history if profile else None,
-                                             target.token_bytes.fingerprint, model=config.drafts == "hybrid")
-                          if config.drafts != "model" else None)
         plan = plan_drafting(drafter, target, config, learn)
         self.outlook, self.model_drafts, self.free_drafts, self.modes = plan.outlook, plan.model, plan.free, plan.modes
+        self.cost = CostModel(verify=plan.outlook.verify if plan.outlook else None)  # measured costs, if the target has them
+        # without model drafts, retrieved drafts compete with decoding alone
+        self.retriever = (Retriever.for_user(config.retrieval, user, profile.history if profile else None,
+                                             target.token_bytes.fingerprint, model=config.drafts == "hybrid" and plan.model)
+                          if config.drafts != "model" else None)
         self.lengths = DraftLengths(config, self.cost, may_idle=plan.may_idle,
                                     hidden_size=getattr(drafter, "hidden_size", None) if config.head else None,
                                     saved_head=profile.tensors.get("head") if profile else None, shared=self._shared,

@@ -176,9 +176,11 @@ class CostModel:
     adds 1 to its length's weight and multiplies all weights by `fade`. A length met twice at the
     start (the machine still warm from something else) would otherwise pull the slope as hard as
     the lengths the policy drafts every round.
+
+    `verify`: a target's measured verify costs to start from (`seed`).
     """
 
-    def __init__(self, decay: float = 0.9, fade: float = 0.95) -> None:
+    def __init__(self, decay: float = 0.9, fade: float = 0.95, *, verify: dict[int, float] | None = None) -> None:
         if not (0.0 <= decay < 1.0 and 0.0 < fade <= 1.0):
             raise ValueError(f"CostModel needs 0 <= decay < 1 and 0 < fade <= 1, got decay={decay}, fade={fade}")
         self.decay, self.fade = decay, fade
@@ -190,6 +192,8 @@ class CostModel:
         # (intercept, slope) of each line, refitted once a round: the stopping rule reads them per token
         self._draft_line: tuple[float, float] | None = None
         self._verify_line = (0.0, 0.0)
+        if verify:
+            self.seed(verify)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -204,6 +208,15 @@ class CostModel:
         if self.drafting:
             self._draft_line = _line(self.drafting, self.drafting_weight)
         self._verify_line = _line(self.verify, self.verify_weight)
+
+    def seed(self, verify: dict[int, float]) -> None:
+        """Start from a target's measured verify costs (`verify_costs()`: seconds per verified
+        length) instead of nothing; rounds then refine them as usual."""
+        for length, seconds in verify.items():
+            self.verify[int(length)] = float(seconds)
+            self.verify_weight[int(length)] = 1.0
+        if self.verify:
+            self._verify_line = _line(self.verify, self.verify_weight)
 
     def _count(self, weights: dict[int, float], length: int) -> None:
         for x in weights:

@@ -45,6 +45,7 @@ class Outlook:
 
     free: float
     model: float
+    verify: dict[int, float]  # seconds to verify n tokens, as measured
     steps: dict[int, float]  # verifying n tokens, in units of one decoding step
     draft_steps: float  # a drafted token, in units of one decoding step
     acceptance: float
@@ -65,7 +66,7 @@ class Outlook:
                 f"{self.free:.2f}x (free retrieved drafts); drafting needs {self.need:.2f}x")
 
 
-def outlook(verify: dict[int, float], draft: float, *, acceptance: float = 0.9, need: float = 1.1) -> Outlook:
+def outlook(verify: dict[int, float], draft: float, *, acceptance: float = 0.9, need: float = 1.2) -> Outlook:
     """The Outlook of a target whose verify of n tokens costs `verify[n]` seconds (n = 1 included)
     with a drafter whose drafted token costs `draft` seconds. A draft of n - 1 tokens commits
     E(n) = (1 - a^n) / (1 - a) tokens in V(n) + (n - 1) c_d; decoding alone, E(n) V(1)."""
@@ -78,7 +79,7 @@ def outlook(verify: dict[int, float], draft: float, *, acceptance: float = 0.9, 
     def best(c: float) -> float:
         return max(((1 - a**n) / (1 - a)) * one / (v + (n - 1) * c) for n, v in verify.items() if n > 1)
 
-    return Outlook(free=best(0.0), model=best(draft), steps={n: v / one for n, v in verify.items()},
+    return Outlook(free=best(0.0), model=best(draft), verify=dict(verify), steps={n: v / one for n, v in verify.items()},
                    draft_steps=draft / one, acceptance=a, need=need)
 
 

@@ -8,8 +8,9 @@ Rows, on the same prompts and the same GGUF file, each greedy, timed per request
 - llama.cpp prompt lookup: its `generate` with `LlamaPromptLookupDecoding` (its defaults);
 - omnidraft, in process: the SmolLM2 drafter on each installed backend paired with
   `LlamaCppTarget` (defaults: hybrid drafts; what drafting can gain decided from the target's
-  measured verify costs, then per round), and the llama.cpp drafter made to draft every request
-  (objective "compute"), to show what drafting costs where the defaults decline it;
+  measured verify costs, then per round), and the llama.cpp drafter under the "compute" objective
+  (no outlook and no mode chooser: every request speculates, its cost policy still skips rounds),
+  to show what drafting costs where the defaults decline it;
 - omnidraft through the hook: llama-cpp-python's `generate` with `OmnidraftDraftModel`;
 - the fp32 PyTorch target alone, for reference.
 llama-cpp-python keeps logits for every position once a draft model is set (`logits_all`): the
@@ -96,7 +97,7 @@ def run_llama(drafter_spec: str, target_spec: str, prompts: list[str], max_new_t
         rows[name] = lambda p, ids, draft=draft: (setattr(spec, "draft_model", draft),
                                                   _own(spec, ids, max_new_tokens, target.eos_ids))[1]
     pairs = {f"omnidraft ({backend} drafter)": drafter.pair(target) for backend, drafter in drafters.items()}
-    pairs["omnidraft (llama.cpp drafter, always drafting)"] = drafters["llama.cpp"].pair(target, objective="compute")
+    pairs["omnidraft (llama.cpp drafter, compute objective)"] = drafters["llama.cpp"].pair(target, objective="compute")
     for name, pair in pairs.items():
         rows[name] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
         if notes is not None and pair.outlook is not None:
