@@ -124,8 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--target-backend", choices=["torch", "llama.cpp"], default="torch")
     r.add_argument("--backend", action="append", choices=["fp32", "int8", "llama.cpp"],
                    help="drafter backends to compare, repeatable (default: all three)")
-    r.add_argument("--shortlist", action="append", choices=["static", "evo", "dyna"],
-                   help="also the int8 drafter with this shortlisted head, repeatable")
+    r.add_argument("--shortlist", action="append", metavar="KIND[:SIZE]",
+                   help="also the int8 drafter with this shortlisted head (static, evo or dyna; SIZE: its core, "
+                        "default --shortlist-size), repeatable")
     r.add_argument("--shortlist-size", type=int, default=8192, help="static core size (DynaSpec: its core is 1/8 of it)")
     r.add_argument("--shortlist-clusters", type=int, default=64, help="DynaSpec's clusters of head rows")
     r.add_argument("--shortlist-buffer", type=int, default=2048, help="EvoSpec's buffer capacity")

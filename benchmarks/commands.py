@@ -113,11 +113,12 @@ def bench_drafters(args: argparse.Namespace) -> None:
         drafters["pytorch int8"] = od.Drafter.load(drafter_spec)
     if "llama.cpp" in backends:
         drafters["llama.cpp"] = od.Drafter.load(drafter_spec, backend="llama.cpp")
-    for kind in args.shortlist or []:
+    for item in args.shortlist or []:
+        kind, _, size = item.partition(":")
         drafter = od.Drafter.load(drafter_spec)
-        drafter.use_shortlist(kind, size=args.shortlist_size, clusters=args.shortlist_clusters,
+        drafter.use_shortlist(kind, size=int(size or args.shortlist_size), clusters=args.shortlist_clusters,
                               capacity=args.shortlist_buffer, budget=tuple(int(b) for b in args.shortlist_budget.split(",")))
-        drafters[f"pytorch int8, {kind} head"] = drafter
+        drafters[f"pytorch int8, {item} head"] = drafter
     drafters.update({label: od.Drafter.load_onnx(str(path)) for label, path in files.items()})
     target = None
     if args.dataset:

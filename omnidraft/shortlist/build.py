@@ -69,25 +69,32 @@ def cluster_rows(weight: torch.Tensor, m: int, *, iters: int = 12, seed: int = 0
 
 @torch.no_grad()
 def _hidden_and_next(model: Any, tokenizer: Any, texts: list[str], limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final hidden state (the LM head's input) at each position of `texts` and the next id,
+    `limit` positions at most; the base model only (the head's logits are not needed)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     xs, ys = [], []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:256]
         if len(ids) < 2:
             continue
-        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-        xs.append(out.hidden_states[-1][0, :-1].float())
+        xs.append(base(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1].float())
         ys.append(torch.tensor(ids[1:]))
         if sum(len(y) for y in ys) >= limit:
             break
     return torch.cat(xs), torch.cat(ys)
 
 
-def train_router(model: Any, tokenizer: Any, texts: list[str], assign: torch.Tensor, m: int, *, steps: int = 300,
-                 tokens: int = 8000,
-                 seed: int = 0) -> nn.Linear:
+def train_router(model: Any, tokenizer: Any, texts: list[str], assign: torch.Tensor, m: int, *, steps: int = 400,
+                 tokens: int = 40000, core: torch.Tensor | None = None, seed: int = 0) -> nn.Linear:
     """A linear router from the head's input (the last hidden state) to the cluster of the next
-    token, trained by cross-entropy on `texts` (the next token of text stands in for the target's)."""
+    token, trained by cross-entropy on `texts` (the next token of text stands in for the target's).
+    With `core`, only on positions whose next token is outside it: the core is always evaluated,
+    so the router's clusters are worth only where the core falls short."""
     x, y = _hidden_and_next(model, tokenizer, texts, tokens)
+    if core is not None:
+        outside = torch.ones(len(assign), dtype=torch.bool)
+        outside[core] = False
+        x, y = x[outside[y]], y[outside[y]]
     labels = assign[y]
     torch.manual_seed(seed)
     router = nn.Linear(x.shape[1], m)
@@ -102,7 +109,7 @@ def train_router(model: Any, tokenizer: Any, texts: list[str], assign: torch.Ten
     return router
 
 
-FORMAT = 1  # the version of a shortlist file's layout
+FORMAT = 2  # the version of a shortlist file's layout (2: the router trained outside the core)
 
 
 def _cache_path(name: str, fingerprint: str, kind: str, size: int, m: int) -> Any:
@@ -142,7 +149,8 @@ def _build(drafter: Any, kind: str, size: int, clusters: int) -> dict[str, Any]:
         fp32 = drafter.fp32_model()
         weight = fp32.get_output_embeddings().weight.detach()
         saved["assign"] = cluster_rows(weight, clusters)
-        saved["router"] = train_router(fp32, drafter.tokenizer, texts, saved["assign"], clusters).state_dict()
+        core = torch.cat([saved["core"][: max(1, size // 8)], torch.tensor(sorted(drafter.stop_ids), dtype=torch.long)])
+        saved["router"] = train_router(fp32, drafter.tokenizer, texts, saved["assign"], clusters, core=core).state_dict()
     return saved
 
 
