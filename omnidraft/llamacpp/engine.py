@@ -35,6 +35,7 @@ from ..errors import MissingDependencyError
 __all__ = ["LlamaEngine", "gguf_file", "open_llama", "require_llama_cpp"]
 
 PROBE_ROWS = 16  # the most rows the batch-exactness probe tries
+PROBE_CONTEXTS = (24, 64, 128, 192, 224, 240, 248, 256, 320, 384, 448, 512, 768, 1024, 2048)  # where it tries them
 
 INSTALL_HINT = ("llama-cpp-python is not installed; `make install` builds it once per machine "
                 "(pip install llama-cpp-python==0.3.36 compiles llama.cpp for several minutes)")
@@ -149,7 +150,9 @@ class LlamaEngine:
         self._clock = 0
         self.lock = threading.RLock()
         self.decoded = 0  # tokens evaluated so far (a counter for benchmarks)
-        self.exact_rows = exact_rows or self._exact_rows()
+        # [(context, rows)]: at a cache of up to `context` tokens, calls of up to `rows` tokens are bit-exact
+        self.exact_limits: list[tuple[int, int]] = [(self.n_ctx, exact_rows)] if exact_rows else self._exact_limits()
+        self.exact_rows = self.exact_limits[0][1]  # at the shortest context probed (the most)
 
     def eog_ids(self) -> frozenset[int]:
         """Every id llama.cpp ends a generation on (EOS, EOT and the template's end tokens)."""
@@ -182,7 +185,7 @@ class LlamaEngine:
             out = np.empty((rows, self.n_vocab), dtype=np.float32)
             while len(self.cached) < n:
                 start = len(self.cached)
-                end = min(start + self.n_batch, prompt) if start < prompt else min(start + self.exact_rows, n)
+                end = min(start + self.n_batch, prompt) if start < prompt else min(start + self.rows_at(start), n)
                 keep = max(0, end - max(start, first))  # the batch's last `keep` tokens have asked-for rows
                 self._decode(ids[start:end], keep)
                 for i in range(keep):
@@ -224,12 +227,35 @@ class LlamaEngine:
         return (f"{self.path.name}|{self.path.stat().st_size}|{self._lc.__version__}|{self.threads}|"
                 f"{self.flash_attn}|repack {self.repack}")
 
-    def _exact_rows(self) -> int:
-        """The most tokens one call may evaluate and give, bit for bit, the logits one token a call
-        gives: measured once per machine, llama.cpp build, model file and settings, then remembered."""
+    def rows_at(self, context: int) -> int:
+        """The most tokens one call may evaluate bit-exactly after a cache of `context` tokens."""
+        for limit, rows in self.exact_limits:
+            if context <= limit:
+                return rows
+        return 1
+
+    def _exact_limits(self) -> list[tuple[int, int]]:
+        """How many tokens one call may evaluate and give, bit for bit, the logits one token a call
+        gives, by context length (attention kernels change with the cache's length too): measured
+        once per machine, llama.cpp build, model file and settings, then remembered."""
         from ..kernels import remembered
 
-        return int(remembered("llama-exact-rows", self._key(), self._probe_exact_rows))
+        found = remembered("llama-exact-rows", f"{self._key()}|n_ctx {self.n_ctx}|by context", self._probe_limits)
+        return [(int(c), int(r)) for c, r in found]
+
+    def _probe_limits(self) -> list[list[int]]:
+        """[[context, rows]] ascending: `rows` is exact at every probed context up to the next
+        entry's (conservative between probes: the lower of the two ends); past the last, 1."""
+        text = "def area(radius):\n    return 3.14159 * radius ** 2\n\n# The area of a circle with radius r\n" * 200
+        ids = self.tokenize(text)
+        grid = [c for c in PROBE_CONTEXTS if c + PROBE_ROWS < min(self.n_ctx, len(ids))]
+        rows: list[int] = []
+        for context in grid:  # until no batch is exact
+            rows.append(self._probe_exact_rows(ids[:context]))
+            if rows[-1] == 1:
+                break
+        limits = [[grid[i + 1] if i + 1 < len(rows) else grid[i], min(rows[i : i + 2])] for i in range(len(rows))]
+        return [limit for limit in limits if limit[1] > 1] or [[grid[0] if grid else 1, 1]]
 
     def row_costs(self, most: int = 8) -> dict[int, float]:
         """Seconds to evaluate n = 1..`most` tokens after a context and get their logits, fed as a
@@ -255,10 +281,10 @@ class LlamaEngine:
             self.release(self)
         return {str(n): sorted(t)[len(t) // 2] for n, t in times.items()}
 
-    def _probe_exact_rows(self) -> int:
-        prompt = self.tokenize("def area(radius):\n    return 3.14159 * radius ** 2\n\n# The area of a circle")[:24]
+    def _probe_exact_rows(self, prompt: list[int]) -> int:
         self.reset()
-        self._decode(prompt[:-1], 0)
+        for start in range(0, len(prompt) - 1, self.n_batch):
+            self._decode(prompt[start : min(start + self.n_batch, len(prompt) - 1)], 0)
         reference, seq = [], list(prompt)
         for _ in range(PROBE_ROWS):  # one token a call
             self._decode(seq[len(self.cached) :], 1)

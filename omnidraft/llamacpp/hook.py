@@ -40,7 +40,7 @@ class _Context:
 class OmnidraftDraftModel(LlamaDraftModel):
     """An omnidraft drafter as llama-cpp-python's `draft_model`. `target` describes the model
     llama.cpp runs (its tokenizer and byte view: a `LlamaCppTarget` on the same GGUF file, whose
-    `exact_rows` also caps a draft so that llama.cpp's one-call verification stays bit-exact);
+    `rows_at` also caps a draft so that llama.cpp's one-call verification stays bit-exact);
     `options` go to `DecodeConfig` (drafts="hybrid" | "model" | "retrieval", k, ...). Build the
     `Llama` with `engine.open_llama(path, draft_model=hook)` so it runs as the target does."""
 
@@ -48,9 +48,10 @@ class OmnidraftDraftModel(LlamaDraftModel):
         from ..pairing import pair
 
         self.pairing = pair(drafter, target, **options)
-        # llama-cpp-python verifies a draft in one call: keep it within what this engine evaluates exactly
-        engine = getattr(target, "engine", None)
-        self.max_draft = min(max_draft, engine.exact_rows - 1) if engine is not None else max_draft
+        # llama-cpp-python verifies a draft in one call: keep it within what this engine evaluates
+        # exactly at the context's length (no draft where no batch is exact)
+        self.engine = getattr(target, "engine", None)
+        self.max_draft = max_draft
         self._ids: list[int] | None = None
         self._round: tuple[Any, ...] | None = None
         self.calls = self.proposed = 0
@@ -64,8 +65,10 @@ class OmnidraftDraftModel(LlamaDraftModel):
             self._settle(ids[len(self._ids) :], now)
         self._ids = ids
         started = time.perf_counter()
+        room = self.max_draft if self.engine is None else min(self.max_draft, self.engine.rows_at(len(ids) - 1) - 1)
         draft, proposal, used, _, t_draft = self.pairing.propose_round(
-            _Context(ids), self.dsession, GREEDY, self.index, self.k, self.stopper, self.last, self.max_draft, None)
+            _Context(ids), self.dsession, GREEDY, self.index, self.k if room > 0 else 0, self.stopper, self.last,
+            max(0, room), None)
         self._round = (draft, proposal, used, t_draft - started, time.perf_counter())
         self.calls += 1
         self.proposed += len(proposal)
