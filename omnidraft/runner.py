@@ -21,7 +21,9 @@ class CausalRunner:
 
         self.model = model
         self.ids: list[int] = list(ids)
-        self.cache = DynamicCache(config=model.config)
+        # every layer keeps every position: a sliding-window layer (Gemma 3) that dropped old entries
+        # could not be cropped back past them (a rejected draft, token healing)
+        self.cache = DynamicCache()
         self.kv_len = 0
 
     def extend(self, ids: list[int]) -> None:

@@ -256,3 +256,26 @@ def test_healing_acts_only_where_it_is_lossless():
     assert not od.DecodeConfig(strategy="ngram").healing
     assert not od.DecodeConfig(mode="exact", temperature=0.7).healing
     assert not od.DecodeConfig(heal=False).healing
+
+
+def test_a_sliding_window_drafter_crops_back_past_its_window():
+    """Gemma 3's sliding-window layers: a draft rejected after the window filled is cropped back
+    (token healing re-feeds too), and the logits stay a full forward's."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from omnidraft.runner import CausalRunner
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                              layer_types=["sliding_attention", "full_attention"])
+    model = Gemma3ForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (20,)).tolist()
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([ids])).logits[0]
+    runner = CausalRunner(model, ids[:12])
+    runner.forward()
+    runner.crop(6)  # back past the window of 4
+    runner.extend(ids[6:20])
+    torch.testing.assert_close(runner.forward(keep=3), full[-3:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runner.forward(keep=5), full[-5:], atol=1e-4, rtol=1e-4)  # re-feeds cached tokens
