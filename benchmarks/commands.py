@@ -119,7 +119,15 @@ def bench_drafters(args: argparse.Namespace) -> None:
         drafter.use_shortlist(kind, size=int(size or args.shortlist_size), clusters=args.shortlist_clusters,
                               capacity=args.shortlist_buffer, budget=tuple(int(b) for b in args.shortlist_budget.split(",")))
         drafters[f"pytorch int8, {item} head"] = drafter
-    drafters.update({label: od.Drafter.load_onnx(str(path)) for label, path in files.items()})
+    for label, path in files.items():
+        drafters[label] = od.Drafter.load_onnx(str(path))
+        if drafters[label].lm_head is None:
+            continue
+        for item in args.shortlist or []:  # a graph with its head outside: also each shortlisted head
+            kind, _, size = item.partition(":")
+            graph = od.Drafter.load_onnx(str(path))
+            graph.use_shortlist(kind, size=int(size or args.shortlist_size), capacity=args.shortlist_buffer)
+            drafters[f"{label}, {item} head"] = graph
     target = None
     if args.dataset:
         target = od.LlamaCppTarget(target_spec) if args.target_backend == "llama.cpp" else od.LocalTarget.load(target_spec)
