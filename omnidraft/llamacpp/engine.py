@@ -9,13 +9,15 @@ Only the rows asked for are computed and copied: a verify costs O(draft), not O(
 
 Lossless on llama.cpp needs the numbers, not only the algorithm, to match its own decoding: CPU
 matrix kernels differ by batch size (a repacked GEMM from a few rows up, other tile kernels above
-some size), and logits then differ in the last bits, enough to flip a near-tie. So
-(docs/llamacpp.md): how many tokens one call may evaluate and still give bit for bit what one
-token at a time gives is measured per machine, model and settings (`exact_rows`, remembered), a
-verify is fed in calls of at most that many tokens, and a prompt is evaluated as
-llama-cpp-python's `generate` evaluates it (in one call up to and including its last token).
+some size) and the attention kernels by the cache's length, and logits then differ in the last
+bits, enough to flip a near-tie. So (docs/llamacpp.md): how many tokens one call may evaluate
+and still give bit for bit what one token at a time gives is measured per machine, model and
+settings and by context length (`exact_limits`, `rows_at`, remembered), a verify is fed in calls
+of at most that many tokens (one at a time where no batch is exact), and a prompt is evaluated
+as llama-cpp-python's `generate` evaluates it (in one call up to and including its last token).
 The weights are repacked as llama.cpp does by default (the fastest decoding; `repack=False`
-allows longer exact calls but slows every call), here and in every baseline `open_llama` builds.
+allows longer exact calls at short contexts but slows every call), here and in every baseline
+`open_llama` builds.
 """
 
 from __future__ import annotations
