@@ -46,10 +46,19 @@ class Outlook:
     free: float
     model: float
     verify: dict[int, float]  # seconds to verify n tokens, as measured
-    steps: dict[int, float]  # verifying n tokens, in units of one decoding step
-    draft_steps: float  # a drafted token, in units of one decoding step
+    draft: float  # seconds per drafted token
     acceptance: float
     need: float
+
+    @property
+    def steps(self) -> dict[int, float]:
+        """Verifying n tokens, in units of one decoding step."""
+        return {n: v / self.verify[1] for n, v in self.verify.items()}
+
+    @property
+    def draft_steps(self) -> float:
+        """A drafted token, in units of one decoding step."""
+        return self.draft / self.verify[1]
 
     @property
     def free_pays(self) -> bool:
@@ -79,8 +88,7 @@ def outlook(verify: dict[int, float], draft: float, *, acceptance: float = 0.9, 
     def best(c: float) -> float:
         return max(((1 - a**n) / (1 - a)) * one / (v + (n - 1) * c) for n, v in verify.items() if n > 1)
 
-    return Outlook(free=best(0.0), model=best(draft), verify=dict(verify), steps={n: v / one for n, v in verify.items()},
-                   draft_steps=draft / one, acceptance=a, need=need)
+    return Outlook(free=best(0.0), model=best(draft), verify=dict(verify), draft=draft, acceptance=a, need=need)
 
 
 def ema(old: float | None, new: float, decay: float) -> float:

@@ -256,9 +256,7 @@ def _load_head(path: Path, sidecar: dict[str, Any]) -> torch.nn.Module:
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     head.weight = torch.nn.Parameter(weight, requires_grad=False)
     if sidecar.get("quantization") == "int8":
-        from ..int8 import int8_qconfig
+        from ..int8 import quantize_int8
 
-        holder = torch.nn.Sequential(head)
-        torch.ao.quantization.quantize_dynamic(holder, {"0": int8_qconfig(True)}, dtype=torch.qint8, inplace=True)
-        head = holder[0]
+        head = quantize_int8(torch.nn.Sequential(head), inplace=True)[0]
     return head
