@@ -273,7 +273,6 @@ class LlamaEngine:
         ids = self.tokenize(text)[: min(200, self.n_ctx - most - 1)]
         times: dict[int, list[float]] = {n: [] for n in range(1, most + 1)}
         with self.lock:
-            self._select(self)
             self.logits(ids, 1, owner=self)
             for _ in range(reps):  # interleaved, so that a slow moment spreads over every n
                 for n in times:
