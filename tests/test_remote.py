@@ -45,12 +45,26 @@ def _open(http, ids) -> str:
 
 
 def test_remote_greedy_is_token_identical_to_local(http, tiny_drafter, tiny_target):
-    remote = _remote(http)
+    remote, held = _remote(http), _sessions(http)
     assert remote.token_bytes.fingerprint == tiny_target.token_bytes.fingerprint  # tokenizer came from the server
     pair = tiny_drafter.pair(remote, k=4)
     for prompt in PROMPTS:
         assert pair.generate(prompt, max_new_tokens=24).token_ids == target_greedy(tiny_target, prompt, 24)
-    assert http.get("/health").json()["sessions"] == 0  # every finished generation closed its session
+    _closed(http, held)  # every finished generation closed its session
+
+
+def _sessions(http) -> int:
+    return http.get("/health").json()["sessions"]
+
+
+def _closed(http, held: int, deadline_s: float = 10.0) -> None:
+    """Sessions close without the client waiting: poll until the server holds `held` again."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    while _sessions(http) > held:
+        assert time.monotonic() < end, "a finished session was never closed"
+        time.sleep(0.01)
 
 
 def test_remote_sampling_modes_are_reproducible_by_seed(http, tiny_drafter):
@@ -286,6 +300,41 @@ def test_a_session_hands_the_rest_of_a_completion_to_the_server(http, tiny_targe
                     headers={"authorization": f"Bearer {KEY}"})
     assert bad.status_code == 422
     session.close()
+
+
+class _Counting:
+    """An httpx client stand-in that records each exchange (method, path), streamed ones included."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.headers, self.calls = inner, inner.headers, []
+
+    def request(self, method, path, **kw):
+        self.calls.append((method, path))
+        return self.inner.request(method, path, **kw)
+
+    def stream(self, method, path, **kw):
+        self.calls.append((method, path))
+        return self.inner.stream(method, path, **kw)
+
+
+def test_decoding_alone_is_one_exchange_and_keeps_no_session(app, http, tiny_target):
+    """A session that only decodes is one streamed request, as a plain server's completion: no
+    open, no close; its tokens leave the server's KV budget when the stream ends."""
+    remote, held = _remote(http), _sessions(http)
+    remote.http = counting = _Counting(http)
+    ids = tiny_target.tokenizer(PROMPTS[0])["input_ids"]
+    session = remote.begin(ids)
+    out = list(session.decode(16))
+    session.close()
+    assert out == target_greedy(tiny_target, PROMPTS[0], 16) and session.ids == ids + out
+    assert counting.calls == [("POST", "/v1/generate")] and session.sid is None
+    assert _sessions(http) == held and app.state.service.inflight == 0
+    first = session.verify(torch.zeros(0, dtype=torch.long), Rule()).token  # a verify after it opens on every id
+    assert [*out, first] == target_greedy(tiny_target, PROMPTS[0], 17) and counting.calls[1][1] == "/v1/sessions"
+    session.close()
+    _closed(http, held)
+    past = http.post("/v1/generate", json={"prompt_ids": ids, "max_tokens": 10**6}, headers={"authorization": f"Bearer {KEY}"})
+    assert past.status_code == 422
 
 
 def test_the_latency_objective_measures_both_modes_and_stays_identical(http, tiny_drafter, tiny_target):

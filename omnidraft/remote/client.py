@@ -7,7 +7,9 @@ The tokenizer comes from the server (or pass `tokenizer=` to use a local copy); 
 fingerprint must match the server's or pairing is refused. One keep-alive HTTP connection is
 reused; each call has a timeout; transport failures and 502/503/504 are retried a bounded number
 of times, which is safe because a verify request names the committed length it builds on (see
-protocol.py). When the server stays unreachable the call raises `TargetUnavailableError`; the
+protocol.py). A session opens on the server at its first verify: one that only decodes alone is a
+single streamed request, as a plain server's completion is, and closing a session does not wait
+for the server's answer. When the server stays unreachable the call raises `TargetUnavailableError`; the
 pairing keeps what was committed so far (`error.partial`).
 """
 
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import tempfile
 import time
+import queue
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,8 +28,8 @@ from ..errors import IncompatibleError, RemoteRequestError, TargetUnavailableErr
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
-from .protocol import (GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest, SparseRow, VerifyReply,
-                       VerifyRequest)
+from .protocol import (GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest, PromptGenerateRequest,
+                       SparseRow, VerifyReply, VerifyRequest)
 
 __all__ = ["RemoteTarget", "call_json"]
 
@@ -46,7 +50,9 @@ class RemoteTarget:
         if retries < 0 or timeout <= 0:
             raise ValueError(f"need retries >= 0 and timeout > 0, got {retries} and {timeout}")
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.url, self.retries = url, retries
+        self.url, self.retries, self.timeout = url, retries, timeout
+        self._closes: queue.Queue[str | None] = queue.Queue()  # session ids a daemon thread closes on the server
+        self._closer: threading.Thread | None = None
         self.http = client if client is not None else httpx.Client(base_url=url, timeout=timeout)
         self.http.headers.update(headers)
         info = InfoReply.model_validate(self._call("GET", "/v1/info"))
@@ -59,11 +65,32 @@ class RemoteTarget:
         self.codec = ByteCodec(self.tokenizer, self.token_bytes)
 
     def begin(self, prompt_ids: list[int]) -> _RemoteSession:
-        reply = OpenReply.model_validate(self._call("POST", "/v1/sessions", OpenRequest(prompt_ids=list(prompt_ids))))
-        return _RemoteSession(self, reply.session, list(prompt_ids))
+        """A session on `prompt_ids`; the server's side opens at its first verify."""
+        return _RemoteSession(self, list(prompt_ids))
 
     def close(self) -> None:
+        """Send the session closes still queued (waiting at most one timeout), then close the
+        connection. Sessions not closed by then expire on the server."""
+        if self._closer is not None:
+            self._closes.put(None)
+            self._closer.join(timeout=self.timeout)
+            self._closer = None
         self.http.close()
+
+    def _close_later(self, sid: str) -> None:
+        """Queue a session close; a daemon thread sends it, so neither a request nor the
+        interpreter's exit waits for the server."""
+        if self._closer is None:
+            self._closer = threading.Thread(target=self._close_queued, name="omnidraft-close", daemon=True)
+            self._closer.start()
+        self._closes.put(sid)
+
+    def _close_queued(self) -> None:
+        while (sid := self._closes.get()) is not None:
+            try:
+                call_json(self.http, self.url, "DELETE", f"/v1/sessions/{sid}", None, 0)
+            except Exception:  # noqa: BLE001 - gone, dropped already, or the connection closed: it expires there
+                pass
 
     def _fetch_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -114,9 +141,16 @@ def _reason(response: Any) -> str:
 
 
 class _RemoteSession:
-    def __init__(self, owner: RemoteTarget, sid: str, ids: list[int]) -> None:
-        self.owner, self.sid, self.ids = owner, sid, ids
+    def __init__(self, owner: RemoteTarget, ids: list[int]) -> None:
+        self.owner, self.ids = owner, ids
+        self.sid: str | None = None  # the server's session, opened by the first verify
         self.forwards = 0
+
+    def _open(self) -> str:
+        if self.sid is None:
+            request = OpenRequest(prompt_ids=list(self.ids))
+            self.sid = OpenReply.model_validate(self.owner._call("POST", "/v1/sessions", request)).session
+        return self.sid
 
     def verify(self, proposal: torch.Tensor, rule: Any, q: torch.Tensor | None = None,
                generator: torch.Generator | None = None, *, topk: int = 0) -> Verdict:
@@ -127,7 +161,7 @@ class _RemoteSession:
             rows = [SparseRow(ids=nz.tolist(), probs=row[nz].tolist()) for row in q for nz in [row.nonzero().flatten()]]
         request = VerifyRequest(committed=len(self.ids), proposal=ids, mode=rule.mode, temperature=rule.temperature,
                                 q=rows, seed=seed, topk=topk, top_k=rule.top_k, top_p=rule.top_p, min_p=rule.min_p)
-        reply = VerifyReply.model_validate(self.owner._call("POST", f"/v1/sessions/{self.sid}/verify", request))
+        reply = VerifyReply.model_validate(self.owner._call("POST", f"/v1/sessions/{self._open()}/verify", request))
         self.ids += ids[: reply.accepted] + [reply.token]
         self.forwards += 1
         if reply.committed != len(self.ids):
@@ -141,11 +175,16 @@ class _RemoteSession:
     def decode(self, max_tokens: int) -> Iterator[int]:
         """The server greedy-decodes up to `max_tokens` more tokens alone (stopping after an EOS) and
         streams them; each is committed here as it arrives. One request, no retry: a broken stream
-        raises TargetUnavailableError (the session is then out of step and must be closed)."""
+        raises TargetUnavailableError (the session is then out of step and must be closed). Before
+        the first verify no server session exists and none is opened: the request carries the ids."""
         import httpx
 
-        owner, path = self.owner, f"/v1/sessions/{self.sid}/generate"
-        content = GenerateRequest(committed=len(self.ids), max_tokens=max_tokens).model_dump_json()
+        owner = self.owner
+        if self.sid is None:
+            path, message = "/v1/generate", PromptGenerateRequest(prompt_ids=list(self.ids), max_tokens=max_tokens)
+        else:
+            path, message = f"/v1/sessions/{self.sid}/generate", GenerateRequest(committed=len(self.ids), max_tokens=max_tokens)
+        content = message.model_dump_json()
         try:
             with owner.http.stream("POST", path, content=content, headers={"content-type": "application/json"}) as reply:
                 if reply.status_code >= 400:
@@ -165,8 +204,7 @@ class _RemoteSession:
             raise TargetUnavailableError(f"{owner.url}{path}: the stream broke ({type(exc).__name__}: {exc})") from exc
 
     def close(self) -> None:
-        """Free the server's KV cache for this session now (it would expire anyway)."""
-        try:
-            self.owner._call("DELETE", f"/v1/sessions/{self.sid}")
-        except (TargetUnavailableError, RemoteRequestError):
-            pass  # the server is gone or already dropped it: nothing left to free
+        """Free the server's KV cache for this session (it would expire anyway); returns at once."""
+        if self.sid is not None:
+            self.owner._close_later(self.sid)
+            self.sid = None

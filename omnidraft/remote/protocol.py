@@ -8,7 +8,8 @@ applied twice. Replies carry the accepted count, the emitted token and, when ask
 top-k log-probabilities per committed position (what distillation needs: K pairs, not 150k floats).
 Draft rows q' for rejection sampling travel sparse: only the target ids with q' > 0.
 A generate request hands the rest of a completion to the server (greedy, no draft): its reply
-streams one `GenerateChunk` per line (NDJSON) as the tokens are committed.
+streams one `GenerateChunk` per line (NDJSON) as the tokens are committed. A `PromptGenerateRequest`
+does the same for a whole completion without a session (one exchange, as a plain server would).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["MIN_TEMPERATURE", "VERSION", "ErrorReply", "GenerateChunk", "GenerateRequest", "InfoReply", "OpenReply", "OpenRequest",
+__all__ = ["MIN_TEMPERATURE", "VERSION", "ErrorReply", "GenerateChunk", "GenerateRequest", "InfoReply", "OpenReply", "OpenRequest", "PromptGenerateRequest",
            "SparseRow", "VerifyReply", "VerifyRequest"]
 
 VERSION = 1
@@ -109,6 +110,13 @@ class GenerateRequest(_Message):
     """Greedy-decode up to `max_tokens` more tokens alone (stopping after an EOS)."""
 
     committed: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=MAX_GENERATE)
+
+
+class PromptGenerateRequest(_Message):
+    """Greedy-decode up to `max_tokens` tokens after `prompt_ids` alone, with no session kept."""
+
+    prompt_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT)
     max_tokens: int = Field(ge=1, le=MAX_GENERATE)
 
 

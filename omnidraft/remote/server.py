@@ -3,6 +3,7 @@
     POST   /v1/sessions                 OpenRequest  -> OpenReply
     POST   /v1/sessions/{id}/verify     VerifyRequest -> VerifyReply
     POST   /v1/sessions/{id}/generate   GenerateRequest -> NDJSON GenerateChunk per committed token
+    POST   /v1/generate                 PromptGenerateRequest -> the same stream, with no session kept
     DELETE /v1/sessions/{id}
     GET    /v1/info, /v1/tokenizer      what a device needs to pair (name, vocab, fingerprint, files)
     GET    /health, /metrics            liveness; Prometheus text
@@ -28,6 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,7 +43,7 @@ from starlette.requests import ClientDisconnect
 
 from ..target import Rule
 from .protocol import (MAX_PROMPT, VERSION, GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest,
-                       VerifyReply, VerifyRequest)
+                       PromptGenerateRequest, VerifyReply, VerifyRequest)
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -125,7 +127,7 @@ class _Service:
         self.sessions: dict[str, _Session] = {}
         self.metrics = _Metrics()
         self.table_lock, self.model_lock = threading.Lock(), threading.Lock()
-        self.inflight = 0  # tokens of /v1/completions requests being served (counted in the KV budget)
+        self.inflight = 0  # tokens of /v1/completions and /v1/generate requests being served (counted in the KV budget)
         model = getattr(target, "model", None)  # None: unbounded
         self.context = getattr(target, "context_length", None) or getattr(getattr(model, "config", None),
                                                                             "max_position_embeddings", None)
@@ -198,6 +200,32 @@ class _Service:
         with self.table_lock:
             self._reserve(request.max_tokens)
         return self._decode(session, request.max_tokens)
+
+    def generate_alone(self, request: PromptGenerateRequest, key: int = 0) -> Iterator[bytes]:
+        """A whole completion decoded alone with no session kept (what a device that will not
+        speculate sends: one exchange). Its tokens count in the KV budget while it streams."""
+        self._check_ids(request.prompt_ids, "prompt")
+        budget = len(request.prompt_ids) + request.max_tokens
+        self._check_context(budget, "the completion")
+        with self.table_lock:
+            self._reserve(budget)
+            self.inflight += budget
+        session = _Session(self.target.begin(list(request.prompt_ids)), time.monotonic(), key)
+
+        held = [budget]
+
+        def release() -> None:  # once, whether the stream ends, breaks or never starts
+            with self.table_lock:
+                self.inflight -= held.pop() if held else 0
+
+        def stream() -> Iterator[bytes]:
+            try:
+                yield from self._decode(session, request.max_tokens)
+            finally:
+                release()
+        chunks = stream()
+        weakref.finalize(chunks, release)
+        return chunks
 
     def _decode(self, session: _Session, max_tokens: int) -> Iterator[bytes]:
         empty, rule = torch.zeros(0, dtype=torch.long), Rule()
@@ -371,6 +399,11 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     @app.post("/v1/sessions/{sid}/generate")
     async def generate(sid: str, request: Request) -> Any:
         stream = await run_in_threadpool(service.generate, sid, await body(request, GenerateRequest), request.state.key)
+        return StreamingResponse(stream, media_type="application/x-ndjson")
+
+    @app.post("/v1/generate")
+    async def generate_alone(request: Request) -> Any:
+        stream = await run_in_threadpool(service.generate_alone, await body(request, PromptGenerateRequest), request.state.key)
         return StreamingResponse(stream, media_type="application/x-ndjson")
 
     @app.post("/v1/completions")
