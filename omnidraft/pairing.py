@@ -72,10 +72,9 @@ class Pairing:
         self._steps0 = profile.steps if profile else 0
         self.adapter = attach_adapter(drafter, target.name, user, learn=learn, adapter=adapter,
                                       saved=profile.tensors.get("adapter") if profile else None)
-        plan = plan_drafting(drafter, target, config, learn)
+        self.plan = plan = plan_drafting(drafter, target, config, learn)
         self.outlook, self.model_drafts, self.free_drafts, self.modes = plan.outlook, plan.model, plan.free, plan.modes
         self.cost = CostModel(verify=plan.outlook.verify if plan.outlook else None)  # measured costs, if the target has them
-        # without model drafts, retrieved drafts compete with decoding alone
         self.retriever = (Retriever.for_user(config.retrieval, user, profile.history if profile else None,
                                              target.token_bytes.fingerprint, model=config.drafts == "hybrid" and plan.model)
                           if config.drafts != "model" else None)
@@ -284,8 +283,9 @@ class Pairing:
                 drafted, t_draft, verified, t_verify, started = previous
                 with self._book:
                     self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
-            draft, proposal, used, q, t1 = self.propose_round(tsession, dsession, rule, index, k, stopper, last,
-                                                         max_new_tokens - produced - 1, generator)
+            model, free = self.plan.at(self.target, len(tsession.ids))  # what can pay at this context
+            draft, proposal, used, q, t1 = self.propose_round(tsession, dsession, rule, index if free else None,
+                                                         k if model else 0, stopper, last, max_new_tokens - produced - 1, generator)
             t2 = time.perf_counter()
             context = len(tsession.ids)
             relax = {}
@@ -306,11 +306,10 @@ class Pairing:
                                        retrieved_accepted, last, k, stopper)
             t4 = time.perf_counter()
             produced += len(new)
-            # the first verification also prefills the prompt: not a verification cost. The round is
-            # observed when the next one starts, so its overhead includes the head's bookkeeping, the
-            # caller's handling of the yielded tokens and whatever else stands between two rounds.
-            # A draft right after rounds without one first catches the drafter up on every token
-            # committed meanwhile: a one-off, so its time does not enter the drafting cost line
+            # the first verification also prefills the prompt: not a verification cost. A round is observed
+            # when the next starts, so its overhead includes the head's bookkeeping, the caller's handling of
+            # the yielded tokens and all else between two rounds. A draft after rounds without one first
+            # catches the drafter up on every token committed meanwhile: its time is not a drafting cost
             drafted = 0 if idle else len(draft.ids)
             previous = None if first else (drafted, t1 - t0, len(proposal) + 1, t3 - t2, t0)
             first, idle = False, not draft.ids

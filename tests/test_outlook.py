@@ -19,10 +19,12 @@ PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold ha
 class CostedTarget:
     """A target that reports verify costs, as LlamaCppTarget does (measured there)."""
 
-    def __init__(self, inner, costs: dict[int, float]) -> None:
-        self._inner, self._costs = inner, costs
+    def __init__(self, inner, costs: dict[int, float], *, past: int | None = None) -> None:
+        self._inner, self._costs, self._past = inner, costs, past  # past `past` tokens verifying n costs n steps
 
-    def verify_costs(self) -> dict[int, float]:
+    def verify_costs(self, context: int | None = None) -> dict[int, float]:
+        if self._past is not None and context is not None and context > self._past:
+            return {n: n * self._costs[1] for n in self._costs}
         return dict(self._costs)
 
     def __getattr__(self, name):
@@ -82,6 +84,17 @@ def test_where_drafting_can_pay_the_pairing_drafts(tiny_drafter, tiny_target):
     out = pairing.generate(PROMPT, max_new_tokens=24)
     assert out.token_ids == target_greedy(tiny_target, PROMPT, 24)
     assert sum(r.drafted for r in out.rounds) > 0
+
+
+def test_drafts_stop_where_the_context_makes_verifying_cost_a_step_a_token(tiny_drafter, tiny_target):
+    """llama.cpp past its exact range verifies a token a call: from that context on, no draft."""
+    past = len(tiny_target.tokenizer(PROMPT)["input_ids"]) + 6
+    pairing = tiny_drafter.pair(CostedTarget(tiny_target, CHEAP, past=past))
+    out = pairing.generate(PROMPT, max_new_tokens=32)
+    assert out.token_ids == target_greedy(tiny_target, PROMPT, 32)
+    assert any(r.drafted for r in out.rounds if r.context <= past)
+    late = [r for r in out.rounds if r.context > past]
+    assert late and all(r.drafted == 0 and r.proposed == 0 for r in late)
 
 
 def test_a_fixed_draft_length_or_learning_skips_the_outlook(tiny_drafter, tiny_target):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .head import AcceptanceHead, CostModel, Stopper, head_state
-from .policy import CostPolicy, Hysteresis, ModeChooser, Outlook
+from .policy import CostPolicy, Hysteresis, ModeChooser, Outlook, outlook
 
 __all__ = ["DraftLengths", "DraftingPlan", "plan_drafting"]
 
@@ -32,6 +32,16 @@ class DraftingPlan:
     free: bool
     modes: ModeChooser | None
     may_idle: bool
+
+    def at(self, target: Any, context: int) -> tuple[bool, bool]:
+        """(model, free): the drafts that can still pay after `context` tokens, by the target's
+        verify costs there (`verify_costs(context)`: llama.cpp past its exact range verifies fewer
+        tokens a call, so a verify of n costs more steps than where the outlook was measured)."""
+        if self.outlook is None or not (self.model or self.free):
+            return self.model, self.free
+        seen = outlook(target.verify_costs(context), self.outlook.draft, acceptance=self.outlook.acceptance,
+                       need=self.outlook.need)
+        return self.model and seen.model_pays, self.free and seen.free_pays
 
 
 def plan_drafting(drafter: Any, target: Any, config: Any, learn: bool) -> DraftingPlan:

@@ -37,6 +37,7 @@ from ..errors import MissingDependencyError
 __all__ = ["LlamaEngine", "gguf_file", "open_llama", "require_llama_cpp"]
 
 PROBE_ROWS = 16  # the most rows the batch-exactness probe tries
+COST_CONTEXT = 200  # tokens of context before the tokens whose costs `row_costs` measures
 PROBE_CONTEXTS = (24, 64, 128, 192, 224, 240, 248, 256, 320, 384, 448, 512, 768, 1024, 2048)  # where it tries them
 
 INSTALL_HINT = ("llama-cpp-python is not installed; `make install` builds it once per machine "
@@ -155,6 +156,7 @@ class LlamaEngine:
         # [(context, rows)]: at a cache of up to `context` tokens, calls of up to `rows` tokens are bit-exact
         self.exact_limits: list[tuple[int, int]] = [(self.n_ctx, exact_rows)] if exact_rows else self._exact_limits()
         self.exact_rows = self.exact_limits[0][1]  # at the shortest context probed (the most)
+        self._row_costs: dict[int, dict[int, float]] = {}
 
     def eog_ids(self) -> frozenset[int]:
         """Every id llama.cpp ends a generation on (EOS, EOT and the template's end tokens)."""
@@ -265,12 +267,14 @@ class LlamaEngine:
         machine, model and settings (a few seconds), then remembered."""
         from ..kernels import remembered
 
-        costs = remembered("llama-row-costs", f"{self._key()}|rows {most}", lambda: self._time_rows(most))
-        return {int(n): float(s) for n, s in costs.items()}
+        if most not in self._row_costs:
+            costs = remembered("llama-row-costs", f"{self._key()}|rows {most}", lambda: self._time_rows(most))
+            self._row_costs[most] = {int(n): float(s) for n, s in costs.items()}
+        return dict(self._row_costs[most])
 
     def _time_rows(self, most: int, reps: int = 5) -> dict[str, float]:
         text = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n" * 12
-        ids = self.tokenize(text)[: min(200, self.n_ctx - most - 1)]
+        ids = self.tokenize(text)[: min(COST_CONTEXT, self.n_ctx - most - 1)]
         times: dict[int, list[float]] = {n: [] for n in range(1, most + 1)}
         with self.lock:
             self.logits(ids, 1, owner=self)

@@ -20,7 +20,7 @@ from ..target import Rule, judge
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
-from .engine import LlamaEngine, gguf_file
+from .engine import COST_CONTEXT, LlamaEngine, gguf_file
 
 __all__ = ["LlamaCppTarget"]
 
@@ -107,10 +107,16 @@ class LlamaCppTarget:
         eos = self.tokenizer.eos_token_id
         self.eos_ids = self.engine.eog_ids() | ({eos} if isinstance(eos, int) else set())
 
-    def verify_costs(self) -> dict[int, float]:
+    def verify_costs(self, context: int | None = None) -> dict[int, float]:
         """Seconds to verify n tokens (n = 1 .. 8), measured on this machine (LlamaEngine.row_costs):
-        what a pairing reads to decide whether drafting can pay here at all."""
-        return self.engine.row_costs()
+        what a pairing reads to decide whether drafting can pay here at all. After `context` tokens
+        (default: where they were measured) a call may evaluate fewer tokens bit-exactly
+        (`LlamaEngine.rows_at`): verifying n then takes more calls, and the costs say so."""
+        costs = self.engine.row_costs()
+        rows = self.engine.rows_at(COST_CONTEXT if context is None else context)
+        if rows >= self.engine.rows_at(COST_CONTEXT):
+            return costs
+        return {n: (n // rows) * costs[rows] + (costs[n % rows] if n % rows else 0.0) for n in costs}
 
     @classmethod
     def load(cls, spec: str, **options: Any) -> LlamaCppTarget:
