@@ -9,7 +9,7 @@ import torch
 
 import omnidraft as od
 from omnidraft.errors import CorruptFileError, IncompatibleError
-from omnidraft.export.onnx import LlamaGraph, export_drafter
+from omnidraft.export.onnx import Gemma3Graph, LlamaGraph, drafter_graph, export_drafter
 from omnidraft.export.ort_drafter import OrtDrafter
 from omnidraft.runner import CausalRunner
 
@@ -37,6 +37,33 @@ def test_graph_equals_the_hf_forward_with_and_without_past(tiny_drafter):
     runner.extend(ids[-3:])
     torch.testing.assert_close(logits2[0], runner.forward(keep=1)[0], atol=1e-4, rtol=1e-4)
     assert hidden.shape == (1, tiny_drafter.hidden_size)
+
+
+def test_the_gemma3_graph_equals_the_hf_forward_past_its_sliding_window():
+    """Gemma 3: scaled embedding, (1 + w) norms, q/k norms, local layers with their own rotary base
+    and a window of 4 (crossed here), global layers; with and without past."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                              layer_types=["sliding_attention", "full_attention"])
+    model = Gemma3ForCausalLM(config).eval()
+    for layer in model.model.layers:  # non-zero norm weights, so that (1 + w) is tested
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.data.normal_(0, 0.3)
+    ids = torch.randint(0, 64, (14,)).tolist()
+    graph = drafter_graph(model).eval()
+    assert isinstance(graph, Gemma3Graph)
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([ids])).logits[0]
+        logits, hidden, *present = graph(torch.tensor([ids[:9]]), *graph.empty_past())
+        logits2, _, *_ = graph(torch.tensor([ids[9:]]), *present)
+    torch.testing.assert_close(logits[0], full[8], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits2[0], full[-1], atol=1e-4, rtol=1e-4)
+    assert hidden.shape == (1, 32)
+    with pytest.raises(ValueError, match="Llama and Gemma 3"):
+        drafter_graph(type("M", (), {"config": type("C", (), {"model_type": "mistral"})()})())
 
 
 def test_export_parity_is_recorded_and_greedy_identical(exported):

@@ -1,7 +1,9 @@
-"""Export a Llama-architecture drafter to ONNX with its KV cache as graph inputs and outputs.
+"""Export a Llama- or Gemma 3-architecture drafter to ONNX with its KV cache as graph inputs and outputs.
 
-The graph is a plain re-statement of the Llama forward (RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU) over explicit tensors, so `torch.onnx.export` sees nothing but tensor ops:
+The graph is a plain re-statement of the model's forward (Llama: RMSNorm, rotary embeddings,
+grouped-query attention, SwiGLU; Gemma 3 adds its (1 + w) norms around attention and MLP, per-head
+q/k norms, sliding-window layers with their own rotary base, GELU) over explicit tensors, so
+`torch.onnx.export` sees nothing but tensor ops:
 
     inputs   input_ids (1, n) int64, past_key_i / past_value_i (1, kv_heads, P, head_dim) per layer
     outputs  logits (1, V') of the last position, hidden (1, d) the last position's final hidden
@@ -29,7 +31,7 @@ from torch import nn
 from ..atomic import atomic_write_bytes
 from .sidecar import SIDECAR_FORMAT, file_sha256, sidecar_path
 
-__all__ = ["LlamaGraph", "export_drafter"]
+__all__ = ["Gemma3Graph", "LlamaGraph", "drafter_graph", "export_drafter"]
 
 log = logging.getLogger("omnidraft")
 
@@ -107,6 +109,86 @@ class LlamaGraph(nn.Module):
         return [torch.zeros(1, self.kv_heads, 0, self.head_dim) for _ in range(2 * len(self.layers))]
 
 
+class Gemma3Graph(LlamaGraph):
+    """Gemma 3's text forward of `model` (an HF Gemma3ForCausalLM, adapters merged) over explicit
+    KV tensors. Sliding-window layers keep every position and mask the ones outside the window (as
+    the PyTorch drafter's cache does, runner.py), so one rollback rule serves every layer."""
+
+    def __init__(self, model: Any, keep_ids: Sequence[int] | None = None, *, head: bool = True) -> None:
+        nn.Module.__init__(self)
+        self.with_head = head
+        cfg = model.config
+        if cfg.model_type != "gemma3_text":
+            raise ValueError(f"Gemma3Graph needs a Gemma 3 text model; this one is {cfg.model_type!r}")
+        if cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None:
+            raise ValueError("ONNX export does not support Gemma's logit soft-capping")
+        ropes = cfg.rope_parameters
+        if any(ropes[kind].get("rope_type", "default") != "default" for kind in set(cfg.layer_types)):
+            raise ValueError(f"ONNX export supports default rotary embeddings, not {ropes}")
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps, self.scaling, self.window = cfg.rms_norm_eps, cfg.query_pre_attn_scalar ** -0.5, cfg.sliding_window
+        self.sliding = [kind == "sliding_attention" for kind in cfg.layer_types]
+        self.layers = nn.ModuleList(layer for layer in model.model.layers)
+        self.embed, self.norm = model.model.embed_tokens, model.model.norm  # the embedding scales by sqrt(d) itself
+        weight = model.lm_head.weight.detach()
+        weight = weight[torch.as_tensor(list(keep_ids))] if keep_ids is not None else weight
+        self.lm_head_t = nn.Parameter(weight.T.contiguous(), requires_grad=False)
+        for kind in ("sliding_attention", "full_attention"):
+            theta = float(ropes.get(kind, ropes.get("full_attention"))["rope_theta"])
+            inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+            self.register_buffer(f"inv_freq_{kind.split('_')[0]}", inv, persistent=False)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)) * (1.0 + weight)
+
+    def forward(self, input_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n, p = input_ids.shape[1], past[0].shape[2]
+        positions = torch.arange(n, dtype=torch.float32) + p
+        rope = []
+        for inv in (self.inv_freq_sliding, self.inv_freq_full):
+            freqs = positions[:, None] * inv[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            rope.append((emb.cos()[None, None], emb.sin()[None, None]))
+        keys, query = torch.arange(p + n)[None, :], torch.arange(n)[:, None] + p
+        causal = keys <= query  # a sliding layer's query also sees only the last `window` keys
+        masks = [torch.where(causal & (keys > query - self.window), 0.0, float("-inf")),
+                 torch.where(causal, 0.0, float("-inf"))]
+        x = self.embed(input_ids)
+        presents = []
+        group = self.heads // self.kv_heads
+        for i, layer in enumerate(self.layers):
+            attn, mlp, local = layer.self_attn, layer.mlp, 0 if self.sliding[i] else 1
+            cos, sin = rope[local]
+            h = self._rms(x, layer.input_layernorm.weight)
+            q = self._rms(attn.q_proj(h).view(1, n, self.heads, self.head_dim).transpose(1, 2), attn.q_norm.weight)
+            k = self._rms(attn.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2), attn.k_norm.weight)
+            v = attn.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            k = torch.cat([past[2 * i], k], dim=2)
+            v = torch.cat([past[2 * i + 1], v], dim=2)
+            presents += [k, v]
+            kk = k.repeat_interleave(group, dim=1) if group > 1 else k
+            vv = v.repeat_interleave(group, dim=1) if group > 1 else v
+            scores = q @ kk.transpose(2, 3) * self.scaling + masks[local]
+            out = (torch.softmax(scores, dim=-1) @ vv).transpose(1, 2).reshape(1, n, self.heads * self.head_dim)
+            x = x + self._rms(attn.o_proj(out), layer.post_attention_layernorm.weight)
+            h = self._rms(x, layer.pre_feedforward_layernorm.weight)
+            h = mlp.down_proj(nn.functional.gelu(mlp.gate_proj(h), approximate="tanh") * mlp.up_proj(h))
+            x = x + self._rms(h, layer.post_feedforward_layernorm.weight)
+        hidden = self._rms(x[:, -1], self.norm.weight)
+        return (hidden @ self.lm_head_t, hidden, *presents) if self.with_head else (hidden, *presents)
+
+
+def drafter_graph(model: Any, keep_ids: Sequence[int] | None = None, *, head: bool = True) -> LlamaGraph:
+    """The export graph for `model`'s architecture (Llama or Gemma 3)."""
+    kind = model.config.model_type
+    if kind == "gemma3_text":
+        return Gemma3Graph(model, keep_ids, head=head)
+    if kind != "llama":
+        raise ValueError(f"ONNX export supports Llama and Gemma 3 drafters; this one is {kind!r}")
+    return LlamaGraph(model, keep_ids, head=head)
+
+
 def _names(layers: int) -> tuple[list[str], list[str]]:
     past = [f"past_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
     return past, [name.replace("past_", "present_") for name in past]
@@ -174,7 +256,7 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
                    quantize: str | None = None, keep_ids: Sequence[int] | None = None,
                    parity_prompts: list[list[int]] | None = None, parity_steps: int = 16,
                    head: str = "inside") -> dict[str, Any]:
-    """Export fp32 HF Llama `model` (drafter `name`) with `adapter` merged: writes `out` (.onnx), its
+    """Export fp32 HF Llama or Gemma 3 `model` (drafter `name`) with `adapter` merged: writes `out` (.onnx), its
     tokenizer beside it (OUT.tokenizer/) and the JSON sidecar (OUT.json); returns the sidecar.
     `head="outside"`: the graph ends at the final hidden state and the LM head's weight is saved
     beside it (OUT.head.pt), for the drafter to evaluate in PyTorch, whole or shortlisted
@@ -197,7 +279,7 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
         smooth_mlps(model, tokenizer)
     if keep_ids is not None:
         keep_ids = _aligned(sorted(set(int(i) for i in keep_ids)), int(model.config.vocab_size))
-    graph = LlamaGraph(model, keep_ids, head=head == "inside").eval()
+    graph = drafter_graph(model, keep_ids, head=head == "inside").eval()
     tmp = out.with_name(out.name + ".tmp")
     _export_graph(graph, tmp)
     if quantize == "int8":
