@@ -89,6 +89,26 @@ def test_the_evo_buffer_recalls_the_context_and_stays_bounded():
     assert set(ids.tolist()) == set(range(10)) | set(evo.counts)
 
 
+def test_the_evo_buffer_keeps_the_users_history_behind_the_running_request():
+    """Across requests the buffer keeps what earlier ones used (aged), but a new request's context
+    always gets in: a full buffer of older, more frequent tokens does not lock it out."""
+    head = torch.nn.Linear(8, 100)
+    evo = Evo(head, torch.arange(10), capacity=4)
+    evo.begin([50] * 8 + [51] * 8 + [52] * 4 + [53] * 4)  # an earlier request, frequent tokens
+    evo.begin([60, 61])  # the next one: its context enters ahead of the history
+    assert {60, 61} <= set(evo.counts) and len(evo.counts) == 4 and {50, 51} <= set(evo.counts)
+    assert evo.counts[50] == 4  # aged: halved once
+    evo.observe([62, 63, 64])  # the running request outranks every older token, the newest first
+    assert set(evo.counts) == {61, 62, 63, 64}
+    aging = Evo(head, torch.arange(10), capacity=4)
+    aging.begin([70] * 4)
+    seen = []
+    for _ in range(3):  # requests that never use 70 again let it go: 4 -> 2 -> 1 -> gone
+        aging.begin([])
+        seen.append(aging.counts.get(70))
+    assert seen == [2, 1, None]
+
+
 def test_a_bad_shortlist_kind_names_the_choices(tiny_drafter):
     with pytest.raises(ValueError, match="shortlist must be one of"):
         tiny_drafter.use_shortlist("tiny")

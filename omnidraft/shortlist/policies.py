@@ -2,8 +2,10 @@
 
 - `Static` (FR-Spec): one block, the most frequent tokens of a corpus.
 - `Evo` (EvoSpec): the static core plus a bounded dynamic buffer of tokens recalled from the
-  request (its context tokens when it begins, every committed token the support missed), evicted
-  least-frequently-used; the buffer's block is re-packed when its ids changed, at the next call.
+  request (its context tokens when it begins, every committed token the support missed) and from
+  the requests before it (the user's history, its counts halved at each new request), evicted
+  least-frequently-used with the running request's tokens kept first; the buffer's block is
+  re-packed when its ids changed, at the next call.
 - `Dyna` (DynaSpec): the head's rows clustered (spherical k-means on the normalised rows), a
   linear router on the hidden state scores the clusters, and each call evaluates the core plus
   the top-scoring clusters: more of them at the first draft positions, fewer later.
@@ -47,22 +49,32 @@ class Evo:
         self.core = Block(head, core)
         self._in_core = set(self.core.ids.tolist())
         self.counts: Counter[int] = Counter()
+        self._request: set[int] = set()  # the running request's tokens outside the core
         self._block: Block | None = None
         self._dirty = False
 
     def begin(self, ids: list[int]) -> None:
-        """A request: recall its context's tokens into the buffer."""
+        """A request: what earlier requests left ages (counts halve; those at 0 leave) and the
+        request's context tokens are recalled ahead of it."""
+        before = set(self.counts)
+        self.counts = Counter({t: c // 2 for t, c in self.counts.items() if c > 1})
+        self._request = set()
+        self._dirty |= set(self.counts) != before
         self.observe(ids)
 
     def observe(self, ids: list[int]) -> None:
-        """Tokens the request committed (or holds): those outside the core enter or stay in the buffer."""
+        """Tokens the request committed (or holds): those outside the core enter or stay in the
+        buffer; past its capacity the least frequent leave, the running request's last."""
         outside = [t for t in ids if t not in self._in_core]
         if not outside:
             return
         before = set(self.counts)
         self.counts.update(outside)
+        self._request.update(outside)
         if len(self.counts) > self.capacity:
-            for token, _ in self.counts.most_common()[self.capacity :]:
+            newest_first = list(self.counts)[::-1]  # ties: the token that entered last stays
+            ranked = sorted(newest_first, key=lambda t: (t in self._request, self.counts[t]), reverse=True)
+            for token in ranked[self.capacity :]:
                 del self.counts[token]
         self._dirty |= set(self.counts) != before
 
