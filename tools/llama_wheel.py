@@ -1,0 +1,59 @@
+"""Build llama-cpp-python from its sdist with one change, into a cached wheel (see the Makefile).
+
+    python tools/llama_wheel.py 0.3.36 omnidraft.1 ~/.cache/omnidraft/wheels
+
+The change: ggml's CPU flash attention splits the KV cache across threads for a single query once
+the cache holds 512 cells or more (`use_split_kv_path` in ggml-cpu/ops.cpp), and reduces the
+threads' partial sums afterwards; several queries in one call take the unsplit path. The two sum
+in different orders, so past ~256 tokens of context a multi-token verify gave logits that differ
+from one-token decoding, and a lossless verifier could feed only one token a call there
+(docs/llamacpp.md). With the split off, one query is computed as each of several is. The engine
+still measures which batches are exact (LlamaEngine.exact_limits): a stock build stays correct,
+only slower at long contexts. The wheel's version gets a local tag (`+omnidraft.N`, the Makefile's
+LLAMA_TAG), so it is told apart from a stock build everywhere, the engine's per-machine memo included.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+SPLIT = "q->type == GGML_TYPE_F32 && nek1 >= 512;"
+UNSPLIT = "q->type == GGML_TYPE_F32 && nek1 >= 512 && false;  /* omnidraft: one query sums as several do */"
+
+
+def patch(root: Path, version: str, tag: str) -> None:
+    ops = root / "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp"
+    text = ops.read_text()
+    if text.count(SPLIT) != 1:
+        raise SystemExit(f"{ops}: the split-KV condition is not where this patch expects it; update tools/llama_wheel.py")
+    ops.write_text(text.replace(SPLIT, UNSPLIT))
+    init = root / "llama_cpp/__init__.py"
+    line = f'__version__ = "{version}"'
+    if line not in init.read_text():
+        raise SystemExit(f"{init}: no {line!r} to tag")
+    init.write_text(init.read_text().replace(line, f'__version__ = "{version}+{tag}"'))
+
+
+def main(version: str, tag: str, wheels: str) -> None:
+    out = Path(wheels).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip"]
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([*pip, "download", "-q", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={version}",
+                        "-d", tmp], check=True)
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as archive:
+            archive.extractall(tmp, filter="data")
+        root = Path(tmp) / f"llama_cpp_python-{version}"
+        patch(root, version, tag)
+        subprocess.run([*pip, "wheel", "-q", "--no-deps", str(root), "-w", str(out)], check=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        raise SystemExit("usage: python tools/llama_wheel.py VERSION TAG WHEEL_DIR")
+    main(*sys.argv[1:])
