@@ -38,7 +38,8 @@ __all__ = ["LlamaEngine", "gguf_file", "open_llama", "require_llama_cpp"]
 
 PROBE_ROWS = 16  # the most rows the batch-exactness probe tries
 COST_CONTEXT = 200  # tokens of context before the tokens whose costs `row_costs` measures
-PROBE_CONTEXTS = (24, 64, 128, 192, 224, 240, 248, 256, 320, 384, 448, 512, 768, 1024, 2048)  # where it tries them
+# where it tries them: 248 / 256 straddle a stock build's limit (docs/llamacpp.md, tools/llama_wheel.py)
+PROBE_CONTEXTS = (24, 128, 248, 256, 512, 1024, 2048)
 
 INSTALL_HINT = ("llama-cpp-python is not installed; `make install` builds it once per machine "
                 "(pip install llama-cpp-python==0.3.36 compiles llama.cpp for several minutes)")
