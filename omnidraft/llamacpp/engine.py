@@ -255,10 +255,12 @@ class LlamaEngine:
         ids = self.tokenize(text)
         grid = [c for c in PROBE_CONTEXTS if c + PROBE_ROWS < min(self.n_ctx, len(ids))]
         rows: list[int] = []
-        for context in grid:  # until no batch is exact
+        self.reset()
+        for context in grid:  # until no batch is exact; each context extends the last one's cache
             rows.append(self._probe_exact_rows(ids[:context]))
             if rows[-1] == 1:
                 break
+        self.reset()
         limits = [[grid[i + 1] if i + 1 < len(rows) else grid[i], min(rows[i : i + 2])] for i in range(len(rows))]
         return [limit for limit in limits if limit[1] > 1] or [[grid[0] if grid else 1, 1]]
 
@@ -288,8 +290,10 @@ class LlamaEngine:
         return {str(n): sorted(t)[len(t) // 2] for n, t in times.items()}
 
     def _probe_exact_rows(self, prompt: list[int]) -> int:
-        self.reset()
-        for start in range(0, len(prompt) - 1, self.n_batch):
+        """The most tokens one call evaluates as one token a call does, after `prompt`; the cache
+        may hold a prefix of it already (both sides of the comparison build on the same cache)."""
+        self._drop_after(len(prompt) - 1)
+        for start in range(len(self.cached), len(prompt) - 1, self.n_batch):
             self._decode(prompt[start : min(start + self.n_batch, len(prompt) - 1)], 0)
         reference, seq = [], list(prompt)
         for _ in range(PROBE_ROWS):  # one token a call
@@ -303,7 +307,7 @@ class LlamaEngine:
             if not all(np.array_equal(self._row(i), reference[i]) for i in range(rows)):
                 break
             best = rows
-        self.reset()
+        self._drop_after(len(prompt) - 1)
         return best
 
     def reset(self) -> None:

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,15 +42,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from ..target import Rule
+from .metrics import Metrics
 from .protocol import (MAX_PROMPT, VERSION, GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest,
                        PromptGenerateRequest, VerifyReply, VerifyRequest)
 
 __all__ = ["ServerConfig", "create_app"]
 
 log = logging.getLogger(__name__)
-
-_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
@@ -83,35 +81,6 @@ class _Session:
     last: tuple[VerifyRequest, VerifyReply] | None = None  # the request applied last and its reply
 
 
-@dataclass
-class _Metrics:
-    opened: int = 0
-    rounds: int = 0
-    accepted: int = 0
-    rejected_requests: int = 0
-    latency: list[int] = field(default_factory=lambda: [0] * (len(_BUCKETS) + 1))
-    latency_sum: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.latency[next((i for i, b in enumerate(_BUCKETS) if seconds <= b), len(_BUCKETS))] += 1
-        self.latency_sum += seconds
-
-    def text(self, sessions: int) -> str:
-        lines = ["# TYPE omnidraft_sessions gauge", f"omnidraft_sessions {sessions}",
-                 "# TYPE omnidraft_sessions_opened_total counter", f"omnidraft_sessions_opened_total {self.opened}",
-                 "# TYPE omnidraft_rounds_total counter", f"omnidraft_rounds_total {self.rounds}",
-                 "# TYPE omnidraft_accepted_tokens_total counter", f"omnidraft_accepted_tokens_total {self.accepted}",
-                 "# TYPE omnidraft_rejected_requests_total counter",
-                 f"omnidraft_rejected_requests_total {self.rejected_requests}",
-                 "# TYPE omnidraft_verify_seconds histogram"]
-        running = 0
-        for bound, count in zip((*map(str, _BUCKETS), "+Inf"), self.latency):
-            running += count
-            lines.append(f'omnidraft_verify_seconds_bucket{{le="{bound}"}} {running}')
-        lines += [f"omnidraft_verify_seconds_sum {self.latency_sum:.6f}", f"omnidraft_verify_seconds_count {running}"]
-        return "\n".join(lines) + "\n"
-
-
 class _HTTPError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -125,7 +94,7 @@ class _Service:
         self.target, self.config = target, config
         self.vocab = len(target.token_bytes)
         self.sessions: dict[str, _Session] = {}
-        self.metrics = _Metrics()
+        self.metrics = Metrics()
         self.table_lock, self.model_lock = threading.Lock(), threading.Lock()
         self.inflight = 0  # tokens of /v1/completions and /v1/generate requests being served (counted in the KV budget)
         model = getattr(target, "model", None)  # None: unbounded

@@ -1,0 +1,40 @@
+"""The verification server's counters, as Prometheus text (served at /metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Metrics"]
+
+_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Metrics:
+    """Sessions opened, rounds, accepted tokens, refused requests and a histogram of model time per call."""
+
+    opened: int = 0
+    rounds: int = 0
+    accepted: int = 0
+    rejected_requests: int = 0
+    latency: list[int] = field(default_factory=lambda: [0] * (len(_BUCKETS) + 1))
+    latency_sum: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.latency[next((i for i, b in enumerate(_BUCKETS) if seconds <= b), len(_BUCKETS))] += 1
+        self.latency_sum += seconds
+
+    def text(self, sessions: int) -> str:
+        lines = ["# TYPE omnidraft_sessions gauge", f"omnidraft_sessions {sessions}",
+                 "# TYPE omnidraft_sessions_opened_total counter", f"omnidraft_sessions_opened_total {self.opened}",
+                 "# TYPE omnidraft_rounds_total counter", f"omnidraft_rounds_total {self.rounds}",
+                 "# TYPE omnidraft_accepted_tokens_total counter", f"omnidraft_accepted_tokens_total {self.accepted}",
+                 "# TYPE omnidraft_rejected_requests_total counter",
+                 f"omnidraft_rejected_requests_total {self.rejected_requests}",
+                 "# TYPE omnidraft_verify_seconds histogram"]
+        running = 0
+        for bound, count in zip((*map(str, _BUCKETS), "+Inf"), self.latency):
+            running += count
+            lines.append(f'omnidraft_verify_seconds_bucket{{le="{bound}"}} {running}')
+        lines += [f"omnidraft_verify_seconds_sum {self.latency_sum:.6f}", f"omnidraft_verify_seconds_count {running}"]
+        return "\n".join(lines) + "\n"
