@@ -50,11 +50,21 @@ def test_remote_greedy_is_token_identical_to_local(http, tiny_drafter, tiny_targ
     pair = tiny_drafter.pair(remote, k=4)
     for prompt in PROMPTS:
         assert pair.generate(prompt, max_new_tokens=24).token_ids == target_greedy(tiny_target, prompt, 24)
-    assert _sessions(http) == held + 1  # each request closed the one before; the last goes with the next
+    _closed(http, held)  # every finished generation closed its session
 
 
 def _sessions(http) -> int:
     return http.get("/health").json()["sessions"]
+
+
+def _closed(http, held: int, deadline_s: float = 10.0) -> None:
+    """Sessions close without the client waiting: poll until the server holds `held` again."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    while _sessions(http) > held:
+        assert time.monotonic() < end, "a finished session was never closed"
+        time.sleep(0.01)
 
 
 def test_remote_sampling_modes_are_reproducible_by_seed(http, tiny_drafter):
@@ -309,8 +319,7 @@ class _Counting:
 
 def test_decoding_alone_is_one_exchange_and_keeps_no_session(app, http, tiny_target):
     """A session that only decodes is one streamed request, as a plain server's completion: no
-    open, no close; its tokens leave the server's KV budget when the stream ends. A finished
-    session is closed by the next request, not by an exchange of its own."""
+    open, no close; its tokens leave the server's KV budget when the stream ends."""
     remote, held = _remote(http), _sessions(http)
     remote.http = counting = _Counting(http)
     ids = tiny_target.tokenizer(PROMPTS[0])["input_ids"]
@@ -322,10 +331,8 @@ def test_decoding_alone_is_one_exchange_and_keeps_no_session(app, http, tiny_tar
     assert _sessions(http) == held and app.state.service.inflight == 0
     first = session.verify(torch.zeros(0, dtype=torch.long), Rule()).token  # a verify after it opens on every id
     assert [*out, first] == target_greedy(tiny_target, PROMPTS[0], 17) and counting.calls[1][1] == "/v1/sessions"
-    session.close()  # no exchange of its own: the next request closes it on its way
-    assert len(counting.calls) == 3 and _sessions(http) == held + 1
-    assert list(remote.begin(ids).decode(2)) == out[:2]
-    assert len(counting.calls) == 4 and _sessions(http) == held
+    session.close()
+    _closed(http, held)
     past = http.post("/v1/generate", json={"prompt_ids": ids, "max_tokens": 10**6}, headers={"authorization": f"Bearer {KEY}"})
     assert past.status_code == 422
 

@@ -8,8 +8,8 @@ fingerprint must match the server's or pairing is refused. One keep-alive HTTP c
 reused; each call has a timeout; transport failures and 502/503/504 are retried a bounded number
 of times, which is safe because a verify request names the committed length it builds on (see
 protocol.py). A session opens on the server at its first verify: one that only decodes alone is a
-single streamed request, as a plain server's completion is, and a finished session is closed by
-the next request that opens or generates (or by `close()`), not by an exchange of its own. When the server stays unreachable the call raises `TargetUnavailableError`; the
+single streamed request, as a plain server's completion is, and closing a session does not wait
+for the server's answer. When the server stays unreachable the call raises `TargetUnavailableError`; the
 pairing keeps what was committed so far (`error.partial`).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import queue
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,7 +28,7 @@ from ..errors import IncompatibleError, RemoteRequestError, TargetUnavailableErr
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
-from .protocol import (MAX_CLOSE, GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest, PromptGenerateRequest,
+from .protocol import (GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest, PromptGenerateRequest,
                        SparseRow, VerifyReply, VerifyRequest)
 
 __all__ = ["RemoteTarget", "call_json"]
@@ -50,8 +51,8 @@ class RemoteTarget:
             raise ValueError(f"need retries >= 0 and timeout > 0, got {retries} and {timeout}")
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.url, self.retries, self.timeout = url, retries, timeout
-        self._closes: list[str] = []  # finished sessions, closed by the next open or generate request
-        self._lock = threading.Lock()
+        self._closes: queue.Queue[str | None] = queue.Queue()  # session ids a daemon thread closes on the server
+        self._closer: threading.Thread | None = None
         self.http = client if client is not None else httpx.Client(base_url=url, timeout=timeout)
         self.http.headers.update(headers)
         info = InfoReply.model_validate(self._call("GET", "/v1/info"))
@@ -68,23 +69,28 @@ class RemoteTarget:
         return _RemoteSession(self, list(prompt_ids))
 
     def close(self) -> None:
-        """Close the finished sessions not yet closed on the way, then the connection."""
-        for sid in self._take_closes(len(self._closes)):
-            try:
-                call_json(self.http, self.url, "DELETE", f"/v1/sessions/{sid}", None, 0)
-            except (TargetUnavailableError, RemoteRequestError):
-                pass  # gone or dropped already: it expires there
+        """Send the session closes still queued (waiting at most one timeout), then close the
+        connection. Sessions not closed by then expire on the server."""
+        if self._closer is not None:
+            self._closes.put(None)
+            self._closer.join(timeout=self.timeout)
+            self._closer = None
         self.http.close()
 
     def _close_later(self, sid: str) -> None:
-        with self._lock:
-            self._closes.append(sid)
+        """Queue a session close; a daemon thread sends it, so neither a request nor the
+        interpreter's exit waits for the server."""
+        if self._closer is None:
+            self._closer = threading.Thread(target=self._close_queued, name="omnidraft-close", daemon=True)
+            self._closer.start()
+        self._closes.put(sid)
 
-    def _take_closes(self, most: int = MAX_CLOSE) -> list[str]:
-        """Finished sessions for a request to close on its way (if it fails, they expire there)."""
-        with self._lock:
-            taken, self._closes = self._closes[:most], self._closes[most:]
-        return taken
+    def _close_queued(self) -> None:
+        while (sid := self._closes.get()) is not None:
+            try:
+                call_json(self.http, self.url, "DELETE", f"/v1/sessions/{sid}", None, 0)
+            except Exception:  # noqa: BLE001 - gone, dropped already, or the connection closed: it expires there
+                pass
 
     def _fetch_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -142,7 +148,7 @@ class _RemoteSession:
 
     def _open(self) -> str:
         if self.sid is None:
-            request = OpenRequest(prompt_ids=list(self.ids), close=self.owner._take_closes())
+            request = OpenRequest(prompt_ids=list(self.ids))
             self.sid = OpenReply.model_validate(self.owner._call("POST", "/v1/sessions", request)).session
         return self.sid
 
@@ -175,8 +181,7 @@ class _RemoteSession:
 
         owner = self.owner
         if self.sid is None:
-            path = "/v1/generate"
-            message = PromptGenerateRequest(prompt_ids=list(self.ids), max_tokens=max_tokens, close=owner._take_closes())
+            path, message = "/v1/generate", PromptGenerateRequest(prompt_ids=list(self.ids), max_tokens=max_tokens)
         else:
             path, message = f"/v1/sessions/{self.sid}/generate", GenerateRequest(committed=len(self.ids), max_tokens=max_tokens)
         content = message.model_dump_json()
@@ -199,8 +204,7 @@ class _RemoteSession:
             raise TargetUnavailableError(f"{owner.url}{path}: the stream broke ({type(exc).__name__}: {exc})") from exc
 
     def close(self) -> None:
-        """Free the server's KV cache for this session with the next request (or `RemoteTarget.close`;
-        it would expire anyway); returns at once."""
+        """Free the server's KV cache for this session (it would expire anyway); returns at once."""
         if self.sid is not None:
             self.owner._close_later(self.sid)
             self.sid = None

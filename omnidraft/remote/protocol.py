@@ -10,8 +10,6 @@ Draft rows q' for rejection sampling travel sparse: only the target ids with q' 
 A generate request hands the rest of a completion to the server (greedy, no draft): its reply
 streams one `GenerateChunk` per line (NDJSON) as the tokens are committed. A `PromptGenerateRequest`
 does the same for a whole completion without a session (one exchange, as a plain server would).
-A device closes a finished session with DELETE, or names it in the `close` list of its next open
-or generate request (no exchange of its own; unknown ids there are ignored).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ MAX_PROMPT = 32_768
 MAX_PROPOSAL = 64
 MAX_TOPK = 64
 MAX_GENERATE = 4096
-MAX_CLOSE = 64  # finished sessions one request may close on the way
 MIN_TEMPERATURE = 1e-3  # sampling temperatures are 0 (greedy) or at least this: smaller ones overflow the softmax
 MAX_SEED = 2**63 - 1
 
@@ -56,7 +53,6 @@ class InfoReply(_Message):
 
 class OpenRequest(_Message):
     prompt_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT)
-    close: list[str] = Field(default_factory=list, max_length=MAX_CLOSE)  # this key's finished sessions, freed first
 
 
 class OpenReply(_Message):
@@ -122,7 +118,6 @@ class PromptGenerateRequest(_Message):
 
     prompt_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT)
     max_tokens: int = Field(ge=1, le=MAX_GENERATE)
-    close: list[str] = Field(default_factory=list, max_length=MAX_CLOSE)  # as in OpenRequest
 
 
 class GenerateChunk(_Message):

@@ -109,7 +109,6 @@ class _Service:
                          eos_ids=sorted(self.target.eos_ids))
 
     def open(self, request: OpenRequest, key: int = 0) -> OpenReply:
-        self._close_listed(request.close, key)
         self._check_ids(request.prompt_ids, "prompt")
         self._check_context(len(request.prompt_ids) + 1, "the session")
         with self.table_lock:
@@ -174,7 +173,6 @@ class _Service:
     def generate_alone(self, request: PromptGenerateRequest, key: int = 0) -> Iterator[bytes]:
         """A whole completion decoded alone with no session kept (what a device that will not
         speculate sends: one exchange). Its tokens count in the KV budget while it streams."""
-        self._close_listed(request.close, key)
         self._check_ids(request.prompt_ids, "prompt")
         budget = len(request.prompt_ids) + request.max_tokens
         self._check_context(budget, "the completion")
@@ -240,13 +238,6 @@ class _Service:
         self._session(sid, key)  # 404 unless it is there for this key
         with self.table_lock:
             self.sessions.pop(sid, None)
-
-    def _close_listed(self, sids: list[str], key: int) -> None:
-        """Sessions a request names as finished: this key's are dropped, others ignored."""
-        with self.table_lock:
-            for sid in sids:
-                if (session := self.sessions.get(sid)) is not None and session.key == key:
-                    del self.sessions[sid]
 
     def _session(self, sid: str, key: int = 0) -> _Session:
         with self.table_lock:
