@@ -8,8 +8,7 @@ fingerprint must match the server's or pairing is refused. One keep-alive HTTP c
 reused; each call has a timeout; transport failures and 502/503/504 are retried a bounded number
 of times, which is safe because a verify request names the committed length it builds on (see
 protocol.py). A session opens on the server at its first verify: one that only decodes alone is a
-single streamed request, as a plain server's completion is, and closing a session does not wait
-for the server's answer. When the server stays unreachable the call raises `TargetUnavailableError`; the
+single streamed request, as a plain server's completion is, with no session to open or close. When the server stays unreachable the call raises `TargetUnavailableError`; the
 pairing keeps what was committed so far (`error.partial`).
 """
 
@@ -17,8 +16,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-import queue
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -50,9 +47,7 @@ class RemoteTarget:
         if retries < 0 or timeout <= 0:
             raise ValueError(f"need retries >= 0 and timeout > 0, got {retries} and {timeout}")
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.url, self.retries, self.timeout = url, retries, timeout
-        self._closes: queue.Queue[str | None] = queue.Queue()  # session ids a daemon thread closes on the server
-        self._closer: threading.Thread | None = None
+        self.url, self.retries = url, retries
         self.http = client if client is not None else httpx.Client(base_url=url, timeout=timeout)
         self.http.headers.update(headers)
         info = InfoReply.model_validate(self._call("GET", "/v1/info"))
@@ -69,28 +64,7 @@ class RemoteTarget:
         return _RemoteSession(self, list(prompt_ids))
 
     def close(self) -> None:
-        """Send the session closes still queued (waiting at most one timeout), then close the
-        connection. Sessions not closed by then expire on the server."""
-        if self._closer is not None:
-            self._closes.put(None)
-            self._closer.join(timeout=self.timeout)
-            self._closer = None
         self.http.close()
-
-    def _close_later(self, sid: str) -> None:
-        """Queue a session close; a daemon thread sends it, so neither a request nor the
-        interpreter's exit waits for the server."""
-        if self._closer is None:
-            self._closer = threading.Thread(target=self._close_queued, name="omnidraft-close", daemon=True)
-            self._closer.start()
-        self._closes.put(sid)
-
-    def _close_queued(self) -> None:
-        while (sid := self._closes.get()) is not None:
-            try:
-                call_json(self.http, self.url, "DELETE", f"/v1/sessions/{sid}", None, 0)
-            except Exception:  # noqa: BLE001 - gone, dropped already, or the connection closed: it expires there
-                pass
 
     def _fetch_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -204,7 +178,12 @@ class _RemoteSession:
             raise TargetUnavailableError(f"{owner.url}{path}: the stream broke ({type(exc).__name__}: {exc})") from exc
 
     def close(self) -> None:
-        """Free the server's KV cache for this session (it would expire anyway); returns at once."""
-        if self.sid is not None:
-            self.owner._close_later(self.sid)
-            self.sid = None
+        """Free the server's KV cache for this session now (it would expire anyway); nothing to do
+        for a session that never verified (the server kept none)."""
+        if self.sid is None:
+            return
+        try:
+            self.owner._call("DELETE", f"/v1/sessions/{self.sid}")
+        except (TargetUnavailableError, RemoteRequestError):
+            pass  # the server is gone or already dropped it: nothing left to free
+        self.sid = None
