@@ -84,7 +84,6 @@ class LlamaGraph(nn.Module):
         mask = torch.where(keys <= (torch.arange(n)[:, None] + p), 0.0, float("-inf"))
         x = self.embed(input_ids)
         presents = []
-        group = self.heads // self.kv_heads
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = self._rms(x, layer.input_layernorm.weight)
@@ -92,18 +91,24 @@ class LlamaGraph(nn.Module):
             k = attn.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            k = torch.cat([past[2 * i], k], dim=2)
-            v = torch.cat([past[2 * i + 1], v], dim=2)
-            presents += [k, v]
-            kk = k.repeat_interleave(group, dim=1) if group > 1 else k
-            vv = v.repeat_interleave(group, dim=1) if group > 1 else v
-            scores = q @ kk.transpose(2, 3) / self.head_dim ** 0.5 + mask
-            out = (torch.softmax(scores, dim=-1) @ vv).transpose(1, 2).reshape(1, n, self.heads * self.head_dim)
+            out = self._attend(q, k, v, past[2 * i : 2 * i + 2], mask, self.head_dim ** -0.5, presents)
             x = x + attn.o_proj(out)
             h = self._rms(x, layer.post_attention_layernorm.weight)
             x = x + mlp.down_proj(nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         hidden = self._rms(x[:, -1], self.norm.weight)
         return (hidden @ self.lm_head_t, hidden, *presents) if self.with_head else (hidden, *presents)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: Sequence[torch.Tensor],
+                mask: torch.Tensor, scale: float, presents: list[torch.Tensor]) -> torch.Tensor:
+        """The new queries over the layer's past + new keys (grouped-query); appends the layer's
+        present key and value to `presents`; returns (1, n, heads * head_dim)."""
+        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        presents += [k, v]
+        group = self.heads // self.kv_heads
+        kk = k.repeat_interleave(group, dim=1) if group > 1 else k
+        vv = v.repeat_interleave(group, dim=1) if group > 1 else v
+        scores = q @ kk.transpose(2, 3) * scale + mask
+        return (torch.softmax(scores, dim=-1) @ vv).transpose(1, 2).reshape(1, q.shape[2], self.heads * self.head_dim)
 
     def empty_past(self) -> list[torch.Tensor]:
         return [torch.zeros(1, self.kv_heads, 0, self.head_dim) for _ in range(2 * len(self.layers))]
@@ -155,7 +160,6 @@ class Gemma3Graph(LlamaGraph):
                  torch.where(causal, 0.0, float("-inf"))]
         x = self.embed(input_ids)
         presents = []
-        group = self.heads // self.kv_heads
         for i, layer in enumerate(self.layers):
             attn, mlp, local = layer.self_attn, layer.mlp, 0 if self.sliding[i] else 1
             cos, sin = rope[local]
@@ -164,13 +168,7 @@ class Gemma3Graph(LlamaGraph):
             k = self._rms(attn.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2), attn.k_norm.weight)
             v = attn.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            k = torch.cat([past[2 * i], k], dim=2)
-            v = torch.cat([past[2 * i + 1], v], dim=2)
-            presents += [k, v]
-            kk = k.repeat_interleave(group, dim=1) if group > 1 else k
-            vv = v.repeat_interleave(group, dim=1) if group > 1 else v
-            scores = q @ kk.transpose(2, 3) * self.scaling + masks[local]
-            out = (torch.softmax(scores, dim=-1) @ vv).transpose(1, 2).reshape(1, n, self.heads * self.head_dim)
+            out = self._attend(q, k, v, past[2 * i : 2 * i + 2], masks[local], self.scaling, presents)
             x = x + self._rms(attn.o_proj(out), layer.post_attention_layernorm.weight)
             h = self._rms(x, layer.pre_feedforward_layernorm.weight)
             h = mlp.down_proj(nn.functional.gelu(mlp.gate_proj(h), approximate="tanh") * mlp.up_proj(h))
