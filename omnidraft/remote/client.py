@@ -8,8 +8,9 @@ fingerprint must match the server's or pairing is refused. One keep-alive HTTP c
 reused; each call has a timeout; transport failures and 502/503/504 are retried a bounded number
 of times, which is safe because a verify request names the committed length it builds on (see
 protocol.py). A session opens on the server at its first verify: one that only decodes alone is a
-single streamed request, as a plain server's completion is, with no session to open or close. When the server stays unreachable the call raises `TargetUnavailableError`; the
-pairing keeps what was committed so far (`error.partial`).
+single streamed request, as a plain server's completion is, with no session to open or close.
+When the server stays unreachable the call raises `TargetUnavailableError`; the pairing keeps
+what was committed so far (`error.partial`).
 """
 
 from __future__ import annotations
