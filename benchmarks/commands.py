@@ -120,13 +120,18 @@ def bench_drafters(args: argparse.Namespace) -> None:
                               capacity=args.shortlist_buffer, budget=tuple(int(b) for b in args.shortlist_budget.split(",")))
         drafters[f"pytorch int8, {item} head"] = drafter
     for label, path in files.items():
-        drafters[label] = od.Drafter.load_onnx(str(path))
-        if drafters[label].lm_head is None:
+        whole = od.Drafter.load_onnx(str(path))
+        if not whole.gathers:  # a gathering graph is timed shortlisted only (its whole head is the inside graph's)
+            drafters[label] = whole
+        if whole.lm_head is None and not whole.gathers:
             continue
-        for item in args.shortlist or []:  # a graph with its head outside: also each shortlisted head
+        for item in args.shortlist or []:  # a graph with its head outside or gathered: also each shortlisted head
             kind, _, size = item.partition(":")
+            if kind == "dyna" and whole.gathers:
+                continue  # DynaSpec's support follows the graph's own hidden state: outside only
             graph = od.Drafter.load_onnx(str(path))
-            graph.use_shortlist(kind, size=int(size or args.shortlist_size), capacity=args.shortlist_buffer)
+            graph.use_shortlist(kind, size=int(size or args.shortlist_size), capacity=args.shortlist_buffer,
+                                clusters=args.shortlist_clusters, budget=tuple(int(b) for b in args.shortlist_budget.split(",")))
             drafters[f"{label}, {item} head"] = graph
     target = None
     if args.dataset:

@@ -62,9 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--prune", action="store_true",
                    help="keep only LM-head rows the pairing can use (shared vocabulary + n-gram sub-tokens); needs --target")
     e.add_argument("--parity-prompts", type=int, default=4, help="prompts for the export-time parity check (0: skip)")
-    e.add_argument("--head", choices=["inside", "outside"], default="inside",
-                   help="outside: the graph ends at the hidden state and the LM head is saved beside it, for "
-                        "shortlisted heads (OrtDrafter.use_shortlist)")
+    e.add_argument("--head", choices=["inside", "outside", "gather"], default="inside",
+                   help="outside: the graph ends at the hidden state and the LM head is saved beside it; gather: "
+                        "the graph evaluates the head rows a shortlist names (OrtDrafter.use_shortlist)")
 
     v = sub.add_parser("serve", help="a verification server for remote pairing (RemoteTarget)")
     v.add_argument("--target", default=TARGET)

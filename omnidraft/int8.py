@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CALIBRATION", "FakeInt8Linear", "fake_int8", "int8_qconfig", "quantize_int8", "smooth_mlps"]
+__all__ = ["CALIBRATION", "FakeInt8Linear", "fake_int8", "int8_qconfig", "int8_rows", "quantize_int8", "smooth_mlps"]
 
 CALIBRATION = (
     "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -126,6 +126,17 @@ def quantize_int8(model: Any, tokenizer: Any | None = None, *, inplace: bool = F
         torch.ao.quantization.quantize_dynamic(model, {n: int8_qconfig(per_channel) for n in linears}, dtype=torch.qint8,
                                                inplace=True)
     return model.eval()
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 values (V, d) and per-row scales (V,) that `quantize_int8` gives a linear layer with
+    `weight` (symmetric per-channel: no zero points); row i is approximately values[i] * scales[i]."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight.detach().float(), requires_grad=False)
+    q, _ = quantize_int8(nn.Sequential(linear), inplace=True)[0]._weight_bias()
+    if q.qscheme() != torch.per_channel_symmetric and bool(q.q_per_channel_zero_points().any()):
+        raise ValueError("int8_rows expects symmetric per-channel weights")
+    return q.int_repr().clone(), q.q_per_channel_scales().float()
 
 
 ACTIVATION_LEVELS = 127  # x86/fbgemm dynamic linears quantize activations to 7-bit uint8 (reduce_range)

@@ -165,3 +165,41 @@ def exported_inside(tiny_drafter, tmp_path):
     export_drafter(tiny_drafter.model, out, name="tiny-drafter", tokenizer=tiny_drafter.tokenizer,
                    fingerprint=tiny_drafter.token_bytes.fingerprint)
     return out
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_gathering_graph_evaluates_just_the_support(tiny_drafter, tiny_target, tmp_path, monkeypatch, quantize):
+    """`head="gather"`: the graph takes the support's ids and evaluates only those head rows. On the
+    support its logits are the full head's (fp32: the same rows; int8: the rows `int8_rows` gives the
+    head, dequantized); static and EvoSpec keep the target's greedy output; DynaSpec, whose support
+    depends on the graph's own hidden state, is refused; without a shortlist every row is gathered."""
+    from omnidraft.int8 import int8_rows
+
+    monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
+    out = tmp_path / "gather.onnx"
+    sidecar = export_drafter(tiny_drafter.model, out, name="tiny-drafter", tokenizer=tiny_drafter.tokenizer,
+                             fingerprint=tiny_drafter.token_bytes.fingerprint, head="gather", quantize=quantize)
+    assert sidecar["head"] == "gather"
+    drafter = od.Drafter.load_onnx(str(out))
+    assert drafter.gathers and drafter.lm_head is None
+    ids = tiny_drafter.tokenizer(PROMPTS[0])["input_ids"]
+    weight = tiny_drafter.model.get_output_embeddings().weight.detach().float()
+    if quantize:
+        rows, scales = int8_rows(weight)
+        weight = rows.float() * scales[:, None]
+    support = torch.tensor([3, 17, 0, 250, 99])
+    state = drafter.graph.start()
+    got = torch.from_numpy(drafter.graph.feed(state, ids, support.numpy()))
+    want = torch.from_numpy(state.hidden) @ weight[support].T
+    assert (got - want).abs().max() < 1e-4  # fp32 and int8 alike: ~1e-6
+    if quantize is None:
+        full = CausalRunner(tiny_drafter.model, ids).forward(keep=1)[0]
+        assert (got - full[support]).abs().max() < 1e-4
+        assert drafter.begin(ids).propose(6, stop_confidence=0).ids == tiny_drafter.begin(ids).propose(6, stop_confidence=0).ids
+    with pytest.raises(ValueError, match="outside"):
+        drafter.use_shortlist("dyna", size=256, clusters=8)
+    for kind in ("static", "evo"):
+        drafter.use_shortlist(kind, size=256)
+        pair = drafter.pair(tiny_target, k=4)
+        assert pair.generate(PROMPTS[1], max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPTS[1], 16), kind
+        assert 256 <= max(drafter.head.support_sizes) < drafter.vocab_size

@@ -36,14 +36,15 @@ __all__ = ["Gemma3Graph", "LlamaGraph", "drafter_graph", "export_drafter"]
 log = logging.getLogger("omnidraft")
 
 OPSET = 17
+HEADS = ("inside", "outside", "gather")
 
 
 class LlamaGraph(nn.Module):
     """The Llama forward of `model` (an HF LlamaForCausalLM, adapters merged) over explicit KV tensors."""
 
-    def __init__(self, model: Any, keep_ids: Sequence[int] | None = None, *, head: bool = True) -> None:
+    def __init__(self, model: Any, keep_ids: Sequence[int] | None = None, *, head: str = "inside",
+                 int8_rows: bool = False) -> None:
         super().__init__()
-        self.with_head = head
         cfg = model.config
         if cfg.model_type != "llama":
             raise ValueError(f"ONNX export supports Llama-architecture drafters; this one is {cfg.model_type!r}")
@@ -55,14 +56,42 @@ class LlamaGraph(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.layers = nn.ModuleList(layer for layer in model.model.layers)
         self.embed, self.norm = model.model.embed_tokens, model.model.norm
-        head = model.lm_head.weight.detach()
-        head = head[torch.as_tensor(list(keep_ids))] if keep_ids is not None else head
-        # (d, V'): a parameter, so the exporter writes an initializer the int8 quantizer can see
-        # (a buffer became a Constant node that stayed fp32: a pruned head drafted slower than the full one)
-        self.lm_head_t = nn.Parameter(head.T.contiguous(), requires_grad=False)
+        self._init_head(model, keep_ids, head, int8_rows)
         theta = float(rope["rope_theta"])
         inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
         self.register_buffer("inv_freq", inv, persistent=False)
+
+    def _init_head(self, model: Any, keep_ids: Sequence[int] | None, head: str, int8_rows: bool) -> None:
+        """`head`: "inside", logits of every row (or of `keep_ids`); "outside", none (the graph ends
+        at the hidden state); "gather", logits of the rows a `support` input names, gathered from
+        the head's int8 rows and per-row scales (`int8_rows`, the values `int8.quantize_int8` gives
+        the head outside) or from its fp32 rows."""
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+        self.head = head
+        weight = model.lm_head.weight.detach()
+        if head == "inside":
+            weight = weight[torch.as_tensor(list(keep_ids))] if keep_ids is not None else weight
+            # (d, V'): a parameter, so the exporter writes an initializer the int8 quantizer can see
+            # (a buffer became a Constant node that stayed fp32: a pruned head drafted slower than the full one)
+            self.lm_head_t = nn.Parameter(weight.T.contiguous(), requires_grad=False)
+        elif head == "gather":
+            from ..int8 import int8_rows as quantized_rows
+
+            rows, scales = quantized_rows(weight) if int8_rows else (weight.clone(), None)
+            self.head_rows = nn.Parameter(rows, requires_grad=False)  # an int8 parameter: left as is by the quantizer
+            self.head_scales = None if scales is None else nn.Parameter(scales, requires_grad=False)
+
+    def _outputs(self, hidden: torch.Tensor, support: torch.Tensor | None,
+                 presents: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if self.head == "outside":
+            return (hidden, *presents)
+        if self.head == "inside":
+            return (hidden @ self.lm_head_t, hidden, *presents)
+        rows = self.head_rows[support]
+        if self.head_scales is None:
+            return (hidden @ rows.T, hidden, *presents)
+        return ((hidden @ rows.float().T) * self.head_scales[support], hidden, *presents)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
@@ -73,7 +102,8 @@ class LlamaGraph(nn.Module):
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    def forward(self, input_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        support, past = (inputs[0], inputs[1:]) if self.head == "gather" else (None, inputs)
         n, p = input_ids.shape[1], past[0].shape[2]
         positions = torch.arange(n, dtype=torch.float32) + p
         freqs = positions[:, None] * self.inv_freq[None, :]
@@ -96,7 +126,7 @@ class LlamaGraph(nn.Module):
             h = self._rms(x, layer.post_attention_layernorm.weight)
             x = x + mlp.down_proj(nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         hidden = self._rms(x[:, -1], self.norm.weight)
-        return (hidden @ self.lm_head_t, hidden, *presents) if self.with_head else (hidden, *presents)
+        return self._outputs(hidden, support, presents)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: Sequence[torch.Tensor],
                 mask: torch.Tensor, scale: float, presents: list[torch.Tensor]) -> torch.Tensor:
@@ -119,9 +149,9 @@ class Gemma3Graph(LlamaGraph):
     KV tensors. Sliding-window layers keep every position and mask the ones outside the window (as
     the PyTorch drafter's cache does, runner.py), so one rollback rule serves every layer."""
 
-    def __init__(self, model: Any, keep_ids: Sequence[int] | None = None, *, head: bool = True) -> None:
+    def __init__(self, model: Any, keep_ids: Sequence[int] | None = None, *, head: str = "inside",
+                 int8_rows: bool = False) -> None:
         nn.Module.__init__(self)
-        self.with_head = head
         cfg = model.config
         if cfg.model_type != "gemma3_text":
             raise ValueError(f"Gemma3Graph needs a Gemma 3 text model; this one is {cfg.model_type!r}")
@@ -135,9 +165,7 @@ class Gemma3Graph(LlamaGraph):
         self.sliding = [kind == "sliding_attention" for kind in cfg.layer_types]
         self.layers = nn.ModuleList(layer for layer in model.model.layers)
         self.embed, self.norm = model.model.embed_tokens, model.model.norm  # the embedding scales by sqrt(d) itself
-        weight = model.lm_head.weight.detach()
-        weight = weight[torch.as_tensor(list(keep_ids))] if keep_ids is not None else weight
-        self.lm_head_t = nn.Parameter(weight.T.contiguous(), requires_grad=False)
+        self._init_head(model, keep_ids, head, int8_rows)
         for kind in ("sliding_attention", "full_attention"):
             theta = float(ropes.get(kind, ropes.get("full_attention"))["rope_theta"])
             inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
@@ -146,7 +174,8 @@ class Gemma3Graph(LlamaGraph):
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)) * (1.0 + weight)
 
-    def forward(self, input_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        support, past = (inputs[0], inputs[1:]) if self.head == "gather" else (None, inputs)
         n, p = input_ids.shape[1], past[0].shape[2]
         positions = torch.arange(n, dtype=torch.float32) + p
         rope = []
@@ -174,17 +203,18 @@ class Gemma3Graph(LlamaGraph):
             h = mlp.down_proj(nn.functional.gelu(mlp.gate_proj(h), approximate="tanh") * mlp.up_proj(h))
             x = x + self._rms(h, layer.post_feedforward_layernorm.weight)
         hidden = self._rms(x[:, -1], self.norm.weight)
-        return (hidden @ self.lm_head_t, hidden, *presents) if self.with_head else (hidden, *presents)
+        return self._outputs(hidden, support, presents)
 
 
-def drafter_graph(model: Any, keep_ids: Sequence[int] | None = None, *, head: bool = True) -> LlamaGraph:
+def drafter_graph(model: Any, keep_ids: Sequence[int] | None = None, *, head: str = "inside",
+                  int8_rows: bool = False) -> LlamaGraph:
     """The export graph for `model`'s architecture (Llama or Gemma 3)."""
     kind = model.config.model_type
     if kind == "gemma3_text":
-        return Gemma3Graph(model, keep_ids, head=head)
+        return Gemma3Graph(model, keep_ids, head=head, int8_rows=int8_rows)
     if kind != "llama":
         raise ValueError(f"ONNX export supports Llama and Gemma 3 drafters; this one is {kind!r}")
-    return LlamaGraph(model, keep_ids, head=head)
+    return LlamaGraph(model, keep_ids, head=head, int8_rows=int8_rows)
 
 
 def _names(layers: int) -> tuple[list[str], list[str]]:
@@ -197,11 +227,15 @@ def _export_graph(graph: LlamaGraph, path: Path) -> None:
     past_names, present_names = _names(layers)
     ids = torch.tensor([[1, 2, 3]], dtype=torch.long)
     past = [torch.zeros(1, graph.kv_heads, 2, graph.head_dim) for _ in range(2 * layers)]
+    gather = graph.head == "gather"
+    support = [torch.tensor([0, 2, 3], dtype=torch.long)] if gather else []
     axes = {"input_ids": {1: "new"}, **{n: {2: "past"} for n in past_names}, **{n: {2: "total"} for n in present_names}}
+    if gather:
+        axes.update({"support": {0: "support"}, "logits": {1: "support"}})
     with torch.no_grad():
-        torch.onnx.export(graph, (ids, *past), str(path), input_names=["input_ids", *past_names],
-                          output_names=["logits"] * graph.with_head + ["hidden", *present_names], dynamic_axes=axes,
-                          opset_version=OPSET, dynamo=False)
+        torch.onnx.export(graph, (ids, *support, *past), str(path), input_names=["input_ids", *["support"] * gather, *past_names],
+                          output_names=["logits"] * (graph.head != "outside") + ["hidden", *present_names],
+                          dynamic_axes=axes, opset_version=OPSET, dynamo=False)
 
 
 def _merged_model(model: Any, adapter: dict[str, torch.Tensor] | None, adapter_config: Any) -> Any:
@@ -258,11 +292,12 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
     tokenizer beside it (OUT.tokenizer/) and the JSON sidecar (OUT.json); returns the sidecar.
     `head="outside"`: the graph ends at the final hidden state and the LM head's weight is saved
     beside it (OUT.head.pt), for the drafter to evaluate in PyTorch, whole or shortlisted
-    (`OrtDrafter.use_shortlist`)."""
-    if head not in ("inside", "outside"):
-        raise ValueError(f"head must be 'inside' or 'outside', got {head!r}")
-    if head == "outside" and keep_ids is not None:
-        raise ValueError("a pruned head (keep_ids) is a head inside the graph; outside, shortlist it instead")
+    (`OrtDrafter.use_shortlist`). `head="gather"`: the graph takes the ids of a shortlist's support
+    as an input and evaluates just those rows of the head (int8 rows with `quantize="int8"`)."""
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+    if head != "inside" and keep_ids is not None:
+        raise ValueError(f"a pruned head (keep_ids) is a head inside the graph; with the head {head}, shortlist it instead")
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     out = Path(out)
@@ -277,15 +312,15 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
         smooth_mlps(model, tokenizer)
     if keep_ids is not None:
         keep_ids = _aligned(sorted(set(int(i) for i in keep_ids)), int(model.config.vocab_size))
-    graph = drafter_graph(model, keep_ids, head=head == "inside").eval()
+    graph = drafter_graph(model, keep_ids, head=head, int8_rows=quantize == "int8").eval()
     tmp = out.with_name(out.name + ".tmp")
     _export_graph(graph, tmp)
     if quantize == "int8":
         from onnxruntime.quantization import QuantType, quantize_dynamic
-
         fp32 = tmp.with_name(tmp.name + ".fp32")
         tmp.replace(fp32)
-        quantize_dynamic(str(fp32), str(tmp), weight_type=QuantType.QInt8, per_channel=True)
+        quantize_dynamic(str(fp32), str(tmp), weight_type=QuantType.QInt8, per_channel=True,
+                         nodes_to_exclude=_reading(fp32, "head_scales"))  # the gathered head's scales stay fp32
         fp32.unlink()
     tmp.replace(out)
     tokenizer.save_pretrained(str(out.with_suffix(".tokenizer")))
@@ -311,6 +346,13 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
     atomic_write_bytes(sidecar_path(out), json.dumps(sidecar, indent=1).encode())
     log.info("exported %s (%.1f MB) in %.0f s", out, out.stat().st_size / 2**20, time.perf_counter() - started)
     return sidecar
+
+
+def _reading(path: Path, initializer: str) -> list[str]:
+    """The names of the nodes of the graph at `path` that read `initializer`."""
+    import onnx
+
+    return [node.name for node in onnx.load(str(path), load_external_data=False).graph.node if initializer in node.input]
 
 
 def _aligned(keep: list[int], vocab: int, block: int = 256) -> list[int]:

@@ -59,17 +59,23 @@ class OrtGraph:
         self.past_names = [i.name for i in inputs if i.name.startswith("past_")]
         if not self.past_names or inputs[0].name != "input_ids":
             raise CorruptFileError(f"{path}: not an omnidraft drafter graph (inputs {[i.name for i in inputs]})")
-        shape = inputs[1].shape
+        self.gathers = any(i.name == "support" for i in inputs)  # the head's rows named per call
+        shape = next(i for i in inputs if i.name.startswith("past_")).shape
         self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def start(self) -> _State:
         return _State([np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32) for _ in self.past_names])
 
-    def feed(self, state: _State, ids: list[int]) -> np.ndarray:
+    def feed(self, state: _State, ids: list[int], support: np.ndarray | None = None) -> np.ndarray:
         """Feed `ids` after the state's cache; returns the last position's logits (V',), or its
-        final hidden state (d,) from a graph without its LM head."""
+        final hidden state (d,) from a graph without its LM head. A gathering graph takes the ids
+        of its support (int64) and returns their logits in that order."""
         feeds = {"input_ids": np.asarray([ids], dtype=np.int64), **dict(zip(self.past_names, state.past))}
+        if self.gathers:
+            if support is None:
+                raise ValueError("this graph evaluates the head rows named by a support: pass support=")
+            feeds["support"] = support
         outputs = self.session.run(self.output_names, feeds)
         if self.output_names[0] == "logits":
             logits, hidden, *present = outputs
@@ -94,12 +100,14 @@ class _OrtDraftSession:
         self.ids = list(ids)  # the sequence; the cache holds its first state.length tokens
         self._base = len(self.ids)
         self._logits: np.ndarray | None = None  # logits after the whole sequence, when the cache is full
+        self._support: torch.Tensor | None = None  # the rows they cover (a gathering graph)
 
     def _forward(self) -> np.ndarray:
         if self._logits is None:
             if self.state.length >= len(self.ids):  # re-feed the last token to get its logits again
                 self.graph.crop(self.state, len(self.ids) - 1)
-            self._logits = self.graph.feed(self.state, self.ids[self.state.length :])
+            self._logits = self.owner.run(self.state, self.ids[self.state.length :])
+            self._support = self.owner.support
         return self._logits
 
     def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
@@ -122,7 +130,7 @@ class _OrtDraftSession:
                 logits, token, probs = self._heal_step(heal, temperature, allowed, generator)
                 healed = logits is not None
             if logits is None:
-                logits = self.owner.full_logits(self._forward())
+                logits = self.owner.full_logits(self._forward(), self._support)
                 token, probs = pick(logits, temperature, allowed, generator)
             ids.append(token)
             if probs is not None:
@@ -142,7 +150,7 @@ class _OrtDraftSession:
         replaces it, else (None, -1, None) with the last token not fed yet."""
         n = len(self.ids) - 1
         self.graph.crop(self.state, min(self.state.length, n - 1))
-        back = restrict(self.owner.full_logits(self.graph.feed(self.state, self.ids[self.state.length : n])), heal)
+        back = restrict(self.owner.full_logits(self.owner.run(self.state, self.ids[self.state.length : n])), heal)
         token, probs = pick(back, temperature, allowed, generator)
         self._logits = None
         if token == self.ids[-1]:
@@ -176,6 +184,9 @@ class OrtDrafter:
         self.hidden_size = int(sidecar["hidden_size"])
         self.lm_head: torch.nn.Module | None = None  # the LM head, when the graph ends at the hidden state
         self.head: Any = None  # its shortlisted form (shortlist/head.py ShortlistHead), when one is in use
+        self.gathers = graph.gathers  # the graph evaluates the head rows of `support` (a shortlist's, else all)
+        self.support = torch.arange(self.vocab_size)  # the rows of the last gathering call
+        self._supports: dict[tuple[Any, ...], tuple[torch.Tensor, np.ndarray]] = {}
 
     @classmethod
     def load(cls, path: str | Path, *, threads: int | None = None) -> OrtDrafter:
@@ -203,17 +214,34 @@ class OrtDrafter:
                                     f"(fingerprint {drafter.token_bytes.fingerprint} vs {sidecar.get('tokenizer_fingerprint')})")
         return drafter
 
-    def full_logits(self, logits: np.ndarray) -> torch.Tensor:
+    def run(self, state: _State, ids: list[int]) -> np.ndarray:
+        """The graph on `ids` after `state`; a gathering graph is given the support of this call."""
+        if not self.gathers:
+            return self.graph.feed(state, ids)
+        if self.head is None:
+            self.support = torch.arange(self.vocab_size)
+            return self.graph.feed(state, ids, self.support.numpy())
+        blocks = self.head.policy.blocks(None, self.head.step)
+        key = tuple(blocks)  # held, so a new block cannot take a freed one's identity
+        if key not in self._supports:  # a policy hands out the same blocks until it changes them
+            rows = torch.cat([b.ids for b in blocks])
+            self._supports = {key: (rows, rows.numpy())}
+        self.support, rows = self._supports[key]
+        self.head.support_sizes.append(len(self.support))
+        return self.graph.feed(state, ids, rows)
+
+    def full_logits(self, logits: np.ndarray, support: torch.Tensor | None = None) -> torch.Tensor:
         """Graph logits as (V,) over the drafter vocabulary (-inf where a pruned head has no row, or
-        outside a shortlist); from a graph without its head, its hidden state through the head here."""
+        outside a shortlist); from a graph without its head, its hidden state through the head here;
+        from a gathering graph, `support` names the rows (default: those of the last call)."""
         t = torch.from_numpy(logits)
         if self.lm_head is not None:
             with torch.inference_mode():
                 return (self.head if self.head is not None else self.lm_head)(t[None])[0].float()
-        if self.keep_ids is None:
+        if self.keep_ids is None and not self.gathers:
             return t
         full = torch.full((self.vocab_size,), float("-inf"))
-        full[self.keep_ids] = t
+        full[(self.support if support is None else support) if self.gathers else self.keep_ids] = t
         return full
 
     def begin(self, ids: list[int]) -> _OrtDraftSession:
@@ -221,13 +249,18 @@ class OrtDrafter:
 
     def use_shortlist(self, kind: str | None, **options: Any) -> None:
         """As `Drafter.use_shortlist`, for a graph exported with its head outside (`omnidraft
-        export --head outside`); a DynaSpec router comes from a file the PyTorch drafter built
-        (`path=`). None or "full": the whole head."""
+        export --head outside`; a DynaSpec router comes from a file the PyTorch drafter built,
+        `path=`) or gathered (`--head gather`: static and EvoSpec, whose support is known before the
+        call). None or "full": the whole head."""
         from ..shortlist.build import shortlist
         from ..shortlist.head import ShortlistHead
 
-        if self.lm_head is None:
-            raise ValueError(f"{self.name}: a shortlist needs a graph exported with its LM head outside (--head outside)")
+        if self.lm_head is None and not self.gathers:
+            raise ValueError(f"{self.name}: a shortlist needs a graph exported with its LM head outside or gathered "
+                             "(--head outside | gather)")
+        if self.gathers and kind == "dyna":
+            raise ValueError(f"{self.name}: a DynaSpec router reads the hidden state of the position it drafts, so its "
+                             "support is known only after the graph ran: export with --head outside for it")
         with self.lock:
             self.head = None if kind in (None, "full") else ShortlistHead(
                 self.lm_head, self.vocab_size, shortlist(self, kind, head=self.lm_head, **options))

@@ -158,7 +158,7 @@ def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 64, 
               budget: tuple[int, ...] = (8, 6, 4), path: str | os.PathLike[str] | None = None,
               head: nn.Module | None = None) -> Any:
     """The policy object of `kind` ("static", "evo", "dyna") for `drafter`'s head (or `head`, an
-    LM head outside the drafter's model: an exported graph's). Built once per drafter tokenizer and
+    LM head outside the drafter's model: an exported graph's; none for a graph that gathers its rows). Built once per drafter tokenizer and
     cached (the router is fitted through the drafter's fp32 weights: only a PyTorch drafter builds
     one); a cached file that does not fit is rebuilt. `path`: a shortlist file kept beside the
     drafter instead: read when it exists (refused, naming why, when it does not fit), else built there."""
@@ -166,9 +166,9 @@ def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 64, 
 
     if kind not in POLICIES[1:]:
         raise ValueError(f"shortlist must be one of {POLICIES}, got {kind!r}")
-    if head is None:
+    if head is None and hasattr(drafter, "model"):
         head = drafter.model.get_output_embeddings()
-    head = getattr(head, "full", head)
+    head = getattr(head, "full", head)  # None: blocks of ids only, for a graph that gathers its rows
     own = path is not None
     file = Path(path) if own else _cache_path(drafter.name, drafter.token_bytes.fingerprint,
                                                "dyna" if kind == "dyna" else "core", size, clusters)

@@ -52,11 +52,12 @@ def _unpacked(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 class Block:
-    """Ids (sorted, int64) and the packed rows that compute their logits."""
+    """Ids (sorted, int64) and the packed rows that compute their logits (none without a `head`:
+    for a graph that gathers its own rows, export/onnx.py)."""
 
-    def __init__(self, head: nn.Module, ids: torch.Tensor) -> None:
+    def __init__(self, head: nn.Module | None, ids: torch.Tensor) -> None:
         self.ids = torch.as_tensor(ids, dtype=torch.long).unique()
-        self.linear = sub_linear(head, self.ids)
+        self.linear = sub_linear(head, self.ids) if head is not None else None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -76,7 +77,7 @@ class ShortlistHead(nn.Module):
     """Replaces a drafter's `lm_head`: full-width logits, -inf outside the policy's support.
     `step` is the position inside the current draft (the session sets it; budgets may use it)."""
 
-    def __init__(self, head: nn.Module, vocab_size: int, policy: Policy) -> None:
+    def __init__(self, head: nn.Module | None, vocab_size: int, policy: Policy) -> None:
         super().__init__()
         self.full = head
         self.vocab_size, self.policy, self.step = vocab_size, policy, 0
