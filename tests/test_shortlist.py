@@ -135,6 +135,11 @@ def test_shortlist_files_are_versioned_and_refused_when_they_do_not_fit(tiny_dra
         torch.save({**saved, **change}, bad)
         with pytest.raises(ValueError, match=reason):
             shortlist(tiny_drafter, "dyna", size=256, clusters=8, path=bad)
+    older = tmp_path / "format-2.pt"  # before the router was fitted on the drafter's own argmax
+    torch.save({**saved, "format": 2}, older)
+    with pytest.raises(ValueError, match="format"):
+        shortlist(tiny_drafter, "dyna", size=256, clusters=8, path=older)
+    assert torch.equal(shortlist(tiny_drafter, "static", size=256, path=older).core.ids, saved["core"].unique())
     bad.write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match="unreadable"):
         shortlist(tiny_drafter, "static", size=256, path=bad)
@@ -142,3 +147,21 @@ def test_shortlist_files_are_versioned_and_refused_when_they_do_not_fit(tiny_dra
     (file,) = (tmp_path / "shortlists").glob("*.pt")
     file.write_bytes(b"torn")
     assert torch.equal(shortlist(tiny_drafter, "static", size=256).core.ids, cached.core.ids)
+
+
+def test_the_router_learns_where_the_drafters_own_argmax_lies(tiny_drafter):
+    """DynaSpec's router is fitted to the cluster of the drafter's own full-head argmax: its top
+    clusters hold that argmax far more often than the clusters' sizes would by chance."""
+    from omnidraft.shortlist.build import _hidden_and_next, cluster_rows, train_router
+
+    model, tok, m = tiny_drafter.model, tiny_drafter.tokenizer, 8
+    texts = gsm8k_texts(n=40)
+    weight = model.get_output_embeddings().weight.detach().float()
+    assign = cluster_rows(weight, m)
+    router = train_router(model, tok, texts, assign, m, steps=200, tokens=3000)
+    x, _ = _hidden_and_next(model, tok, texts, 3000)
+    want = assign[(x @ weight.T).argmax(-1)]
+    top = router(x).topk(2, dim=-1).indices
+    hit = (top == want[:, None]).any(-1).float().mean()
+    prior = float((torch.bincount(want, minlength=m).float() / len(want)).topk(2).values.sum())
+    assert hit > prior  # better than always naming the two clusters the argmax falls in most

@@ -86,11 +86,15 @@ def _hidden_and_next(model: Any, tokenizer: Any, texts: list[str], limit: int) -
 
 def train_router(model: Any, tokenizer: Any, texts: list[str], assign: torch.Tensor, m: int, *, steps: int = 400,
                  tokens: int = 40000, core: torch.Tensor | None = None, seed: int = 0) -> nn.Linear:
-    """A linear router from the head's input (the last hidden state) to the cluster of the next
-    token, trained by cross-entropy on `texts` (the next token of text stands in for the target's).
-    With `core`, only on positions whose next token is outside it: the core is always evaluated,
-    so the router's clusters are worth only where the core falls short."""
-    x, y = _hidden_and_next(model, tokenizer, texts, tokens)
+    """A linear router from the head's input (the last hidden state) to the cluster of the drafter's
+    own full-head argmax there, trained by cross-entropy over the positions of `texts`: a call that
+    evaluates that cluster drafts what the full head drafts. With `core`, only on positions whose
+    argmax is outside it: the core is always evaluated, so the router's clusters are worth only
+    where the core falls short."""
+    x, _ = _hidden_and_next(model, tokenizer, texts, tokens)
+    weight = model.get_output_embeddings().weight.detach().float()
+    with torch.no_grad():
+        y = torch.cat([(chunk @ weight.T).argmax(-1) for chunk in x.split(256)])
     if core is not None:
         outside = torch.ones(len(assign), dtype=torch.bool)
         outside[core] = False
@@ -109,7 +113,7 @@ def train_router(model: Any, tokenizer: Any, texts: list[str], assign: torch.Ten
     return router
 
 
-FORMAT = 2  # the version of a shortlist file's layout (2: the router trained outside the core)
+FORMAT = 3  # the version of a shortlist file's layout (2: the router trained outside the core; 3: on the drafter's argmax)
 
 
 def _cache_path(name: str, fingerprint: str, kind: str, size: int, m: int) -> Any:
@@ -121,7 +125,8 @@ def _cache_path(name: str, fingerprint: str, kind: str, size: int, m: int) -> An
 def check_fits(saved: Any, drafter: Any, kind: str, clusters: int, where: str) -> None:
     """Raise ValueError naming what in the shortlist file `saved` (read from `where`) does not fit
     `drafter`: its format version, tokenizer, vocabulary, ids, clusters or router width."""
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+    readable = {FORMAT} if kind == "dyna" else {2, FORMAT}  # format 3 changed only how the router is fitted
+    if not isinstance(saved, dict) or saved.get("format") not in readable:
         got = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
         raise ValueError(f"{where}: not a shortlist file of format {FORMAT} (found {got!r}); rebuild it")
     vocab = len(drafter.token_bytes.table)
