@@ -57,9 +57,15 @@ def record_many(target: Any, prompts: list[str], max_new_tokens: int, k: int = 3
     """`record` for many prompts, `batch_size` at a time (left-padded): several times the
     throughput on CPU. Batched matmuls round differently from single-row ones, so a continuation
     may rarely part from the unbatched greedy one after a near tie; it is still the target's
-    greedy text, which is what training and acceptance estimates need."""
+    greedy text, which is what training and acceptance estimates need. `progress(done)` is called
+    after each batch (default: a tqdm bar on a terminal)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    bar = None
+    if progress is None:  # a progress bar on a terminal (tqdm stays silent elsewhere)
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), desc="recording target traces", unit="prompt", disable=None)
     pad, eos = min(target.eos_ids), sorted(target.eos_ids)
     traces: list[TargetTrace] = []
     for start in range(0, len(prompts), batch_size):
@@ -76,8 +82,12 @@ def record_many(target: Any, prompts: list[str], max_new_tokens: int, k: int = 3
             end = next((i + 1 for i, t in enumerate(continuation) if t in target.eos_ids), len(continuation))
             logp, top = torch.log_softmax(steps[b, :end], -1).topk(k, dim=-1)
             traces.append(TargetTrace(ids, continuation[:end], top, logp))
-        if progress is not None:
+        if bar is not None:
+            bar.update(len(batch))
+        else:
             progress(len(traces))
+    if bar is not None:
+        bar.close()
     return traces
 
 

@@ -305,6 +305,10 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
         raise ValueError(f"the export path must end in .onnx, got {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    from tqdm import tqdm
+
+    bar = tqdm(total=4 + (quantize == "int8"), desc=f"exporting {name}", unit="step", disable=None)  # silent off a terminal
+    bar.set_postfix_str("merging the adapter" if adapter is not None else "preparing the model")
     model = _merged_model(model, adapter, adapter_config)
     if quantize == "int8":  # same function in fp32; int8 loses less of it (int8.py)
         from ..int8 import smooth_mlps
@@ -314,15 +318,19 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
         keep_ids = _aligned(sorted(set(int(i) for i in keep_ids)), int(model.config.vocab_size))
     graph = drafter_graph(model, keep_ids, head=head, int8_rows=quantize == "int8").eval()
     tmp = out.with_name(out.name + ".tmp")
+    _step(bar, "tracing the graph")
     _export_graph(graph, tmp)
     if quantize == "int8":
         from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        _step(bar, "quantizing to int8")
         fp32 = tmp.with_name(tmp.name + ".fp32")
         tmp.replace(fp32)
         quantize_dynamic(str(fp32), str(tmp), weight_type=QuantType.QInt8, per_channel=True,
                          nodes_to_exclude=_reading(fp32, "head_scales"))  # the gathered head's scales stay fp32
         fp32.unlink()
     tmp.replace(out)
+    _step(bar, "writing the tokenizer and head")
     tokenizer.save_pretrained(str(out.with_suffix(".tokenizer")))
     head_file = None
     if head == "outside":
@@ -332,8 +340,11 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
         buffer = io.BytesIO()
         torch.save({"weight": model.lm_head.weight.detach().clone()}, buffer)
         atomic_write_bytes(head_file, buffer.getvalue())
+    _step(bar, "parity check")
     report = (parity(model, out, keep_ids, parity_prompts or [], parity_steps)
               if parity_prompts and head == "inside" else None)
+    _step(bar, "done")
+    bar.close()
     sidecar = {
         "format": SIDECAR_FORMAT, "version": 1, "drafter": name, "tokenizer_fingerprint": fingerprint,
         "vocab_size": int(model.config.vocab_size), "hidden_size": int(model.config.hidden_size),
@@ -346,6 +357,11 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
     atomic_write_bytes(sidecar_path(out), json.dumps(sidecar, indent=1).encode())
     log.info("exported %s (%.1f MB) in %.0f s", out, out.stat().st_size / 2**20, time.perf_counter() - started)
     return sidecar
+
+
+def _step(bar: Any, label: str) -> None:
+    bar.update()
+    bar.set_postfix_str(label)
 
 
 def _reading(path: Path, initializer: str) -> list[str]:
