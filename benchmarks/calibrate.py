@@ -43,7 +43,7 @@ def _step_ms(model: Any, context: int, m: int, reps: int) -> float:
 
 def calibrate(pair: Any, *, max_tokens: int = 12, context: int = 256, reps: int = 5) -> dict[str, Any]:
     """A device profile (device_sim JSON schema) for `pair`'s drafter and target on this machine."""
-    drafter, target = pair.drafter.model, pair.target.model
+    drafter, target = getattr(pair.drafter, "pytorch", pair.drafter).model, pair.target.model
     near, far = _step_ms(drafter, 128, 1, reps * 2), _step_ms(drafter, 1024, 1, reps * 2)
     slope = (far - near) / (1024 - 128) * 1000
     target_ms = [round(_step_ms(target, context, m, reps), 2) for m in range(1, max_tokens + 1)]

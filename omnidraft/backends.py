@@ -6,6 +6,11 @@ with each, and returns the one with the lowest time per drafted token. The timin
 per machine (kernels.host_key) and model, so a later load times nothing and loads one backend.
 A PyTorch drafter is the only one that learns: pair with `Drafter.load(spec, backend="torch")`
 to learn adapters.
+
+`drafting_twin` is what `pair()` uses: a PyTorch drafter loaded from a preset or .gguf file drafts
+through its llama.cpp twin (the same GGUF file under llama.cpp) wherever that drafts faster here
+and the pairing needs nothing only the PyTorch drafter has (learning, adapters, a user profile,
+an acceptance head, a shortlisted head); `backend="torch"` at load keeps it on PyTorch.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any, Callable
 
 from .atomic import atomic_write_bytes
 
-__all__ = ["draft_ms", "drafting_cost", "fastest_drafter", "pairing_outlook"]
+__all__ = ["draft_ms", "drafting_cost", "drafting_twin", "fastest_drafter", "pairing_outlook"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,22 @@ def drafting_cost(drafter: Any) -> float:
     key = (f"{getattr(drafter, 'name', '?')}|{type(drafter).__name__}|int8 {getattr(drafter, '_int8', None)}|"
            f"head {type(head.policy).__name__ if head is not None else 'full'}")
     return float(remembered("drafting-cost", key, lambda: draft_ms(drafter))) / 1e3
+
+
+def drafting_twin(drafter: Any, config: Any, *, learn: bool, adapter: Any, user: str | None) -> Any:
+    """The drafter a new pairing drafts with: `drafter`, or its llama.cpp twin where that drafts a
+    token faster on this machine (costs measured once and remembered) and the pairing needs nothing
+    only the PyTorch drafter has (see the module doc)."""
+    spec = getattr(drafter, "twin_spec", None)
+    if (spec is None or learn or adapter is not None or user is not None or config.head
+            or drafter.head is not None or drafter.active is not None or "llama.cpp" not in _candidates(spec)):
+        return drafter
+    twin = drafter.llama_twin()
+    if twin is None or drafting_cost(twin) >= drafting_cost(drafter):
+        return drafter
+    log.info("%s: drafting on llama.cpp (%.1f ms a token against %.1f on PyTorch here)", drafter.name,
+             1e3 * drafting_cost(twin), 1e3 * drafting_cost(drafter))
+    return twin
 
 
 def pairing_outlook(drafter: Any, target: Any, config: Any) -> Any:

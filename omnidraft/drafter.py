@@ -15,6 +15,7 @@ targets' tokenizers.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import threading
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -24,6 +25,7 @@ import torch
 from .draft import Draft, confidence, pick, restrict
 from .int8 import quantize_int8
 from .models import load_model
+from .presets import PRESETS
 from .runner import CausalRunner
 from .translate.codec import ByteCodec
 from .translate.token_bytes import build_token_bytes
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["BACKENDS", "Draft", "DraftSession", "Drafter"]
 
 BACKENDS = ("torch", "llama.cpp", "auto")
+
+log = logging.getLogger("omnidraft")
 
 
 @runtime_checkable
@@ -138,27 +142,30 @@ class Drafter:
         self.stop_ids = frozenset(i for i in (tokenizer.eos_token_id,) if isinstance(i, int))
         self.lock = threading.RLock()
         self._spec, self._int8, self._through_int8 = spec, int8, train_through_int8
+        self.twin_spec: str | None = None  # a preset or .gguf whose llama.cpp twin may draft for a pairing
         self.trainable: Any = None  # the fp32 peft model, once an adapter exists
         self.learner: Any = None  # what adapters train through: `trainable`, or the int8 twin emulated
         self.active: str | None = None
         self.head: ShortlistHead | None = None  # the shortlisted LM head, when one is in use
 
     @classmethod
-    def load(cls, spec: str, *, backend: str = "torch", quantize: str | None = "int8",
+    def load(cls, spec: str, *, backend: str | None = None, quantize: str | None = "int8",
              train_through_int8: bool = True, threads: int | None = None, shortlist: str | None = None) -> Any:
         """Load a drafter by preset name, .gguf path, local dir or HF id.
 
         `backend`: "torch" (this class: the only one that learns adapters), "llama.cpp" (the GGUF
         file itself under llama.cpp: a preset or .gguf path; `threads` its thread count), or "auto":
         whichever of the installed backends drafts a token fastest on this machine, timed once and
-        remembered per machine (backends.py).
+        remembered per machine (backends.py). None (default): this class, whose pairings draft
+        through the GGUF file's llama.cpp twin where that is faster here and they need nothing
+        only this class has (`backends.drafting_twin`); "torch" keeps every pairing on PyTorch.
         `quantize="int8"` (torch, default) applies dynamic int8 to its linear layers (int8.py:
         per-channel, MLPs smoothed): about 3x faster per token on CPU. It changes only what is
         proposed, never what the target commits. `train_through_int8`: see `__init__`.
         `shortlist` (torch): evaluate the LM head on part of the vocabulary only, "static",
         "evo" or "dyna" (see `use_shortlist`).
         """
-        if backend not in BACKENDS:
+        if backend is not None and backend not in BACKENDS:
             raise ValueError(f"drafter backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "auto":
             from .backends import fastest_drafter
@@ -175,9 +182,25 @@ class Drafter:
         model = quantize_int8(loaded.model, loaded.tokenizer, inplace=True) if quantize == "int8" else loaded.model
         drafter = cls(model, loaded.tokenizer, loaded.name, spec=spec, int8=quantize == "int8",
                       train_through_int8=train_through_int8)
+        if backend is None and (spec in PRESETS or str(spec).endswith(".gguf")):
+            drafter.twin_spec = spec
         if shortlist not in (None, "full"):
             drafter.use_shortlist(shortlist)
         return drafter
+
+    def llama_twin(self) -> Any:
+        """This drafter's GGUF file (`twin_spec`) under llama.cpp, loaded once; None where it cannot run."""
+        if "_twin" not in self.__dict__:
+            from .llamacpp.drafter import LlamaCppDrafter
+
+            try:
+                self._twin = LlamaCppDrafter(self.twin_spec, tokenizer=self.tokenizer) if self.twin_spec else None
+                if self._twin is not None:
+                    self._twin.pytorch = self  # the drafter it stands in for (HF peers need its model)
+            except Exception as exc:  # noqa: BLE001 - a file llama.cpp cannot run leaves this drafter
+                log.info("%s: no llama.cpp twin (%s); drafting on PyTorch", self.name, exc)
+                self._twin = None
+        return self._twin
 
     @property
     def hidden_size(self) -> int:

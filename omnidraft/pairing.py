@@ -18,6 +18,7 @@ import torch
 from .adaptive.head import CostModel, Stopper
 from .adaptive.lengths import DraftLengths, plan_drafting
 from .adaptive.policy import CostPolicy
+from .backends import drafting_twin
 from .config import K_START, RELAXED, DecodeConfig
 from .distill.attach import attach_adapter
 from .draft import NO_DRAFT, Adaptable
@@ -391,9 +392,9 @@ def pair(drafter: Any, target: Any, config: DecodeConfig | None = None, *, user:
     `user` loads (and `Pairing.save` writes) that user's profile for this target: n-gram cache,
     datastore of past outputs, LoRA adapter, metrics. `learn=True` distils every verified request
     into the pairing's adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA
-    shape); only a drafter with adapters (`Adaptable`: the PyTorch one) can learn.
-    """
+    shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp twin (backends.py)."""
     if config is not None and overrides:
         raise ValueError(f"pass a DecodeConfig or keyword overrides, not both (got {sorted(overrides)})")
-    return Pairing(drafter, target, config or DecodeConfig(**overrides), user=user, learn=learn, train=train,
-                   adapter=adapter, store=store)
+    config = config or DecodeConfig(**overrides)
+    return Pairing(drafting_twin(drafter, config, learn=learn, adapter=adapter, user=user), target, config, user=user,
+                   learn=learn, train=train, adapter=adapter, store=store)

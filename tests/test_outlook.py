@@ -118,3 +118,29 @@ def test_machine_figures_are_measured_once_and_survive_a_corrupt_file(tmp_path, 
     file.write_text("{not json")
     assert kernels.remembered("probe", "model|a", measure) == {"1": 0.5}
     assert len(calls) == 2
+
+
+def test_a_pairing_drafts_through_the_faster_llama_cpp_twin_unless_it_needs_pytorch(tiny_drafter, tiny_target,
+                                                                                 monkeypatch):
+    """A PyTorch drafter loaded from a preset (`twin_spec`) drafts through its llama.cpp twin where
+    that is measured faster; learning, a user profile, a shortlisted head, an acceptance head or a
+    slower twin keep it on PyTorch; `backend="torch"` (no twin_spec) always does."""
+    import omnidraft as od
+    from omnidraft.adaptive.head import HeadConfig
+    from omnidraft.config import DecodeConfig
+
+    twin = od.Drafter(tiny_drafter.model, tiny_drafter.tokenizer, "twin")
+    costs = {id(twin): 0.005, id(tiny_drafter): 0.02}
+    monkeypatch.setattr(omnidraft.backends, "_candidates", lambda spec: ["torch", "llama.cpp"])
+    monkeypatch.setattr(omnidraft.backends, "drafting_cost", lambda d: costs[id(d)])
+    monkeypatch.setattr(tiny_drafter, "llama_twin", lambda: twin)
+    choose = omnidraft.backends.drafting_twin
+    plain = DecodeConfig()
+    assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is tiny_drafter  # no twin_spec
+    monkeypatch.setattr(tiny_drafter, "twin_spec", "smollm2-135m")
+    assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is twin
+    assert tiny_drafter.pair(tiny_target).drafter is twin
+    for config, learn, user in [(plain, True, None), (plain, False, "alice"), (DecodeConfig(head=HeadConfig()), False, None)]:
+        assert choose(tiny_drafter, config, learn=learn, adapter=None, user=user) is tiny_drafter
+    costs[id(twin)] = 0.05
+    assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is tiny_drafter

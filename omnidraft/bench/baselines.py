@@ -62,7 +62,8 @@ def prompt_lookup(target: Any, prompt: str, max_new_tokens: int) -> Timed:
 
 
 def hf_assisted(target: Any, drafter: Any, prompt: str, max_new_tokens: int) -> Timed:
-    """HF assisted generation with a drafter of another tokenizer (universal assisted decoding)."""
+    """HF assisted generation with a drafter of another tokenizer (universal assisted decoding), on
+    the PyTorch drafter (the one a llama.cpp twin stands in for, backends.drafting_twin)."""
+    drafter = getattr(drafter, "pytorch", drafter)
     return _generate(target.model, target.tokenizer, prompt, max_new_tokens, sorted(target.eos_ids),
-                     assistant_model=drafter.model, tokenizer=target.tokenizer,
-                     assistant_tokenizer=drafter.tokenizer)
+                     assistant_model=drafter.model, tokenizer=target.tokenizer, assistant_tokenizer=drafter.tokenizer)
