@@ -45,11 +45,12 @@ class DraftingPlan:
 
 
 def plan_drafting(drafter: Any, target: Any, config: Any, learn: bool) -> DraftingPlan:
-    """The DraftingPlan of a new pairing. With a mode chooser, whether to draft at all is decided
-    per request from measured throughput. With retrieved drafts, whose worth depends on each
-    request's context, an in-process target also decides it round by round (a round without a
-    draft costs it no more than decoding alone); the chooser then only keeps a whole request from
-    speculating where that measured slower than decoding alone."""
+    """The DraftingPlan of a new pairing. With retrieved drafts, whose worth depends on each
+    request's context, an in-process target decides round by round whether to draft (a round
+    without a draft costs it no more than decoding alone). Otherwise (model drafts only, or a
+    remote target) a mode chooser decides it per request from measured throughput: per request it
+    compared different prompts, and kept whole requests from retrieved drafts that paid
+    (docs/benchmarks.md)."""
     from ..backends import pairing_outlook
 
     seen = None if learn else pairing_outlook(drafter, target, config)
@@ -58,10 +59,11 @@ def plan_drafting(drafter: Any, target: Any, config: Any, learn: bool) -> Drafti
     if seen is not None and not (model or free):
         log.info("%s -> %s: drafting cannot pay on this machine; the target decodes alone (%s)", drafter.name,
                  target.name, seen.reason())
-    modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and config.k is None
-             and not learn and getattr(target, "generates_alone", False) and (model or free) else None)
     per_round = config.drafts != "model" and getattr(target, "in_process", False)
-    return DraftingPlan(seen, model, free, modes, modes is None or per_round)
+    modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and config.k is None
+             and not learn and getattr(target, "generates_alone", False) and (model or free) and not per_round
+             else None)
+    return DraftingPlan(seen, model, free, modes, modes is None)
 
 
 class DraftLengths:
