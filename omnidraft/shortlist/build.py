@@ -85,16 +85,18 @@ def _hidden_and_next(model: Any, tokenizer: Any, texts: list[str], limit: int) -
 
 
 def train_router(model: Any, tokenizer: Any, texts: list[str], assign: torch.Tensor, m: int, *, steps: int = 400,
-                 tokens: int = 40000, core: torch.Tensor | None = None, seed: int = 0) -> nn.Linear:
+                 tokens: int = 40000, core: torch.Tensor | None = None, seed: int = 0,
+                 head: nn.Module | None = None) -> nn.Linear:
     """A linear router from the head's input (the last hidden state) to the cluster of the drafter's
     own full-head argmax there, trained by cross-entropy over the positions of `texts`: a call that
     evaluates that cluster drafts what the full head drafts. With `core`, only on positions whose
     argmax is outside it: the core is always evaluated, so the router's clusters are worth only
-    where the core falls short."""
+    where the core falls short. `head`: the LM head the drafter drafts with (its int8 head: that
+    argmax, and several times faster over a large vocabulary), default `model`'s own."""
     x, _ = _hidden_and_next(model, tokenizer, texts, tokens)
-    weight = model.get_output_embeddings().weight.detach().float()
+    head = head if head is not None else model.get_output_embeddings()
     with torch.no_grad():
-        y = torch.cat([(chunk @ weight.T).argmax(-1) for chunk in x.split(256)])
+        y = torch.cat([head(chunk).argmax(-1) for chunk in x.split(256)])
     if core is not None:
         outside = torch.ones(len(assign), dtype=torch.bool)
         outside[core] = False
@@ -155,7 +157,9 @@ def _build(drafter: Any, kind: str, size: int, clusters: int) -> dict[str, Any]:
         weight = fp32.get_output_embeddings().weight.detach()
         saved["assign"] = cluster_rows(weight, clusters)
         core = torch.cat([saved["core"][: max(1, size // 8)], torch.tensor(sorted(drafter.stop_ids), dtype=torch.long)])
-        saved["router"] = train_router(fp32, drafter.tokenizer, texts, saved["assign"], clusters, core=core).state_dict()
+        head = drafter.model.get_output_embeddings()
+        saved["router"] = train_router(fp32, drafter.tokenizer, texts, saved["assign"], clusters, core=core,
+                                       head=getattr(head, "full", head)).state_dict()
     return saved
 
 
