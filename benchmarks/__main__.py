@@ -179,10 +179,12 @@ def _server_rounds(args: argparse.Namespace) -> None:
 
     target = od.LlamaCppTarget(args.target) if args.target_backend == "llama.cpp" else od.LocalTarget.load(args.target)
     rows = round_times(target, args.context or [100, 500, 1000, 2000], rounds=args.rounds)
-    print(f"{target.name} on {args.target_backend}: server time per verify round (3-token proposals)\n\n"
-          "| context | median ms | min | max |\n|---|---|---|---|")
+    print(f"{target.name} on {args.target_backend}: server time per verify round (3-token proposals), and the "
+          "target alone's time per decoded token at the same context\n\n"
+          "| context | median ms | min | max | target step ms | round / step |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} |")
+        print(f"| {r['context']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} | {r['step_ms']:.1f} | "
+              f"{r['median_ms'] / r['step_ms']:.2f} |")
 
 
 def _shortlists(args: argparse.Namespace) -> None:

@@ -140,3 +140,13 @@ def test_default_against_fixed_k_pairs_every_prompt(tiny_drafter, tiny_target):
     assert res["default_vs_best"]["prompts"] == 3 and res["default_vs_best"]["low"] <= res["default_vs_best"]["ratio"]
     with pytest.raises(ValueError, match="draft lengths >= 1"):
         default_against_fixed_k(tiny_drafter, tiny_target, prompts, 10, [0])
+
+
+def test_server_rounds_time_a_round_and_the_targets_own_step_per_context(tiny_target):
+    """`python -m benchmarks server-rounds`: per context, the server's time per verify round and the
+    target alone's time per decoded token (the floor a round's growth with context is read against)."""
+    from benchmarks.server_rounds import round_times
+
+    rows = round_times(tiny_target, [20, 60], rounds=3)
+    assert [r["context"] for r in rows] == [20, 60]
+    assert all(r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["step_ms"] > 0 for r in rows)
