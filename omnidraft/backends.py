@@ -67,10 +67,12 @@ def drafting_twin(drafter: Any, config: Any, *, learn: bool, adapter: Any, user:
             or drafter.head is not None or drafter.active is not None or "llama.cpp" not in _candidates(spec)):
         return drafter
     twin = drafter.llama_twin()
-    if twin is None or drafting_cost(twin) >= drafting_cost(drafter):
+    if twin is None:
         return drafter
-    log.info("%s: drafting on llama.cpp (%.1f ms a token against %.1f on PyTorch here)", drafter.name,
-             1e3 * drafting_cost(twin), 1e3 * drafting_cost(drafter))
+    fast, slow = drafting_cost(twin), drafting_cost(drafter)
+    if fast >= slow:
+        return drafter
+    log.info("%s: drafting on llama.cpp (%.1f ms a token against %.1f on PyTorch here)", drafter.name, 1e3 * fast, 1e3 * slow)
     return twin
 
 

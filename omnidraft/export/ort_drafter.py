@@ -185,8 +185,10 @@ class OrtDrafter:
         self.lm_head: torch.nn.Module | None = None  # the LM head, when the graph ends at the hidden state
         self.head: Any = None  # its shortlisted form (shortlist/head.py ShortlistHead), when one is in use
         self.gathers = graph.gathers  # the graph evaluates the head rows of `support` (a shortlist's, else all)
-        self.support = torch.arange(self.vocab_size)  # the rows of the last gathering call
-        self._supports: dict[tuple[Any, ...], tuple[torch.Tensor, np.ndarray]] = {}
+        self._every = torch.arange(self.vocab_size)  # a gathering graph's support without a shortlist
+        self.support = self._every  # the rows of the last gathering call
+        self._blocks: tuple[Any, ...] = ()  # the blocks `support` was joined from, held so no id is reused
+        self._rows = self._every.numpy()  # `support` as the graph's input
 
     @classmethod
     def load(cls, path: str | Path, *, threads: int | None = None) -> OrtDrafter:
@@ -219,16 +221,14 @@ class OrtDrafter:
         if not self.gathers:
             return self.graph.feed(state, ids)
         if self.head is None:
-            self.support = torch.arange(self.vocab_size)
-            return self.graph.feed(state, ids, self.support.numpy())
-        blocks = self.head.policy.blocks(None, self.head.step)
-        key = tuple(blocks)  # held, so a new block cannot take a freed one's identity
-        if key not in self._supports:  # a policy hands out the same blocks until it changes them
-            rows = torch.cat([b.ids for b in blocks])
-            self._supports = {key: (rows, rows.numpy())}
-        self.support, rows = self._supports[key]
+            self.support, self._blocks, self._rows = self._every, (), self._every.numpy()
+            return self.graph.feed(state, ids, self._rows)
+        blocks = tuple(self.head.policy.blocks(None, self.head.step))
+        if blocks != self._blocks:  # a policy hands out the same blocks until it changes them
+            self.support = torch.cat([b.ids for b in blocks])
+            self._blocks, self._rows = blocks, self.support.numpy()
         self.head.support_sizes.append(len(self.support))
-        return self.graph.feed(state, ids, rows)
+        return self.graph.feed(state, ids, self._rows)
 
     def full_logits(self, logits: np.ndarray, support: torch.Tensor | None = None) -> torch.Tensor:
         """Graph logits as (V,) over the drafter vocabulary (-inf where a pruned head has no row, or
