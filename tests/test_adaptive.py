@@ -131,6 +131,20 @@ def test_cost_model_separates_the_rounds_fixed_cost_from_the_marginal_ones():
     assert stopper.threshold(2, 0.7) == pytest.approx(1 - rate * (0.025 + cost.verify_slope) / 0.7)
 
 
+def test_verify_costs_never_fall_with_more_tokens():
+    """Noisy rounds measured V(6) and V(8) below V(4): verifying more tokens cannot cost less, so a
+    falling run is pooled into its weighted mean and long drafts do not look cheaper than short."""
+    cost = CostModel(decay=0.0, fade=1.0)
+    for m, v in [(1, 0.089), (2, 0.134), (4, 0.176), (4, 0.176), (6, 0.171), (8, 0.169)]:
+        cost.observe(drafted=max(1, m - 1), t_draft=0.01 * m, verified=m, t_verify=v)
+    assert cost.verify_cost(1) == pytest.approx(0.089) and cost.verify_cost(2) == pytest.approx(0.134)
+    pooled = (2 * 0.176 + 0.171 + 0.169) / 4
+    assert cost.verify_cost(4) == cost.verify_cost(6) == cost.verify_cost(8) == pytest.approx(pooled)
+    assert cost.verify_cost(3) == pytest.approx((0.134 + pooled) / 2)
+    costs = [cost.verify_cost(m) for m in range(1, 12)]
+    assert costs == sorted(costs)
+
+
 def test_cost_lines_weigh_lengths_by_how_often_and_how_lately_they_were_seen():
     """The policy drafts 4-6 tokens every round (verify = 0.15 + 0.006 m); two early rounds, while
     the machine was busy, verified 2 and 12 tokens slowly. Unweighted, those two stale points set

@@ -168,9 +168,11 @@ class CostModel:
     drafted token. `overhead` is that fixed part plus `t_other`, the rest of the round's wall time
     (translation, resync, the caller's handling of the tokens: the session passes all of it, since
     a round it leaves out makes short drafts look cheaper than they are). Verifying m tokens
-    costs `verify_cost(m)` (interpolated between measured m) and one more token costs `verify_slope`,
-    the fitted line's slope, so a lumpy m -> m+1 step of the measured curve does not decide a
-    draft's length. With one length seen, a line through the origin stands in.
+    costs `verify_cost(m)`: interpolated between measured m on the weighted non-decreasing fit of
+    the measured curve (verifying more tokens never costs less; a length met rarely, on a lucky
+    round, would otherwise make every draft that ends there look cheap). One more token costs
+    `verify_slope`, the fitted line's slope, so a lumpy m -> m+1 step of the measured curve does
+    not decide a draft's length. With one length seen, a line through the origin stands in.
 
     Each line is weighted by how often, and how lately, its lengths were seen: every observation
     adds 1 to its length's weight and multiplies all weights by `fade`. A length met twice at the
@@ -192,6 +194,7 @@ class CostModel:
         # (intercept, slope) of each line, refitted once a round: the stopping rule reads them per token
         self._draft_line: tuple[float, float] | None = None
         self._verify_line = (0.0, 0.0)
+        self._verify_fit: dict[int, float] = {}  # the non-decreasing fit of `verify`
         if verify:
             self.seed(verify)
 
@@ -207,7 +210,7 @@ class CostModel:
         self._other = self._ema(self._other, t_other)
         if self.drafting:
             self._draft_line = _line(self.drafting, self.drafting_weight)
-        self._verify_line = _line(self.verify, self.verify_weight)
+        self._refit_verify()
 
     def seed(self, verify: dict[int, float]) -> None:
         """Start from a target's measured verify costs (`verify_costs()`: seconds per verified
@@ -216,7 +219,11 @@ class CostModel:
             self.verify[int(length)] = float(seconds)
             self.verify_weight[int(length)] = 1.0
         if self.verify:
-            self._verify_line = _line(self.verify, self.verify_weight)
+            self._refit_verify()
+
+    def _refit_verify(self) -> None:
+        self._verify_line = _line(self.verify, self.verify_weight)
+        self._verify_fit = _monotone(self.verify, self.verify_weight)
 
     def _count(self, weights: dict[int, float], length: int) -> None:
         for x in weights:
@@ -247,15 +254,28 @@ class CostModel:
         return self._verify_line[1]
 
     def verify_cost(self, m: int) -> float:
-        known = sorted(self.verify)
-        if m in self.verify:
-            return self.verify[m]
-        lo = max((x for x in known if x < m), default=None)
-        hi = min((x for x in known if x > m), default=None)
+        fit = self._verify_fit
+        if m in fit:
+            return fit[m]
+        lo = max((x for x in fit if x < m), default=None)
+        hi = min((x for x in fit if x > m), default=None)
         if lo is not None and hi is not None:
-            return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (m - lo) / (hi - lo)
+            return fit[lo] + (fit[hi] - fit[lo]) * (m - lo) / (hi - lo)
         edge = lo if lo is not None else hi
-        return max(1e-6, self.verify[edge] + self.verify_slope * (m - edge))
+        return max(1e-6, fit[edge] + self.verify_slope * (m - edge))
+
+
+def _monotone(points: dict[int, float], weights: dict[int, float]) -> dict[int, float]:
+    """The weighted least-squares non-decreasing fit of {x: y} (pool adjacent violators): a run of
+    lengths whose costs fall as x grows is replaced by its weighted mean."""
+    blocks: list[list[float]] = []  # [weighted mean, weight, count of lengths]
+    for x in sorted(points):
+        blocks.append([points[x], weights.get(x, 1.0) or 1e-9, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2, n2), (m1, w1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    values = [mean for mean, _, count in blocks for _ in range(count)]
+    return dict(zip(sorted(points), values))
 
 
 def _line(points: dict[int, float], weights: dict[int, float]) -> tuple[float, float]:
