@@ -133,3 +133,21 @@ def test_a_kind_of_match_that_failed_is_probed_again_and_fresh_requests_forgive(
     assert not stats.turned_down(c)  # a trial resets the wait
     stats.refresh()
     assert stats.acceptance("context", 5)[0] > stats.acceptance("context", 5)[0] * 0 + low
+
+
+def test_beside_model_drafts_a_short_match_is_left_to_the_model():
+    """Measured costs favour retrieving a one-token match, yet with model drafts beside it the
+    round drafts with the model (which a source may extend); retrieval alone takes the match."""
+    from omnidraft.retrieve.planner import Retriever
+
+    class Cost:
+        other, verify = 0.0, {1: 1.0, 2: 1.0}
+
+        def verify_cost(self, m):
+            return 1.0
+
+    config = RetrievalConfig(min_match=3)
+    index = ContextIndex([1, 2, 9, 1, 2, 7, 5, 1])  # the context ends in 1: match of one token
+    assert Retriever(config).plan(index, Cost(), {1: 0.1}, room=8) is None
+    used = Retriever(config, model=False).plan(index, Cost(), {}, room=8)
+    assert used is not None and used.candidate.match == 1

@@ -5,6 +5,8 @@ The decision is the cost policy's, extended: a retrieved draft of m tokens commi
 (from the source's acceptance at that match length) in `other + V(m + 1)` seconds; it is used when
 that rate beats the model draft's best and the target alone's (see adaptive/policy.py). Until the
 pairing has measured its verification costs, a match of at least `min_match` tokens retrieves.
+With model drafts beside it, a shorter match never retrieves: there a model draft, run on into the
+source where its end matches, commits more a second (docs/retrieval.md).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Retriever:
         if room < 1:
             return None
         candidates = index.candidates(min(room, self.config.max_len))
+        if self.model:  # a short match is left to a model draft, which a source may still extend
+            candidates = [c for c in candidates if c.match >= self.config.min_match]
         measured = len(getattr(cost, "verify", ())) >= 2 and (rates or not self.model)
         best = self.stats.best(candidates, cost if measured else None)
         if best is None:

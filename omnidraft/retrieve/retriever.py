@@ -30,7 +30,7 @@ DRAFT_SOURCES = ("hybrid", "model", "retrieval")
 @dataclass(frozen=True, kw_only=True)
 class RetrievalConfig:
     """`max_len`: longest retrieved draft. `min_match`: the match length from which a source is used
-    before the pairing has measured its costs (and always, with a fixed draft length k).
+    before the pairing has measured its costs, and always beside model drafts.
     `prior`: first-token acceptance assumed for a one-token match with no history yet (a match of n
     tokens is assumed to miss n times less often).
     `decay`: of the acceptance averages. `extend`: let a model draft run on into a retrieved
