@@ -7,7 +7,7 @@ import json
 import pytest
 
 from omnidraft.bench.datasets import load_prompts
-from omnidraft.bench.report import write_report
+from omnidraft.bench.report import gap_table, write_report
 from omnidraft.bench.runner import run_prompts, summarize
 
 
@@ -32,6 +32,16 @@ def test_runner_reports_after_every_prompt(tiny_drafter, tiny_target, tmp_path):
     paths = write_report(tmp_path, "b", [summary], {"tiny:tiny/gsm8k": [r.as_dict() for r in results]})
     assert json.loads(paths["json"].read_text())["summaries"][0]["prompts"] == 3
     assert "tiny:tiny" in paths["md"].read_text() and paths["png"].stat().st_size > 0
+
+
+def test_gap_table_splits_the_time_per_token_and_names_each_lever():
+    """Target step 100 ms; the pairing commits a token every 50 ms, 10 of them drafting, 40
+    verifying, at τ 3: free drafts would give 100/40, a one-step verify 100/(10 + 100/3)."""
+    row = {"pair": "d:t", "dataset": "gsm8k", "target_tok_s": 10.0, "omnidraft_tok_s": 20.0, "mean_accepted_length": 3.0,
+           "time_split": {"draft": 0.2, "translate": 0.0, "verify": 0.8, "resync": 0.0}}
+    cells = gap_table([row]).splitlines()[2].split(" | ")
+    assert cells[2:10] == ["100", "3.00", "50", "10", "40", "0", "2.00×", "2.50×"]
+    assert cells[10].rstrip(" |") == f"{100 / (10 + 100 / 3):.2f}×"
 
 
 def test_replay_bench_scores_variants_and_checks_every_output(tiny_drafter, tiny_target, tmp_path):

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..atomic import atomic_write_bytes
 
-__all__ = ["markdown_table", "write_report"]
+__all__ = ["gap_table", "markdown_table", "write_report"]
 
 COLUMNS = [
     ("pair", "pair", "{}"), ("dataset", "dataset", "{}"), ("n", "prompts", "{}"),
@@ -39,13 +39,32 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return NOTE + "\n" + head + body
 
 
+def gap_table(rows: list[dict[str, Any]]) -> str:
+    """Where each pairing's time per committed token goes, and the speedup at its τ if one part
+    cost nothing more: drafting free (the drafter's step is the lever), or each verify as cheap as
+    one target step (the target's multi-token verify is). docs/benchmarks.md reads it."""
+    head = ("| pair | dataset | target step ms | τ | ms/token | drafting | verifying | other | speedup | "
+            "free drafts | 1-step verify |\n|" + "---|" * 11 + "\n")
+    body = ""
+    for row in rows:
+        step, per_token, tau = 1000 / row["target_tok_s"], 1000 / row["omnidraft_tok_s"], row["mean_accepted_length"]
+        split = row["time_split"]
+        draft, verify = split["draft"] * per_token, split["verify"] * per_token
+        other = per_token - draft - verify
+        body += (f"| {row['pair']} | {row['dataset']} | {step:.0f} | {tau:.2f} | {per_token:.0f} | {draft:.0f} | "
+                 f"{verify:.0f} | {other:.0f} | {step / per_token:.2f}× | {step / (per_token - draft):.2f}× | "
+                 f"{step / (draft + other + step / tau):.2f}× |\n")
+    return head + body
+
+
 def write_report(out_dir: str | Path, name: str, summaries: list[dict[str, Any]], per_prompt: dict[str, Any]) -> dict[str, Path]:
     """Write `name`.json, `name`.md and `name`.png under `out_dir`; return their paths."""
     out = Path(out_dir)
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
     doc = {"summaries": summaries, "per_prompt": per_prompt}
     atomic_write_bytes(paths["json"], json.dumps(doc, indent=1).encode())
-    atomic_write_bytes(paths["md"], markdown_table(summaries).encode())
+    gap = "\n## Where the time per committed token goes\n\n" + gap_table(summaries)
+    atomic_write_bytes(paths["md"], (markdown_table(summaries) + gap).encode())
     _plot(summaries, paths["png"])
     return paths
 
