@@ -333,7 +333,7 @@ class Pairing:
         used = None
         if index is not None:
             with self._book:
-                used = self.retriever.plan(index, self.cost, self.policy.last_rates if self.policy else {}, room)
+                used = self.retriever.plan(index, self.cost, self.policy.last_rates if self.policy else {}, room, drafting=k > 0)
         table = self.drafter.token_bytes.table
         if used is not None:  # a retrieved draft: no drafter forward this round
             draft, t1 = NO_DRAFT, time.perf_counter()

@@ -137,7 +137,8 @@ def test_a_kind_of_match_that_failed_is_probed_again_and_fresh_requests_forgive(
 
 def test_beside_model_drafts_a_short_match_is_left_to_the_model():
     """Measured costs favour retrieving a one-token match, yet with model drafts beside it the
-    round drafts with the model (which a source may extend); retrieval alone takes the match."""
+    round drafts with the model (which a source may extend); retrieval alone, or a round the
+    model does not draft, takes the match."""
     from omnidraft.retrieve.planner import Retriever
 
     class Cost:
@@ -149,5 +150,6 @@ def test_beside_model_drafts_a_short_match_is_left_to_the_model():
     config = RetrievalConfig(min_match=3)
     index = ContextIndex([1, 2, 9, 1, 2, 7, 5, 1])  # the context ends in 1: match of one token
     assert Retriever(config).plan(index, Cost(), {1: 0.1}, room=8) is None
-    used = Retriever(config, model=False).plan(index, Cost(), {}, room=8)
-    assert used is not None and used.candidate.match == 1
+    for used in (Retriever(config, model=False).plan(index, Cost(), {}, room=8),
+                 Retriever(config).plan(index, Cost(), {0: 0.1, 1: 0.1}, room=8, drafting=False)):  # a round without a model draft
+        assert used is not None and used.candidate.match == 1

@@ -55,14 +55,15 @@ class Retriever:
         self.stats.refresh()
         return ContextIndex(prompt_ids, self.history)
 
-    def plan(self, index: ContextIndex, cost: Any, rates: dict[int, float], room: int) -> Used | None:
+    def plan(self, index: ContextIndex, cost: Any, rates: dict[int, float], room: int, *,
+             drafting: bool = True) -> Used | None:
         """Whether this round retrieves (and what), given the model policy's `rates` (tokens per
         second by draft length, 0 = target alone; empty before they are measured) and `room`
-        tokens the request may still propose."""
+        tokens the request may still propose. `drafting=False`: no model draft this round."""
         if room < 1:
             return None
         candidates = index.candidates(min(room, self.config.max_len))
-        if self.model:  # a short match is left to a model draft, which a source may still extend
+        if self.model and drafting:  # a short match is left to the model draft, which a source may extend
             candidates = [c for c in candidates if c.match >= self.config.min_match]
         measured = len(getattr(cost, "verify", ())) >= 2 and (rates or not self.model)
         best = self.stats.best(candidates, cost if measured else None)
