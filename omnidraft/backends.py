@@ -52,9 +52,10 @@ def drafting_cost(drafter: Any) -> float:
     with `draft_ms` and remembered."""
     from .kernels import remembered
 
-    head = getattr(drafter, "head", None)
+    head, engine = getattr(drafter, "head", None), getattr(drafter, "engine", None)
     key = (f"{getattr(drafter, 'name', '?')}|{type(drafter).__name__}|int8 {getattr(drafter, '_int8', None)}|"
-           f"head {type(head.policy).__name__ if head is not None else 'full'}")
+           f"head {type(head.policy).__name__ if head is not None else 'full'}"
+           + (f"|{engine.path.name}" if engine is not None else ""))  # a llama.cpp drafter's weights
     return float(remembered("drafting-cost", key, lambda: draft_ms(drafter))) / 1e3
 
 

@@ -5,6 +5,7 @@ generation, no stale KV after any rejection, and the server's guarantees on the 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import llama_cpp
@@ -16,10 +17,13 @@ from omnidraft.bench.datasets import load_prompts
 from omnidraft.errors import MissingDependencyError
 from omnidraft.llamacpp.engine import gguf_file, open_llama
 from omnidraft.llamacpp.hook import OmnidraftDraftModel
+from omnidraft.models import load_tokenizer
 from omnidraft.presets import gguf_path
 from omnidraft.remote.client import RemoteTarget
 from omnidraft.remote.server import ServerConfig, create_app
 from omnidraft.target import Rule
+
+from .conftest import target_greedy
 
 pytestmark = pytest.mark.real
 
@@ -171,6 +175,39 @@ def test_auto_picks_the_faster_drafter_backend_once_per_machine(tmp_path, monkey
     assert json.loads(saved.read_text())["smollm2-135m"] == {"torch": 9.0, "llama.cpp": 4.0}
     monkeypatch.setattr(backends, "draft_ms", lambda d, **_: pytest.fail("timed twice"))
     assert isinstance(od.Drafter.load("smollm2-135m", backend="auto"), od.LlamaCppDrafter)
+
+
+def test_a_drafter_runs_the_weights_that_draft_a_request_faster_here(tmp_path, monkeypatch):
+    """A sub-8-bit GGUF file may read prompts slower than its Q8_0 requantization: "auto" times
+    both once per machine and runs the faster; the requantized file is written once, atomically,
+    and drafts stay lossless (the pairing's greedy output is the target's)."""
+    from omnidraft.llamacpp import requant
+
+    machine = os.environ.get("OMNIDRAFT_CACHE")  # the target and its measured costs come from the machine's cache
+    target, tok = od.LocalTarget.load("qwen2.5-coder-0.5b"), load_tokenizer("smollm2-135m")
+    monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
+    shipped = gguf_path("smollm2-135m")
+    q8 = od.LlamaCppDrafter("smollm2-135m", tokenizer=tok, weights="q8_0")
+    (made,) = tmp_path.joinpath("gguf").glob("*.q8_0.gguf")
+    assert q8.engine.path == made and requant.file_type(q8.engine.llm) == llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    assert not list(tmp_path.joinpath("gguf").glob("*.tmp*"))
+    assert od.LlamaCppDrafter("smollm2-135m", tokenizer=tok, weights="shipped").engine.path == shipped
+    for faster, expect in (("q8_0", made), ("shipped", shipped)):
+        monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path / faster))
+        monkeypatch.setattr(requant, "requantized", lambda path, threads=None: made)
+        monkeypatch.setattr(requant, "request_seconds", lambda engine, ids: {
+            "read_ms": 1.0 if (engine.path == made) == (faster == "q8_0") else 3.0, "draft_ms": 8.0})
+        assert od.LlamaCppDrafter("smollm2-135m", tokenizer=tok).engine.path == expect
+        monkeypatch.setattr(requant, "request_seconds", lambda *a: pytest.fail("timed twice"))
+        assert od.LlamaCppDrafter("smollm2-135m", tokenizer=tok).engine.path == expect
+    with pytest.raises(ValueError, match="weights must be one of"):
+        od.LlamaCppDrafter("smollm2-135m", tokenizer=tok, weights="q4")
+    if machine is None:
+        monkeypatch.delenv("OMNIDRAFT_CACHE")
+    else:
+        monkeypatch.setenv("OMNIDRAFT_CACHE", machine)
+    prompt = load_prompts("gsm8k", 1)[0]
+    assert q8.pair(target, k=5).generate(prompt, max_new_tokens=24).token_ids == target_greedy(target, prompt, 24)
 
 
 def test_the_llama_cpp_drafter_refuses_what_it_cannot_do(drafter, tmp_path):

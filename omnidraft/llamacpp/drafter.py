@@ -21,6 +21,7 @@ from ..models import load_tokenizer
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from .engine import LlamaEngine, gguf_file
+from .requant import WEIGHTS, drafting_weights
 
 if TYPE_CHECKING:
     from ..adaptive.head import Stopper
@@ -83,14 +84,22 @@ class _LlamaDraftSession:
 
 
 class LlamaCppDrafter:
-    """A drafter on llama.cpp; pairs with any target like `Drafter` (see `Drafter.load(backend=...)`)."""
+    """A drafter on llama.cpp; pairs with any target like `Drafter` (see `Drafter.load(backend=...)`).
+    `weights`: "auto" (default) runs the GGUF file as shipped or requantized to Q8_0, whichever
+    drafts a request faster here (requant.py); "shipped" or "q8_0" choose."""
 
     hidden_size = None  # no hidden states out of llama.cpp here: no acceptance head
 
     def __init__(self, model: str | os.PathLike[str], *, tokenizer: Any = None, n_ctx: int = 4096,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, weights: str = "auto") -> None:
+        if weights not in WEIGHTS:
+            raise ValueError(f"llama.cpp drafter weights must be one of {WEIGHTS}, got {weights!r}")
         path, self.name = gguf_file(model)
-        self.engine = LlamaEngine(path, n_ctx=n_ctx, threads=threads)
+        # a drafter's steps need not be bit-exact with one token a call: no exactness probe
+        self.engine = LlamaEngine(path, n_ctx=n_ctx, threads=threads, exact_rows=1)
+        run = drafting_weights(path, self.engine, weights, threads=threads)
+        if run != path:
+            self.engine = LlamaEngine(run, n_ctx=n_ctx, threads=threads, exact_rows=1)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(os.fspath(model))
         self.token_bytes = build_token_bytes(self.tokenizer, self.engine.n_vocab)
         self.codec = ByteCodec(self.tokenizer, self.token_bytes)
