@@ -197,10 +197,10 @@ def test_a_drafter_runs_the_weights_that_draft_a_request_faster_here(tmp_path, m
     for faster, expect in (("q8_0", made), ("shipped", shipped)):
         monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path / faster))
         monkeypatch.setattr(requant, "requantized", lambda path, threads=None: made)
-        monkeypatch.setattr(requant, "request_seconds", lambda engine, ids: {
+        monkeypatch.setattr(requant, "request_ms", lambda engine, ids: {
             "read_ms": 1.0 if (engine.path == made) == (faster == "q8_0") else 3.0, "draft_ms": 8.0})
         assert od.LlamaCppDrafter("smollm2-135m", tokenizer=tok).engine.path == expect
-        monkeypatch.setattr(requant, "request_seconds", lambda *a: pytest.fail("timed twice"))
+        monkeypatch.setattr(requant, "request_ms", lambda *a: pytest.fail("timed twice"))
         assert od.LlamaCppDrafter("smollm2-135m", tokenizer=tok).engine.path == expect
     with pytest.raises(ValueError, match="weights must be one of"):
         od.LlamaCppDrafter("smollm2-135m", tokenizer=tok, weights="q4")

@@ -21,7 +21,7 @@ from ..models import load_tokenizer
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from .engine import LlamaEngine, gguf_file
-from .requant import WEIGHTS, drafting_weights
+from .requant import drafting_weights
 
 if TYPE_CHECKING:
     from ..adaptive.head import Stopper
@@ -92,8 +92,6 @@ class LlamaCppDrafter:
 
     def __init__(self, model: str | os.PathLike[str], *, tokenizer: Any = None, n_ctx: int = 4096,
                  threads: int | None = None, weights: str = "auto") -> None:
-        if weights not in WEIGHTS:
-            raise ValueError(f"llama.cpp drafter weights must be one of {WEIGHTS}, got {weights!r}")
         path, self.name = gguf_file(model)
         # a drafter's steps need not be bit-exact with one token a call: no exactness probe
         self.engine = LlamaEngine(path, n_ctx=n_ctx, threads=threads, exact_rows=1)

@@ -67,7 +67,7 @@ def file_type(llm: Any) -> int | None:
     return int(value) if value is not None and str(value).isdigit() else None
 
 
-def request_seconds(engine: Any, ids: list[int], *, drafted: int = 16) -> dict[str, float]:
+def request_ms(engine: Any, ids: list[int], *, drafted: int = 16) -> dict[str, float]:
     """ms per prompt token read in batches and per token drafted one at a time, on `engine`."""
     read = []
     for _ in range(2):
@@ -102,9 +102,9 @@ def drafting_weights(path: Path, engine: Any, weights: str = "auto", *, threads:
 
     def measure() -> dict[str, Any]:
         ids = engine.tokenize(TEXT * 16)[: REFERENCE[0]]
-        shipped = request_seconds(engine, ids)
+        shipped = request_ms(engine, ids)
         candidate = LlamaEngine(requantized(path, threads), threads=engine.threads, exact_rows=1)
-        q8 = request_seconds(candidate, ids)
+        q8 = request_ms(candidate, ids)
         use = "q8_0" if reference_ms(q8) < reference_ms(shipped) else "shipped"
         return {"shipped": shipped, "q8_0": q8, "use": use}
 
