@@ -6,6 +6,7 @@ Returns lines of text for `omnidraft doctor` to print; loads a model only when a
 from __future__ import annotations
 
 import importlib.util
+import json
 import platform
 import sys
 
@@ -32,6 +33,25 @@ def _preset_state(name: str) -> str:
     return "installed"
 
 
+def _drafter_weights() -> list[str]:
+    """What each llama.cpp drafter file measured here runs (llamacpp/requant.py), from the memo."""
+    path = presets.cache_dir() / "kernels" / f"drafter-weights-{host_key()}.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    lines = []
+    for key, timed in sorted(known.items()):
+        try:
+            use, shipped, q8 = timed["use"], timed["shipped"], timed["q8_0"]
+            lines.append(f"llama.cpp drafter {key.split('|')[0]}: runs {'Q8_0 copy' if use == 'q8_0' else 'as shipped'} "
+                         f"(ms per prompt token read / drafted token: shipped {shipped['read_ms']:.2f} / "
+                         f"{shipped['draft_ms']:.1f}, Q8_0 {q8['read_ms']:.2f} / {q8['draft_ms']:.1f})")
+        except (KeyError, TypeError, AttributeError):
+            lines.append(f"llama.cpp drafter {key.split('|')[0]}: unreadable timing in {path} (re-timed at next load: delete it)")
+    return lines
+
+
 def report(targets: list[str] = ()) -> list[str]:
     """The doctor's lines; with `targets`, each one's kernel plan (timed now if not cached)."""
     lines = [f"python {sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -40,6 +60,7 @@ def report(targets: list[str] = ()) -> list[str]:
              f"machine key {host_key()} (kernel plans are cached per machine under {presets.cache_dir() / 'kernels'})"]
     lines += [f"{module:>12}: {'yes' if _installed(module) else 'no '}  {what}" for module, what in _BACKENDS.items()]
     lines += [f"preset {name}: {_preset_state(name)}" for name in sorted(presets.PRESETS)]
+    lines += _drafter_weights()
     for spec in targets:
         from .models import load_model
         from .kernels import use_kernels

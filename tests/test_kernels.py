@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -111,3 +113,21 @@ def test_baseline_and_engine_run_the_same_model_objects_and_kernels(tiny_drafter
     assert seen["stock"] == {(id(m), True, m.paths) for m in layers}
     assert not any(m.stock for m in layers)  # the stock row hands the plan back
     assert results[0].identical and set(results[0].peers) == {"stock", "lookup"}
+
+
+def test_doctor_names_each_llama_cpp_drafters_weights_from_the_memo(tmp_path, monkeypatch):
+    """`omnidraft doctor` reports what a llama.cpp drafter file runs here, without timing anything,
+    and names an unreadable memo entry instead of failing."""
+    from omnidraft import doctor
+
+    monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
+    assert not [line for line in doctor.report() if line.startswith("llama.cpp drafter")]
+    memo = tmp_path / "kernels" / f"drafter-weights-{K.host_key()}.json"
+    memo.parent.mkdir(parents=True)
+    memo.write_text(json.dumps({
+        "small.Q4_1.gguf|98|0.3|2|True|repack True": {"use": "q8_0", "shipped": {"read_ms": 2.97, "draft_ms": 9.1},
+                                                      "q8_0": {"read_ms": 1.36, "draft_ms": 8.2}},
+        "broken.gguf|1|0.3|2|True|repack True": {"use": "q8_0"}}))
+    lines = [line for line in doctor.report() if line.startswith("llama.cpp drafter")]
+    assert any("small.Q4_1.gguf: runs Q8_0 copy" in line and "shipped 2.97 / 9.1, Q8_0 1.36 / 8.2" in line for line in lines)
+    assert any("broken.gguf: unreadable timing" in line for line in lines)
