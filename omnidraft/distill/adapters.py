@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,19 +107,13 @@ def save_peft(model: Any, name: str, directory: str | os.PathLike[str]) -> Path:
     temporary directory and renamed into place, so a crash leaves the old directory or the new one."""
     from safetensors.torch import save
 
-    from ..atomic import atomic_write_bytes, fsync_dir
+    from ..atomic import atomic_path
 
     final = Path(directory)
-    tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.peft_config[name].save_pretrained(str(tmp))
     state = {k: v.contiguous() for k, v in adapter_state(model, name).items()}
-    atomic_write_bytes(tmp / PEFT_WEIGHTS, save(state, metadata={"format": "pt"}))
-    fsync_dir(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
+    with atomic_path(final, directory=True) as tmp:
+        model.peft_config[name].save_pretrained(str(tmp))
+        (tmp / PEFT_WEIGHTS).write_bytes(save(state, metadata={"format": "pt"}))
     return final
 
 

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..atomic import atomic_write_bytes
+from ..atomic import atomic_path, atomic_write_bytes
 from .sidecar import SIDECAR_FORMAT, file_sha256, sidecar_path
 
 __all__ = ["Gemma3Graph", "LlamaGraph", "drafter_graph", "export_drafter"]
@@ -317,19 +317,20 @@ def export_drafter(model: Any, out: str | Path, *, name: str, tokenizer: Any, fi
     if keep_ids is not None:
         keep_ids = _aligned(sorted(set(int(i) for i in keep_ids)), int(model.config.vocab_size))
     graph = drafter_graph(model, keep_ids, head=head, int8_rows=quantize == "int8").eval()
-    tmp = out.with_name(out.name + ".tmp")
-    _step(bar, "tracing the graph")
-    _export_graph(graph, tmp)
-    if quantize == "int8":
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+    with atomic_path(out) as tmp:  # an interrupted export leaves the previous graph, or none
+        _step(bar, "tracing the graph")
+        _export_graph(graph, tmp)
+        if quantize == "int8":
+            from onnxruntime.quantization import QuantType, quantize_dynamic
 
-        _step(bar, "quantizing to int8")
-        fp32 = tmp.with_name(tmp.name + ".fp32")
-        tmp.replace(fp32)
-        quantize_dynamic(str(fp32), str(tmp), weight_type=QuantType.QInt8, per_channel=True,
-                         nodes_to_exclude=_reading(fp32, "head_scales"))  # the gathered head's scales stay fp32
-        fp32.unlink()
-    tmp.replace(out)
+            _step(bar, "quantizing to int8")
+            fp32 = tmp.with_name(tmp.name + ".fp32")
+            tmp.replace(fp32)
+            try:
+                quantize_dynamic(str(fp32), str(tmp), weight_type=QuantType.QInt8, per_channel=True,
+                                 nodes_to_exclude=_reading(fp32, "head_scales"))  # the gathered head's scales stay fp32
+            finally:
+                fp32.unlink(missing_ok=True)
     _step(bar, "writing the tokenizer and head")
     tokenizer.save_pretrained(str(out.with_suffix(".tokenizer")))
     head_file = None

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..atomic import fsync_dir
+from ..atomic import atomic_path
 
 __all__ = ["WEIGHTS", "drafting_weights", "requantized"]
 
@@ -43,21 +43,13 @@ def requantized(path: str | os.PathLike[str], threads: int | None = None) -> Pat
     lc = require_llama_cpp()
     from llama_cpp._utils import suppress_stdout_stderr
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     params = lc.llama_model_quantize_default_params()
     params.ftype, params.allow_requantize, params.nthread = lc.LLAMA_FTYPE_MOSTLY_Q8_0, True, threads or os.cpu_count() or 1
-    try:
+    with atomic_path(out) as tmp:
         with suppress_stdout_stderr(disable=False):
             failed = lc.llama_model_quantize(os.fsencode(path), os.fsencode(tmp), ctypes.byref(params))
-        if failed or not tmp.exists():
+        if failed or not tmp.stat().st_size:
             raise RuntimeError(f"llama.cpp could not requantize {path} to Q8_0 (code {failed})")
-        with tmp.open("rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
     return out
 
 
