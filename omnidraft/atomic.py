@@ -20,6 +20,7 @@ def _umask() -> int:
 
 
 _DEFAULT_MODE = 0o666 & ~_umask()  # what open() would give a new file
+_DEFAULT_DIR_MODE = 0o777 & ~_umask()  # and mkdir() a new directory
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -61,7 +62,7 @@ def atomic_path(path: str | os.PathLike[str], *, directory: bool = False) -> Ite
     prefix = f".{path.name}."
     if directory:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=".tmp"))
-        tmp.chmod(0o777 & ~_umask())
+        tmp.chmod(_DEFAULT_DIR_MODE)  # mkdtemp makes it private
     else:
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".tmp")
         os.close(fd)
