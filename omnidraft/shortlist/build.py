@@ -29,6 +29,7 @@ __all__ = ["FORMAT", "POLICIES", "check_fits", "cluster_rows", "corpus", "freque
 log = logging.getLogger(__name__)
 
 POLICIES = ("full", "static", "evo", "dyna")
+POSITIONS = 40000  # training-text positions a DynaSpec router is fitted on
 
 
 def corpus() -> list[str]:
@@ -85,7 +86,7 @@ def _hidden_and_next(model: Any, tokenizer: Any, texts: list[str], limit: int) -
 
 
 def train_router(model: Any, tokenizer: Any, texts: list[str], assign: torch.Tensor, m: int, *, steps: int = 400,
-                 tokens: int = 40000, core: torch.Tensor | None = None, seed: int = 0,
+                 tokens: int = POSITIONS, core: torch.Tensor | None = None, seed: int = 0,
                  head: nn.Module | None = None) -> nn.Linear:
     """A linear router from the head's input (the last hidden state) to the cluster of the drafter's
     own full-head argmax there, trained by cross-entropy over the positions of `texts`: a call that
@@ -118,10 +119,11 @@ def train_router(model: Any, tokenizer: Any, texts: list[str], assign: torch.Ten
 FORMAT = 3  # the version of a shortlist file's layout (2: the router trained outside the core; 3: on the drafter's argmax)
 
 
-def _cache_path(name: str, fingerprint: str, kind: str, size: int, m: int) -> Any:
+def _cache_path(name: str, fingerprint: str, kind: str, size: int, m: int, positions: int) -> Any:
     from ..presets import cache_dir
 
-    return cache_dir() / "shortlists" / f"{name}-{fingerprint[:16]}-{kind}-{size}-{m}.pt"
+    fitted = "" if positions == POSITIONS else f"-p{positions}"
+    return cache_dir() / "shortlists" / f"{name}-{fingerprint[:16]}-{kind}-{size}-{m}{fitted}.pt"
 
 
 def check_fits(saved: Any, drafter: Any, kind: str, clusters: int, where: str) -> None:
@@ -148,7 +150,7 @@ def check_fits(saved: Any, drafter: Any, kind: str, clusters: int, where: str) -
         raise ValueError(f"{where}: its router does not map {drafter.name}'s hidden size {width} to {clusters} clusters")
 
 
-def _build(drafter: Any, kind: str, size: int, clusters: int) -> dict[str, Any]:
+def _build(drafter: Any, kind: str, size: int, clusters: int, positions: int) -> dict[str, Any]:
     texts = corpus()
     saved: dict[str, Any] = {"format": FORMAT, "tokenizer": drafter.token_bytes.fingerprint,
                              "core": frequent_ids(drafter.tokenizer, drafter.token_bytes, texts, size, set(drafter.stop_ids))}
@@ -159,28 +161,33 @@ def _build(drafter: Any, kind: str, size: int, clusters: int) -> dict[str, Any]:
         core = torch.cat([saved["core"][: max(1, size // 8)], torch.tensor(sorted(drafter.stop_ids), dtype=torch.long)])
         head = drafter.model.get_output_embeddings()
         saved["router"] = train_router(fp32, drafter.tokenizer, texts, saved["assign"], clusters, core=core,
-                                       head=getattr(head, "full", head)).state_dict()
+                                       head=getattr(head, "full", head), tokens=positions).state_dict()
     return saved
 
 
 def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 64, capacity: int = 2048,
               budget: tuple[int, ...] = (8, 6, 4), path: str | os.PathLike[str] | None = None,
-              head: nn.Module | None = None) -> Any:
+              head: nn.Module | None = None, positions: int = POSITIONS) -> Any:
     """The policy object of `kind` ("static", "evo", "dyna") for `drafter`'s head (or `head`, an
     LM head outside the drafter's model: an exported graph's; none for a graph that gathers its rows). Built once per drafter tokenizer and
     cached (the router is fitted through the drafter's fp32 weights: only a PyTorch drafter builds
     one); a cached file that does not fit is rebuilt. `path`: a shortlist file kept beside the
-    drafter instead: read when it exists (refused, naming why, when it does not fit), else built there."""
+    drafter instead: read when it exists (refused, naming why, when it does not fit), else built there.
+    `positions`: how many positions of the training text a DynaSpec router is fitted on (its build
+    time grows with them)."""
     from .policies import Dyna, Evo, Static
 
     if kind not in POLICIES[1:]:
         raise ValueError(f"shortlist must be one of {POLICIES}, got {kind!r}")
+    if not isinstance(positions, int) or positions < 1:
+        raise ValueError(f"positions must be an integer >= 1, got {positions!r}")
     if head is None and hasattr(drafter, "model"):
         head = drafter.model.get_output_embeddings()
     head = getattr(head, "full", head)  # None: blocks of ids only, for a graph that gathers its rows
     own = path is not None
     file = Path(path) if own else _cache_path(drafter.name, drafter.token_bytes.fingerprint,
-                                               "dyna" if kind == "dyna" else "core", size, clusters)
+                                               "dyna" if kind == "dyna" else "core", size, clusters,
+                                               positions if kind == "dyna" else POSITIONS)
     saved = None
     if file.exists():
         try:
@@ -195,7 +202,7 @@ def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 64, 
         if kind == "dyna" and not hasattr(drafter, "fp32_model"):
             raise ValueError(f"{drafter.name}: a DynaSpec router is fitted through the PyTorch drafter's weights; build "
                              "it there (Drafter.load(spec).use_shortlist('dyna', path=FILE)) and pass path=FILE here")
-        saved = _build(drafter, kind, size, clusters)
+        saved = _build(drafter, kind, size, clusters, positions)
         file.parent.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
         torch.save(saved, buffer)
