@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_path", "atomic_write_bytes", "fsync_dir"]
+__all__ = ["atomic_path", "atomic_write_bytes", "fsync_dir", "recover"]
+
+STALE_S = 3600.0
+"""A hidden temporary beside a path that nothing has written for this long is a killed writer's
+leftover: the next write of that path deletes it (a converted model's half can be gigabytes)."""
 
 
 def _umask() -> int:
@@ -30,6 +36,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     rewrite never changes who may read the user's state.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    recover(path)
     try:
         mode = stat.S_IMODE(path.stat().st_mode)
     except FileNotFoundError:
@@ -59,6 +66,7 @@ def atomic_path(path: str | os.PathLike[str], *, directory: bool = False) -> Ite
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    recover(path)
     prefix = f".{path.name}."
     if directory:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=".tmp"))
@@ -86,6 +94,46 @@ def atomic_path(path: str | os.PathLike[str], *, directory: bool = False) -> Ite
         if aside is not None:
             _remove(aside)
     fsync_dir(path.parent)
+
+
+def recover(path: str | os.PathLike[str], stale_s: float = STALE_S) -> Path:
+    """Undo what a killed writer of `path` left beside it, and return `path`.
+
+    A replacement killed between its two renames leaves `path` missing and the old copy under a
+    hidden `.old` name: it is renamed back, so the reader finds what the user had. Temporaries
+    (`.tmp`) and moved-aside copies that nothing has touched for `stale_s` seconds are deleted; a
+    younger one may belong to a writer still at work and is left alone. Readers of a directory
+    written by `atomic_path` call this before they look; every write calls it first.
+    """
+    path = Path(path)
+    ours = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.(tmp|old)")  # tempfile's names
+    try:
+        leftovers = [p for p in path.parent.iterdir() if ours.fullmatch(p.name)]
+    except FileNotFoundError:
+        return path
+    olds = sorted((p for p in leftovers if p.suffix == ".old"), key=_last_written, reverse=True)
+    if olds and not os.path.lexists(path):
+        os.replace(olds[0], path)
+        fsync_dir(path.parent)
+        leftovers.remove(olds[0])
+    now = time.time()
+    for p in leftovers:
+        if now - _last_written(p) > stale_s:
+            _remove(p)
+    return path
+
+
+def _last_written(path: Path) -> float:
+    """The newest modification time of a file, or of anything under a directory."""
+    try:
+        newest = path.lstat().st_mtime
+        if path.is_dir() and not path.is_symlink():
+            for root, dirs, files in os.walk(path):
+                for name in dirs + files:
+                    newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+    except FileNotFoundError:  # another process finished with it meanwhile
+        return time.time()
+    return newest
 
 
 def _fsync_tree(path: Path) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import pytest
 
-from omnidraft.atomic import atomic_path, atomic_write_bytes
+from omnidraft.atomic import STALE_S, atomic_path, atomic_write_bytes, recover
 
 
 def test_new_files_get_the_umask_default_and_rewrites_keep_the_mode(tmp_path):
@@ -59,3 +60,39 @@ def test_a_directory_is_replaced_whole_and_the_old_one_comes_back_if_the_new_one
             (tmp / "weights").write_bytes(b"v3")
     monkeypatch.setattr(os, "replace", real)
     assert (final / "weights").read_bytes() == b"v2" and [p.name for p in tmp_path.iterdir()] == ["adapter"]
+
+
+def test_a_killed_writers_leftovers_are_undone_by_the_next_reader_or_writer(tmp_path):
+    final = tmp_path / "adapter"
+    with atomic_path(final, directory=True) as tmp:
+        (tmp / "weights").write_bytes(b"v1")
+    # killed between its two renames: the old directory aside, the new one never arrived
+    aside = tmp_path / ".adapter.k1ll3d_1.old"
+    os.replace(final, aside)
+    assert recover(final) == final and (final / "weights").read_bytes() == b"v1"
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
+
+    old = time.time() - STALE_S - 60
+    stale = tmp_path / ".adapter.abcd1234.tmp"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "sub" / "half.bin").write_bytes(b"x" * 100)
+    for p in (stale / "sub" / "half.bin", stale / "sub", stale):
+        os.utime(p, (old, old))
+    busy = tmp_path / ".adapter.zzzz9999.tmp"  # another writer at work: recently written
+    busy.mkdir()
+    (busy / "part.bin").write_bytes(b"y")
+    os.utime(busy, (old, old))
+    other = tmp_path / ".adapter.json.abcd1234.tmp"  # a temporary of another path
+    other.write_bytes(b"z")
+    os.utime(other, (old, old))
+    with atomic_path(final, directory=True) as tmp:
+        (tmp / "weights").write_bytes(b"v2")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".adapter.json.abcd1234.tmp", ".adapter.zzzz9999.tmp", "adapter"]
+    assert (final / "weights").read_bytes() == b"v2"
+
+    leftover_file = tmp_path / ".state.bin.00000000.tmp"
+    leftover_file.write_bytes(b"half")
+    os.utime(leftover_file, (old, old))
+    atomic_write_bytes(tmp_path / "state.bin", b"whole")
+    assert not leftover_file.exists() and (tmp_path / "state.bin").read_bytes() == b"whole"

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..atomic import atomic_path, recover
+
 __all__ = ["AdapterConfig", "add_adapter", "adapter_state", "covers", "int8_learner", "int8_twin", "load_adapter_state",
            "load_peft", "save_peft", "set_active"]
 
@@ -107,8 +109,6 @@ def save_peft(model: Any, name: str, directory: str | os.PathLike[str]) -> Path:
     temporary directory and renamed into place, so a crash leaves the old directory or the new one."""
     from safetensors.torch import save
 
-    from ..atomic import atomic_path
-
     final = Path(directory)
     state = {k: v.contiguous() for k, v in adapter_state(model, name).items()}
     with atomic_path(final, directory=True) as tmp:
@@ -122,7 +122,7 @@ def load_peft(directory: str | os.PathLike[str]) -> tuple[AdapterConfig, dict[st
     names what is missing or unsupported."""
     from safetensors.torch import load_file
 
-    path = Path(directory)
+    path = recover(directory)  # a save killed mid-replace left the previous adapter aside
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path}: no adapter_config.json here; not a peft adapter directory")
