@@ -346,7 +346,7 @@ def test_the_latency_objective_measures_both_modes_and_stays_identical(http, tin
 def test_mode_chooser_takes_the_faster_mode_and_probes_the_other():
     from omnidraft.adaptive.policy import ModeChooser
 
-    chooser = ModeChooser(probe_every=4)
+    chooser = ModeChooser(probe_every=4, probe_cost=1.0)  # probes as often as probe_every allows
     assert chooser.choose() == "speculate"  # each mode is measured once first
     chooser.observe("speculate", 100, 10.0)
     assert chooser.choose() == "alone"
@@ -358,3 +358,22 @@ def test_mode_chooser_takes_the_faster_mode_and_probes_the_other():
         chooser.observe(mode, 100, 10.0 if mode == "speculate" else 5.0)
     assert picks[3] == "speculate" and picks.count("speculate") == 2 and not chooser.speculating
     assert picks.index("speculate", 4) == 11  # the first probe confirmed "alone": the next waits twice as long
+
+
+def test_mode_chooser_probes_a_far_slower_mode_rarely():
+    from omnidraft.adaptive.policy import ModeChooser
+
+    def first_probe(speculate_s, alone_s=10.0):
+        chooser = ModeChooser(probe_every=8)
+        for mode in ("speculate", "alone"):
+            assert chooser.choose() == mode
+            chooser.observe(mode, 100, speculate_s if mode == "speculate" else alone_s)
+        for i in range(100):
+            if chooser.choose() == "alone":
+                return i + 1
+        return None
+
+    assert first_probe(9.5) == 8  # 5% apart: probe_every decides
+    assert first_probe(6.25) == 19  # the server alone measured 37.5% slower: a probe costs that much of a request
+    with pytest.raises(ValueError, match="probe_cost > 0"):
+        ModeChooser(probe_cost=0)

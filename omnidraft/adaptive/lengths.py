@@ -138,7 +138,8 @@ class DraftLengths:
                 rates = self.policy.last_rates
                 best = max((key for key in rates if key > 0), key=rates.__getitem__)
                 log.info("%s: %s (measured: %.1f tok/s drafting %d a round, %.1f tok/s alone)", self.label,
-                         "drafting pays again" if self.policy.speculating else
+                         ("drafting pays again" if rates[best] >= rates[0] else "drafting again: within the cost "
+                          "policy's margin of the target alone") if self.policy.speculating else
                          "drafting costs more than it saves; the target decodes alone, with a probe draft now and then",
                          rates[best], best, rates[0])
             return k

@@ -7,6 +7,7 @@ so a new pairing is never stuck at a draft length that the target keeps cutting.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 __all__ = ["CostPolicy", "Hysteresis", "ModeChooser", "Outlook", "outlook"]
@@ -199,14 +200,20 @@ class ModeChooser:
     the whole completion), whichever has measured more committed tokens per second. Each mode is
     tried once first; afterwards the slower one is tried again after `probe_every` requests, and
     after twice as many each time a probe confirms the faster one (up to `max_interval`): prompts,
-    load and the network drift, but a settled choice should cost little. Mutable: one per pairing."""
+    load and the network drift, but a settled choice should cost little. A probe of a mode that
+    measured a share g slower costs about g of one request, so probes also wait g / `probe_cost`
+    requests: far apart modes are probed rarely (the faster one is re-measured by every request it
+    serves, so its slowing down narrows the gap and brings the probe closer). Mutable: one per pairing."""
 
     MODES = ("speculate", "alone")
 
-    def __init__(self, *, probe_every: int = 8, decay: float = 0.7, max_interval: int = 64) -> None:
-        if probe_every < 2 or not 0.0 <= decay < 1.0:
-            raise ValueError(f"need probe_every >= 2 and 0 <= decay < 1, got {probe_every} and {decay}")
+    def __init__(self, *, probe_every: int = 8, decay: float = 0.7, max_interval: int = 64,
+                 probe_cost: float = 0.02) -> None:
+        if probe_every < 2 or not 0.0 <= decay < 1.0 or probe_cost <= 0:
+            raise ValueError(f"need probe_every >= 2, 0 <= decay < 1 and probe_cost > 0, got {probe_every}, {decay} "
+                             f"and {probe_cost}")
         self.probe_every, self.decay, self.max_interval = probe_every, decay, max(max_interval, probe_every)
+        self.probe_cost = probe_cost  # the share of throughput probing may cost
         self.rates: dict[str, float | None] = {m: None for m in self.MODES}
         self.interval, self.since_probe = probe_every, 0
         self.probing: str | None = None  # the mode a probe request is measuring
@@ -219,7 +226,8 @@ class ModeChooser:
             if self.rates[mode] is None:
                 return mode
         self.since_probe += 1
-        if self.since_probe >= self.interval:
+        gap = 1.0 - min(self.rates.values()) / max(self.rates.values())  # how much slower the other mode measured
+        if self.since_probe >= max(self.interval, math.ceil(gap / self.probe_cost)):
             self.since_probe = 0
             self.probing = self.MODES[1 - self.MODES.index(self.best())]
             return self.probing
