@@ -24,8 +24,9 @@ from .distill.attach import attach_adapter
 from .draft import NO_DRAFT, Adaptable
 from .errors import TargetError
 from .retrieve import ContextIndex
-from .retrieve.planner import Retriever
-from .rounds import Generation, check_request, decode_alone, draft_rows, first_stop, make_generator, render_chat, verified
+from .retrieve.planner import NO_RENT, Retriever
+from .rounds import (Generation, check_request, decode_alone, draft_rows, first_stop, make_generator, relaxation,
+                     render_chat, verified)
 from .stats import GenerationStats, RoundRecord
 from .translate.ngram_cache import NgramCache
 from .translate.tables import TABLES_KEPT, pair_tables
@@ -249,8 +250,7 @@ class Pairing:
             topk = self.learner.config.topk if self.learner is not None else 0
             yield from self._loop(tsession, dsession, rule, max_new_tokens, generator, topk, last, index, rows)
         finally:
-            close = getattr(tsession, "close", None)
-            if close is not None:
+            if (close := getattr(tsession, "close", None)) is not None:
                 close()  # a remote session frees its server-side KV cache now
 
     def open_drafts(self, prompt_ids: list[int], drafter_ids: list[int]) -> tuple[Any, ContextIndex | None, int]:
@@ -278,6 +278,8 @@ class Pairing:
         for distillation when `topk` > 0."""
         k, stopper = self.first_k()
         produced, first, previous, idle = 0, True, None, False  # idle: the last round did not draft
+        deferral = self.retriever.deferral if index is not None else None  # the drafter's read, deferred
+        rent = deferral.begin(len(tsession.ids)) if deferral is not None else NO_RENT
         while produced < max_new_tokens:
             t0 = time.perf_counter()
             if previous is not None:  # the round's whole wall time beyond drafting and verifying is overhead
@@ -285,15 +287,12 @@ class Pairing:
                 with self._book:
                     self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
             model, free = self.plan.at(self.target, len(tsession.ids))  # what can pay at this context
+            defer = model and k > 0 and rent.defer(self.policy.last_rates if self.policy else {}, produced)
             draft, proposal, used, q, t1 = self.propose_round(tsession, dsession, rule, index if free else None,
-                                                         k if model else 0, stopper, last, max_new_tokens - produced - 1, generator)
+                                                         k if model and not defer else 0, stopper, last, max_new_tokens - produced - 1, generator)
             t2 = time.perf_counter()
             context = len(tsession.ids)
-            relax = {}
-            if self.config.mode == RELAXED and rule.mode == "greedy" and proposal.retrieved:
-                mask = torch.tensor([s == Source.RETRIEVED for s in proposal.sources], dtype=torch.bool)
-                relax = {"relax": (mask, self.config.relaxed_top_r)}
-            verdict = tsession.verify(proposal.ids, rule, q, generator, topk=topk, **relax)
+            verdict = tsession.verify(proposal.ids, rule, q, generator, topk=topk, **relaxation(self.config, rule, proposal))
             t3 = time.perf_counter()
             new = tsession.ids[context:]
             eos = next((i for i, t in enumerate(new) if t in self.target.eos_ids), None)
@@ -305,6 +304,7 @@ class Pairing:
             with self._book:
                 last, k = self.settle_round(dsession, index, draft, proposal, used, new, verdict.accepted,
                                        retrieved_accepted, last, k, stopper)
+                rent.settle(defer, len(proposal), len(draft.ids), t1 - t0, self.cost.draft, produced)
             t4 = time.perf_counter()
             produced += len(new)
             # the first verification also prefills the prompt: not a verification cost. A round is observed

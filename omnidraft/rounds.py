@@ -10,8 +10,9 @@ from typing import Any, Iterator
 
 import torch
 
+from .config import RELAXED
 from .stats import GenerationStats, RoundRecord
-from .translate.translator import Proposal, Translator
+from .translate.translator import Proposal, Source, Translator
 
 __all__ = ["Generation", "check_request", "decode_alone", "draft_rows", "first_stop", "make_generator", "render_chat", "verified"]
 
@@ -40,6 +41,15 @@ def draft_rows(translator: Translator, proposal: Proposal, modeled: int, draft: 
     if len(retrieved):
         parts.append(torch.nn.functional.one_hot(retrieved, len(translator.map.t2d)).float())
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def relaxation(config: Any, rule: Any, proposal: Proposal) -> dict[str, Any]:
+    """The verify's keyword for relaxed-lossy verification (greedy requests only): which proposed
+    tokens were retrieved, and the top-r they may be accepted within; empty otherwise."""
+    if config.mode != RELAXED or rule.mode != "greedy" or not proposal.retrieved:
+        return {}
+    mask = torch.tensor([s == Source.RETRIEVED for s in proposal.sources], dtype=torch.bool)
+    return {"relax": (mask, config.relaxed_top_r)}
 
 
 def decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int], RoundRecord]]:

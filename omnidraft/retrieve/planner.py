@@ -6,19 +6,21 @@ The decision is the cost policy's, extended: a retrieved draft of m tokens commi
 that rate beats the model draft's best and the target alone's (see adaptive/policy.py). Until the
 pairing has measured its verification costs, a match of at least `min_match` tokens retrieves.
 With model drafts beside it, a shorter match never retrieves: there a model draft, run on into the
-source where its end matches, commits more a second (docs/retrieval.md).
+source where its end matches, commits more a second (docs/retrieval.md). A request's drafter reads
+its context only once a model draft is worth that read (`ReadDeferral`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..adaptive.policy import ema
 from ..translate.translator import Proposal
 from .datastore import Datastore
 from .retriever import Candidate, ContextIndex, RetrievalConfig, RetrievalStats
 
-__all__ = ["Retriever", "Used"]
+__all__ = ["NO_RENT", "ReadDeferral", "Rent", "Retriever", "Used"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,63 @@ class Used:
     after: int = 0
 
 
+class ReadDeferral:
+    """Whether a request's drafter may leave its context unread while retrieval serves it: rent or buy.
+
+    A drafter reads the request's context (the prompt, and whatever was committed since) before its
+    first draft; on a long prompt where retrieval copies most of the output, that read costs more
+    than the model's drafts win back. So a request with a retrieval index does not draft until its
+    plain rounds (nothing retrieved: one token from the target) have lost, against what model
+    drafts would have committed at the cost policy's measured rates, as much time as the read
+    costs (measured per context token at each request's first draft). Renting until the rent
+    equals the price costs at most twice the better choice made in hindsight. One per pairing;
+    `begin` gives a request its own `Rent`, so concurrent requests share only the read cost.
+    """
+
+    def __init__(self, decay: float = 0.7) -> None:
+        self.decay = decay
+        self.per_token: float | None = None  # seconds the drafter takes to read one context token
+
+    def begin(self, context: int) -> Rent:
+        """A request whose drafter has `context` tokens (counted in target ids) to read."""
+        return Rent(self, context)
+
+
+@dataclass
+class Rent:
+    """One request's side of `ReadDeferral`."""
+
+    owner: ReadDeferral
+    unread: int  # the prompt's length; 0 once the request drafted (or for NO_RENT)
+    regret: float = 0.0  # seconds its plain rounds lost against model drafts so far
+    rates: dict[int, float] = field(default_factory=dict)  # the cost policy's, when `defer` last asked
+
+    def defer(self, rates: dict[int, float], produced: int) -> bool:
+        """Whether this round leaves the model out, by the cost policy's `rates` (committed tokens a
+        second by draft length, 0: the target alone) with `produced` tokens committed so far."""
+        if not self.unread or self.owner.per_token is None or 0 not in rates:
+            return False
+        self.rates = rates
+        return self.regret < self.owner.per_token * (self.unread + produced)
+
+    def settle(self, deferred: bool, proposed: int, drafted: int, seconds: float, step: float | None,
+               produced: int) -> None:
+        """A finished round: deferred (a plain one when nothing was `proposed`), or one that
+        `drafted` tokens in `seconds` at a measured `step` per drafted token, after `produced`."""
+        if deferred:
+            best = max((v for k, v in self.rates.items() if k > 0), default=0.0)
+            if not proposed and best > self.rates[0] > 0:
+                self.regret += 1.0 / self.rates[0] - 1.0 / best
+            return
+        if self.unread and drafted:  # the request's first draft read its context first
+            read = max(0.0, seconds - drafted * (step or 0.0)) / (self.unread + produced)
+            self.owner.per_token = ema(self.owner.per_token, read, self.owner.decay)
+            self.unread = 0
+
+
+NO_RENT = Rent(ReadDeferral(), 0)  # a request with nothing to defer: never defers, never measures
+
+
 class Retriever:
     """Per pairing (shared by its requests): acceptance history by source, and the user's datastore
     (`history`, None without a user profile). `model=False`: no model drafts to compare against
@@ -38,6 +97,7 @@ class Retriever:
     def __init__(self, config: RetrievalConfig, history: Datastore | None = None, *, model: bool = True) -> None:
         self.config, self.history, self.model = config, history, model
         self.stats = RetrievalStats(config)
+        self.deferral = ReadDeferral() if model and config.defer_read else None
 
     @classmethod
     def for_user(cls, config: RetrievalConfig, user: str | None, saved: dict[str, Any] | None, fingerprint: str, *,
