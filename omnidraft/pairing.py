@@ -304,7 +304,7 @@ class Pairing:
             with self._book:
                 last, k = self.settle_round(dsession, index, draft, proposal, used, new, verdict.accepted,
                                        retrieved_accepted, last, k, stopper)
-                rent.settle(defer, len(proposal), len(draft.ids), t1 - t0, self.cost.draft, produced)
+                rent.settle(defer, len(new), None if first else t3 - t0, len(draft.ids), t1 - t0, self.cost.draft, produced)
             t4 = time.perf_counter()
             produced += len(new)
             # the first verification also prefills the prompt: not a verification cost. A round is observed

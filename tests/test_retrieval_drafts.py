@@ -59,28 +59,33 @@ def test_retrieval_only_never_runs_the_drafter(tiny_drafter, tiny_target):
         assert pair.generate(prompt, max_new_tokens=30).token_ids == target_greedy(tiny_target, prompt, 30)
 
 
-def test_the_drafters_read_is_rented_until_the_plain_rounds_have_lost_what_it_costs():
+def test_the_drafters_read_is_rented_until_the_rounds_without_it_have_lost_what_it_costs():
     deferral = ReadDeferral()
     rates = {0: 10.0, 4: 20.0}  # the target alone: 0.1 s a token; drafting: 0.05
     assert not deferral.begin(100).defer(rates, 0)  # nothing measured yet: draft as ever
     deferral.per_token = 0.001  # reading 100 tokens: 0.1 s
     rent = deferral.begin(100)
     assert not rent.defer({}, 0)  # the cost policy has no rates yet
+    assert rent.defer(rates, 0)
+    rent.settle(True, committed=1, seconds=None, drafted=0, draft_s=0.0, step=0.01, produced=0)  # the prefill round
+    assert rent.regret == 0
     for _ in range(2):  # two plain rounds lose 0.05 s each: the read is paid for after them
         assert rent.defer(rates, 0)
-        rent.settle(True, proposed=0, drafted=0, seconds=0.1, step=0.01, produced=0)
+        rent.settle(True, committed=1, seconds=0.1, drafted=0, draft_s=0.0, step=0.01, produced=0)
     assert rent.regret == pytest.approx(0.1) and not rent.defer(rates, 0)
     again = deferral.begin(100)
     assert again.defer(rates, 0)
-    again.settle(True, proposed=5, drafted=0, seconds=0.1, step=0.01, produced=0)  # retrieval served: no loss
-    assert again.regret == 0 and again.defer(rates, 20)  # the read grows with what was committed
-    again.settle(False, proposed=4, drafted=4, seconds=0.44, step=0.01, produced=20)  # read 120 tokens in 0.4 s
+    again.settle(True, committed=5, seconds=0.1, drafted=0, draft_s=0.0, step=0.01, produced=0)  # a copy beat the model
+    assert again.regret == 0 and again.defer(rates, 20)  # no credit below zero; the read grows with the text
+    again.settle(True, committed=2, seconds=0.2, drafted=0, draft_s=0.0, step=0.01, produced=20)  # a poor copy loses too
+    assert again.regret == pytest.approx(0.1)
+    again.settle(False, committed=4, seconds=0.5, drafted=4, draft_s=0.44, step=0.01, produced=20)  # 120 tokens read
     assert deferral.per_token == pytest.approx(0.7 * 0.001 + 0.3 * 0.4 / 120)
     assert again.unread == 0 and not again.defer(rates, 30)  # read once: drafts as the policy says
-    slow = deferral.begin(100)  # drafting slower than the target alone: plain rounds lose nothing
+    slow = deferral.begin(100)  # drafting slower than the target alone: a plain round loses nothing
     for _ in range(50):
         assert slow.defer({0: 10.0, 4: 5.0}, 0)
-        slow.settle(True, proposed=0, drafted=0, seconds=0.1, step=0.01, produced=0)
+        slow.settle(True, committed=1, seconds=0.1, drafted=0, draft_s=0.0, step=0.01, produced=0)
     assert not NO_RENT.defer(rates, 0)
 
 
@@ -100,7 +105,7 @@ class _CountingDrafter(_NoForward):
 def test_a_request_whose_read_is_deferred_never_drafts_and_stays_identical(tiny_drafter, tiny_target):
     drafter = _CountingDrafter(tiny_drafter)
     drafter.proposals = 0
-    pair = od.Pairing(drafter, tiny_target, od.DecodeConfig(drafts="hybrid"))
+    pair = od.Pairing(drafter, tiny_target, od.DecodeConfig(drafts="hybrid", retrieval=RetrievalConfig(defer_read=True)))
     for prompt in COPY:  # the costs and the read are measured
         pair.generate(prompt, max_new_tokens=30)
     assert pair.retriever.deferral.per_token is not None and drafter.proposals > 0
@@ -114,7 +119,7 @@ def test_a_request_whose_read_is_deferred_never_drafts_and_stays_identical(tiny_
     for prompt in COPY:
         assert pair.generate(prompt, max_new_tokens=30).token_ids == target_greedy(tiny_target, prompt, 30)
     assert drafter.proposals > 0
-    assert tiny_drafter.pair(tiny_target, drafts="hybrid", retrieval=RetrievalConfig(defer_read=False)).retriever.deferral is None
+    assert tiny_drafter.pair(tiny_target, drafts="hybrid").retriever.deferral is None  # off by default
 
 
 def test_a_bad_drafts_value_is_refused():

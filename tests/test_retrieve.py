@@ -153,3 +153,22 @@ def test_beside_model_drafts_a_short_match_is_left_to_the_model():
     for used in (Retriever(config, model=False).plan(index, Cost(), {}, room=8),
                  Retriever(config).plan(index, Cost(), {0: 0.1, 1: 0.1}, room=8, drafting=False)):  # a round without a model draft
         assert used is not None and used.candidate.match == 1
+
+
+def test_without_a_model_draft_this_round_a_retrieved_draft_competes_with_the_target_alone():
+    """A match whose rate falls short of the model's best draft but beats a plain round is used
+    when the round has no model draft (the drafter's read deferred, or no draft paying)."""
+    from omnidraft.retrieve.planner import Retriever
+
+    class Cost:
+        other, verify = 0.0, {1: 1.0, 2: 1.0}
+
+        def verify_cost(self, m):
+            return 1.0
+
+    index = ContextIndex([1, 2, 3, 4, 9, 1, 2, 3, 4])  # a four-token match
+    rates = {0: 1.0, 6: 100.0}  # the model's best draft is far faster than any retrieval here
+    retriever = Retriever(RetrievalConfig(min_match=3))
+    assert retriever.plan(index, Cost(), rates, room=8) is None
+    used = retriever.plan(index, Cost(), rates, room=8, drafting=False)
+    assert used is not None and used.candidate.match == 4

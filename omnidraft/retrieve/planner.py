@@ -37,12 +37,14 @@ class ReadDeferral:
 
     A drafter reads the request's context (the prompt, and whatever was committed since) before its
     first draft; on a long prompt where retrieval copies most of the output, that read costs more
-    than the model's drafts win back. So a request with a retrieval index does not draft until its
-    plain rounds (nothing retrieved: one token from the target) have lost, against what model
-    drafts would have committed at the cost policy's measured rates, as much time as the read
-    costs (measured per context token at each request's first draft). Renting until the rent
-    equals the price costs at most twice the better choice made in hindsight. One per pairing;
-    `begin` gives a request its own `Rent`, so concurrent requests share only the read cost.
+    than the model's drafts win back. So a request with a retrieval index may start without model
+    drafts (rounds that retrieve, or let the target decode one token) until those rounds have lost,
+    against committing the same tokens at the model's measured rate (the cost policy's best), as
+    much time as the read costs (measured per context token at each request's first draft); a
+    round that beat the model's rate is credited. Renting until the rent equals the price costs
+    at most twice the better choice made in hindsight. One per pairing; `begin` gives a request its
+    own `Rent`, so concurrent requests share only the read cost. Off by default
+    (`RetrievalConfig.defer_read`): docs/retrieval.md has what it measured.
     """
 
     def __init__(self, decay: float = 0.7) -> None:
@@ -60,7 +62,7 @@ class Rent:
 
     owner: ReadDeferral
     unread: int  # the prompt's length; 0 once the request drafted (or for NO_RENT)
-    regret: float = 0.0  # seconds its plain rounds lost against model drafts so far
+    regret: float = 0.0  # seconds its rounds without the model lost against model drafts so far
     rates: dict[int, float] = field(default_factory=dict)  # the cost policy's, when `defer` last asked
 
     def defer(self, rates: dict[int, float], produced: int) -> bool:
@@ -71,17 +73,18 @@ class Rent:
         self.rates = rates
         return self.regret < self.owner.per_token * (self.unread + produced)
 
-    def settle(self, deferred: bool, proposed: int, drafted: int, seconds: float, step: float | None,
-               produced: int) -> None:
-        """A finished round: deferred (a plain one when nothing was `proposed`), or one that
-        `drafted` tokens in `seconds` at a measured `step` per drafted token, after `produced`."""
+    def settle(self, deferred: bool, committed: int, seconds: float | None, drafted: int, draft_s: float,
+               step: float | None, produced: int) -> None:
+        """A finished round that committed `committed` tokens in `seconds` (None: the request's first
+        round, which also reads the prompt into the target): deferred, or one that `drafted`
+        tokens in `draft_s` at a measured `step` per drafted token, after `produced` tokens."""
         if deferred:
             best = max((v for k, v in self.rates.items() if k > 0), default=0.0)
-            if not proposed and best > self.rates[0] > 0:
-                self.regret += 1.0 / self.rates[0] - 1.0 / best
+            if seconds is not None and best > 0:
+                self.regret = max(0.0, self.regret + seconds - committed / best)
             return
         if self.unread and drafted:  # the request's first draft read its context first
-            read = max(0.0, seconds - drafted * (step or 0.0)) / (self.unread + produced)
+            read = max(0.0, draft_s - drafted * (step or 0.0)) / (self.unread + produced)
             self.owner.per_token = ema(self.owner.per_token, read, self.owner.decay)
             self.unread = 0
 
@@ -119,7 +122,9 @@ class Retriever:
              drafting: bool = True) -> Used | None:
         """Whether this round retrieves (and what), given the model policy's `rates` (tokens per
         second by draft length, 0 = target alone; empty before they are measured) and `room`
-        tokens the request may still propose. `drafting=False`: no model draft this round."""
+        tokens the request may still propose. `drafting=False`: no model draft this round (the cost
+        policy chose none, or the drafter's read is deferred), so a retrieved draft competes with a
+        round of the target alone."""
         if room < 1:
             return None
         candidates = index.candidates(min(room, self.config.max_len))
@@ -131,7 +136,8 @@ class Retriever:
             return None
         candidate, m, rate = best
         if measured:
-            rival = max(rates.values()) if rates else 1.0 / (cost.other + cost.verify_cost(1))
+            alone = rates.get(0) or 1.0 / (cost.other + cost.verify_cost(1))  # a round without a draft
+            rival = max(rates.values()) if rates and drafting else alone  # no model draft this round: a plain one
             if rate <= rival and not (candidate.match >= self.config.min_match and self.stats.turned_down(candidate)):
                 return None
         return Used(candidate, m)

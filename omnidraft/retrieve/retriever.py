@@ -37,8 +37,8 @@ class RetrievalConfig:
     continuation when the draft's end matches a source. `probe_every`: a kind of match (source and
     length) the costs turned down this many rounds in a row is tried once anyway, so one that
     failed before is measured again (acceptance depends on the request). `defer_read`: beside model
-    drafts, a request does not draft while retrieval serves it, until what its plain rounds lost
-    reaches what reading its context costs the drafter (planner.ReadDeferral)."""
+    drafts, a request starts without them until its rounds have lost what reading its context
+    costs the drafter (planner.ReadDeferral; off: it has not yet measured a net gain)."""
 
     max_len: int = 16
     min_match: int = 3
@@ -46,7 +46,7 @@ class RetrievalConfig:
     decay: float = 0.8
     extend: bool = True
     probe_every: int = 8
-    defer_read: bool = True
+    defer_read: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or self.max_len < 1:
