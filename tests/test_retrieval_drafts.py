@@ -80,7 +80,10 @@ def test_the_drafters_read_is_rented_until_the_rounds_without_it_have_lost_what_
     again.settle(True, committed=2, seconds=0.2, drafted=0, draft_s=0.0, step=0.01, produced=20)  # a poor copy loses too
     assert again.regret == pytest.approx(0.1)
     again.settle(False, committed=4, seconds=0.5, drafted=4, draft_s=0.44, step=0.01, produced=20)  # 120 tokens read
-    assert deferral.per_token == pytest.approx(0.7 * 0.001 + 0.3 * 0.4 / 120)
+    assert deferral.per_token == pytest.approx(0.7 * 0.001 + 0.3 * 0.4 / 120)  # slower than measured: slowly up
+    cheap = deferral.begin(100)
+    cheap.settle(False, committed=4, seconds=0.2, drafted=4, draft_s=0.14, step=0.01, produced=0)
+    assert deferral.per_token == pytest.approx(0.001)  # faster: at once
     assert again.unread == 0 and not again.defer(rates, 30)  # read once: drafts as the policy says
     slow = deferral.begin(100)  # drafting slower than the target alone: a plain round loses nothing
     for _ in range(50):

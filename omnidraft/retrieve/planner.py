@@ -85,7 +85,8 @@ class Rent:
             return
         if self.unread and drafted:  # the request's first draft read its context first
             read = max(0.0, draft_s - drafted * (step or 0.0)) / (self.unread + produced)
-            self.owner.per_token = ema(self.owner.per_token, read, self.owner.decay)
+            old = self.owner.per_token  # down at once, up slowly: a first call's warm-up is not the cost
+            self.owner.per_token = read if old is None or read < old else ema(old, read, self.owner.decay)
             self.unread = 0
 
 
