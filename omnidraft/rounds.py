@@ -14,7 +14,8 @@ from .config import RELAXED
 from .stats import GenerationStats, RoundRecord
 from .translate.translator import Proposal, Source, Translator
 
-__all__ = ["Generation", "check_request", "decode_alone", "draft_rows", "first_stop", "make_generator", "render_chat", "verified"]
+__all__ = ["Generation", "check_request", "decode_alone", "draft_rows", "first_stop", "make_generator", "relaxation", "render_chat",
+           "verified"]
 
 
 @dataclass(frozen=True)
