@@ -72,7 +72,7 @@ def test_real_pairs_are_token_identical_to_target_greedy(drafter, target_name):
     assert target.model.kernel_plan is not None  # the chosen kernels, as the benchmark's baseline runs them
     fixed, default = drafter.pair(target, k=5, stop_confidence=0.3), drafter.pair(target)
     default.policy.probe_every = default.policy.wait = 2  # visit both kinds of round within a short test
-    for prompt in PROMPTS:
+    for prompt in PROMPTS if target_name.endswith(("0.5b", "270m")) else PROMPTS[:2]:  # the 1.5B: code and math
         reference = target_greedy(target, prompt, 40)
         out = fixed.generate(prompt, max_new_tokens=40)
         assert out.token_ids == reference, prompt
@@ -163,7 +163,9 @@ def test_retrieval_drafts_stay_identical_on_every_workload(drafter, target_name)
     target = od.LocalTarget.load(target_name)
     pairs = {d: drafter.pair(target, drafts=d) for d in ("hybrid", "retrieval")}
     workloads = ["summarize", "rag", "code-edit", "chat", "gsm8k", "humaneval"]
-    for workload in workloads if target_name.endswith("0.5b") else workloads[:4]:
+    # the 1.5B shares every code path with the 0.5B; its one workload is the copy-heavy edit, where
+    # drafts are longest and a batched verify's numerics are tested hardest
+    for workload in workloads if target_name.endswith("0.5b") else ["code-edit"]:
         (prompt,) = load_prompts(workload, 1)
         reference = target_greedy(target, prompt, 32)
         for name, pair in pairs.items():

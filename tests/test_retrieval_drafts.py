@@ -122,7 +122,9 @@ def test_a_request_whose_read_is_deferred_never_drafts_and_stays_identical(tiny_
     for prompt in COPY:
         assert pair.generate(prompt, max_new_tokens=30).token_ids == target_greedy(tiny_target, prompt, 30)
     assert drafter.proposals > 0
-    assert tiny_drafter.pair(tiny_target, drafts="hybrid").retriever.deferral is None  # off by default
+    assert tiny_drafter.pair(tiny_target, drafts="hybrid").retriever.deferral is not None  # on by default
+    at_once = RetrievalConfig(defer_read=False)
+    assert tiny_drafter.pair(tiny_target, drafts="hybrid", retrieval=at_once).retriever.deferral is None
 
 
 def test_a_bad_drafts_value_is_refused():

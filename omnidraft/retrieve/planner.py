@@ -43,7 +43,7 @@ class ReadDeferral:
     much time as the read costs (measured per context token at each request's first draft); a
     round that beat the model's rate is credited. Renting until the rent equals the price costs
     at most twice the better choice made in hindsight. One per pairing; `begin` gives a request its
-    own `Rent`, so concurrent requests share only the read cost. Off by default
+    own `Rent`, so concurrent requests share only the read cost. On by default
     (`RetrievalConfig.defer_read`): docs/retrieval.md has what it measured.
     """
 

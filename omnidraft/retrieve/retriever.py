@@ -38,7 +38,8 @@ class RetrievalConfig:
     length) the costs turned down this many rounds in a row is tried once anyway, so one that
     failed before is measured again (acceptance depends on the request). `defer_read`: beside model
     drafts, a request starts without them until its rounds have lost what reading its context
-    costs the drafter (planner.ReadDeferral; off: it has not yet measured a net gain)."""
+    costs the drafter (planner.ReadDeferral; docs/retrieval.md has what it measured); False: the
+    drafter reads every prompt at once."""
 
     max_len: int = 16
     min_match: int = 3
@@ -46,7 +47,7 @@ class RetrievalConfig:
     decay: float = 0.8
     extend: bool = True
     probe_every: int = 8
-    defer_read: bool = False
+    defer_read: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_len, int) or self.max_len < 1:
