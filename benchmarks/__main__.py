@@ -127,8 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--shortlist", action="append", metavar="KIND[:SIZE]",
                    help="also the int8 drafter with this shortlisted head (static, evo or dyna; SIZE: its core, "
                         "default --shortlist-size), repeatable")
-    r.add_argument("--shortlist-size", type=int, default=8192, help="static core size (DynaSpec: its core is 1/8 of it)")
-    r.add_argument("--shortlist-clusters", type=int, default=64, help="DynaSpec's clusters of head rows")
+    r.add_argument("--shortlist-size", type=int, default=8192, help="static core size (DynaSpec: its core is 1/4 of it)")
+    r.add_argument("--shortlist-clusters", type=int, default=1024, help="DynaSpec's clusters of head rows")
     r.add_argument("--shortlist-buffer", type=int, default=2048, help="EvoSpec's buffer capacity")
     r.add_argument("--shortlist-budget", default="8,6,4", help="DynaSpec clusters per draft position, comma-separated")
     add_decoding_args(r)
@@ -140,8 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--size", type=int, action="append", help="static/evo support sizes (default 1k to 64k)")
     s.add_argument("--buffer", type=int, default=512, help="EvoSpec's buffer, inside each size")
-    s.add_argument("--clusters", type=int, default=256, help="DynaSpec's clusters of head rows")
-    s.add_argument("--core", type=int, default=1024, help="DynaSpec's static core")
+    s.add_argument("--clusters", type=int, default=1024, help="DynaSpec's clusters of head rows")
+    s.add_argument("--core", type=int, default=2048, help="DynaSpec's static core")
     s.add_argument("--budget", type=int, action="append", help="DynaSpec clusters per position (default 1 2 4 8 16 32)")
     s.add_argument("--out", default="bench_out")
     s.add_argument("--name", default="shortlists")

@@ -10,8 +10,8 @@ greedy draft that starts there. On its support a shortlisted head's logits are t
 - static (FR-Spec): the N most frequent training-corpus tokens (+ the drafter's stop ids);
 - evo (EvoSpec): the most frequent N - B plus an LFU buffer of at most B ids recalled from the
   prompt and the text committed before the position;
-- dyna (DynaSpec): a core of the most frequent C plus the router's top m clusters of head rows at
-  that position's hidden state (the router and clusters as `shortlist.build` fits them).
+- dyna (DynaSpec): a core of the most frequent C plus the router's top m clusters of the other
+  head rows at that position's hidden state (clusters and router as `shortlist.build` makes them).
 Support sizes are the measured mean per position; policies compare at equal size by
 interpolating the static curve (in log size).
 """
@@ -77,7 +77,7 @@ def run_shortlists(drafter: Any, target_spec: str, *, datasets: list[str], n: in
     ranked = frequent_ids(drafter.tokenizer, drafter.token_bytes, corpus(), v, set(drafter.stop_ids))
     stops = torch.tensor(sorted(drafter.stop_ids), dtype=torch.long)
     progress("clusters and router")
-    dyna = shortlist(drafter, "dyna", size=8 * core, clusters=clusters)
+    dyna = shortlist(drafter, "dyna", size=4 * core, clusters=clusters)
     groups = [c.ids if c is not None else torch.empty(0, dtype=torch.long) for c in dyna.clusters]
     dyna_core = _mask(v, dyna.core.ids)
     result: dict[str, Any] = {"drafter": drafter.name, "target": target_spec, "tokens": tokens, "n": n,

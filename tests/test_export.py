@@ -132,8 +132,8 @@ def test_an_onnx_drafter_refuses_to_learn(exported, tiny_target):
 
 def test_a_head_outside_the_graph_drafts_whole_or_shortlisted(tiny_drafter, tiny_target, tmp_path, monkeypatch):
     """`head="outside"`: the graph ends at the hidden state; the head beside it gives the graph-inside
-    drafts, and each shortlist policy keeps the target's greedy output. A DynaSpec router comes from
-    the PyTorch drafter's file; a tampered head file is refused."""
+    drafts, and each shortlist policy keeps the target's greedy output (DynaSpec's clusters from the
+    head beside the graph, or a file the PyTorch drafter built); a tampered head file is refused."""
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     out = tmp_path / "outside.onnx"
     sidecar = export_drafter(tiny_drafter.model, out, name="tiny-drafter", tokenizer=tiny_drafter.tokenizer,
@@ -142,14 +142,12 @@ def test_a_head_outside_the_graph_drafts_whole_or_shortlisted(tiny_drafter, tiny
     drafter = od.Drafter.load_onnx(str(out))
     ids = tiny_drafter.tokenizer(PROMPTS[0])["input_ids"]
     assert drafter.begin(ids).propose(6, stop_confidence=0).ids == tiny_drafter.begin(ids).propose(6, stop_confidence=0).ids
-    with pytest.raises(ValueError, match="PyTorch drafter"):
-        drafter.use_shortlist("dyna", size=256, clusters=8)
     router = tmp_path / "router.pt"
     from omnidraft.shortlist.build import shortlist
 
     shortlist(tiny_drafter, "dyna", size=256, clusters=8, path=router)
     for kind, options in [("static", {"size": 256}), ("evo", {"size": 256}),
-                          ("dyna", {"size": 256, "clusters": 8, "path": router})]:
+                          ("dyna", {"size": 256, "clusters": 8}), ("dyna", {"size": 256, "clusters": 8, "path": router})]:
         drafter.use_shortlist(kind, **options)
         pair = drafter.pair(tiny_target, k=4)
         assert pair.generate(PROMPTS[1], max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPTS[1], 16), kind

@@ -1,6 +1,11 @@
 """Building shortlists: token frequencies, clusters of the head's rows, the DynaSpec router.
 
-Everything is fitted on the repository's training text only (GSM8K train questions and worked
+DynaSpec's core is the most frequent quarter of the static size; the head's other rows are
+clustered by direction (spherical k-means) and the router scores a cluster by the hidden state's
+dot product with its centroid: the clusters whose mean direction is nearest the hidden state hold
+the rows with the largest logits (docs/shortlists.md has what that keeps against a trained router).
+
+Token frequencies are counted on the repository's training text only (GSM8K train questions and worked
 answers, HumanEval problems 64-163 with their solutions, the second half of the CNN/DailyMail
 sample), never on the prompts benchmarks evaluate, and cached per drafter tokenizer under
 `$OMNIDRAFT_CACHE/shortlists/` or at a path the caller keeps beside the drafter. A file is
@@ -23,13 +28,13 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_write_bytes
+from .head import dense_weight
 
-__all__ = ["FORMAT", "POLICIES", "check_fits", "cluster_rows", "corpus", "frequent_ids", "shortlist", "train_router"]
+__all__ = ["FORMAT", "POLICIES", "check_fits", "cluster_rows", "corpus", "frequent_ids", "shortlist"]
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("full", "static", "evo", "dyna")
-POSITIONS = 40000  # training-text positions a DynaSpec router is fitted on
 
 
 def corpus() -> list[str]:
@@ -54,8 +59,11 @@ def frequent_ids(tokenizer: Any, token_bytes: Any, texts: list[str], size: int, 
     return torch.tensor(usable + sorted(keep - set(usable)), dtype=torch.long)
 
 
-def cluster_rows(weight: torch.Tensor, m: int, *, iters: int = 12, seed: int = 0) -> torch.Tensor:
-    """Spherical k-means of the head's rows (V, d) into `m` clusters: (V,) cluster of each row."""
+def cluster_rows(weight: torch.Tensor, m: int, *, iters: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spherical k-means of the head's rows (V, d) into `m` clusters: ((V,) cluster of each row,
+    (m, d) unit centroids)."""
+    if not 1 <= m <= len(weight):
+        raise ValueError(f"cannot cut {len(weight)} head rows into {m} clusters")
     rows = nn.functional.normalize(weight.float(), dim=-1)
     g = torch.Generator().manual_seed(seed)
     centres = rows[torch.randperm(len(rows), generator=g)[:m]].clone()
@@ -65,71 +73,22 @@ def cluster_rows(weight: torch.Tensor, m: int, *, iters: int = 12, seed: int = 0
         empty = torch.bincount(assign, minlength=m) == 0
         sums[empty] = rows[torch.randperm(len(rows), generator=g)[: int(empty.sum())]]
         centres = nn.functional.normalize(sums, dim=-1)
-    return torch.cat([(chunk @ centres.T).argmax(-1) for chunk in rows.split(65536)])
+    return torch.cat([(chunk @ centres.T).argmax(-1) for chunk in rows.split(65536)]), centres
 
 
-@torch.no_grad()
-def _hidden_and_next(model: Any, tokenizer: Any, texts: list[str], limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The final hidden state (the LM head's input) at each position of `texts` and the next id,
-    `limit` positions at most; the base model only (the head's logits are not needed)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    xs, ys = [], []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:256]
-        if len(ids) < 2:
-            continue
-        xs.append(base(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1].float())
-        ys.append(torch.tensor(ids[1:]))
-        if sum(len(y) for y in ys) >= limit:
-            break
-    return torch.cat(xs), torch.cat(ys)
+FORMAT = 4  # the version of a shortlist file's layout (4: clusters of the rows outside the core, routed by centroid)
 
 
-def train_router(model: Any, tokenizer: Any, texts: list[str], assign: torch.Tensor, m: int, *, steps: int = 400,
-                 tokens: int = POSITIONS, core: torch.Tensor | None = None, seed: int = 0,
-                 head: nn.Module | None = None) -> nn.Linear:
-    """A linear router from the head's input (the last hidden state) to the cluster of the drafter's
-    own full-head argmax there, trained by cross-entropy over the positions of `texts`: a call that
-    evaluates that cluster drafts what the full head drafts. With `core`, only on positions whose
-    argmax is outside it: the core is always evaluated, so the router's clusters are worth only
-    where the core falls short. `head`: the LM head the drafter drafts with (its int8 head: that
-    argmax, and several times faster over a large vocabulary), default `model`'s own."""
-    x, _ = _hidden_and_next(model, tokenizer, texts, tokens)
-    head = head if head is not None else model.get_output_embeddings()
-    with torch.no_grad():
-        y = torch.cat([head(chunk).argmax(-1) for chunk in x.split(256)])
-    if core is not None:
-        outside = torch.ones(len(assign), dtype=torch.bool)
-        outside[core] = False
-        x, y = x[outside[y]], y[outside[y]]
-    labels = assign[y]
-    torch.manual_seed(seed)
-    router = nn.Linear(x.shape[1], m)
-    opt = torch.optim.Adam(router.parameters(), lr=3e-3)
-    for _ in range(steps):
-        with torch.enable_grad():
-            loss = nn.functional.cross_entropy(router(x), labels)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    router.requires_grad_(False)
-    return router
-
-
-FORMAT = 3  # the version of a shortlist file's layout (2: the router trained outside the core; 3: on the drafter's argmax)
-
-
-def _cache_path(name: str, fingerprint: str, kind: str, size: int, m: int, positions: int) -> Any:
+def _cache_path(name: str, fingerprint: str, kind: str, size: int, m: int) -> Any:
     from ..presets import cache_dir
 
-    fitted = "" if positions == POSITIONS else f"-p{positions}"
-    return cache_dir() / "shortlists" / f"{name}-{fingerprint[:16]}-{kind}-{size}-{m}{fitted}.pt"
+    return cache_dir() / "shortlists" / f"{name}-{fingerprint[:16]}-{kind}-{size}-{m}.pt"
 
 
 def check_fits(saved: Any, drafter: Any, kind: str, clusters: int, where: str) -> None:
     """Raise ValueError naming what in the shortlist file `saved` (read from `where`) does not fit
     `drafter`: its format version, tokenizer, vocabulary, ids, clusters or router width."""
-    readable = {FORMAT} if kind == "dyna" else {2, FORMAT}  # format 3 changed only how the router is fitted
+    readable = {FORMAT} if kind == "dyna" else {2, 3, FORMAT}  # formats 3 and 4 changed only DynaSpec's part
     if not isinstance(saved, dict) or saved.get("format") not in readable:
         got = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
         raise ValueError(f"{where}: not a shortlist file of format {FORMAT} (found {got!r}); rebuild it")
@@ -143,51 +102,52 @@ def check_fits(saved: Any, drafter: Any, kind: str, clusters: int, where: str) -
     if kind != "dyna":
         return
     assign, router = saved.get("assign"), saved.get("router")
-    if not isinstance(assign, torch.Tensor) or assign.shape != (vocab,) or int(assign.max()) >= clusters:
+    if not isinstance(assign, torch.Tensor) or assign.shape != (vocab,) or int(assign.max()) >= clusters \
+            or int(assign.min()) < -1:
         raise ValueError(f"{where}: its clusters do not cover {drafter.name}'s {vocab} head rows in {clusters} clusters")
     width = drafter.hidden_size
     if not isinstance(router, dict) or tuple(router.get("weight", torch.empty(0)).shape) != (clusters, width):
         raise ValueError(f"{where}: its router does not map {drafter.name}'s hidden size {width} to {clusters} clusters")
 
 
-def _build(drafter: Any, kind: str, size: int, clusters: int, positions: int) -> dict[str, Any]:
-    texts = corpus()
+def _dyna_core(core: torch.Tensor, size: int, stops: set[int]) -> torch.Tensor:
+    """DynaSpec's core: the most frequent quarter of a static list of `size`, plus the stop ids."""
+    return torch.cat([core[: max(1, size // 4)], torch.tensor(sorted(stops), dtype=torch.long)]).unique()
+
+
+def _build(drafter: Any, head: nn.Module | None, kind: str, size: int, clusters: int) -> dict[str, Any]:
     saved: dict[str, Any] = {"format": FORMAT, "tokenizer": drafter.token_bytes.fingerprint,
-                             "core": frequent_ids(drafter.tokenizer, drafter.token_bytes, texts, size, set(drafter.stop_ids))}
+                             "core": frequent_ids(drafter.tokenizer, drafter.token_bytes, corpus(), size, set(drafter.stop_ids))}
     if kind == "dyna":
-        fp32 = drafter.fp32_model()
-        weight = fp32.get_output_embeddings().weight.detach()
-        saved["assign"] = cluster_rows(weight, clusters)
-        core = torch.cat([saved["core"][: max(1, size // 8)], torch.tensor(sorted(drafter.stop_ids), dtype=torch.long)])
-        head = drafter.model.get_output_embeddings()
-        saved["router"] = train_router(fp32, drafter.tokenizer, texts, saved["assign"], clusters, core=core,
-                                       head=getattr(head, "full", head), tokens=positions).state_dict()
+        weight = dense_weight(head)
+        outside = torch.ones(len(weight), dtype=torch.bool)
+        outside[_dyna_core(saved["core"], size, set(drafter.stop_ids))] = False
+        rows = torch.nonzero(outside).flatten()
+        assign, centres = cluster_rows(weight[rows], clusters)
+        saved["assign"] = torch.full((len(weight),), -1, dtype=torch.long).index_put_((rows,), assign)
+        saved["router"] = {"weight": centres, "bias": torch.zeros(clusters)}
     return saved
 
 
-def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 64, capacity: int = 2048,
+def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 1024, capacity: int = 2048,
               budget: tuple[int, ...] = (8, 6, 4), path: str | os.PathLike[str] | None = None,
-              head: nn.Module | None = None, positions: int = POSITIONS) -> Any:
+              head: nn.Module | None = None) -> Any:
     """The policy object of `kind` ("static", "evo", "dyna") for `drafter`'s head (or `head`, an
-    LM head outside the drafter's model: an exported graph's; none for a graph that gathers its rows). Built once per drafter tokenizer and
-    cached (the router is fitted through the drafter's fp32 weights: only a PyTorch drafter builds
-    one); a cached file that does not fit is rebuilt. `path`: a shortlist file kept beside the
-    drafter instead: read when it exists (refused, naming why, when it does not fit), else built there.
-    `positions`: how many positions of the training text a DynaSpec router is fitted on (its build
-    time grows with them)."""
+    LM head outside the drafter's model: an exported graph's; none for a graph that gathers its
+    rows). Built once per drafter tokenizer and cached; a cached file that does not fit is
+    rebuilt. `path`: a shortlist file kept beside the drafter instead: read when it exists
+    (refused, naming why, when it does not fit), else built there. DynaSpec: `clusters` of the
+    head's rows outside its core, `budget[j]` of them evaluated at draft position j."""
     from .policies import Dyna, Evo, Static
 
     if kind not in POLICIES[1:]:
         raise ValueError(f"shortlist must be one of {POLICIES}, got {kind!r}")
-    if not isinstance(positions, int) or positions < 1:
-        raise ValueError(f"positions must be an integer >= 1, got {positions!r}")
     if head is None and hasattr(drafter, "model"):
         head = drafter.model.get_output_embeddings()
     head = getattr(head, "full", head)  # None: blocks of ids only, for a graph that gathers its rows
     own = path is not None
     file = Path(path) if own else _cache_path(drafter.name, drafter.token_bytes.fingerprint,
-                                               "dyna" if kind == "dyna" else "core", size, clusters,
-                                               positions if kind == "dyna" else POSITIONS)
+                                               "dyna" if kind == "dyna" else "core", size, clusters)
     saved = None
     if file.exists():
         try:
@@ -199,16 +159,14 @@ def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 64, 
             log.warning("rebuilding the %s shortlist of %s: %s", kind, drafter.name, exc)
             saved = None
     if saved is None:
-        if kind == "dyna" and not hasattr(drafter, "fp32_model"):
-            raise ValueError(f"{drafter.name}: a DynaSpec router is fitted through the PyTorch drafter's weights; build "
-                             "it there (Drafter.load(spec).use_shortlist('dyna', path=FILE)) and pass path=FILE here")
-        saved = _build(drafter, kind, size, clusters, positions)
+        if kind == "dyna" and head is None:
+            raise ValueError(f"{drafter.name}: DynaSpec clusters the LM head's rows; this drafter has none outside its graph")
+        saved = _build(drafter, head, kind, size, clusters)
         file.parent.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
         torch.save(saved, buffer)
         atomic_write_bytes(file, buffer.getvalue())
         log.info("built the %s shortlist of %s (%d core tokens) into %s", kind, drafter.name, len(saved["core"]), file)
-    stops = torch.tensor(sorted(drafter.stop_ids), dtype=torch.long)
     if kind == "static":
         return Static(head, saved["core"])
     if kind == "evo":
@@ -218,4 +176,4 @@ def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 64, 
     router = nn.Linear(saved["router"]["weight"].shape[1], clusters)
     router.load_state_dict(saved["router"])
     router.requires_grad_(False)
-    return Dyna(head, torch.cat([saved["core"][: max(1, size // 8)], stops]), groups, router, budget)
+    return Dyna(head, _dyna_core(saved["core"], size, set(drafter.stop_ids)), groups, router, budget)

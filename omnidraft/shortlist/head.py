@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["Block", "Policy", "ShortlistHead", "sub_linear"]
+__all__ = ["Block", "Policy", "ShortlistHead", "dense_weight", "sub_linear"]
 
 
 def sub_linear(head: nn.Module, ids: torch.Tensor) -> nn.Module:
@@ -36,6 +36,18 @@ def sub_linear(head: nn.Module, ids: torch.Tensor) -> nn.Module:
     if head.bias is not None:
         part.bias = nn.Parameter(head.bias.detach()[ids].clone(), requires_grad=False)
     return part
+
+
+def dense_weight(head: nn.Module) -> torch.Tensor:
+    """The rows of `head` (an nn.Linear or a dynamic int8 Linear) as an fp32 (V, d) matrix."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    if isinstance(head, DynamicLinear):
+        ints, scales, zeros, _ = _unpacked(head)
+        return (ints.float() - zeros[:, None].float()) * scales[:, None].float()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"a shortlisted head needs an nn.Linear or dynamic int8 LM head, got {type(head).__name__}")
+    return head.weight.detach().float()
 
 
 def _unpacked(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:

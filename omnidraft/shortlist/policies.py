@@ -6,9 +6,10 @@
   the requests before it (the user's history, its counts halved at each new request), evicted
   least-frequently-used with the running request's tokens kept first; the buffer's block is
   re-packed when its ids changed, at the next call.
-- `Dyna` (DynaSpec): the head's rows clustered (spherical k-means on the normalised rows), a
-  linear router on the hidden state scores the clusters, and each call evaluates the core plus
-  the top-scoring clusters: more of them at the first draft positions, fewer later.
+- `Dyna` (DynaSpec): the head's rows outside a small core clustered (spherical k-means on the
+  normalised rows), a linear router on the hidden state scores the clusters (build.py: by their
+  centroids), and each call evaluates the core plus the top-scoring clusters: more of them at the
+  first draft positions, fewer later.
 """
 
 from __future__ import annotations
