@@ -43,8 +43,7 @@ def dense_weight(head: nn.Module) -> torch.Tensor:
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     if isinstance(head, DynamicLinear):
-        ints, scales, zeros, _ = _unpacked(head)
-        return (ints.float() - zeros[:, None].float()) * scales[:, None].float()
+        return head.weight().dequantize().float()
     if not isinstance(head, nn.Linear):
         raise TypeError(f"a shortlisted head needs an nn.Linear or dynamic int8 LM head, got {type(head).__name__}")
     return head.weight.detach().float()
