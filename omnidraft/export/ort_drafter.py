@@ -249,8 +249,8 @@ class OrtDrafter:
 
     def use_shortlist(self, kind: str | None, **options: Any) -> None:
         """As `Drafter.use_shortlist`, for a graph exported with its head outside (`omnidraft
-        export --head outside`: every policy) or gathered (`--head gather`: static and EvoSpec, whose support is known before the
-        call). None or "full": the whole head."""
+        export --head outside`: every policy) or gathered (`--head gather`: static and EvoSpec,
+        whose support is known before the call). None or "full": the whole head."""
         from ..shortlist.build import shortlist
         from ..shortlist.head import ShortlistHead
 
