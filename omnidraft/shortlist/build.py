@@ -172,7 +172,8 @@ def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 1024
     if kind == "evo":
         return Evo(head, saved["core"], capacity)
     assign = saved["assign"]
-    groups = [torch.nonzero(assign == c).flatten() for c in range(clusters)]
+    rows = torch.nonzero(assign >= 0).flatten()  # one sort, not a pass over the vocabulary per cluster
+    groups = list(rows[assign[rows].argsort(stable=True)].split(torch.bincount(assign[rows], minlength=clusters).tolist()))
     router = nn.Linear(saved["router"]["weight"].shape[1], clusters)
     router.load_state_dict(saved["router"])
     router.requires_grad_(False)
