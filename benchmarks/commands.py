@@ -110,12 +110,12 @@ def bench_drafters(args: argparse.Namespace) -> None:
         loaded = load_model(drafter_spec)
         drafters["pytorch fp32"] = od.Drafter(loaded.model, loaded.tokenizer, loaded.name)
     if "int8" in backends:
-        drafters["pytorch int8"] = od.Drafter.load(drafter_spec)
+        drafters["pytorch int8"] = od.Drafter.load(drafter_spec, backend="torch")  # not its llama.cpp twin
     if "llama.cpp" in backends:
         drafters["llama.cpp"] = od.Drafter.load(drafter_spec, backend="llama.cpp")
     for item in args.shortlist or []:
         kind, _, size = item.partition(":")
-        drafter = od.Drafter.load(drafter_spec)
+        drafter = od.Drafter.load(drafter_spec, backend="torch")
         drafter.use_shortlist(kind, size=int(size or args.shortlist_size), clusters=args.shortlist_clusters,
                               capacity=args.shortlist_buffer, budget=tuple(int(b) for b in args.shortlist_budget.split(",")))
         drafters[f"pytorch int8, {item} head"] = drafter
@@ -139,6 +139,7 @@ def bench_drafters(args: argparse.Namespace) -> None:
     bar = tqdm(desc="bench-drafters", file=sys.stderr)
     result = run_drafters(drafters, target, datasets=args.dataset or [], n=args.n, max_new_tokens=args.max_new_tokens,
                           k=args.k or K_START, stop_confidence=args.stop_confidence, files=files, out=Path(args.out), name=args.name,
+                          drafts=(args.drafts or ["model"])[0],
                           progress=bar.set_postfix_str)
     bar.close()
     print(markdown(result))

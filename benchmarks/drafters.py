@@ -22,11 +22,12 @@ __all__ = ["run_drafters"]
 
 
 def run_drafters(drafters: dict[str, Any], target: Any, *, datasets: list[str], n: int, max_new_tokens: int,
-                 k: int, stop_confidence: float, files: dict[str, Path], out: Path, name: str,
+                 k: int, stop_confidence: float, files: dict[str, Path], out: Path, name: str, drafts: str = "model",
                  progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Cost per token and end-to-end rows per drafter; writes `name`.json/.md under `out`."""
+    """Cost per token and end-to-end rows per drafter; writes `name`.json/.md under `out`. `drafts`:
+    the pairings' draft source ("model" by default, so that τ compares the drafters alone)."""
     prompt = " ".join(load_prompts("humaneval", 3))
-    result: dict[str, Any] = {"target": target.name if target is not None else None, "k": k, "stop_confidence": stop_confidence, "costs": [], "runs": []}
+    result: dict[str, Any] = {"target": target.name if target is not None else None, "k": k, "stop_confidence": stop_confidence, "drafts": drafts, "costs": [], "runs": []}
     for label, drafter in drafters.items():
         progress(f"timing {label}")
         ids = drafter.tokenizer(prompt)["input_ids"][:200]
@@ -34,7 +35,10 @@ def run_drafters(drafters: dict[str, Any], target: Any, *, datasets: list[str], 
         result["costs"].append({"drafter": label, "ms_per_token": draft_ms(drafter, ids),
                                 "file_mb": size / 2**20 if size else None})
     for dataset in datasets:
-        pairs = {label: d.pair(target, k=k, stop_confidence=stop_confidence) for label, d in drafters.items()}
+        pairs = {label: d.pair(target, k=k, stop_confidence=stop_confidence, drafts=drafts) for label, d in drafters.items()}
+        for label, pair in pairs.items():  # a row drafts on the backend its label names, never on a twin
+            if pair.drafter is not drafters[label]:
+                raise ValueError(f"row {label!r} would draft on {type(pair.drafter).__name__}, not the drafter timed")
         heads = {label: getattr(d, "head", None) for label, d in drafters.items()}
         for head in heads.values():
             if head is not None:
@@ -50,7 +54,8 @@ def run_drafters(drafters: dict[str, Any], target: Any, *, datasets: list[str], 
 
 
 def markdown(result: dict[str, Any]) -> str:
-    title = (f"# drafting backends for {result['target']} (k={result['k']}, stop {result['stop_confidence']})"
+    title = (f"# drafting backends for {result['target']} (k={result['k']}, stop {result['stop_confidence']}, "
+             f"{result.get('drafts', 'hybrid')} drafts)"
              if result["target"] else "# drafting backends: the drafter alone")
     lines = [title, "",
              "| drafter | ms per drafted token | file MB |", "|---|---|---|"]
