@@ -1,5 +1,5 @@
 """What every drafter backend shares: `Draft` (what one `propose` returns) and the pure functions
-that pick a drafted token (`pick`, `restrict`, `confidence`).
+that pick a drafted token (`pick`, `restrict`, `confidence`, `heal_pick`).
 
 No model and no tokenizer here: the PyTorch drafter (drafter.py), the ONNX Runtime one
 (export/ort_drafter.py) and the pairing loop all import them from this module.
@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Adaptable", "Draft", "NO_DRAFT", "confidence", "pick", "restrict"]
+__all__ = ["Adaptable", "Draft", "NO_DRAFT", "confidence", "heal_pick", "pick", "restrict"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +63,17 @@ def pick(logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None,
         return int(logits.argmax()), None
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator)), probs
+
+
+def heal_pick(logits: torch.Tensor, heal: torch.Tensor, held: int, temperature: float, allowed: torch.Tensor | None,
+              generator: torch.Generator | None) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+    """Token healing's choice at the position of the context's last token `held`, from the logits
+    (Vd,) one position back: (those logits restricted to `heal`, token, probs) when a longer token
+    replaces `held`, None when the drafter keeps it. Also None when `held` has no logit there (-inf:
+    outside a shortlisted or pruned head's support): with nothing to compare, any candidate in the
+    support would win by default, or token 0 when none is (translate/healing.py)."""
+    if not bool(torch.isfinite(logits[held])):
+        return None
+    back = restrict(logits, heal)
+    token, probs = pick(back, temperature, allowed, generator)
+    return None if token == held else (back, token, probs)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from .draft import Draft, confidence, pick, restrict
+from .draft import Draft, confidence, heal_pick, pick
 from .int8 import quantize_int8
 from .models import load_model
 from .presets import PRESETS
@@ -108,13 +108,13 @@ class _TorchDraftSession:
         back: (logits, hidden state, token, probs, healed) of the first drafted token."""
         logits = self.runner.forward(keep=2, hidden=hidden)
         states = self.runner.hidden if hidden else (None, None)
-        back = restrict(logits[0], heal)
-        token, probs = pick(back, temperature, allowed, generator)
-        if token == self.runner.ids[-1]:  # the drafter keeps its last token: draft after it, as usual
+        chosen = heal_pick(logits[0], heal, self.runner.ids[-1], temperature, allowed, generator)
+        if chosen is None:  # the drafter keeps its last token: draft after it, as usual
             token, probs = pick(logits[1], temperature, allowed, generator)
             return logits[1], states[1], token, probs, False
         self.runner.crop(len(self.runner.ids) - 1)  # a longer token replaces it
         self._base -= 1
+        back, token, probs = chosen
         return back, states[0], token, probs, True
 
     def commit(self, keep: int, tail: list[int]) -> None:

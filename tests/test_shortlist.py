@@ -172,3 +172,21 @@ def test_the_centroid_router_finds_the_cluster_of_the_full_heads_argmax(tiny_dra
     hit = (policy.router(x).topk(2, dim=-1).indices == want[:, None]).any(-1).float().mean()
     prior = float((torch.bincount(want, minlength=m).float() / len(want)).topk(2).values.sum())
     assert hit > prior + 0.2  # far better than always naming the two clusters the argmax falls in most
+
+
+def test_healing_keeps_a_context_token_the_support_leaves_out(tiny_drafter):
+    """Healing compares the held token's logit with longer candidates'; outside the support it has none,
+    so the drafter keeps it (before, the first candidate in the support, or token 0, replaced it)."""
+    table = tiny_drafter.token_bytes.table
+    ids = tiny_drafter.codec.encode(b"She has 3 apples and ")
+    held = table[ids[-1]]
+    longer = torch.tensor([bool(d) and d.startswith(held) for d in table])  # held itself and the longer ones
+    outside = torch.tensor([i for i in range(len(table)) if i != ids[-1]])
+    install(tiny_drafter.model, Static(tiny_drafter.model.get_output_embeddings(), outside))
+    try:
+        draft = tiny_drafter.begin(ids).propose(3, stop_confidence=0, heal=longer)
+        assert not draft.healed
+        for i in longer.nonzero().flatten().tolist():  # nothing to compare with, whatever the candidates
+            assert not tiny_drafter.begin(ids).propose(1, stop_confidence=0, heal=longer & (torch.arange(len(table)) != i)).healed
+    finally:
+        tiny_drafter.model.set_output_embeddings(tiny_drafter.model.get_output_embeddings().full)

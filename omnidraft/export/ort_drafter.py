@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..draft import Draft, confidence, pick, restrict
+from ..draft import Draft, confidence, heal_pick, pick
 from ..errors import CorruptFileError, IncompatibleError
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
@@ -150,14 +150,14 @@ class _OrtDraftSession:
         replaces it, else (None, -1, None) with the last token not fed yet."""
         n = len(self.ids) - 1
         self.graph.crop(self.state, min(self.state.length, n - 1))
-        back = restrict(self.owner.full_logits(self.owner.run(self.state, self.ids[self.state.length : n])), heal)
-        token, probs = pick(back, temperature, allowed, generator)
+        chosen = heal_pick(self.owner.full_logits(self.owner.run(self.state, self.ids[self.state.length : n])), heal,
+                           self.ids[-1], temperature, allowed, generator)
         self._logits = None
-        if token == self.ids[-1]:
+        if chosen is None:
             return None, -1, None
         del self.ids[n:]
         self._base -= 1
-        return back, token, probs
+        return chosen
 
     def commit(self, keep: int, tail: list[int]) -> None:
         del self.ids[self._base + keep :]

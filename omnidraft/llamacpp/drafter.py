@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..draft import Draft, confidence, pick, restrict
+from ..draft import Draft, confidence, heal_pick, pick
 from ..models import load_tokenizer
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
@@ -67,14 +67,13 @@ class _LlamaDraftSession:
         """Token healing (see the PyTorch drafter's session), from one call that returns the rows
         one position back and at the end."""
         both = self._row(2)
-        back = restrict(both[0], heal)
-        token, probs = pick(back, temperature, allowed, generator)
-        if token == self.ids[-1]:
+        chosen = heal_pick(both[0], heal, self.ids[-1], temperature, allowed, generator)
+        if chosen is None:
             token, probs = pick(both[1], temperature, allowed, generator)
             return both[1], token, probs, False
         del self.ids[-1]  # a longer token replaces it
         self._base -= 1
-        return back, token, probs, True
+        return (*chosen, True)
 
     def commit(self, keep: int, tail: list[int]) -> None:
         """Keep the first `keep` drafted tokens, then append `tail` (fed at the next propose)."""
