@@ -100,13 +100,18 @@ def test_the_evo_buffer_keeps_the_users_history_behind_the_running_request():
     assert evo.counts[50] == 4  # aged: halved once
     evo.observe([62, 63, 64])  # the running request outranks every older token, the newest first
     assert set(evo.counts) == {61, 62, 63, 64}
-    aging = Evo(head, torch.arange(10), capacity=4)
-    aging.begin([70] * 4)
+    aging = Evo(head, torch.arange(10), capacity=2)
+    aging.begin([70] * 4 + [71])
     seen = []
-    for _ in range(3):  # requests that never use 70 again let it go: 4 -> 2 -> 1 -> gone
+    for _ in range(3):  # requests that never use 70 again age it, 4 -> 2 -> 1 -> 0.5 ...
         aging.begin([])
         seen.append(aging.counts.get(70))
-    assert seen == [2, 1, None]
+    assert seen == [2, 1, 0.5] and 71 in aging.counts  # ... and nothing leaves a buffer with room
+    aging.begin([72])
+    aging.observe([73])  # ... until it is full: the least used aged token leaves first
+    assert set(aging.counts) == {72, 73}
+    aging.begin([74])
+    assert set(aging.counts) == {73, 74}
 
 
 def test_a_bad_shortlist_kind_names_the_choices(tiny_drafter):

@@ -55,12 +55,11 @@ class Evo:
         self._dirty = False
 
     def begin(self, ids: list[int]) -> None:
-        """A request: what earlier requests left ages (counts halve; those at 0 leave) and the
-        request's context tokens are recalled ahead of it."""
-        before = set(self.counts)
-        self.counts = Counter({t: c // 2 for t, c in self.counts.items() if c > 1})
+        """A request: what earlier requests left ages (counts halve) and the request's context
+        tokens are recalled ahead of it. Aged tokens leave only when the buffer is full, the least
+        used first: a token each request uses once (a style word, "Let", " total") stays."""
+        self.counts = Counter({t: c / 2 for t, c in self.counts.items()})
         self._request = set()
-        self._dirty |= set(self.counts) != before
         self.observe(ids)
 
     def observe(self, ids: list[int]) -> None:
