@@ -68,8 +68,10 @@ def references(target, prompts):
 
 def test_every_drafts_kind_equals_the_engines_own_greedy_generation(drafter, target, prompts, references):
     """SmolLM2 on llama.cpp drafting for a Qwen GGUF on llama.cpp: model, retrieval and hybrid
-    drafts, and the target decoding alone, all give llama.cpp's own greedy tokens."""
-    for prompt, reference in zip(prompts, references):
+    drafts, and the target decoding alone, all give llama.cpp's own greedy tokens. The 1.5B: the
+    shortest prompt and the longest only (the suite's time; the 0.5B runs all four)."""
+    cases = list(zip(prompts, references))
+    for prompt, reference in cases[::3] if "1.5b" in target.name else cases:
         alone = list(target.begin(target.tokenizer(prompt)["input_ids"]).decode(TOKENS))
         assert alone == reference
         for drafts in ("model", "retrieval", "hybrid"):  # (objective "compute": every request speculates)
