@@ -119,8 +119,8 @@ def run_remote(drafter: Any, target: Any, prompts: list[str], max_new_tokens: in
                     before, started = client.sent, time.perf_counter()
                     out = pair.generate(prompt, max_new_tokens=max_new_tokens)
                     _add(stats[name], time.perf_counter() - started, len(out.token_ids), len(out.rounds), client.sent - before,
-                         out.token_ids == reference, any(r.drafted for r in out.rounds))
-                    if trace is not None and any(r.drafted for r in out.rounds):
+                         out.token_ids == reference, any(r.proposed for r in out.rounds))  # model or retrieved drafts
+                    if trace is not None and any(r.proposed for r in out.rounds):
                         trace(rtt, i, out)
             alone_s = stats[ROWS[0]]["seconds"]
             for name, st in stats.items():
