@@ -11,12 +11,15 @@ logits equal the full head's (tests/test_shortlist.py states the difference).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 __all__ = ["Block", "Policy", "ShortlistHead", "dense_weight", "sub_linear"]
+
+SIZES_KEPT = 1 << 16  # support sizes a head remembers: bounded, a long-running app's head does not grow
 
 
 def sub_linear(head: nn.Module, ids: torch.Tensor) -> nn.Module:
@@ -92,7 +95,7 @@ class ShortlistHead(nn.Module):
         super().__init__()
         self.full = head
         self.vocab_size, self.policy, self.step = vocab_size, policy, 0
-        self.support_sizes: list[int] = []  # per call, for benchmarks
+        self.support_sizes: deque[int] = deque(maxlen=SIZES_KEPT)  # the latest calls', for benchmarks
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.requires_grad:  # a training forward reads the whole head
