@@ -22,18 +22,27 @@ __all__ = ["Block", "Policy", "ShortlistHead", "dense_weight", "sub_linear"]
 SIZES_KEPT = 1 << 16  # support sizes a head remembers: bounded, a long-running app's head does not grow
 
 
+def _int8(head: nn.Module) -> bool:
+    """Whether `head` is a dynamic int8 Linear (False: an nn.Linear); TypeError for anything else."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    if isinstance(head, DynamicLinear):
+        return True
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"a shortlisted head needs an nn.Linear or dynamic int8 LM head, got {type(head).__name__}")
+    return False
+
+
 def sub_linear(head: nn.Module, ids: torch.Tensor) -> nn.Module:
     """A linear layer computing rows `ids` of `head` (an nn.Linear or a dynamic int8 Linear)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
-    if isinstance(head, DynamicLinear):  # the same int8 values and per-row scales, re-packed: no re-quantization
+    if _int8(head):  # the same int8 values and per-row scales, re-packed: no re-quantization
         ints, scales, zeros, bias = _unpacked(head)
         rows = torch._make_per_channel_quantized_tensor(ints[ids], scales[ids], zeros[ids], 0)
         part = DynamicLinear(ints.shape[1], len(ids), dtype=torch.qint8)
         part.set_weight_bias(rows, None if bias is None else bias[ids].clone())
         return part
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"a shortlisted head needs an nn.Linear or dynamic int8 LM head, got {type(head).__name__}")
     part = nn.Linear(head.in_features, len(ids), bias=head.bias is not None)
     part.weight = nn.Parameter(head.weight.detach()[ids].clone(), requires_grad=False)
     if head.bias is not None:
@@ -43,13 +52,7 @@ def sub_linear(head: nn.Module, ids: torch.Tensor) -> nn.Module:
 
 def dense_weight(head: nn.Module) -> torch.Tensor:
     """The rows of `head` (an nn.Linear or a dynamic int8 Linear) as an fp32 (V, d) matrix."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-    if isinstance(head, DynamicLinear):
-        return head.weight().dequantize().float()
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"a shortlisted head needs an nn.Linear or dynamic int8 LM head, got {type(head).__name__}")
-    return head.weight.detach().float()
+    return head.weight().dequantize().float() if _int8(head) else head.weight.detach().float()
 
 
 def _unpacked(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
