@@ -5,6 +5,7 @@ over 400 lines."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,18 @@ def test_importing_the_sdk_loads_no_lab_server_or_plotting_module():
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('benchmarks', 'fastapi', 'uvicorn', 'matplotlib')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_readme_is_a_user_guide():
+    """At most 200 lines, the two set-up commands first, install, the own-model quickstart and the
+    cloud set-up within the first 100 lines, and every page it links exists."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert len(lines) <= 200
+    commands = [line.split("#")[0].strip() for line in lines[:8] if line.startswith("make ")]
+    assert commands == ["make demo", "make test"]
+    head = "\n".join(lines[:100])
+    for needle in ("## Install", "Your own models", "## Remote and cloud targets", "od.RemoteTarget("):
+        assert needle in head, needle
+    for link in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#[\w-]*)?\)", text):
+        assert (ROOT / link).is_file(), link
