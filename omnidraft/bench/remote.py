@@ -118,9 +118,10 @@ def run_remote(drafter: Any, target: Any, prompts: list[str], max_new_tokens: in
                     progress(f"rtt {rtt * 1000:.0f} ms, prompt {i}: {name}")
                     before, started = client.sent, time.perf_counter()
                     out = pair.generate(prompt, max_new_tokens=max_new_tokens)
+                    speculated = any(r.proposed for r in out.rounds)  # model or retrieved drafts
                     _add(stats[name], time.perf_counter() - started, len(out.token_ids), len(out.rounds), client.sent - before,
-                         out.token_ids == reference, any(r.proposed for r in out.rounds))  # model or retrieved drafts
-                    if trace is not None and any(r.proposed for r in out.rounds):
+                         out.token_ids == reference, speculated)
+                    if trace is not None and speculated:
                         trace(rtt, i, out)
             alone_s = stats[ROWS[0]]["seconds"]
             for name, st in stats.items():
