@@ -14,6 +14,7 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 import torch
 
 from . import verify as V
+from .attention import use_grouped_attention
 from .kernels import use_kernels
 from .models import load_model
 from .runner import CausalRunner
@@ -187,12 +188,15 @@ class LocalTarget:
         """Load a target by preset name, .gguf path, local dir or HF id.
 
         `kernels` (default): every linear layer runs the kernel measured fastest on this machine
-        for each row count (kernels.py), in target-alone decoding and in verification alike. The
-        weights are untouched; False keeps stock `F.linear` everywhere.
+        for each row count (kernels.py), in target-alone decoding and in verification alike, and
+        a verify's attention reads the cached keys and values without repeating them per query
+        head where that measured faster (attention.py; the same numbers). The weights are
+        untouched; False keeps transformers' stock layers everywhere.
         """
         loaded = load_model(spec)
         if kernels:
             use_kernels(loaded.model)
+            use_grouped_attention(loaded.model)
         return cls(loaded.model, loaded.tokenizer, loaded.name)
 
     def begin(self, prompt_ids: list[int]) -> _LocalSession:

@@ -131,3 +131,32 @@ def test_doctor_names_each_llama_cpp_drafters_weights_from_the_memo(tmp_path, mo
     lines = [line for line in doctor.report() if line.startswith("llama.cpp drafter")]
     assert any("small.Q4_1.gguf: runs Q8_0 copy" in line and "shipped 2.97 / 9.1, Q8_0 1.36 / 8.2" in line for line in lines)
     assert any("broken.gguf: unreadable timing" in line for line in lines)
+
+
+@pytest.mark.parametrize("grouped_faster", [True, False])
+def test_grouped_attention_verifies_with_the_same_logits(tmp_path, monkeypatch, grouped_faster):
+    """A verify's attention on the cache's own key/value heads (attention.py) gives transformers'
+    numbers bit for bit, after a crop too; where it timed slower the model is left stock."""
+    from omnidraft import attention as A
+    from omnidraft.runner import CausalRunner
+
+    monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(A, "_time_attention", lambda *a, **k: {"repeated": 1.0, "grouped": 0.5 if grouped_faster else 2.0})
+    model = tiny_llama(300, seed=4, logit_scale=30.0)
+    ids = torch.randint(1, 300, (90,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def verifies() -> list[torch.Tensor]:
+        runner, out = CausalRunner(model, ids[:60]), []
+        runner.forward(1)
+        for start in range(60, 90, 5):
+            runner.extend(ids[start : start + 5])
+            out.append(runner.forward(5).clone())
+            runner.crop(start + 3)  # two of five rejected
+            runner.extend(ids[start + 3 : start + 5])
+        return out
+
+    stock = verifies()
+    assert A.use_grouped_attention(model) is grouped_faster
+    assert model.config._attn_implementation == (A.NAME if grouped_faster else "sdpa")
+    assert all(torch.equal(a, b) for a, b in zip(verifies(), stock))
+    assert json.loads(next((tmp_path / "kernels").glob("attention-*.json")).read_text())  # remembered per machine
