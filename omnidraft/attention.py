@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .kernels import remembered
 
-__all__ = ["NAME", "use_grouped_attention"]
+__all__ = ["NAME", "attention_choice", "use_grouped_attention"]
 
 NAME = "omnidraft_sdpa"
 
@@ -81,20 +81,35 @@ def _time_attention(heads: int, kv_heads: int, dim: int, *, context: int = 1024,
     return out
 
 
+def _timings(model: Any) -> dict[str, float] | None:
+    """The two forms' ms for `model`'s head shape (timed once per machine), or None where there is
+    nothing to choose: another attention implementation, or no grouped heads."""
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", NAME) or not heads or kv_heads == heads:
+        return None
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return remembered("attention", f"{heads}x{kv_heads}x{dim}|v1", lambda: _time_attention(heads, kv_heads, dim))
+
+
 def use_grouped_attention(model: Any) -> bool:
     """Run `model`'s SDPA attention as above where that timed faster here; True when it now does.
     A model on another attention implementation (eager, flash), or without grouped heads, is left
     as it is."""
-    config = model.config
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", NAME):
-        return False
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if kv_heads == heads:
-        return False
-    ms = remembered("attention", f"{heads}x{kv_heads}x{dim}|v1", lambda: _time_attention(heads, kv_heads, dim))
-    if ms["grouped"] > ms["repeated"]:
+    ms = _timings(model)
+    if ms is None or ms["grouped"] > ms["repeated"]:
         return False
     _register()
     model.set_attn_implementation(NAME)
     return True
+
+
+def attention_choice(model: Any) -> str:
+    """One line for `omnidraft doctor`: which form a verify's attention takes for `model`, and why."""
+    ms = _timings(model)
+    if ms is None:
+        return f"attention {getattr(model.config, '_attn_implementation', '?')} as transformers runs it (nothing to choose)"
+    pick = "grouped (the cache's own key/value heads)" if ms["grouped"] <= ms["repeated"] else "repeated per query head"
+    return (f"a verify's attention {pick}: grouped {ms['grouped']:.2f} ms, repeated {ms['repeated']:.2f} ms "
+            "(4 tokens after 1,024, one layer)")

@@ -62,10 +62,13 @@ def report(targets: list[str] = ()) -> list[str]:
     lines += [f"preset {name}: {_preset_state(name)}" for name in sorted(presets.PRESETS)]
     lines += _drafter_weights()
     for spec in targets:
+        from .attention import attention_choice
         from .models import load_model
         from .kernels import use_kernels
 
-        plan = use_kernels(load_model(spec).model)
+        model = load_model(spec).model
+        lines.append(f"{spec}: {attention_choice(model)}")
+        plan = use_kernels(model)
         if plan is None:
             lines.append(f"{spec}: stock kernels (no oneDNN)")
             continue

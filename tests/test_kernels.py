@@ -158,5 +158,6 @@ def test_grouped_attention_verifies_with_the_same_logits(tmp_path, monkeypatch, 
     stock = verifies()
     assert A.use_grouped_attention(model) is grouped_faster
     assert model.config._attn_implementation == (A.NAME if grouped_faster else "sdpa")
+    assert ("attention grouped" in A.attention_choice(model)) is grouped_faster  # what `omnidraft doctor` says
     assert all(torch.equal(a, b) for a, b in zip(verifies(), stock))
     assert json.loads(next((tmp_path / "kernels").glob("attention-*.json")).read_text())  # remembered per machine
