@@ -14,14 +14,12 @@ much: docs/kernels.md.
 
 from __future__ import annotations
 
-import time
-from statistics import median
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .kernels import remembered
+from .kernels import median_ms, remembered
 
 __all__ = ["NAME", "attention_choice", "use_grouped_attention"]
 
@@ -62,23 +60,13 @@ def _time_attention(heads: int, kv_heads: int, dim: int, *, context: int = 1024,
     mask = torch.ones(rows, context + rows, dtype=torch.bool).tril(context)[None, None]
     n = heads // kv_heads
 
-    def repeated() -> Any:
+    def repeated(_: int) -> Any:
         return F.scaled_dot_product_attention(q, k.repeat_interleave(n, 1), v.repeat_interleave(n, 1), attn_mask=mask)
 
-    def grouped() -> Any:
+    def grouped(_: int) -> Any:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    out = {}
-    for name, fn in (("repeated", repeated), ("grouped", grouped)):
-        fn()
-        passes = []
-        for _ in range(3):
-            started = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            passes.append((time.perf_counter() - started) / reps)
-        out[name] = 1000 * median(passes)
-    return out
+    return {"repeated": median_ms(repeated, range(reps), 3), "grouped": median_ms(grouped, range(reps), 3)}
 
 
 def _timings(model: Any) -> dict[str, float] | None:

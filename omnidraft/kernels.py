@@ -31,8 +31,8 @@ from torch import nn
 
 from .atomic import atomic_write_bytes
 
-__all__ = ["BUCKETS", "PATHS", "KernelLinear", "KernelPlan", "host_key", "kernel_plan", "remembered", "stock_kernels",
-           "use_kernels"]
+__all__ = ["BUCKETS", "PATHS", "KernelLinear", "KernelPlan", "host_key", "kernel_plan", "median_ms", "remembered",
+           "stock_kernels", "use_kernels"]
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,9 @@ def host_key() -> str:
 COLD_BYTES = 256 << 20  # weights rotated through per timing: more than a CPU's last-level cache
 
 
-def _median_ms(fn: Any, weights: list[torch.Tensor], reps: int) -> float:
-    """Median over `reps` passes of the mean ms of `fn(w)` over `weights`, after one warm pass."""
+def median_ms(fn: Any, weights: Any, reps: int) -> float:
+    """Median over `reps` passes of the mean ms of `fn(w)` over `weights` (a sequence of inputs), after
+    one warm pass."""
     for w in weights:
         fn(w)
     times = []
@@ -141,8 +142,8 @@ def _time_shape(linear: nn.Linear, reps: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {p: [] for p in PATHS}
     for rows in BUCKETS:
         x = torch.randn(rows, linear.in_features)
-        out["dense"].append(_median_ms(lambda w: nn.functional.linear(x, w, b), weights, reps))
-        out["onednn"].append(_median_ms(lambda w: _onednn(x, w, b), weights, reps))
+        out["dense"].append(median_ms(lambda w: nn.functional.linear(x, w, b), weights, reps))
+        out["onednn"].append(median_ms(lambda w: _onednn(x, w, b), weights, reps))
     return out
 
 
