@@ -160,3 +160,21 @@ def test_server_rounds_time_a_round_and_the_targets_own_step_per_context(tiny_ta
     rows = round_times(tiny_target, [20, 60], rounds=3)
     assert [r["context"] for r in rows] == [20, 60]
     assert all(r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["step_ms"] > 0 for r in rows)
+
+
+def test_the_hybrid_is_paired_against_model_drafts_and_the_fastest_other_row():
+    from omnidraft.bench.sources import RELAXED_ROW, hybrid_against, markdown
+
+    def row(variant, seconds, **extra):
+        return {"variant": variant, "prompt_s": seconds, "tok_s": 2 / sum(seconds), "speedup": 1.0, "tau": 1.0,
+                "identical": 2, "prompts": 2, **extra}
+
+    rows = [row("omnidraft model", [2.0, 2.0]), row("omnidraft retrieval", [1.1, 1.1]), row("omnidraft hybrid", [1.0, 1.2]),
+            row("lookup", [1.05, 1.0], label="HF prompt lookup (10)"), row(RELAXED_ROW, [0.1, 0.1])]
+    paired = hybrid_against(rows)
+    assert paired["best_other"] == "HF prompt lookup (10)"  # the fastest lossless rival; the lossy row is none
+    assert paired["hybrid_vs_best"]["ratio"] == pytest.approx((1.05 / 1.0 * 1.0 / 1.2) ** 0.5)
+    assert paired["hybrid_vs_model"]["ratio"] == pytest.approx((2.0 / 1.0 * 2.0 / 1.2) ** 0.5)
+    assert hybrid_against([r for r in rows if r["variant"] != "omnidraft hybrid"]) == {}
+    text = markdown({"datasets": {"rag": {"target_tok_s": 1.0, "rows": rows, **paired}}})
+    assert "hybrid vs the fastest other row (HF prompt lookup (10)), paired: 0.935×" in text
