@@ -129,9 +129,13 @@ class _LocalSession:
         the argmax, top r), see verify.relaxed."""
         base, m = len(self.runner.ids), int(proposal.shape[0])
         self.runner.extend(proposal.tolist())
-        logits = self.runner.forward(keep=m + 1)
+        try:
+            logits = self.runner.forward(keep=m + 1)
+            verdict = judge(logits, proposal, rule, q, generator, base, topk=topk, relax=relax)
+        except BaseException:  # all or nothing: a failed verify leaves the session as it was
+            self.runner.crop(base)
+            raise
         self.forwards += 1
-        verdict = judge(logits, proposal, rule, q, generator, base, topk=topk, relax=relax)
         self.runner.crop(base + verdict.accepted)
         self.runner.extend([verdict.token])
         return verdict

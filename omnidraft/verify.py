@@ -42,7 +42,8 @@ def probabilities(logits: torch.Tensor, temperature: float, *, top_k: int = 0, t
                   min_p: float = 0.0) -> torch.Tensor:
     """Softmax of `logits` (..., V) at `temperature` > 0, in float32, then (when set) restricted
     to tokens with at least `min_p` times the top probability, to the `top_k` most probable, and
-    to the smallest most-probable set holding `top_p` of the mass, and renormalised."""
+    to the smallest most-probable set holding `top_p` of the mass (never less than the most
+    probable token), and renormalised."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:
         return probs
@@ -54,7 +55,9 @@ def probabilities(logits: torch.Tensor, temperature: float, *, top_k: int = 0, t
     if top_p < 1.0:
         ordered, order = probs.sort(dim=-1, descending=True)
         before = ordered.cumsum(-1) - ordered  # mass of the more probable tokens
-        keep &= torch.zeros_like(keep).scatter(-1, order, before < top_p)
+        nucleus = before < top_p
+        nucleus[..., 0] = True  # the most probable token stays, however small top_p is
+        keep &= torch.zeros_like(keep).scatter(-1, order, nucleus)
     probs = probs * keep
     return probs / probs.sum(dim=-1, keepdim=True)
 

@@ -240,3 +240,63 @@ def test_a_slow_body_times_out_and_a_client_gone_mid_body_is_not_a_crash(tiny_ta
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     finally:
         stop()
+
+
+# Defect 1 of the reliability issue: bodies that reached a 500 *after* the session had taken the
+# draft token, so the retry was stale and the session went on from a token the target never chose.
+ALL_OR_NOTHING = [
+    {"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [], "probs": []}]},
+    {"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5, 5], "probs": [0.5, 0.0]}]},
+    {"mode": "match", "temperature": 1.0, "proposal": [5], "top_p": 1e-300},
+    {"mode": "exact", "temperature": 1.0, "proposal": [5], "top_p": 1e-300, "q": [{"ids": [5], "probs": [1.0]}]},
+]
+
+
+@pytest.mark.parametrize("body", ALL_OR_NOTHING)
+def test_a_failed_or_refused_verify_leaves_the_session_as_it_was(client, tiny_target, body):
+    """Each body gets a 4xx or a 200, never a 500; after a refusal the session has its tokens of
+    before, and the same session then yields the target's own greedy continuation."""
+    sid, ids = _open(client, tiny_target)
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "seed": 1, **body}, headers=AUTH)
+    assert r.status_code in (200, 422), r.text
+    committed = r.json()["committed"] if r.status_code == 200 else len(ids)
+    session = client.app.state.service.sessions[sid].inner
+    assert len(session.ids) == committed
+    if r.status_code == 200:
+        return
+    out = [client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + i, "proposal": []},
+                       headers=AUTH).json()["token"] for i in range(4)]
+    assert out == target_greedy(tiny_target, PROMPT, 4)
+
+
+def test_an_exception_after_the_forward_leaves_the_session_and_a_retry_works(client, tiny_target, monkeypatch):
+    """A failure injected after the target's forward (in the acceptance rule) is a 500 that
+    mutates nothing: the session keeps its tokens and the client's retry is applied, once."""
+    from omnidraft import target as target_module
+
+    sid, ids = _open(client, tiny_target)
+    want = target_greedy(tiny_target, PROMPT, 3)
+    real, calls = target_module.judge, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure after the forward")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target_module, "judge", failing)
+    body = {"committed": len(ids), "proposal": [want[0], want[1]]}
+    assert client.post(f"/v1/sessions/{sid}/verify", json=body, headers=AUTH).status_code == 500
+    assert client.app.state.service.sessions[sid].inner.ids == ids
+    r = client.post(f"/v1/sessions/{sid}/verify", json=body, headers=AUTH)
+    assert r.status_code == 200 and r.json()["accepted"] == 2 and r.json()["token"] == want[2]
+    assert client.app.state.service.sessions[sid].inner.ids == ids + want
+
+
+def test_a_tiny_top_p_keeps_the_most_probable_token():
+    """top_p below the top token's probability keeps that one token (as HF's min_tokens_to_keep)."""
+    from omnidraft.verify import probabilities
+
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
+    for top_p in (1e-300, 1e-9, 0.01):
+        assert torch.equal(probabilities(logits, 1.0, top_p=top_p), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]))

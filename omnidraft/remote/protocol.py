@@ -70,10 +70,14 @@ class SparseRow(_Message):
     def _same_length(self) -> SparseRow:
         if len(self.ids) != len(self.probs):
             raise ValueError(f"a sparse row needs as many probs as ids, got {len(self.ids)} and {len(self.probs)}")
+        if not self.ids:
+            raise ValueError("a draft row needs at least one id with its probability (the row is empty)")
+        if len(set(self.ids)) != len(self.ids):
+            raise ValueError("a draft row's ids must be distinct (an id is repeated)")
         bad = [p for p in self.probs if not (math.isfinite(p) and 0.0 <= p <= 1.0)]
         if bad:
             raise ValueError(f"probabilities must be finite and in [0, 1], got {bad[:3]}")
-        if self.probs and not math.fsum(self.probs) > 0:
+        if not math.fsum(self.probs) > 0:
             raise ValueError("a draft row needs some probability mass (all its probs are 0)")
         return self
 
