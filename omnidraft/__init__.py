@@ -29,6 +29,7 @@ __all__ = [
     "RetrievalConfig",
     "Rule",
     "TrainConfig",
+    "VLLMTarget",
     "load_model",
     "pair",
 ]
@@ -51,6 +52,7 @@ _WHERE = {
     "RetrievalConfig": "retrieve",
     "Rule": "target",
     "TrainConfig": "distill.trainer",
+    "VLLMTarget": "targets.vllm_target",
     "load_model": "models",
     "pair": "pairing",
 }

@@ -4,6 +4,7 @@ experiments are `python -m benchmarks` (benchmarks/)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,15 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--max-sessions", type=int, default=64)
     v.add_argument("--max-sessions-per-key", type=int, default=None,
                    help="sessions one API key may hold (the key file may list several keys, one per line)")
-    v.add_argument("--backend", choices=["torch", "llama.cpp"], default="torch",
-                   help="run the target on PyTorch (fp32) or on llama.cpp (the preset's or .gguf file's own weights)")
+    v.add_argument("--engine", "--backend", dest="engine", choices=["torch", "llama.cpp", "vllm"], default="torch",
+                   help="run the target on PyTorch (fp32), on llama.cpp (the preset's or .gguf file's own weights) or "
+                        "on vLLM (sessions batched by its scheduler; pip install 'omnidraft[vllm]')")
+    v.add_argument("--dtype", default=None, help="vllm: the weights' dtype (float32, bfloat16, ...)")
+    v.add_argument("--max-model-len", type=int, default=None, help="vllm: the longest session, in tokens")
+    v.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs a model is split over")
+    v.add_argument("--pipeline-parallel-size", type=int, default=None, help="vllm: pipeline stages (nodes)")
+    v.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="vllm: any other engine argument (JSON value or string), e.g. enforce_eager=true; repeatable")
     v.add_argument("--slots", type=int, default=4,
                    help="llama.cpp: sessions whose KV caches are kept side by side (each up to --n-ctx tokens)")
     v.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp: the longest session, in tokens")
@@ -190,9 +198,30 @@ def _serve(args: argparse.Namespace) -> None:
         key = keys[0] if len(keys) == 1 else keys
     config = ServerConfig(api_key=key, max_sessions=args.max_sessions, ttl_s=args.ttl,
                           max_sessions_per_key=args.max_sessions_per_key)
-    target = (od.LlamaCppTarget(args.target, slots=args.slots, n_ctx=args.n_ctx) if args.backend == "llama.cpp"
-              else od.LocalTarget.load(args.target))
+    if args.engine == "vllm":
+        target = od.VLLMTarget.load(args.target, **engine_args(args))
+    elif args.engine == "llama.cpp":
+        target = od.LlamaCppTarget(args.target, slots=args.slots, n_ctx=args.n_ctx)
+    else:
+        target = od.LocalTarget.load(args.target)
     uvicorn.run(create_app(target, config), host=args.host, port=args.port, log_level="warning")
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM engine arguments from serve's flags: the named ones, then each --engine-arg KEY=VALUE
+    (VALUE parsed as JSON where it is JSON, else kept as a string)."""
+    named = {"dtype": args.dtype, "max_model_len": args.max_model_len,
+             "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
+    out = {k: v for k, v in named.items() if v is not None}
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-arg takes KEY=VALUE, got {item!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except ValueError:
+            out[key.replace("-", "_")] = value
+    return out
 
 
 def _doctor(args: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ import torch
 from . import presets
 from .atomic import atomic_path
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer"]
+__all__ = ["LoadedModel", "hf_directory", "load_model", "load_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,18 @@ def load_tokenizer(spec: str) -> Any:
             return AutoTokenizer.from_pretrained(str(converted))
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return AutoTokenizer.from_pretrained(spec)
+
+
+def hf_directory(spec: str) -> str:
+    """A directory or HF id another engine (vLLM) can load `spec` from: a preset or .gguf file
+    becomes its converted safetensors directory (converted once, as `load_model` does)."""
+    if spec in presets.PRESETS or spec.endswith(".gguf"):
+        path = presets.gguf_path(spec) if spec in presets.PRESETS else Path(spec).expanduser()
+        converted = _converted_dir(path, spec if spec in presets.PRESETS else path.stem)
+        if not (converted / "config.json").exists():
+            load_model(spec)
+        return str(converted)
+    return spec
 
 
 def _converted_dir(path: Path, name: str) -> Path:

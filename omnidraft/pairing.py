@@ -288,8 +288,12 @@ class Pairing:
                     self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
             model, free = self.plan.at(self.target, len(tsession.ids))  # what can pay at this context
             defer = model and k > 0 and rent.defer(self.policy.last_rates if self.policy else {}, produced)
+            cap = getattr(tsession, "budget", None)  # a server under load takes fewer draft tokens (remote/budget.py)
+            room, ask = max_new_tokens - produced - 1, k if model and not defer else 0
+            if cap is not None:
+                room, ask = min(room, cap), min(ask, cap)
             draft, proposal, used, q, t1 = self.propose_round(tsession, dsession, rule, index if free else None,
-                                                         k if model and not defer else 0, stopper, last, max_new_tokens - produced - 1, generator)
+                                                              ask, stopper, last, room, generator)
             t2 = time.perf_counter()
             context = len(tsession.ids)
             verdict = tsession.verify(proposal.ids, rule, q, generator, topk=topk, **relaxation(self.config, rule, proposal))

@@ -120,6 +120,7 @@ class _RemoteSession:
         self.owner, self.ids = owner, ids
         self.sid: str | None = None  # the server's session, opened by the first verify
         self.forwards = 0
+        self.budget: int | None = None  # the most draft tokens the server takes next round (its last reply)
 
     def _open(self) -> str:
         if self.sid is None:
@@ -139,6 +140,7 @@ class _RemoteSession:
         reply = VerifyReply.model_validate(self.owner._call("POST", f"/v1/sessions/{self._open()}/verify", request))
         self.ids += ids[: reply.accepted] + [reply.token]
         self.forwards += 1
+        self.budget = reply.budget
         if reply.committed != len(self.ids):
             raise TargetUnavailableError(f"session {self.sid} is out of step: the server has {reply.committed} "
                                          f"committed tokens, this device {len(self.ids)}")
@@ -172,6 +174,9 @@ class _RemoteSession:
                     chunk = GenerateChunk.model_validate_json(line)
                     self.ids += chunk.tokens
                     self.forwards += len(chunk.tokens)
+                    if chunk.committed != len(self.ids):
+                        raise TargetUnavailableError(f"session {self.sid} is out of step: the server has "
+                                                     f"{chunk.committed} committed tokens, this device {len(self.ids)}")
                     yield from chunk.tokens
                     if chunk.done:
                         return

@@ -16,6 +16,7 @@ class Metrics:
     opened: int = 0
     rounds: int = 0
     accepted: int = 0
+    proposed: int = 0
     rejected_requests: int = 0
     latency: list[int] = field(default_factory=lambda: [0] * (len(_BUCKETS) + 1))
     latency_sum: float = 0.0

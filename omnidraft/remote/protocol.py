@@ -106,6 +106,7 @@ class VerifyReply(_Message):
     committed: int  # the committed length after this round
     accepted: int
     token: int
+    budget: int | None = None  # the most draft tokens the server takes next round (None: no limit; 0: none)
     topk_ids: list[list[int]] | None = None
     topk_logp: list[list[float]] | None = None
 

@@ -30,7 +30,8 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,13 +43,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from ..target import Rule
+from .budget import draft_budget
 from .metrics import Metrics
-from .protocol import (MAX_PROMPT, VERSION, GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest,
+from .protocol import (MAX_PROMPT, MAX_PROPOSAL, VERSION, GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest,
                        PromptGenerateRequest, VerifyReply, VerifyRequest)
 
 __all__ = ["ServerConfig", "create_app"]
 
 log = logging.getLogger(__name__)
+
+ACTIVE_S = 1.0  # a session that verified within this many seconds counts in the load a draft budget serves
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
@@ -79,6 +83,8 @@ class _Session:
     used: float
     key: int = 0  # which API key opened it: only that key may use it
     last: tuple[VerifyRequest, VerifyReply] | None = None  # the request applied last and its reply
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one request of this session at a time
+    streaming: bool = False  # a generate stream is running: other requests are refused until it ends
 
 
 class _HTTPError(Exception):
@@ -95,8 +101,14 @@ class _Service:
         self.vocab = len(target.token_bytes)
         self.sessions: dict[str, _Session] = {}
         self.metrics = Metrics()
-        self.table_lock, self.model_lock = threading.Lock(), threading.Lock()
+        self.table_lock = threading.Lock()
+        # one model forward at a time on an engine that runs one (PyTorch, llama.cpp); an engine that
+        # batches sessions (vLLM) schedules concurrent requests itself, so only a session's own lock holds
+        self.batches = bool(getattr(target, "batches_sessions", False))
+        self.model_lock: Any = contextlib.nullcontext() if self.batches else threading.Lock()
         self.inflight = 0  # tokens of /v1/completions and /v1/generate requests being served (counted in the KV budget)
+        costs = getattr(target, "verify_costs", None) if self.batches else None
+        self.costs: dict[int, float] | None = costs() if costs is not None else None
         model = getattr(target, "model", None)  # None: unbounded
         self.context = getattr(target, "context_length", None) or getattr(getattr(model, "config", None),
                                                                             "max_position_embeddings", None)
@@ -133,7 +145,8 @@ class _Service:
         except ValueError as exc:
             raise _HTTPError(422, str(exc)) from exc
         proposal = tuple(request.proposal)
-        with self.model_lock:  # also serializes requests of one session: the committed check below is race-free
+        with session.lock, self.model_lock:  # one request of a session at a time: the committed check is race-free
+            self._check_idle(session)
             committed = len(session.inner.ids)
             if request.committed != committed:
                 if session.last is not None and session.last[0] == request:
@@ -146,11 +159,17 @@ class _Service:
             q = self._dense(request) if rule.mode in ("exact", "omnidraft") and proposal else None
             generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
             started = time.perf_counter()
-            verdict = session.inner.verify(torch.tensor(proposal, dtype=torch.long), rule, q, generator, topk=request.topk)
+            try:
+                verdict = session.inner.verify(torch.tensor(proposal, dtype=torch.long), rule, q, generator,
+                                               topk=request.topk)
+            except ValueError as exc:  # a rule this engine refuses (it names why); the session is unchanged
+                raise _HTTPError(422, str(exc)) from exc
             self.metrics.observe(time.perf_counter() - started)
         self.metrics.rounds += 1
         self.metrics.accepted += verdict.accepted
+        self.metrics.proposed += len(proposal)
         reply = VerifyReply(committed=len(session.inner.ids), accepted=verdict.accepted, token=verdict.token,
+                            budget=self._budget(),
                             topk_ids=verdict.topk[0].tolist() if verdict.topk else None,
                             topk_logp=verdict.topk[1].tolist() if verdict.topk else None)
         session.last, session.used = (request, reply), time.monotonic()
@@ -161,14 +180,16 @@ class _Service:
         NDJSON stream that decodes alone: one token per step, the model lock held per step only,
         so other sessions' verifies interleave."""
         session = self._session(sid, key)
-        with self.model_lock:
+        with session.lock:
+            self._check_idle(session)
             if request.committed != len(session.inner.ids):
                 raise _HTTPError(409, f"stale request: it builds on {request.committed} committed tokens, "
                                       f"the session has {len(session.inner.ids)}")
-        self._check_context(request.committed + request.max_tokens, "the session")
-        with self.table_lock:
-            self._reserve(request.max_tokens)
-        return self._decode(session, request.max_tokens)
+            self._check_context(request.committed + request.max_tokens, "the session")
+            with self.table_lock:
+                self._reserve(request.max_tokens)
+            session.streaming = True
+        return self._stream(session, request.max_tokens)
 
     def generate_alone(self, request: PromptGenerateRequest, key: int = 0) -> Iterator[bytes]:
         """A whole completion decoded alone with no session kept (what a device that will not
@@ -196,25 +217,50 @@ class _Service:
         weakref.finalize(chunks, release)
         return chunks
 
+    def _stream(self, session: _Session, max_tokens: int) -> Iterator[bytes]:
+        """The session's stream; while it runs the session refuses other requests (409)."""
+        try:
+            yield from self._decode(session, max_tokens)
+        finally:
+            session.streaming = False
+
     def _decode(self, session: _Session, max_tokens: int) -> Iterator[bytes]:
+        tokens = self._engine_decode(session, max_tokens) if self.batches else self._stepwise(session, max_tokens)
+        for step, token in enumerate(tokens):
+            self.metrics.rounds += 1
+            session.last, session.used = None, time.monotonic()
+            done = token in self.target.eos_ids or step == max_tokens - 1
+            chunk = GenerateChunk(tokens=[token], committed=len(session.inner.ids), done=done)
+            yield chunk.model_dump_json().encode() + b"\n"
+            if done:
+                return
+
+    def _stepwise(self, session: _Session, max_tokens: int) -> Iterator[int]:
+        """One token a step, the model lock held per step only: other sessions' verifies interleave."""
         empty, rule = torch.zeros(0, dtype=torch.long), Rule()
-        for step in range(max_tokens):
+        for _ in range(max_tokens):
             with self.model_lock:
                 started = time.perf_counter()
                 token = session.inner.verify(empty, rule).token
                 self.metrics.observe(time.perf_counter() - started)
-                committed = len(session.inner.ids)
-            self.metrics.rounds += 1
-            session.last, session.used = None, time.monotonic()
-            done = token in self.target.eos_ids or step == max_tokens - 1
-            yield GenerateChunk(tokens=[token], committed=committed, done=done).model_dump_json().encode() + b"\n"
-            if done:
-                return
+            yield token
+
+    def _engine_decode(self, session: _Session, max_tokens: int) -> Iterator[int]:
+        """The engine's own decoding loop (one request, batched with other sessions' work); closing
+        this iterator (the client went away) aborts the request."""
+        tokens = session.inner.decode(max_tokens)
+        try:
+            yield from tokens
+        finally:
+            tokens.close()
 
     def complete(self, request: Any) -> dict[str, Any]:
         """The OpenAI-compatible /v1/completions (greedy, stateless; see remote/openai.py)."""
         from .openai import complete
 
+        if self.batches:
+            raise _HTTPError(501, "/v1/completions is not served on the vllm engine: use /v1/generate, or "
+                                  "vLLM's own OpenAI server for plain completions")
         budget = min(len(request.prompt), MAX_PROMPT) + request.max_tokens  # a text prompt's characters bound its tokens
         if isinstance(request.prompt, list):
             self._check_context(budget, "the completion")
@@ -237,7 +283,7 @@ class _Service:
     def close(self, sid: str, key: int = 0) -> None:
         self._session(sid, key)  # 404 unless it is there for this key
         with self.table_lock:
-            self.sessions.pop(sid, None)
+            _release(self.sessions.pop(sid, None))
 
     def _session(self, sid: str, key: int = 0) -> _Session:
         with self.table_lock:
@@ -248,10 +294,27 @@ class _Service:
             session.used = time.monotonic()
             return session
 
+    def _budget(self) -> int | None:
+        """The draft tokens each session may send next round at the present load (remote/budget.py),
+        on an engine that batches sessions and reports its verify costs; None (no limit) otherwise."""
+        if self.costs is None:
+            return None
+        now = time.monotonic()
+        with self.table_lock:
+            active = sum(1 for v in self.sessions.values() if now - v.used < ACTIVE_S)
+        m = self.metrics
+        acceptance = m.accepted / m.proposed if m.proposed >= 64 else 0.8
+        return draft_budget(self.costs, acceptance, max(1, active), MAX_PROPOSAL - 1)
+
+    @staticmethod
+    def _check_idle(session: _Session) -> None:
+        if session.streaming:
+            raise _HTTPError(409, "the session is streaming a generate reply; wait for its last chunk")
+
     def _expire(self) -> None:
         now = time.monotonic()
         for sid in [s for s, v in self.sessions.items() if now - v.used > self.config.ttl_s]:
-            del self.sessions[sid]
+            _release(self.sessions.pop(sid))
 
     def _reserve(self, extra: int) -> None:
         held = sum(len(s.inner.ids) for s in self.sessions.values()) + self.inflight
@@ -275,6 +338,12 @@ class _Service:
             self._check_ids(row.ids, "q")
             q[i, torch.tensor(row.ids, dtype=torch.long)] = torch.tensor(row.probs, dtype=torch.float64)
         return (q / q.sum(-1, keepdim=True)).float()  # a distribution, whatever the rows summed to
+
+
+def _release(session: _Session | None) -> None:
+    """Give a dropped session's engine resources back (a llama.cpp slot; nothing on vLLM)."""
+    if session is not None and (close := getattr(session.inner, "close", None)) is not None:
+        close()
 
 
 def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:

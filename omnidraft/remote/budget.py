@@ -1,0 +1,39 @@
+"""How many draft tokens a verification server takes from each session next round, from its load.
+
+On a server whose engine batches sessions, one step verifies every waiting session's tokens; on a
+compute-bound engine each extra token lengthens that step for everyone. The budget is the draft
+length that maximises committed tokens per second over all sessions (goodput, in the spirit of
+SmartSpec, Liu et al. 2024): a step over T tokens costs about b + s T seconds (fitted to the
+target's measured verify costs), N active sessions each verifying k drafted tokens plus the pending
+one commit N E(k) tokens, E(k) = (1 - a^(k+1)) / (1 - a) at acceptance a. Pure arithmetic: no
+server, no model.
+"""
+
+from __future__ import annotations
+
+__all__ = ["draft_budget", "step_cost"]
+
+
+def step_cost(costs: dict[int, float]) -> tuple[float, float]:
+    """(b, s): a step over T tokens costs b + s T seconds, the line through the measured verify
+    costs of one token and of the most tokens measured (`costs`: tokens -> seconds)."""
+    if not costs or min(costs) != 1 or costs[1] <= 0:
+        raise ValueError(f"verify costs need a positive cost for one token, got {costs}")
+    most = max(costs)
+    s = max(0.0, (costs[most] - costs[1]) / (most - 1)) if most > 1 else 0.0
+    return costs[1] - s, s
+
+
+def draft_budget(costs: dict[int, float], acceptance: float, sessions: int, most: int) -> int:
+    """The draft length in [0, `most`] of highest goodput for `sessions` sessions verifying at once,
+    each accepting a drafted token with probability `acceptance`; 0: send no draft."""
+    if most < 0 or sessions < 1:
+        raise ValueError(f"need most >= 0 and sessions >= 1, got {most} and {sessions}")
+    a = min(max(acceptance, 0.0), 0.999)
+    b, s = step_cost(costs)
+
+    def goodput(k: int) -> float:
+        committed = (1 - a ** (k + 1)) / (1 - a)
+        return sessions * committed / (b + s * sessions * (k + 1))
+
+    return max(range(most + 1), key=lambda k: (goodput(k), -k))

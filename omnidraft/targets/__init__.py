@@ -1,0 +1,1 @@
+"""Targets: engines that verify drafts (vLLM here; the torch, llama.cpp and remote targets live beside the code that grew them)."""

@@ -1,0 +1,137 @@
+"""One vLLM engine driven by one thread, shared by every session of a `VLLMTarget`.
+
+vLLM's `LLMEngine` is not thread-safe: requests are added and the engine is stepped here only,
+on the loop's own thread. Callers on any thread `submit` a request and wait on its handle;
+requests submitted while the engine is busy join the next step, so concurrent sessions' verifies
+are batched by vLLM's scheduler (continuous batching), never serialised by a lock of ours.
+This module knows nothing about drafting or acceptance: it moves token ids and vLLM outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+__all__ = ["EngineLoop", "Handle"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Handle:
+    """One submitted request: its outputs arrive on `outputs` (vLLM RequestOutput deltas), then
+    None when it finished, was aborted or the engine failed (`error`)."""
+
+    request_id: str
+    outputs: queue.Queue = field(default_factory=queue.Queue)
+    error: BaseException | None = None
+
+    def stream(self, timeout: float | None = None) -> Iterator[Any]:
+        """Each output as it arrives; raises the engine's error, if it failed."""
+        while (item := self.outputs.get(timeout=timeout)) is not None:
+            yield item
+        if self.error is not None:
+            raise self.error
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The last output of a request (its final one when the request asked for FINAL_ONLY)."""
+        last = None
+        for last in self.stream(timeout):
+            pass
+        if last is None:
+            raise RuntimeError(f"vLLM request {self.request_id} ended without output (aborted)")
+        return last
+
+
+class EngineLoop:
+    """A thread that owns `engine` (a vLLM LLMEngine): adds submitted requests, steps while any
+    is unfinished, routes outputs to their handles, and sleeps while there is nothing to do."""
+
+    def __init__(self, engine: Any, name: str = "vllm-engine") -> None:
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._handles: dict[str, Handle] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: Any, params: Any) -> Handle:
+        """Queue one request (a vLLM prompt dict and SamplingParams); returns its handle at once."""
+        if self._closed:
+            raise RuntimeError("the vLLM engine loop is closed")
+        handle = Handle(f"od-{next(self._ids)}")
+        self._inbox.put(("add", handle, prompt, params))
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        """Stop a request (its client is gone): the engine frees its KV pages; the handle ends."""
+        self._inbox.put(("abort", handle, None, None))
+
+    def close(self) -> None:
+        """Abort whatever runs and stop the thread (the engine object stays the caller's)."""
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(("stop", None, None, None))
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            try:
+                command = self._inbox.get(block=not busy)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if not self._apply(*command):
+                    return
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _apply(self, op: str, handle: Handle | None, prompt: Any, params: Any) -> bool:
+        if op == "stop":
+            self._fail_all(RuntimeError("the vLLM engine loop was closed"))
+            return False
+        assert handle is not None
+        if op == "add":
+            try:
+                self.engine.add_request(handle.request_id, prompt, params)
+            except Exception as exc:  # a bad request: its caller gets the error, the engine goes on
+                handle.error = exc
+                handle.outputs.put(None)
+                return True
+            self._handles[handle.request_id] = handle
+        elif op == "abort" and self._handles.pop(handle.request_id, None) is not None:
+            self.engine.abort_request([handle.request_id])
+            handle.outputs.put(None)
+        return True
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # the engine itself failed: every waiting caller hears of it
+            log.exception("vLLM engine step failed")
+            self._fail_all(exc)
+            return
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is None:
+                continue
+            handle.outputs.put(out)
+            if out.finished:
+                del self._handles[out.request_id]
+                handle.outputs.put(None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for handle in self._handles.values():
+            handle.error = exc
+            handle.outputs.put(None)
+        self._handles.clear()

@@ -1,0 +1,270 @@
+"""`VLLMTarget`: a target served by vLLM's engine in this process, verifying from its prefix cache.
+
+    target = od.VLLMTarget.load("qwen2.5-coder-0.5b", dtype="float32")
+    pair = od.Drafter.load("smollm2-135m").pair(target)
+
+A verify is one engine request: the session's committed ids plus the proposal, `max_tokens=1`.
+The prefix cache serves the context, so only the uncached tail is computed; the request returns
+prompt log-probabilities for the positions it computed and the bonus token's. Positions served
+from the cache carry no valid log-probabilities, so only rows at or past `num_cached_tokens` are
+read (`tail_rows`); when the cache covered a row the verify needs (another request computed the
+same block), the request is repeated without reading the cache. Every session salts its blocks
+(`cache_salt`), so one session never reuses another's pages or learns their timing.
+
+Greedy verification is lossless against vLLM's own greedy decoding with the same engine. `match`
+sampling is lossless too when the target's distribution is known from the top log-probabilities
+vLLM returns: with `top_k` set within the engine's `max_logprobs` and `top_p` = 1. The rejection
+modes need the full distribution and are refused with an error saying so. The engine's sessions
+keep no pages pinned: a request's pages return to the cache's free list when it finishes, so
+closing a session frees nothing more. How this compares with vLLM alone: docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any, Iterator
+
+import torch
+
+from ..target import Rule, judge
+from ..translate.codec import ByteCodec
+from ..translate.token_bytes import build_token_bytes
+from ..verify import Verdict
+from .vllm_engine import EngineLoop
+
+__all__ = ["VLLMTarget", "tail_rows"]
+
+COST_CONTEXT = 200  # tokens of context before the tokens whose verify costs are measured
+DEFAULT_MAX_LOGPROBS = 64  # top log-probabilities a request may ask for (distillation's top-k included)
+
+
+def tail_rows(prompt_len: int, num_cached: int, base: int) -> bool:
+    """Whether a request over `prompt_len` tokens, `num_cached` of them read from the prefix cache,
+    computed the rows a verify reads: the logits after positions base - 1 .. prompt_len - 1."""
+    return base >= 1 and num_cached <= base - 1 < prompt_len
+
+
+def _vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        from ..errors import MissingDependencyError
+
+        raise MissingDependencyError("VLLMTarget needs vLLM: pip install 'omnidraft[vllm]' (the CPU build "
+                                     "matching the torch pin) or vLLM itself on a GPU host") from exc
+    return vllm
+
+
+def engine_defaults(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """Engine arguments with what a verifying target needs (prefix caching, enough log-probabilities)
+    and what vLLM's CPU backend needs (blocks of 32 tokens, an explicit KV-cache size) filled in
+    where the caller left them out."""
+    args = {"enable_prefix_caching": True, "max_logprobs": DEFAULT_MAX_LOGPROBS, "seed": 0, **engine_args}
+    if not args["enable_prefix_caching"]:
+        raise ValueError("VLLMTarget needs enable_prefix_caching=True: a verify reads the context from the cache")
+    if not torch.cuda.is_available():
+        args.setdefault("block_size", 32)  # the CPU attention backend's block size is a multiple of 32
+        if "kv_cache_memory_bytes" not in args and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            args["kv_cache_memory_bytes"] = 2 << 30
+    return args
+
+
+class _VLLMSession:
+    def __init__(self, owner: VLLMTarget, prompt_ids: list[int]) -> None:
+        self.owner, self.ids = owner, list(prompt_ids)
+        self.salt = uuid.uuid4().hex  # this session's own prefix-cache pages
+        self.forwards = 0
+        self.recomputed = 0  # verifies that had to recompute rows the cache had served
+
+    def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, *, topk: int = 0) -> Verdict:
+        """proposal (M,) int64 target ids. All or nothing: the session changes only once the
+        verdict is known."""
+        owner = self.owner
+        owner.check_rule(rule)
+        draft = [int(t) for t in proposal.tolist()]
+        base, m = len(self.ids), len(draft)
+        width = max(1, topk, rule.top_k if rule.mode == "match" else 1)
+        out = owner.request(self.ids + draft, self.salt, max_tokens=1, logprobs=width, prompt_logprobs=m > 0)
+        if m and not tail_rows(len(out.prompt_token_ids), out.num_cached_tokens or 0, base):
+            self.recomputed += 1
+            out = owner.request(self.ids + draft, self.salt, max_tokens=1, logprobs=width, prompt_logprobs=True,
+                                cached=False)
+        dicts = [out.prompt_logprobs[base + i] for i in range(m)] + [out.outputs[0].logprobs[0]]
+        ids, logp = _top(dicts, width)
+        if rule.mode == "greedy":
+            best = ids[:, 0].clone()
+            best[m] = out.outputs[0].token_ids[0]  # vLLM's own greedy choice after the whole proposal
+            ok = (best[:m] == proposal).long().cumprod(0)
+            verdict = Verdict(int(ok.sum()), int(best[int(ok.sum())]))
+        else:  # match, on the distribution the top log-probabilities describe exactly (check_rule)
+            dense = torch.full((m + 1, owner.vocab), float("-inf"))
+            dense.scatter_(1, ids, logp)
+            verdict = judge(dense, proposal, rule, None, generator, base)
+        if topk:
+            n = verdict.accepted + 1
+            verdict = Verdict(verdict.accepted, verdict.token, (ids[:n, :topk], logp[:n, :topk]))
+        self.ids = self.ids + draft[: verdict.accepted] + [verdict.token]
+        self.forwards += 1
+        return verdict
+
+    def decode(self, max_tokens: int) -> Iterator[int]:
+        """Greedy-decode up to `max_tokens` tokens with vLLM alone (stopping after an EOS),
+        committing each as the engine streams it: vLLM's own decoding loop."""
+        handle = self.owner.submit(self.ids, self.salt, max_tokens=max_tokens, stream=True)
+        done = False
+        try:
+            for out in handle.stream():
+                for token in out.outputs[0].token_ids:
+                    self.ids.append(int(token))
+                    self.forwards += 1
+                    yield int(token)
+            done = True
+        finally:
+            if not done:
+                self.owner.loop.abort(handle)  # the caller stopped reading: free the engine's work
+
+    def close(self) -> None:
+        """Nothing is pinned: the session's pages are ordinary cache entries, evicted as needed."""
+
+
+class VLLMTarget:
+    """A vLLM engine in this process, used as a target (see the module docstring).
+
+    `engine`: a vLLM `LLMEngine` (or anything with its add_request / step / abort_request);
+    `tokenizer`: the HF tokenizer of the same vocabulary. Use `load` to build both from a preset,
+    a local directory or an HF id."""
+
+    generates_alone = True
+    in_process = True
+    batches_sessions = True  # concurrent sessions' requests share engine steps: no lock around them
+
+    def __init__(self, engine: Any, tokenizer: Any, *, name: str = "target", key: str | None = None) -> None:
+        self.engine, self.tokenizer, self.name = engine, tokenizer, name
+        config = engine.model_config
+        self.vocab = int(config.get_vocab_size())
+        self.context_length = int(config.max_model_len)
+        self.max_logprobs = int(config.max_logprobs)
+        self.token_bytes = build_token_bytes(tokenizer, self.vocab)
+        self.token_bytes.require_byte_coverage(name)
+        self.codec = ByteCodec(tokenizer, self.token_bytes)
+        self.eos_ids = frozenset(_eos_ids(config, tokenizer))
+        self.key = key or name  # what the measured verify costs are remembered under
+        self.loop = EngineLoop(engine)
+        self._costs: dict[int, float] | None = None
+
+    @classmethod
+    def load(cls, spec: str, **engine_args: Any) -> VLLMTarget:
+        """A preset name, .gguf path (served from its converted safetensors), local directory or HF
+        id, with vLLM engine arguments passed through (dtype, max_model_len, tensor_parallel_size,
+        enforce_eager, ...). Defaults: see `engine_defaults`."""
+        _vllm()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from ..models import hf_directory, load_tokenizer
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: no __main__ guard needed
+        path = hf_directory(spec)
+        args = engine_defaults(engine_args)
+        engine = LLMEngine.from_engine_args(EngineArgs(model=path, **args))
+        key = f"{spec}|{sorted(args.items())}"
+        return cls(engine, load_tokenizer(spec), name=spec.rstrip("/").rsplit("/", 1)[-1], key=key)
+
+    def begin(self, prompt_ids: list[int]) -> _VLLMSession:
+        if not prompt_ids:
+            raise ValueError("the prompt must have at least one token")
+        if any(not 0 <= int(i) < self.vocab for i in prompt_ids):
+            raise ValueError(f"prompt ids must be in [0, {self.vocab})")
+        return _VLLMSession(self, list(prompt_ids))
+
+    def check_rule(self, rule: Rule) -> None:
+        """Refuse, naming why, a rule this target cannot verify losslessly."""
+        if rule.mode == "greedy":
+            return
+        if rule.mode != "match":
+            raise ValueError(f"VLLMTarget verifies greedy and match only, not {rule.mode!r}: the rejection modes "
+                             "need the target's whole distribution, and vLLM returns its top log-probabilities")
+        if not 0 < rule.top_k <= self.max_logprobs or rule.top_p < 1.0:
+            raise ValueError(f"match sampling on VLLMTarget needs 0 < top_k <= {self.max_logprobs} and top_p = 1 "
+                             f"(got top_k={rule.top_k}, top_p={rule.top_p}): the distribution is known exactly "
+                             "only over the top log-probabilities vLLM returns")
+
+    def submit(self, ids: list[int], salt: str, *, max_tokens: int, stream: bool = False, logprobs: int = 0,
+               prompt_logprobs: bool = False, cached: bool = True) -> Any:
+        """Queue one greedy request on the engine loop; returns its handle."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, detokenize=False, skip_reading_prefix_cache=not cached,
+            logprobs=logprobs or None, prompt_logprobs=logprobs if prompt_logprobs else None,
+            ignore_eos=not stream, stop_token_ids=sorted(self.eos_ids) if stream else None,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+        return self.loop.submit({"prompt_token_ids": list(ids), "cache_salt": salt}, params)
+
+    def request(self, ids: list[int], salt: str, **options: Any) -> Any:
+        """One request, waited for: its final RequestOutput."""
+        return self.submit(ids, salt, **options).result()
+
+    def verify_costs(self, context: int | None = None) -> dict[int, float]:
+        """Seconds to verify n tokens (n = 1 .. 8) after a context, measured on this machine once
+        and remembered (kernels.remembered): what a pairing reads to decide whether drafting can
+        pay here. A verify costs about the same at any context (the cache serves it)."""
+        if self._costs is None:
+            from ..kernels import remembered
+
+            costs = remembered("vllm-verify-costs", self.key, self._time_verifies)
+            self._costs = {int(n): float(s) for n, s in costs.items()}
+        return dict(self._costs)
+
+    def _time_verifies(self, most: int = 8, reps: int = 5) -> dict[str, float]:
+        ids = [int(i) for i in torch.randint(0, self.vocab, (COST_CONTEXT + most,), generator=torch.Generator().manual_seed(0))]
+        salt = uuid.uuid4().hex
+        self.request(ids[:COST_CONTEXT], salt, max_tokens=1)
+        times: dict[int, list[float]] = {n: [] for n in range(1, most + 1)}
+        for _ in range(reps):
+            for n in times:
+                started = time.perf_counter()
+                self.request(ids[: COST_CONTEXT + n - 1], salt, max_tokens=1, logprobs=1, prompt_logprobs=n > 1)
+                times[n].append(time.perf_counter() - started)
+        return {str(n): sorted(t)[len(t) // 2] for n, t in times.items()}
+
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        """vLLM's own greedy decoding of `prompt_ids` (the reference a verify must reproduce)."""
+        return list(self.begin(prompt_ids).decode(max_tokens))
+
+    def close(self) -> None:
+        self.loop.close()
+
+    def __repr__(self) -> str:
+        return f"VLLMTarget({self.name!r}, vocab {self.vocab})"
+
+
+def _top(dicts: list[dict[int, Any]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, log-probs), each (rows, width), most probable first, from vLLM's per-position dicts
+    (which may hold one extra entry: the token actually at that position)."""
+    rows = [sorted(d.items(), key=lambda kv: -kv[1].logprob)[:width] for d in dicts]
+    ids = torch.tensor([[t for t, _ in row] for row in rows], dtype=torch.long)
+    logp = torch.tensor([[lp.logprob for _, lp in row] for row in rows], dtype=torch.float32)
+    return ids, logp
+
+
+def _eos_ids(config: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    hf = getattr(config, "hf_config", None)
+    values = [getattr(hf, "eos_token_id", None), tokenizer.eos_token_id]
+    try:
+        from transformers import GenerationConfig
+
+        values.append(GenerationConfig.from_pretrained(config.model).eos_token_id)
+    except (OSError, ValueError):
+        pass
+    for value in values:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

@@ -1,0 +1,209 @@
+"""VLLMTarget and `omnidraft serve --engine vllm` on a tiny Llama served by vLLM's CPU engine: greedy
+identity against vLLM's own decoding, the prefix-cache tail rule, crops, concurrent sessions, match
+sampling, refused rules and bad input to the server."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from omnidraft.target import Rule
+from omnidraft.targets.vllm_target import tail_rows
+
+from .conftest import gsm8k_texts
+
+PROMPTS = ["Question: Tom has 3 apples and buys 5 more.", "Question: A train travels 60 miles in 2 hours."]
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm_model(tmp_path_factory, target_tokenizer):
+    """A 2-layer Llama whose heads are 32 wide (vLLM's CPU attention needs a width it has kernels
+    for), saved as safetensors with the target tokenizer; and the HF model itself."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(target_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+                         tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    path = tmp_path_factory.mktemp("tiny-vllm")
+    model.save_pretrained(path)
+    target_tokenizer.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def vllm_target(tiny_vllm_model):
+    from omnidraft import VLLMTarget
+
+    target = VLLMTarget.load(str(tiny_vllm_model[0]), dtype="float32", enforce_eager=True, max_model_len=1024,
+                             kv_cache_memory_bytes=64 << 20)
+    yield target
+    target.close()
+
+
+def _ids(target, prompt: str) -> list[int]:
+    return target.tokenizer(prompt)["input_ids"]
+
+
+def test_the_tail_rule_reads_only_computed_rows():
+    assert tail_rows(prompt_len=70, num_cached=32, base=64)  # row base - 1 = 63 was computed
+    assert not tail_rows(prompt_len=70, num_cached=64, base=64)  # row 63 came from the cache: not readable
+    assert not tail_rows(prompt_len=70, num_cached=0, base=0)
+
+
+def test_verifies_with_accepts_and_rejections_give_vllms_own_greedy_output(vllm_target):
+    ids = _ids(vllm_target, PROMPTS[0])
+    want = vllm_target.generate(ids, 24)
+    session, rounds = vllm_target.begin(ids), 0
+    while len(session.ids) < len(ids) + len(want):
+        done = len(session.ids) - len(ids)
+        proposal = want[done : done + 4]
+        if rounds % 2:  # every other round, a wrong third token: accepted 2, then the correction
+            proposal = proposal[:2] + [(proposal[2] + 1) % vllm_target.vocab] if len(proposal) > 2 else proposal
+        verdict = session.verify(torch.tensor(proposal), Rule(), topk=3)
+        assert verdict.topk[0].shape == (verdict.accepted + 1, 3)
+        rounds += 1
+    assert session.ids[len(ids) : len(ids) + len(want)] == want
+    assert session.recomputed == 0  # its own salted pages never cover the rows a verify reads
+
+
+def test_a_verify_whose_rows_the_cache_served_is_recomputed(vllm_target):
+    """A block-aligned context (64 tokens, blocks of 32) that another request with the same salt
+    computed: the cache covers position 63, whose logits the verify needs. The rule sees it and
+    computes them again; reading the cached rows would give garbage instead of these verdicts."""
+    ids = [int(i) for i in torch.randint(1, vllm_target.vocab, (64,), generator=torch.Generator().manual_seed(3))]
+    want = vllm_target.generate(ids, 3)
+    first = vllm_target.begin(ids)
+    first.verify(torch.tensor(want[:2]), Rule())
+    second = vllm_target.begin(ids)
+    second.salt = first.salt  # as if it were the same session's context computed before
+    verdict = second.verify(torch.tensor(want[:2]), Rule())
+    assert second.recomputed == 1 and (verdict.accepted, verdict.token) == (2, want[2])
+
+
+def test_a_pairing_on_vllm_is_lossless(vllm_target, tiny_drafter):
+    pair = tiny_drafter.pair(vllm_target, k=3)
+    for prompt in PROMPTS:
+        out = pair.generate(prompt, max_new_tokens=20)
+        assert out.token_ids == vllm_target.generate(_ids(vllm_target, prompt), 20)[: len(out.token_ids)]
+        assert len(out.token_ids) == 20 or out.token_ids[-1] in vllm_target.eos_ids
+
+
+def test_concurrent_sessions_are_batched_and_each_exact(vllm_target):
+    texts = [t.split("\n")[0][:80] for t in gsm8k_texts("test", 6)]
+    wants = {t: vllm_target.generate(_ids(vllm_target, t), 12) for t in texts}
+    got: dict[str, list[int]] = {}
+
+    def run(text: str) -> None:
+        ids = _ids(vllm_target, text)
+        session = vllm_target.begin(ids)
+        while len(session.ids) < len(ids) + 12:
+            done = len(session.ids) - len(ids)
+            session.verify(torch.tensor(wants[text][done : done + 3]), Rule())
+        got[text] = session.ids[len(ids) : len(ids) + 12]
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in texts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == wants
+
+
+def test_a_failed_request_leaves_the_session_as_it_was(vllm_target, monkeypatch):
+    ids = _ids(vllm_target, PROMPTS[1])
+    session = vllm_target.begin(ids)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("engine gone")
+
+    monkeypatch.setattr(vllm_target, "request", fail)
+    with pytest.raises(RuntimeError):
+        session.verify(torch.tensor([5, 6]), Rule())
+    assert session.ids == ids
+
+
+def test_rules_it_cannot_verify_losslessly_are_refused_with_the_reason(vllm_target):
+    session = vllm_target.begin(_ids(vllm_target, PROMPTS[0]))
+    with pytest.raises(ValueError, match="rejection modes"):
+        session.verify(torch.tensor([5]), Rule(mode="exact", temperature=1.0), torch.ones(1, vllm_target.vocab))
+    with pytest.raises(ValueError, match="top_k"):
+        session.verify(torch.tensor([5]), Rule(mode="match", temperature=1.0))
+    with pytest.raises(ValueError, match="prompt ids"):
+        vllm_target.begin([vllm_target.vocab])
+
+
+def test_match_sampling_with_top_k_follows_the_targets_distribution(vllm_target, tiny_vllm_model):
+    """400 first tokens sampled by match verification (top_k 5, temperature 1.5) against the HF
+    model's own top-5 distribution: chi-square, alpha 0.001 (fails by chance once in 1,000 seeds;
+    the seed is fixed)."""
+    from scipy.stats import chisquare
+
+    ids = _ids(vllm_target, PROMPTS[0])
+    rule, generator = Rule(mode="match", temperature=1.5, top_k=5), torch.Generator().manual_seed(0)
+    counts: dict[int, int] = {}
+    for _ in range(400):
+        token = vllm_target.begin(ids).verify(torch.tensor([], dtype=torch.long), rule, generator=generator).token
+        counts[token] = counts.get(token, 0) + 1
+    with torch.no_grad():
+        logits = tiny_vllm_model[1](torch.tensor([ids])).logits[0, -1]
+    top = logits.topk(5)
+    p = torch.softmax(top.values.double() / 1.5, -1)
+    assert set(counts) <= set(top.indices.tolist())
+    observed = [counts.get(int(t), 0) for t in top.indices]
+    expected = [float(x) * 400 for x in p]
+    expected[-1] = 400 - sum(expected[:-1])
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.fixture(scope="module")
+def vllm_client(vllm_target):
+    from fastapi.testclient import TestClient
+
+    from omnidraft.remote.server import ServerConfig, create_app
+
+    with TestClient(create_app(vllm_target, ServerConfig(api_key="k"))) as client:
+        yield client
+
+
+AUTH = {"authorization": "Bearer k"}
+
+
+def test_the_vllm_server_serves_sessions_with_a_draft_budget(vllm_client, vllm_target, tiny_drafter):
+    from omnidraft.remote.client import RemoteTarget
+
+    ids = _ids(vllm_target, PROMPTS[0])
+    want = vllm_target.generate(ids, 16)
+    sid = vllm_client.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).json()["session"]
+    reply = vllm_client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": want[:3]},
+                             headers=AUTH).json()
+    assert (reply["accepted"], reply["token"]) == (3, want[3]) and isinstance(reply["budget"], int)
+    stream = vllm_client.post(f"/v1/sessions/{sid}/generate", json={"committed": len(ids) + 4, "max_tokens": 5},
+                              headers=AUTH)
+    assert [t for line in stream.text.splitlines() for t in __import__("json").loads(line)["tokens"]] == want[4:9]
+    assert vllm_client.delete(f"/v1/sessions/{sid}", headers=AUTH).status_code == 200
+    pair = tiny_drafter.pair(RemoteTarget("http://testserver", api_key="k", client=vllm_client), k=3)
+    assert pair.generate(PROMPTS[0], max_new_tokens=16).token_ids == want
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"proposal": [10**6]}, 422),  # outside the vocabulary
+    ({"proposal": [True]}, 422),
+    ({"committed": 1}, 409),  # stale
+    ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [1.0]}]}, 422),
+    ({"mode": "match", "temperature": 1.0, "proposal": [5]}, 422),  # top_k needed on this engine
+])
+def test_bad_input_to_the_vllm_server_gets_the_torch_engines_4xx(vllm_client, vllm_target, body, status):
+    ids = _ids(vllm_target, PROMPTS[1])
+    sid = vllm_client.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).json()["session"]
+    r = vllm_client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": [], **body},
+                         headers=AUTH)
+    assert r.status_code == status, r.text
+    ok = vllm_client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=AUTH)
+    assert ok.status_code == 200  # the session and the engine still serve
+    assert vllm_client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2}, headers=AUTH).status_code == 501
