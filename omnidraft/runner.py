@@ -52,6 +52,17 @@ class CausalRunner:
             self.hidden = out.hidden_states[-1][0, -keep:]
         return out.logits[0, -keep:]
 
+    @torch.inference_mode()
+    def prefill(self, most: int) -> int:
+        """Feed at most `most` of the tokens not yet cached, never the last one (a verify or decode
+        step feeds it with what follows); returns how many remain to feed before it."""
+        end = min(self.kv_len + most, len(self.ids) - 1)
+        if end > self.kv_len:
+            self.model(input_ids=torch.tensor([self.ids[self.kv_len : end]], dtype=torch.long),
+                       past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.kv_len = end
+        return max(0, len(self.ids) - 1 - self.kv_len)
+
     def crop(self, n: int) -> None:
         """Keep only the first `n` tokens (sequence and cache)."""
         if not 0 <= n <= len(self.ids):

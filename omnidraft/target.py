@@ -114,6 +114,11 @@ class _LocalSession:
     def ids(self) -> list[int]:
         return self.runner.ids
 
+    def prefill(self, most: int) -> int:
+        """Feed up to `most` uncached tokens of the sequence (a server bounds how long one call
+        holds the model this way); returns how many remain."""
+        return self.runner.prefill(most)
+
     def scores(self, new: list[int], keep: int) -> torch.Tensor:
         """Append `new` to the sequence and return the logits (keep, V) after its last `keep`
         tokens: scoring without verifying (the server's /v1/completions)."""

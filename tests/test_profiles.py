@@ -176,7 +176,7 @@ def test_adapter_names_are_injective():
     users = ["a.b", "a_b", "a-b", "a__b", None, "default"]
     names = {Drafter.adapter_name("qwen", u) for u in users} | {Drafter.adapter_name("qwen_x", "y"),
                                                                   Drafter.adapter_name("qwen", "x_y")}
-    assert len(names) == len(users) + 2 - 1  # None is the "default" user
+    assert len(names) == len(users) + 2  # the anonymous pairing (None) shares with no named user
     assert all(n.replace("_", "").isalnum() for n in names)
 
 

@@ -300,3 +300,108 @@ def test_a_tiny_top_p_keeps_the_most_probable_token():
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
     for top_p in (1e-300, 1e-9, 0.01):
         assert torch.equal(probabilities(logits, 1.0, top_p=top_p), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]))
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_that_let_other_sessions_verify(tiny_target, monkeypatch):
+    """Defect 2: a session's first verify fed its whole prompt in one forward under the model lock.
+    Now no model call under the lock takes more than PREFILL_CHUNK prompt tokens (plus the pending
+    token and the proposal), and another session's verify runs between two chunks."""
+    from fastapi.testclient import TestClient
+
+    from omnidraft.remote import service as server_module
+
+    monkeypatch.setattr(server_module, "PREFILL_CHUNK", 64)
+    model, calls, order = tiny_target.model, [], []
+    forward = model.forward
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counting)
+    long_ids = (tiny_target.tokenizer(PROMPT * 40)["input_ids"] * 2)[:900]
+    short_ids = tiny_target.tokenizer(PROMPT)["input_ids"]
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as c:
+        long_sid = c.post("/v1/sessions", json={"prompt_ids": long_ids}, headers=AUTH).json()["session"]
+        short_sid = c.post("/v1/sessions", json={"prompt_ids": short_ids}, headers=AUTH).json()["session"]
+        c.post(f"/v1/sessions/{short_sid}/verify", json={"committed": len(short_ids), "proposal": []}, headers=AUTH)
+        calls.clear()
+        service = c.app.state.service
+        chunked = service.sessions[long_sid].inner.prefill
+
+        def prefill_then_let_another_in(most):  # between two chunks, the other session verifies
+            left = chunked(most)
+            if left and not order:
+                order.append("other")
+                threading.Thread(target=lambda: order.append(c.post(
+                    f"/v1/sessions/{short_sid}/verify", json={"committed": len(short_ids) + 1, "proposal": []},
+                    headers=AUTH).status_code)).start()
+                time.sleep(0.5)
+            return left
+
+        service.sessions[long_sid].inner.prefill = prefill_then_let_another_in
+        r = c.post(f"/v1/sessions/{long_sid}/verify", json={"committed": len(long_ids), "proposal": [5, 6]},
+                   headers=AUTH)
+        served_meanwhile = list(order)
+        assert r.status_code == 200, r.text
+    assert max(calls) <= 64 + 3 and sum(calls) >= len(long_ids)
+    assert served_meanwhile == ["other", 200]  # served between two chunks, before the long prompt's verify ended
+
+
+def test_the_anonymous_pairing_never_shares_an_adapter_with_a_named_user():
+    from omnidraft import Drafter
+
+    assert Drafter.adapter_name("qwen", None) != Drafter.adapter_name("qwen", "default")
+
+
+def test_one_key_holding_its_whole_kv_share_never_makes_another_keys_open_fail(tiny_target):
+    """Defect 3: eight never-verified long sessions of one key took the whole KV budget. Each key
+    now holds at most its share (429 past it), the other key still opens, and a session that never
+    verifies expires after `fresh_ttl_s` although stale verifies keep arriving for it."""
+    from fastapi.testclient import TestClient
+
+    a, b = {"authorization": "Bearer key-a"}, {"authorization": "Bearer key-b"}
+    ids = tiny_target.tokenizer(PROMPT)["input_ids"]
+    config = ServerConfig(api_key=("key-a", "key-b"), max_tokens=40 * len(ids), fresh_ttl_s=0.5)
+    with TestClient(create_app(tiny_target, config)) as c:
+        mine = [c.post("/v1/sessions", json={"prompt_ids": ids}, headers=a).status_code for _ in range(30)]
+        assert 429 in mine and mine.count(200) <= 20
+        assert all(c.post("/v1/sessions", json={"prompt_ids": ids}, headers=b).status_code == 200 for _ in range(5))
+        sid = c.post("/v1/sessions", json={"prompt_ids": ids}, headers=b).json()["session"]
+        for _ in range(4):
+            time.sleep(0.2)
+            stale = c.post(f"/v1/sessions/{sid}/verify", json={"committed": 1, "proposal": []}, headers=b)
+        assert stale.status_code == 404  # a stale 409 no longer keeps a never-verified session alive
+        assert c.post("/v1/sessions", json={"prompt_ids": ids}, headers=a).status_code == 200  # room again
+
+
+def test_an_abandoned_completion_stops_when_its_client_goes(tiny_target, monkeypatch):
+    """Defect 4: /v1/completions went on decoding after its client had gone. On a live server a
+    client that disconnects mid-completion stops it within a few tokens' time."""
+    import socket
+
+    from omnidraft.bench.remote import serve_in_thread
+
+    model, calls = tiny_target.model, []
+    forward = model.forward
+
+    def slow(*args, **kwargs):  # 20 ms a forward: 2,000 tokens would take 40 s
+        calls.append(1)
+        time.sleep(0.02)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow)
+    url, stop = serve_in_thread(create_app(tiny_target, ServerConfig(api_key=KEY)))
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": tiny_target.tokenizer(PROMPT)["input_ids"], "max_tokens": 2000}).encode()
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(0.5)
+        time.sleep(1.0)
+        seen = len(calls)
+        time.sleep(1.0)
+        assert len(calls) == seen and seen < 200  # stopped, long before its 2,000 tokens
+    finally:
+        stop()

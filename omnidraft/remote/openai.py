@@ -34,9 +34,13 @@ from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
 from .client import call_json
 
-__all__ = ["CompletionRequest", "OpenAICompletionsTarget", "complete", "token_string"]
+__all__ = ["Cancelled", "CompletionRequest", "OpenAICompletionsTarget", "complete", "token_string"]
 
 MAX_LOGPROBS = 20
+
+
+class Cancelled(Exception):
+    """A completion stopped because its client disconnected (`complete`'s `cancel` was set)."""
 PROBE_TEXT = "def f(x):\n    return x + 1  # caf\u00e9"
 
 
@@ -70,7 +74,7 @@ MAX_PROMPT_CHARS = 1 << 19  # a text prompt longer than this is refused before i
 
 
 def complete(target: Any, request: CompletionRequest, max_tokens_total: int, *, max_prompt: int = 32_768,
-             context: int | None = None, lock: Any = None) -> dict[str, Any]:
+             context: int | None = None, lock: Any = None, cancel: Any = None) -> dict[str, Any]:
     """Run one greedy completion on LocalTarget `target` and shape the OpenAI reply.
 
     Memory is bounded whatever the request: an echoed prompt is scored ECHO_CHUNK positions per
@@ -104,6 +108,10 @@ def complete(target: Any, request: CompletionRequest, max_tokens_total: int, *, 
             last = rows[-1]
             scored += [_score(rows[j], ids[start + j + 1], k) for j in range(len(rows)) if start + j + 1 < len(ids)]
     else:
+        while getattr(session, "prefill", None) is not None:  # a long prompt holds the model one chunk at a time
+            with lock:
+                if session.prefill(ECHO_CHUNK) == 0:
+                    break
         with lock:
             last = session.scores([], 1).float()[-1]
     generated = []
@@ -113,6 +121,8 @@ def complete(target: Any, request: CompletionRequest, max_tokens_total: int, *, 
         scored.append(_score(last, token, k))
         if token in target.eos_ids or step == request.max_tokens - 1:
             break
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the client went away")
         with lock:
             last = session.scores([token], 1).float()[-1]
     shown = (ids if request.echo else []) + generated
