@@ -26,7 +26,7 @@ from .errors import TargetError
 from .retrieve import ContextIndex
 from .retrieve.planner import NO_RENT, Retriever
 from .rounds import (Generation, check_request, decode_alone, draft_rows, first_stop, make_generator, relaxation,
-                     render_chat, verified)
+                     render_chat, verified, within_budget)
 from .stats import GenerationStats, RoundRecord
 from .translate.ngram_cache import NgramCache
 from .translate.tables import TABLES_KEPT, pair_tables
@@ -130,8 +130,7 @@ class Pairing:
             return save_peft(self.drafter.trainable, self.adapter, directory)
 
     def save(self) -> Path:
-        """Write this user's profile (adapter, head, n-gram cache, datastore, metrics) atomically;
-        returns its directory."""
+        """Write this user's profile (adapter, head, n-gram cache, datastore, metrics) atomically; its directory."""
         from .profiles import pairing_profile
 
         if self.user is None:
@@ -288,10 +287,7 @@ class Pairing:
                     self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
             model, free = self.plan.at(self.target, len(tsession.ids))  # what can pay at this context
             defer = model and k > 0 and rent.defer(self.policy.last_rates if self.policy else {}, produced)
-            cap = getattr(tsession, "budget", None)  # a server under load takes fewer draft tokens (remote/budget.py)
-            room, ask = max_new_tokens - produced - 1, k if model and not defer else 0
-            if cap is not None:
-                room, ask = min(room, cap), min(ask, cap)
+            room, ask = within_budget(tsession, max_new_tokens - produced - 1, k if model and not defer else 0)
             draft, proposal, used, q, t1 = self.propose_round(tsession, dsession, rule, index if free else None,
                                                               ask, stopper, last, room, generator)
             t2 = time.perf_counter()

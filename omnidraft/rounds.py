@@ -14,7 +14,7 @@ from .config import RELAXED
 from .stats import GenerationStats, RoundRecord
 from .translate.translator import Proposal, Source, Translator
 
-__all__ = ["Generation", "check_request", "decode_alone", "draft_rows", "first_stop", "make_generator", "relaxation", "render_chat",
+__all__ = ["Generation", "check_request", "decode_alone", "draft_rows", "first_stop", "make_generator", "relaxation", "render_chat", "within_budget",
            "verified"]
 
 
@@ -61,6 +61,13 @@ def decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int]
         yield [token], RoundRecord(context=context, drafted=0, proposed=0, accepted=0, emitted=1, from_cache=0,
                                    t_draft=0.0, t_translate=0.0, t_verify=now - last, t_resync=0.0)
         context, last = context + 1, now
+
+
+def within_budget(tsession: Any, room: int, k: int) -> tuple[int, int]:
+    """(room, k) for this round's proposal, each capped by the draft budget the target session's
+    server gave in its last reply (remote/budget.py: a server under load takes fewer draft tokens)."""
+    cap = getattr(tsession, "budget", None)
+    return (room, k) if cap is None else (min(room, cap), min(k, cap))
 
 
 def check_request(prompt: str, max_new_tokens: int, stop: tuple[str, ...]) -> None:

@@ -138,7 +138,9 @@ class VLLMTarget:
     a local directory or an HF id."""
 
     generates_alone = True
-    in_process = True
+    # a request-level choice, as for a remote target: each request either speculates or lets vLLM
+    # decode alone, whichever measured faster (a round on the engine is a request, not a forward)
+    in_process = False
     batches_sessions = True  # concurrent sessions' requests share engine steps: no lock around them
 
     def __init__(self, engine: Any, tokenizer: Any, *, name: str = "target", key: str | None = None) -> None:
