@@ -12,7 +12,7 @@ import torch
 from omnidraft.target import Rule
 from omnidraft.targets.vllm_target import tail_rows
 
-from .conftest import gsm8k_texts
+from .conftest import chi_square_p, gsm8k_texts
 
 PROMPTS = ["Question: Tom has 3 apples and buys 5 more.", "Question: A train travels 60 miles in 2 hours."]
 
@@ -142,8 +142,6 @@ def test_match_sampling_with_top_k_follows_the_targets_distribution(vllm_target,
     """400 first tokens sampled by match verification (top_k 5, temperature 1.5) against the HF
     model's own top-5 distribution: chi-square, alpha 0.001 (fails by chance once in 1,000 seeds;
     the seed is fixed)."""
-    from scipy.stats import chisquare
-
     ids = _ids(vllm_target, PROMPTS[0])
     rule, generator = Rule(mode="match", temperature=1.5, top_k=5), torch.Generator().manual_seed(0)
     counts: dict[int, int] = {}
@@ -158,7 +156,7 @@ def test_match_sampling_with_top_k_follows_the_targets_distribution(vllm_target,
     observed = [counts.get(int(t), 0) for t in top.indices]
     expected = [float(x) * 400 for x in p]
     expected[-1] = 400 - sum(expected[:-1])
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert chi_square_p(observed, expected) > 1e-3
 
 
 @pytest.fixture(scope="module")
