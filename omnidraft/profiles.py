@@ -155,7 +155,8 @@ class ProfileStore:
                 break
             except (FileNotFoundError, CorruptFileError):  # pruned by a writer while we read: look again
                 if attempt == _READ_TRIES - 1 or self._current(home) == current and (home / current).is_dir():
-                    raise
+                    profile = _previous(home, current)  # the version kept for exactly this, or the error
+                    break
         if fingerprint is not None and profile.fingerprint != fingerprint:
             raise IncompatibleError(
                 f"profile {home} was made for tokenizers {profile.fingerprint!r}, this pairing has {fingerprint!r}; "
@@ -208,6 +209,19 @@ class ProfileStore:
             raise CorruptFileError(f"{home / 'CURRENT'} names {name!r}, and no complete profile version is left")
         log.warning("%s names %r, not a complete version; using %s", home / "CURRENT", name, complete[-1])
         return complete[-1]
+
+
+def _previous(home: Path, broken: str) -> PairingProfile:
+    """The newest complete version before `broken` (whose files are corrupt), logged; re-raises
+    the corrupt version's error when there is none."""
+    for name in reversed([v for v in _complete(home) if v < broken]):
+        try:
+            profile = _read_version(home / name)
+        except (FileNotFoundError, CorruptFileError):
+            continue
+        log.warning("profile %s: version %s is corrupt; using %s, the one before it", home, broken, name)
+        return profile
+    return _read_version(home / broken)
 
 
 def _versions(home: Path) -> list[str]:

@@ -151,6 +151,17 @@ def test_a_broken_current_falls_back_to_the_previous_version(tmp_path):
     assert store.load(*PROFILE).steps == 3
 
 
+def test_a_corrupt_current_version_falls_back_to_the_previous_one(tmp_path):
+    """Reliability defect 7: a corrupt current version blocked loading although the version before
+    it (kept for exactly this) was intact."""
+    store = ProfileStore(tmp_path)
+    store.save(_profile(steps=1))
+    second = store.save(_profile(steps=2))
+    for tensors in second.glob("*.safetensors"):
+        tensors.write_bytes(tensors.read_bytes()[:20])  # torn
+    assert store.load(*PROFILE).steps == 1
+
+
 def test_leftovers_of_killed_saves_are_cleaned_and_missing_keys_name_the_file(tmp_path):
     import json
 
@@ -162,6 +173,9 @@ def test_leftovers_of_killed_saves_are_cleaned_and_missing_keys_name_the_file(tm
     store.save(_profile(steps=2))
     assert not (home / ".CURRENT.abc.tmp").exists() and not (home / "v000009").exists()
     current = home / (home / "CURRENT").read_text()
+    for kept in home.glob("v*"):  # no version to fall back to: the corrupt one's error is raised
+        if kept != current:
+            __import__("shutil").rmtree(kept)
     meta = json.loads((current / "meta.json").read_text())
     del meta["steps"]
     (current / "meta.json").write_text(json.dumps(meta))

@@ -54,7 +54,7 @@ def test_remote_greedy_is_token_identical_to_local(http, tiny_drafter, tiny_targ
 
 
 def _sessions(http) -> int:
-    return http.get("/health").json()["sessions"]
+    return http.get("/health", headers={"authorization": f"Bearer {KEY}"}).json()["sessions"]
 
 
 def test_remote_sampling_modes_are_reproducible_by_seed(http, tiny_drafter):

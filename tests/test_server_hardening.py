@@ -153,21 +153,34 @@ _BODY = st.fixed_dictionaries({}, optional={
 })
 _VALID = st.fixed_dictionaries({"committed": st.just(1), "proposal": st.lists(st.integers(0, 699), max_size=8)},
                                optional={"topk": st.integers(0, 8)})  # committed 1 becomes the session's length
+_ROW = st.fixed_dictionaries({"ids": st.lists(st.sampled_from([0, 5, 6, 7, 699]), max_size=4),
+                              "probs": st.lists(st.sampled_from([0.0, 1e-300, 0.3, 1.0]), max_size=4)})
+_SAMPLING = st.fixed_dictionaries({  # valid-typed sampling bodies: empty, repeated and zero q entries, extreme filters
+    "committed": st.just(1), "proposal": st.lists(st.sampled_from([5, 6, 7]), min_size=1, max_size=3),
+    "mode": st.sampled_from(["match", "exact", "omnidraft"]), "temperature": st.sampled_from([1e-3, 0.7, 100.0]),
+    "q": st.lists(_ROW, min_size=1, max_size=3), "seed": st.integers(0, 5),
+    "top_p": st.sampled_from([1e-300, 1e-9, 0.5, 1.0]), "top_k": st.sampled_from([0, 1, 5, 10**6]),
+    "min_p": st.sampled_from([0.0, 0.5, 0.999999])})
 
 
 def test_fuzzed_verify_bodies_never_get_a_5xx(client, tiny_target, tiny_drafter):
-    """1,000 generated verify bodies, valid and not, on live sessions: no 5xx, and afterwards the
-    server serves a normal pairing whose output is the target's own."""
+    """5,000 generated verify bodies, valid and not (sampling ones with empty, repeated and zero q
+    entries and extreme top_p / top_k / min_p among them), on a live session: no 5xx; afterwards
+    that session's greedy continuation is the target's own, and the server serves a normal pairing
+    whose output is the target's own."""
     sid, ids = _open(client, tiny_target)
-    statuses, committed = [], [len(ids)]
+    statuses, committed, live = [], [len(ids)], [sid]
 
-    @settings(max_examples=1000, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=5000, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(body=st.one_of(_BODY, _VALID))
+    @given(body=st.one_of(_BODY, _VALID, _SAMPLING))
     def fuzz(body):
+        if committed[0] > 900:  # near the tiny target's context: go on in a new session
+            live[0], opened = _open(client, tiny_target)
+            committed[0] = len(opened)
         if isinstance(body.get("committed"), int) and not isinstance(body["committed"], bool) and body["committed"] >= 0:
             body["committed"] = committed[0] + body["committed"] % 3 - 1  # near the session's real length
-        r = client.post(f"/v1/sessions/{sid}/verify", content=json.dumps(body, allow_nan=True),
+        r = client.post(f"/v1/sessions/{live[0]}/verify", content=json.dumps(body, allow_nan=True),
                         headers={**AUTH, "content-type": "application/json"})
         statuses.append(r.status_code)
         if r.status_code == 200:
@@ -175,7 +188,16 @@ def test_fuzzed_verify_bodies_never_get_a_5xx(client, tiny_target, tiny_drafter)
         assert r.status_code < 500, (body, r.text)
 
     fuzz()
-    assert len(statuses) == 1000 and 200 in statuses
+    assert len(statuses) == 5000 and 200 in statuses
+    sid = live[0]
+    committed_ids = list(client.app.state.service.sessions[sid].inner.ids)
+    text = tiny_target.tokenizer.decode(committed_ids)
+    out = [client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(committed_ids) + i, "proposal": []},
+                       headers=AUTH).json()["token"] for i in range(4)]
+    ids = torch.tensor([committed_ids])
+    want = tiny_target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(committed_ids):].tolist()
+    assert out == want, text
     from omnidraft.remote.client import RemoteTarget
 
     pair = tiny_drafter.pair(RemoteTarget("http://testserver", api_key=KEY, client=client), k=3)
@@ -405,3 +427,51 @@ def test_an_abandoned_completion_stops_when_its_client_goes(tiny_target, monkeyp
         assert len(calls) == seen and seen < 200  # stopped, long before its 2,000 tokens
     finally:
         stop()
+
+
+def test_health_shows_counts_only_to_a_caller_with_a_key(tiny_target):
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        assert "sessions" in c.get("/health", headers=AUTH).json()
+
+
+def test_a_request_during_a_running_stream_is_refused_and_the_client_follows_committed(client, tiny_target):
+    """Defect 5: a verify that arrived while the session streamed a generate reply interleaved with
+    it, and the streaming client ignored the chunks' committed lengths. The verify now gets a 409
+    until the stream ends; a chunk whose committed length disagrees raises at the client."""
+    from omnidraft.errors import TargetUnavailableError
+    from omnidraft.remote.client import RemoteTarget
+    from omnidraft.remote.protocol import GenerateChunk
+
+    sid, ids = _open(client, tiny_target)
+    service = client.app.state.service
+    stream = service.generate(sid, __import__("omnidraft.remote.protocol", fromlist=["x"]).GenerateRequest(
+        committed=len(ids), max_tokens=5))
+    next(stream)  # the stream is running
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 1, "proposal": []}, headers=AUTH)
+    assert r.status_code == 409 and "streaming" in r.text
+    list(stream)  # it ends
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 5, "proposal": []}, headers=AUTH)
+    assert r.status_code == 200
+
+    class Skipping:  # a server whose chunks say more was committed than was sent
+        headers: dict = {}
+
+        def stream(self, *args, **kwargs):
+            import contextlib
+
+            class Reply:
+                status_code = 200
+
+                def iter_lines(self):
+                    yield GenerateChunk(tokens=[5], committed=len(ids) + 2).model_dump_json()
+
+            return contextlib.nullcontext(Reply())
+
+    remote = RemoteTarget.__new__(RemoteTarget)
+    remote.http, remote.url = Skipping(), "http://x"
+    session = remote.begin(list(ids))
+    with pytest.raises(TargetUnavailableError, match="out of step"):
+        list(session.decode(3))

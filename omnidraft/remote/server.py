@@ -64,12 +64,12 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         return matches.index(True) if any(matches) else None
 
     async def read(request: Request) -> bytes:
-        data = b""
+        data = bytearray()  # appended in place: a body in many small chunks costs linear time
         async for chunk in request.stream():
             data += chunk
             if len(data) > config.max_body_bytes:
                 raise HTTPError(413, f"request body over the limit of {config.max_body_bytes} bytes")
-        return data
+        return bytes(data)
 
     async def body(request: Request, model: type) -> Any:
         declared = request.headers.get("content-length")
@@ -105,7 +105,10 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             return reply
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health(request: Request) -> dict:
+        """Liveness for anyone; the session count only for a caller with a key (or on a keyless server)."""
+        if request.state.key is None:
+            return {"status": "ok"}
         return {"status": "ok", "sessions": len(service.sessions)}
 
     @app.get("/metrics")
