@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from .profiles import NetworkProfile, load_profiles
 from .simulate import Scenario, read_trace, simulate, sweep_k
@@ -29,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
             q.add_argument("--png", required=True, help="where to write the plot")
             q.add_argument("--max-rtt", type=float, default=200.0)
     sub.add_parser("list", help="list the profiles and their sources")
+    g = sub.add_parser("gpu-profile", help="server profiles from a GPU check JSON (python -m benchmarks.gpu_check)")
+    g.add_argument("check")
+    g.add_argument("--out", required=True, help="profile file to write (pass it to --profiles)")
+    g.add_argument("--context", type=int, default=None, help="context the costs are read at (default: the middle one)")
     return p
 
 
@@ -50,6 +56,17 @@ def _scenarios(args, cat):
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     cat = load_profiles(*args.profiles)
+    if args.command == "gpu-profile":
+        from .gpu import profiles_from_check
+
+        try:
+            devices = profiles_from_check(args.check, args.context)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        Path(args.out).write_text(json.dumps({"devices": devices}, indent=1))
+        print("\n".join(f"{d['name']}: target_ms {d['target_ms']}" for d in devices))
+        print(f"wrote {args.out}")
+        return
     if args.command == "list":
         for p in [*cat.devices.values(), *cat.networks.values()]:
             print(f"{p.name:<28} {p.source}")

@@ -90,8 +90,8 @@ class _TorchDraftSession:
             if step == 0 and heal is not None and len(self.runner.ids) > 1:
                 logits, hidden, token, probs, healed = self._heal_step(heal, temperature, allowed, generator, stopper is not None)
             else:
-                logits = self.runner.forward(keep=1, hidden=stopper is not None)[0]
-                hidden = self.runner.hidden[0] if stopper is not None else None
+                logits = _host(self.runner.forward(keep=1, hidden=stopper is not None)[0])
+                hidden = _host(self.runner.hidden[0]) if stopper is not None else None
                 token, probs = pick(logits, temperature, allowed, generator)
             ids.append(token)
             if probs is not None:
@@ -106,8 +106,8 @@ class _TorchDraftSession:
                    generator: torch.Generator | None, hidden: bool) -> tuple[torch.Tensor, Any, int, torch.Tensor | None, bool]:
         """Step 0 under token healing, from one forward that also gives the logits one position
         back: (logits, hidden state, token, probs, healed) of the first drafted token."""
-        logits = self.runner.forward(keep=2, hidden=hidden)
-        states = self.runner.hidden if hidden else (None, None)
+        logits = _host(self.runner.forward(keep=2, hidden=hidden))
+        states = _host(self.runner.hidden) if hidden else (None, None)
         chosen = heal_pick(logits[0], heal, self.runner.ids[-1], temperature, allowed, generator)
         if chosen is None:  # the drafter keeps its last token: draft after it, as usual
             token, probs = pick(logits[1], temperature, allowed, generator)
@@ -124,6 +124,12 @@ class _TorchDraftSession:
         self._base = len(self.runner.ids)
         if self.head is not None and tail:
             self.head.policy.observe(tail)  # committed text the draft missed (an EvoSpec buffer recalls it)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A drafter's logits or hidden states as the pure drafting functions take them: fp32 on the CPU
+    (a no-op for a CPU fp32 drafter; one small copy a drafted token on an accelerator)."""
+    return t if t.device.type == "cpu" and t.dtype == torch.float32 else t.float().cpu()
 
 
 class Drafter:
@@ -150,7 +156,8 @@ class Drafter:
 
     @classmethod
     def load(cls, spec: str, *, backend: str | None = None, quantize: str | None = "int8",
-             train_through_int8: bool = True, threads: int | None = None, shortlist: str | None = None) -> Any:
+             train_through_int8: bool = True, threads: int | None = None, shortlist: str | None = None,
+             device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> Any:
         """Load a drafter by preset name, .gguf path, local dir or HF id.
 
         `backend`: "torch" (this class: the only one that learns adapters), "llama.cpp" (the GGUF
@@ -163,10 +170,16 @@ class Drafter:
         per-channel, MLPs smoothed): about 3x faster per token on CPU. It changes only what is
         proposed, never what the target commits. `train_through_int8`: see `__init__`.
         `shortlist` (torch): evaluate the LM head on part of the vocabulary only, "static",
-        "evo" or "dyna" (see `use_shortlist`).
+        "evo" or "dyna" (see `use_shortlist`). `device` / `dtype` (torch): where and in what the
+        weights live, as `LocalTarget.load` takes them; int8 applies to a CPU fp32 drafter only.
         """
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"drafter backend must be one of {BACKENDS}, got {backend!r}")
+        from .target import resolve_device, resolve_dtype
+
+        where, kind = resolve_device(device), resolve_dtype(dtype)
+        if (where.type != "cpu" or kind != torch.float32) and backend not in (None, "torch"):
+            raise ValueError(f"device and dtype apply to the torch backend, not {backend!r}")
         if backend == "auto":
             from .backends import fastest_drafter
 
@@ -178,11 +191,14 @@ class Drafter:
             return LlamaCppDrafter(spec, threads=threads)
         if quantize not in (None, "int8"):
             raise ValueError(f"drafter quantize must be None or 'int8', got {quantize!r}")
-        loaded = load_model(spec)
+        plain = where.type == "cpu" and kind == torch.float32
+        quantize = quantize if plain else None
+        loaded = load_model(spec, dtype=kind)
+        loaded.model.to(where)
         model = quantize_int8(loaded.model, loaded.tokenizer, inplace=True) if quantize == "int8" else loaded.model
         drafter = cls(model, loaded.tokenizer, loaded.name, spec=spec, int8=quantize == "int8",
                       train_through_int8=train_through_int8)
-        if backend is None and (spec in PRESETS or str(spec).endswith(".gguf")):
+        if backend is None and plain and (spec in PRESETS or str(spec).endswith(".gguf")):
             drafter.twin_spec = spec
         if shortlist not in (None, "full"):
             drafter.use_shortlist(shortlist)

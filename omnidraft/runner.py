@@ -20,6 +20,7 @@ class CausalRunner:
         from transformers import DynamicCache
 
         self.model = model
+        self.device = next(model.parameters()).device  # inputs are made where the weights are
         self.ids: list[int] = list(ids)
         # every layer keeps every position: a sliding-window layer (Gemma 3) that dropped old entries
         # could not be cropped back past them (a rejected draft, token healing)
@@ -41,7 +42,7 @@ class CausalRunner:
             self.crop_cache(len(self.ids) - keep)
         new = self.ids[self.kv_len :]
         out = self.model(
-            input_ids=torch.tensor([new], dtype=torch.long),
+            input_ids=torch.tensor([new], dtype=torch.long, device=self.device),
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=keep,
@@ -58,7 +59,7 @@ class CausalRunner:
         step feeds it with what follows); returns how many remain to feed before it."""
         end = min(self.kv_len + most, len(self.ids) - 1)
         if end > self.kv_len:
-            self.model(input_ids=torch.tensor([self.ids[self.kv_len : end]], dtype=torch.long),
+            self.model(input_ids=torch.tensor([self.ids[self.kv_len : end]], dtype=torch.long, device=self.device),
                        past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             self.kv_len = end
         return max(0, len(self.ids) - 1 - self.kv_len)

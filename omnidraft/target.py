@@ -21,7 +21,7 @@ from .runner import CausalRunner
 from .translate.codec import ByteCodec
 from .translate.token_bytes import TokenBytes, build_token_bytes
 
-__all__ = ["LocalTarget", "Rule", "Target", "TargetSession", "judge"]
+__all__ = ["LocalTarget", "Rule", "Target", "TargetSession", "judge", "resolve_device", "resolve_dtype"]
 
 MODES = ("greedy", "match", "exact", "omnidraft")
 MIN_TEMPERATURE = 1e-3  # sampling temperatures below this overflow exp(logits / T)
@@ -151,7 +151,13 @@ def judge(logits: torch.Tensor, proposal: torch.Tensor, rule: Rule, q: torch.Ten
           relax: tuple[torch.Tensor, int] | None = None) -> V.Verdict:
     """The verdict on `proposal` (M,) from the target's logits (M + 1, V) after the pending token
     and after each proposed one; `base` is the proposal's first position. Every in-process target
-    (PyTorch, llama.cpp) verifies through this one function."""
+    (PyTorch, llama.cpp) verifies through this one function. Logits on an accelerator stay there
+    for greedy verification; the sampling rules, whose generators live on the CPU, read them there."""
+    if logits.device != proposal.device:
+        if rule.mode == "greedy" and relax is None:
+            proposal = proposal.to(logits.device)
+        else:
+            logits = logits.float().cpu()
     if relax is not None:
         if rule.mode != "greedy":
             raise ValueError(f"relaxed verification is a greedy rule; got mode {rule.mode!r}")
@@ -160,7 +166,7 @@ def judge(logits: torch.Tensor, proposal: torch.Tensor, rule: Rule, q: torch.Ten
         verdict = _judge(logits, proposal, rule, q, generator, base)
     if topk > 0:
         logp, ids = torch.log_softmax(logits[: verdict.accepted + 1].float(), -1).topk(topk, dim=-1)
-        verdict = replace(verdict, topk=(ids, logp))
+        verdict = replace(verdict, topk=(ids.cpu(), logp.cpu()))
     return verdict
 
 
@@ -193,17 +199,23 @@ class LocalTarget:
         self.eos_ids = frozenset(_eos_ids(model, tokenizer))
 
     @classmethod
-    def load(cls, spec: str, *, kernels: bool = True) -> LocalTarget:
-        """Load a target by preset name, .gguf path, local dir or HF id.
+    def load(cls, spec: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+             kernels: bool = True) -> LocalTarget:
+        """Load a target by preset name, .gguf path, local dir or HF id, on `device` ("cpu",
+        "cuda", "cuda:1", "mps"; default cpu) in `dtype` ("float32", "bfloat16", "float16" or a
+        torch dtype; default float32).
 
         `kernels` (default): every linear layer runs the kernel measured fastest on this machine
         for each row count (kernels.py), in target-alone decoding and in verification alike, and
         a verify's attention reads the cached keys and values without repeating them per query
         head where that measured faster (attention.py; the same numbers). The weights are
-        untouched; False keeps transformers' stock layers everywhere.
+        untouched; False keeps transformers' stock layers everywhere. The kernel plan is measured
+        for fp32 on the CPU only: on another device or dtype the stock layers run.
         """
-        loaded = load_model(spec)
-        if kernels:
+        where, kind = resolve_device(device), resolve_dtype(dtype)
+        loaded = load_model(spec, dtype=kind)
+        loaded.model.to(where)
+        if kernels and where.type == "cpu" and kind == torch.float32:
             use_kernels(loaded.model)
             use_grouped_attention(loaded.model)
         return cls(loaded.model, loaded.tokenizer, loaded.name)
@@ -213,6 +225,36 @@ class LocalTarget:
 
     def __repr__(self) -> str:
         return f"LocalTarget({self.name!r}, vocab {len(self.token_bytes)})"
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """A torch dtype from a name or a dtype; None is float32."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"dtype must be one of {sorted(set(DTYPES))} or a torch dtype among them, got {dtype!r}")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A torch device that exists here; None is the CPU. An absent accelerator is named in the error."""
+    try:
+        where = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}") from exc
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device is available here (torch {torch.__version__})")
+    if where.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: MPS is not available here")
+    if where.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}")
+    return where
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
