@@ -48,9 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--remote", action="store_true",
                    help="serve the target on loopback and verify over HTTP with --rtt injected per round trip")
     b.add_argument("--rtt", type=float, action="append", metavar="MS", help="round-trip time(s) in ms for --remote")
-    b.add_argument("--target-backend", choices=["torch", "llama.cpp"], default="torch",
+    b.add_argument("--target-backend", choices=["torch", "llama.cpp", "vllm"], default="torch",
                    help="llama.cpp: the target on llama.cpp, against llama.cpp alone, its own speculative decoding and "
-                        "prompt lookup (with --remote: the server runs the target on llama.cpp)")
+                        "prompt lookup (with --remote: the server runs the target on llama.cpp); vllm: the target on "
+                        "vLLM, against vLLM alone and vLLM's n-gram speculative decoding")
     b.add_argument("--relaxed", action="store_true",
                    help="with several --drafts: also the hybrid under relaxed verification, a LOSSY row, with ROUGE-L")
     add_decoding_args(b)
@@ -79,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--engine", "--backend", dest="engine", choices=["torch", "llama.cpp", "vllm"], default="torch",
                    help="run the target on PyTorch (fp32), on llama.cpp (the preset's or .gguf file's own weights) or "
                         "on vLLM (sessions batched by its scheduler; pip install 'omnidraft[vllm]')")
-    v.add_argument("--dtype", default=None, help="vllm: the weights' dtype (float32, bfloat16, ...)")
+    v.add_argument("--dtype", default=None, help="torch, vllm: the weights' dtype (float32, bfloat16, float16)")
+    v.add_argument("--device", default=None, help="torch: where the target runs (cpu, cuda, cuda:N, mps; default cpu)")
     v.add_argument("--max-model-len", type=int, default=None, help="vllm: the longest session, in tokens")
     v.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs a model is split over")
     v.add_argument("--pipeline-parallel-size", type=int, default=None, help="vllm: pipeline stages (nodes)")
@@ -203,8 +205,13 @@ def _serve(args: argparse.Namespace) -> None:
     elif args.engine == "llama.cpp":
         target = od.LlamaCppTarget(args.target, slots=args.slots, n_ctx=args.n_ctx)
     else:
-        target = od.LocalTarget.load(args.target)
-    uvicorn.run(create_app(target, config), host=args.host, port=args.port, log_level="warning")
+        target = od.LocalTarget.load(args.target, device=args.device, dtype=args.dtype)
+    # on SIGTERM, streams in flight get GRACE_S seconds to finish, then the server stops
+    uvicorn.run(create_app(target, config), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=GRACE_S)
+
+
+GRACE_S = 30  # seconds a stopping server lets streams in flight finish
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -135,7 +135,9 @@ def _bench_sources(args: argparse.Namespace) -> None:
     print(f"wrote {out / args.name}.json and .md")
 
 
-def _bench_llama(args: argparse.Namespace) -> None:
+def _bench_engine(args: argparse.Namespace) -> None:
+    """The target on llama.cpp or vLLM: every contender on that engine in one run (bench/llama.py,
+    bench/vllm.py), against the engine alone."""
     import json
 
     from tqdm import tqdm
@@ -143,22 +145,31 @@ def _bench_llama(args: argparse.Namespace) -> None:
     from ..atomic import atomic_write_bytes
     from .datasets import load_prompts
     from .llama import run_llama, summarize_llama
+    from .vllm import run_vllm
 
+    engine = args.target_backend
+    base = "llama.cpp alone" if engine == "llama.cpp" else "vLLM alone"
     out, results, text = Path(args.out), {}, ""
-    for pair_spec in args.pair or [f"{DRAFTER}:qwen2.5-coder-1.5b"]:
+    default = "qwen2.5-coder-1.5b" if engine == "llama.cpp" else "qwen2.5-coder-0.5b"
+    for pair_spec in args.pair or [f"{DRAFTER}:{default}"]:
         drafter_spec, target_spec = split_pair(pair_spec)
         same = "qwen2.5-coder-0.5b" if target_spec == "qwen2.5-coder-1.5b" else None
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
-            bar = tqdm(desc=f"{pair_spec} {dataset} llama.cpp", file=sys.stderr)
+            bar = tqdm(desc=f"{pair_spec} {dataset} {engine}", file=sys.stderr)
             notes: list[str] = []
-            rows = run_llama(drafter_spec, target_spec, load_prompts(dataset, args.n), args.max_new_tokens,
-                             same_vocab_draft=same, fp32=not args.no_peers, notes=notes, progress=bar.set_postfix_str)
+            prompts = load_prompts(dataset, args.n)
+            if engine == "llama.cpp":
+                rows = run_llama(drafter_spec, target_spec, prompts, args.max_new_tokens, same_vocab_draft=same,
+                                 fp32=not args.no_peers, notes=notes, progress=bar.set_postfix_str)
+            else:
+                rows = run_vllm(drafter_spec, target_spec, prompts, args.max_new_tokens, ngram=not args.no_peers,
+                                notes=notes, progress=bar.set_postfix_str)
             bar.close()
             results[f"{pair_spec}/{dataset}"] = rows
-            text += (f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens; speedup over llama.cpp "
-                     "alone (total time)\n\n| row | tok/s | speedup | identical |\n|---|---|---|---|\n")
+            text += (f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens; speedup over {base} "
+                     "(total time)\n\n| row | tok/s | speedup | identical |\n|---|---|---|---|\n")
             text += "".join(f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n"
-                            for r in summarize_llama(rows))
+                            for r in summarize_llama(rows, base=base))
             text += "".join(f"\n- {note}" for note in notes) + "\n"
             atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
             atomic_write_bytes(out / f"{args.name}.md", text.encode())
@@ -171,8 +182,8 @@ def bench(args: argparse.Namespace) -> None:
 
     if args.remote:
         return _bench_remote(args)
-    if args.target_backend == "llama.cpp":
-        return _bench_llama(args)
+    if args.target_backend in ("llama.cpp", "vllm"):
+        return _bench_engine(args)
     if args.k_grid:
         return _bench_k_grid(args)
     if args.drafts and len(args.drafts) > 1:

@@ -122,10 +122,10 @@ def run_llama(drafter_spec: str, target_spec: str, prompts: list[str], max_new_t
     return results
 
 
-def summarize_llama(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per row: tok/s over all prompts, speedup over llama.cpp alone (total time), identical count."""
-    base = [r for r in results if r["row"] == "llama.cpp alone"]
-    base_rate = sum(r["tokens"] for r in base) / sum(r["seconds"] for r in base)
+def summarize_llama(results: list[dict[str, Any]], base: str = "llama.cpp alone") -> list[dict[str, Any]]:
+    """Per row: tok/s over all prompts, speedup over the `base` row (total time), identical count."""
+    base_rows = [r for r in results if r["row"] == base]
+    base_rate = sum(r["tokens"] for r in base_rows) / sum(r["seconds"] for r in base_rows)
     out = []
     for name in dict.fromkeys(r["row"] for r in results):
         mine = [r for r in results if r["row"] == name]

@@ -1,0 +1,77 @@
+"""`omnidraft bench --target-backend vllm`: the target on vLLM in this process, every contender in
+one run, each greedy and timed per request (prefill included), every output against vLLM alone's:
+- vLLM alone: the engine's own greedy decoding of the request (the speed to beat);
+- vLLM n-gram: vLLM's own speculative decoding with `speculative_config` method "ngram" (a
+  second engine on the same weights; where vLLM's CPU build refuses it, the row is absent and the
+  refusal is in the notes);
+- omnidraft: the default pairing with the drafter on `VLLMTarget` (per request it speculates or
+  lets vLLM decode alone, whichever it measured faster), and the same under the "compute"
+  objective (every request speculates), to show what drafting costs where the default declines it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from .baselines import Timed
+
+__all__ = ["run_vllm"]
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def _engine_alone(target: Any, ids: list[int], n: int) -> Timed:
+    started = time.perf_counter()
+    out = target.generate(ids, n)
+    return Timed(out, time.perf_counter() - started)
+
+
+def _pairing(pair: Any, prompt: str, n: int) -> Timed:
+    started = time.perf_counter()
+    out = pair.generate(prompt, max_new_tokens=n)
+    return Timed(out.token_ids, time.perf_counter() - started)
+
+
+def run_vllm(drafter_spec: str, target_spec: str, prompts: list[str], max_new_tokens: int, *, dtype: str = "float32",
+             ngram: bool = True, notes: list[str] | None = None,
+             progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+    """Per prompt, per row: {"row", "prompt", "tokens", "seconds", "identical"} (identical: the
+    same ids as vLLM alone). `notes` receives why a row is absent and each pairing's choice."""
+    import omnidraft as od
+
+    notes = notes if notes is not None else []
+    target = od.VLLMTarget.load(target_spec, dtype=dtype)
+    rows: dict[str, Callable[[str, list[int]], Timed]] = {
+        "vLLM alone": lambda p, ids: _engine_alone(target, ids, max_new_tokens)}
+    others = []
+    if ngram:
+        try:
+            spec = od.VLLMTarget.load(target_spec, dtype=dtype, speculative_config=NGRAM)
+            others.append(spec)
+            rows["vLLM n-gram speculative"] = lambda p, ids: _engine_alone(spec, ids, max_new_tokens)
+        except Exception as exc:  # the CPU build may not offer it: say so instead of a row
+            notes.append(f"vLLM n-gram speculative decoding did not start: {type(exc).__name__}: {exc}"[:400])
+    drafter = od.Drafter.load(drafter_spec)
+    pairs = {"omnidraft (default)": drafter.pair(target), "omnidraft (compute objective)":
+             drafter.pair(target, objective="compute")}
+    for name, pair in pairs.items():
+        rows[name] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
+    results = []
+    try:
+        for i, prompt in enumerate(prompts):
+            ids = target.tokenizer(prompt)["input_ids"]
+            reference = None
+            for name, run in rows.items():
+                progress(f"prompt {i + 1}/{len(prompts)}: {name}")
+                timed = run(prompt, ids)
+                reference = timed.token_ids if reference is None else reference
+                results.append({"row": name, "prompt": i, "tokens": len(timed.token_ids), "seconds": timed.seconds,
+                                "identical": timed.token_ids == reference[: len(timed.token_ids)]})
+        for name, pair in pairs.items():
+            if pair.modes is not None:
+                notes.append(f"{name}: per request, {pair.modes!r}")
+    finally:
+        for engine in (target, *others):
+            engine.close()
+    return results
