@@ -78,13 +78,8 @@ def replay_client(http: Any, ids: list[int], log: dict, reference: list[int], to
             proposal = proposal[:budget]
         if budget == 0:
             body = {"committed": len(ids) + len(committed), "max_tokens": tokens - len(committed)}
-            with http.stream("POST", f"/v1/sessions/{sid}/generate", json=body) as reply:
-                for line in reply.iter_lines():
-                    if line.strip():
-                        committed += json.loads(line)["tokens"]
-                        now = time.perf_counter()
-                        times.append(now - last)
-                        last = now
+            more, gaps = streamed(http, f"/v1/sessions/{sid}/generate", body, last)
+            committed, times = committed + more, times + gaps
             break
         reply = http.post(f"/v1/sessions/{sid}/verify",
                           json={"committed": len(ids) + len(committed), "proposal": proposal}).json()
@@ -98,16 +93,22 @@ def replay_client(http: Any, ids: list[int], log: dict, reference: list[int], to
     out.update(tokens=committed[:tokens], seconds=time.perf_counter() - started, per_token=times[:tokens])
 
 
-def alone_client(http: Any, ids: list[int], tokens: int, out: dict) -> None:
-    committed, times = [], []
-    started = last = time.perf_counter()
-    with http.stream("POST", "/v1/generate", json={"prompt_ids": ids, "max_tokens": tokens}) as reply:
+def streamed(http: Any, path: str, body: dict, last: float) -> tuple[list[int], list[float]]:
+    """The tokens of one NDJSON stream and the time before each, counted from `last`."""
+    tokens, gaps = [], []
+    with http.stream("POST", path, json=body) as reply:
         for line in reply.iter_lines():
             if line.strip():
-                committed += json.loads(line)["tokens"]
+                tokens += json.loads(line)["tokens"]
                 now = time.perf_counter()
-                times.append(now - last)
+                gaps.append(now - last)
                 last = now
+    return tokens, gaps
+
+
+def alone_client(http: Any, ids: list[int], tokens: int, out: dict) -> None:
+    started = time.perf_counter()
+    committed, times = streamed(http, "/v1/generate", {"prompt_ids": ids, "max_tokens": tokens}, started)
     out.update(tokens=committed, seconds=time.perf_counter() - started, per_token=times)
 
 

@@ -1,4 +1,4 @@
-"""The `omnidraft` command: generate, demo, bench, export, serve, doctor, simulate. The lab's
+"""The `omnidraft` command: generate, demo, bench, export, serve, doctor, profiles, simulate. The lab's
 experiments are `python -m benchmarks` (benchmarks/)."""
 
 from __future__ import annotations
@@ -10,12 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from .bench.pairs import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
+from .errors import OmnidraftError
 
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="omnidraft", description="Cross-vocabulary speculative decoding.")
+    p.add_argument("--version", action="version", version=f"omnidraft {__version__}")
+    p.add_argument("--debug", action="store_true", help="on an error, print the whole traceback")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream one speculative generation")
@@ -91,6 +96,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="llama.cpp: sessions whose KV caches are kept side by side (each up to --n-ctx tokens)")
     v.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp: the longest session, in tokens")
     v.add_argument("--ttl", type=float, default=600.0, help="seconds an idle session is kept")
+
+    f = sub.add_parser("profiles", help="users' pairing profiles: list, show, export, import, delete")
+    f.add_argument("action", choices=["list", "show", "export", "import", "delete"])
+    f.add_argument("--drafter", default=DRAFTER)
+    f.add_argument("--target", default=TARGET)
+    f.add_argument("--user", default=None, help="the user id (show, export, delete; import: install under this id)")
+    f.add_argument("--file", default=None, help="export: the .tar to write; import: the .tar to read")
+    f.add_argument("--store", default=None, help="profile store directory (default: $OMNIDRAFT_CACHE/profiles)")
 
     o = sub.add_parser("doctor", help="what this machine offers: backends, presets, and the measured kernel plan")
     o.add_argument("--target", action="append", default=[], help="also show this model's kernel plan, repeatable")
@@ -184,20 +197,16 @@ def _pairing_for_export(drafter_name: str, tokenizer: Any, token_bytes: Any, arg
 
 
 def _serve(args: argparse.Namespace) -> None:
-    import uvicorn
+    from .optional import require
+
+    uvicorn = require("uvicorn", "omnidraft serve")
+    require("fastapi", "omnidraft serve")
 
     import omnidraft as od
 
     from .remote.server import ServerConfig, create_app
 
-    if args.api_key_file is None and not args.no_auth:
-        raise SystemExit("serve needs --api-key-file FILE (or --no-auth for a loopback-only development server)")
-    key = None
-    if args.api_key_file is not None:
-        keys = tuple(line.strip() for line in Path(args.api_key_file).read_text().splitlines() if line.strip())
-        if not keys:
-            raise SystemExit(f"{args.api_key_file} is empty: put the API key in it (one per line for several)")
-        key = keys[0] if len(keys) == 1 else keys
+    key = api_keys(args)
     config = ServerConfig(api_key=key, max_sessions=args.max_sessions, ttl_s=args.ttl,
                           max_sessions_per_key=args.max_sessions_per_key)
     if args.engine == "vllm":
@@ -206,12 +215,36 @@ def _serve(args: argparse.Namespace) -> None:
         target = od.LlamaCppTarget(args.target, slots=args.slots, n_ctx=args.n_ctx)
     else:
         target = od.LocalTarget.load(args.target, device=args.device, dtype=args.dtype)
+    print(f"omnidraft serve: {target.name} on {args.engine} at http://{args.host}:{args.port} - device sessions at "
+          "/v1/sessions, OpenAI clients at /v1/models, /v1/completions, /v1/chat/completions; API key "
+          f"{'required' if key else 'OFF'}", file=sys.stderr, flush=True)
     # on SIGTERM, streams in flight get GRACE_S seconds to finish, then the server stops
     uvicorn.run(create_app(target, config), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=GRACE_S)
 
 
 GRACE_S = 30  # seconds a stopping server lets streams in flight finish
+KEY_ENV = "OMNIDRAFT_API_KEY"  # the API key(s), comma-separated, when no --api-key-file is given
+
+
+def api_keys(args: argparse.Namespace) -> str | tuple[str, ...] | None:
+    """The server's key(s): --api-key-file (one per line), else $OMNIDRAFT_API_KEY (comma-separated),
+    else none with --no-auth; without any of them serve refuses to start."""
+    import os
+
+    if args.api_key_file is not None:
+        keys = tuple(line.strip() for line in Path(args.api_key_file).read_text().splitlines() if line.strip())
+        where = args.api_key_file
+    elif os.environ.get(KEY_ENV):
+        keys, where = tuple(k.strip() for k in os.environ[KEY_ENV].split(",") if k.strip()), f"${KEY_ENV}"
+    elif args.no_auth:
+        return None
+    else:
+        raise SystemExit(f"serve needs --api-key-file FILE or ${KEY_ENV} (or --no-auth for a loopback-only "
+                         "development server)")
+    if not keys:
+        raise SystemExit(f"{where} is empty: put the API key in it (several: one per line, or comma-separated)")
+    return keys[0] if len(keys) == 1 else keys
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -231,6 +264,34 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _profiles(args: argparse.Namespace) -> None:
+    from .profiles import ProfileStore
+
+    store = ProfileStore(args.store)
+    if args.action == "list":
+        for p in store.entries():
+            print(f"{p.drafter} -> {p.target}  user {p.user!r}  steps {p.steps}  "
+                  f"history {sum(map(len, (p.history or {}).get('docs', [])))} tokens")
+        return
+    if args.action != "import" and args.user is None:
+        raise SystemExit(f"profiles {args.action} needs --user")
+    if args.action == "show":
+        p = store.load(args.drafter, args.target, args.user)
+        if p is None:
+            raise FileNotFoundError(f"no profile for user {args.user!r} of {args.drafter} -> {args.target}")
+        print(json.dumps({"drafter": p.drafter, "target": p.target, "user": p.user, "steps": p.steps,
+                          "tensors": sorted(p.tensors), "metrics": p.metrics[-3:]}, indent=1))
+    elif args.action == "export":
+        print(store.export(args.drafter, args.target, args.user, args.file or f"{args.user}.tar"))
+    elif args.action == "import":
+        if args.file is None:
+            raise SystemExit("profiles import needs --file")
+        p = store.import_file(args.file, user=args.user)
+        print(f"imported the profile of {p.user!r} for {p.drafter} -> {p.target}")
+    elif not store.delete(args.drafter, args.target, args.user):
+        raise FileNotFoundError(f"no profile for user {args.user!r} of {args.drafter} -> {args.target}")
+
+
 def _doctor(args: argparse.Namespace) -> None:
     from .doctor import report
 
@@ -244,13 +305,24 @@ def _simulate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"]:  # every argument, --help included, is device_sim's
+        from device_sim.__main__ import main as simulate_main
+
+        simulate_main(argv[1:])
+        return
     args = _parser().parse_args(argv)
     start_run(args)
     from .bench.commands import bench
 
     commands = {"generate": _generate, "demo": _demo, "bench": bench, "export": _export, "serve": _serve,
-                "simulate": _simulate, "doctor": _doctor}
-    commands[args.command](args)
+                "simulate": _simulate, "doctor": _doctor, "profiles": _profiles}
+    try:
+        commands[args.command](args)
+    except (OmnidraftError, ValueError, OSError) as exc:  # the user's input or environment: one line, no traceback
+        if args.debug:
+            raise
+        raise SystemExit(f"omnidraft {args.command}: error: {exc} (--debug shows the traceback)") from None
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ class DecodeConfig:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.mode == "greedy" and isinstance(self.temperature, (int, float)) and self.temperature > 0:
+            object.__setattr__(self, "mode", "match")  # a temperature alone asks for lossless sampling
         if self.drafts not in DRAFT_SOURCES:
             raise ValueError(f"drafts must be one of {DRAFT_SOURCES}, got {self.drafts!r}")
         if self.k is not None and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
@@ -127,7 +127,7 @@ class Pairing:
         if self.learner is not None:
             self.learner.wait()
         with self.drafter.lock:
-            return save_peft(self.drafter.trainable, self.adapter, directory)
+            return save_peft(self.drafter.trainable, self.adapter, directory, base=self.drafter.name)
 
     def save(self) -> Path:
         """Write this user's profile (adapter, head, n-gram cache, datastore, metrics) atomically; its directory."""
@@ -139,7 +139,7 @@ class Pairing:
             self.learner.wait()
         return self.store.save(pairing_profile(self))
 
-    def generate(self, prompt: str | list[str], max_new_tokens: int = 128, *, stop: tuple[str, ...] = (),
+    def generate(self, prompt: str | list[str], max_new_tokens: int = 128, *, stop: str | Sequence[str] = (),
                  seed: int | None = None, generator: torch.Generator | None = None, **sampling: Any) -> Any:
         """Decode `prompt` speculatively; greedy output equals the target's own greedy output. A list
         of prompts gives a list of Generations (decoded one after another). `sampling`: this call's
@@ -152,7 +152,7 @@ class Pairing:
             pass
         return done[0]
 
-    def chat(self, messages: list[dict[str, str]], max_new_tokens: int = 128, *, stop: tuple[str, ...] = (),
+    def chat(self, messages: list[dict[str, str]], max_new_tokens: int = 128, *, stop: str | Sequence[str] = (),
              seed: int | None = None, generator: torch.Generator | None = None, **sampling: Any) -> Generation:
         """Answer a conversation ([{"role": "user", "content": ...}, ...]) in the target's chat
         template, rendered once; the target reads it as rendered (no second BOS) and the drafter
@@ -167,17 +167,17 @@ class Pairing:
         """The conversation as the target's chat template writes it, ready for the assistant's turn."""
         return render_chat(self.target.tokenizer, messages, self.target.name)
 
-    def stream(self, prompt: str, max_new_tokens: int = 128, *, stop: tuple[str, ...] = (), seed: int | None = None,
+    def stream(self, prompt: str, max_new_tokens: int = 128, *, stop: str | Sequence[str] = (), seed: int | None = None,
                generator: torch.Generator | None = None, **sampling: Any) -> Iterator[str]:
         """Yield text as it is committed; afterwards `self.last` holds the full `Generation` (with
         threads sharing the pairing, the last one any of them finished)."""
         return self._stream(prompt, max_new_tokens, stop, make_generator(seed, generator), True, [], {**sampling, "seed": seed})
 
-    def _stream(self, prompt: str, max_new_tokens: int, stop: tuple[str, ...], generator: torch.Generator | None,
+    def _stream(self, prompt: str, max_new_tokens: int, stop: str | Sequence[str], generator: torch.Generator | None,
                 special: bool, done: list[Generation], sampling: dict[str, Any]) -> Iterator[str]:
         """`special`: the tokenizers add their special tokens (BOS) to `prompt`; False for text that
         has them already (a rendered chat). The finished Generation is appended to `done`."""
-        check_request(prompt, max_new_tokens, stop)
+        stop = check_request(prompt, max_new_tokens, stop)
         rule = self.config.request_rule(**sampling)
         started = time.perf_counter()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -113,9 +113,11 @@ class ProfileStore:
         self.root = Path(root)
 
     def path(self, drafter: str, target: str, user: str) -> Path:
-        """The profile's directory: model names of any form (preset, HF id, path) map injectively to
-        directory names; a user name must be a plain name (checked)."""
-        return self.root / model_dir_name(drafter) / model_dir_name(target) / _check_name("user", user)
+        """The profile's directory: model names of any form (preset, HF id, path) and user ids of
+        any form (a plain name, an e-mail address, ...) map injectively to safe directory names."""
+        if not isinstance(user, str) or not user or len(user) > 320:
+            raise ValueError(f"user id must be a non-empty string of at most 320 characters, got {user!r}")
+        return self.root / model_dir_name(drafter) / model_dir_name(target) / model_dir_name(user)
 
     def save(self, profile: PairingProfile) -> Path:
         """Write a new version of `profile` and make it current; returns its directory."""
@@ -128,6 +130,30 @@ class ProfileStore:
                 return self._save_locked(home, profile)
         except Timeout:
             raise TimeoutError(f"profile {home} stayed locked by another writer for {LOCK_TIMEOUT_S:.0f} s") from None
+
+    def entries(self) -> list[PairingProfile]:
+        """Every current profile in the store (metadata and all), by directory."""
+        out = []
+        for meta in sorted(self.root.glob("*/*/*/CURRENT")):
+            home = meta.parent
+            if (current := self._current(home)) is not None:
+                out.append(_read_version(home / current))
+        return out
+
+    def delete(self, drafter: str, target: str, user: str) -> bool:
+        """Remove a user's profile for a pairing (every version), under the writers' lock; False if
+        there was none."""
+        from filelock import FileLock
+
+        home = self.path(drafter, target, user)
+        if not home.is_dir():
+            return False
+        with FileLock(home / ".lock", timeout=LOCK_TIMEOUT_S):
+            for entry in home.iterdir():
+                if entry.name != ".lock":
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        shutil.rmtree(home, ignore_errors=True)
+        return True
 
     def _save_locked(self, home: Path, profile: PairingProfile) -> Path:
         _clean_leftovers(home)
@@ -186,7 +212,7 @@ class ProfileStore:
             raise CorruptFileError(f"{path} is not an exported omnidraft profile: {exc}") from exc
         profile = _from_files(files, str(path))
         if user is not None:
-            profile.user = _check_name("user", user)
+            profile.user = user
         self.save(profile)
         return profile
 

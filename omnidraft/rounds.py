@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -70,13 +70,17 @@ def within_budget(tsession: Any, room: int, k: int) -> tuple[int, int]:
     return (room, k) if cap is None else (min(room, cap), min(k, cap))
 
 
-def check_request(prompt: str, max_new_tokens: int, stop: tuple[str, ...]) -> None:
+def check_request(prompt: str, max_new_tokens: int, stop: str | Sequence[str]) -> tuple[str, ...]:
+    """Refuse a malformed request, naming the field; returns the stop strings as a tuple (`stop`
+    may be one string or a list or tuple of them, as OpenAI's API takes it)."""
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(stop, str) or any(not isinstance(s, str) or not s for s in stop):
-        raise ValueError(f"stop must be a tuple of non-empty strings, got {stop!r}")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else None
+    if stops is None or any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return stops
 
 
 def first_stop(text: str, start: int, stop: tuple[str, ...]) -> int | None:

@@ -148,3 +148,10 @@ def test_asyncio_front_ends(tiny_drafter, tiny_target):
     outs, text = asyncio.run(main())
     assert [o.token_ids for o in outs] == [target_greedy(tiny_target, p, 12) for p in PROMPTS[:3]]
     assert text == outs[0].text
+
+
+def test_a_temperature_alone_pairs_for_lossless_match_sampling(tiny_drafter, tiny_target):
+    pair = od.pair(tiny_drafter, tiny_target, temperature=0.8)
+    assert pair.config.mode == "match" and pair.config.rule.temperature == 0.8
+    out = pair.generate("Question: Tom has", max_new_tokens=8, seed=3)
+    assert out.token_ids == pair.generate("Question: Tom has", max_new_tokens=8, seed=3).token_ids

@@ -489,6 +489,9 @@ def test_adapters_go_out_and_come_back_in_peft_format(drafter, tiny_target, draf
     assert pair.steps > 0
     out = pair.save_adapter(tmp_path / "adapter")
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    import json
+
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == drafter.name  # portable
     ids = torch.tensor([draft_tokenizer("Question: how many apples")["input_ids"]])
     with torch.no_grad():
         drafter.activate(pair.adapter)

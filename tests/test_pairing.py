@@ -110,12 +110,22 @@ def test_sampling_modes_reproduce_the_target_distribution_end_to_end(mode):
         (lambda p: p.generate("", max_new_tokens=4), "prompt must be a non-empty string"),
         (lambda p: p.generate("hi", max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
         (lambda p: p.generate("hi", max_new_tokens=-3), "got -3"),
-        (lambda p: p.generate("hi", stop="x"), "stop must be a tuple"),
+        (lambda p: p.generate("hi", stop=""), "stop must be a non-empty string or a list"),
+        (lambda p: p.generate("hi", stop=3), "stop must be a non-empty string or a list"),
     ],
 )
 def test_bad_requests_name_the_value(tiny_drafter, tiny_target, call, match):
     with pytest.raises(ValueError, match=match):
         call(tiny_drafter.pair(tiny_target))
+
+
+def test_stop_is_a_string_or_a_list_of_them(tiny_drafter, tiny_target):
+    pair = tiny_drafter.pair(tiny_target, k=3)
+    full = pair.generate("Question: Tom has 3 apples", max_new_tokens=24).text
+    cut = full[len(full) // 2 : len(full) // 2 + 2]
+    for stop in (cut, [cut], (cut, "\x00never")):
+        out = pair.generate("Question: Tom has 3 apples", max_new_tokens=24, stop=stop)
+        assert out.text == full[: full.find(cut)] and out.finish_reason == "stop"
 
 
 @pytest.mark.parametrize(

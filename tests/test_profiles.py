@@ -76,10 +76,24 @@ def test_export_import_moves_a_profile_between_stores(tmp_path):
         b.import_file(tmp_path / "junk.tar")
 
 
-@pytest.mark.parametrize("bad", ["", "../etc", "a/b", "x" * 101, "alice\n", "alice\r\n"])
-def test_names_are_checked(tmp_path, bad):
-    with pytest.raises(ValueError, match="name must be"):
+@pytest.mark.parametrize("bad", ["", "x" * 321, None, 3])
+def test_user_ids_are_checked(tmp_path, bad):
+    with pytest.raises(ValueError, match="user id must be"):
         ProfileStore(tmp_path).path("d", "t", bad)
+
+
+def test_any_user_id_maps_injectively_to_a_safe_directory(tmp_path):
+    """E-mail addresses and ids with separators or newlines are user ids too: each gets its own
+    directory inside the store, never one another id has."""
+    store = ProfileStore(tmp_path)
+    users = ["alice@example.com", "alice_example.com", "../etc", "a/b", "x" * 101, "alice\n", "alice", "a-h-b"]
+    paths = [store.path("d", "t", u) for u in users]
+    assert len(set(paths)) == len(users)
+    assert all(p.parent == tmp_path / "d" / "t" and "/" not in p.name and p.name not in ("..", ".") for p in paths)
+    profile = _profile()
+    profile.user = "alice@example.com"
+    store.save(profile)
+    assert store.load("smollm2-135m", "qwen2.5-coder-0.5b", "alice@example.com").steps == profile.steps
 
 
 def test_hf_ids_and_paths_as_model_names_get_their_own_profile_directories(tmp_path):
@@ -217,3 +231,21 @@ def test_users_on_one_drafter_never_share_adapter_weights(draft_tokenizer, tiny_
     b.save()
     assert all(float(v.abs().sum()) == 0.0 for k, v in store.load("tiny-drafter", tiny_target.name, "a_b")
                .tensors["adapter"].items() if "lora_B" in k)
+
+
+def test_a_profile_keeps_none_of_a_users_text_when_asked(tiny_drafter, tiny_target, tmp_path):
+    """Retention: `history_tokens=0` keeps no output text in the user's profile; a small value keeps
+    only the newest tokens."""
+    from omnidraft import RetrievalConfig
+
+    store = ProfileStore(tmp_path)
+    for kept, expect in ((0, None), (8, 8)):
+        pair = tiny_drafter.pair(tiny_target, user=f"u{kept}", store=store, k=3,
+                                 retrieval=RetrievalConfig(history_tokens=kept))
+        pair.generate("Question: Tom has 3 apples", max_new_tokens=16)
+        version = pair.save()
+        has = (version / "history.json").exists()
+        assert has == (expect is not None)
+        if has:
+            back = store.load(tiny_drafter.name, tiny_target.name, f"u{kept}")
+            assert sum(len(d) for d in back.history["docs"]) <= expect

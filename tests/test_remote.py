@@ -253,10 +253,12 @@ def test_openai_endpoint_speaks_the_completions_shape(http, tiny_target):
     assert all(len(row) == 2 for row in lp["top_logprobs"][1:])
     greedy = target_greedy(tiny_target, PROMPTS[0], 3)
     assert [tiny_target.token_bytes.id_of(t.encode()) for t in lp["tokens"][len(ids):]] == greedy
-    for body, reason in [({"prompt": ids, "temperature": 0.7}, "greedy"), ({"prompt": ids, "temperature": 0, "stream": True}, "stream"),
-                         ({"prompt": [10**9], "temperature": 0}, "token ids"), ({"prompt": ids, "logprobs": 99}, "logprobs")]:
+    for body in ({"prompt": ids, "temperature": 0.7}, {"prompt": ids, "temperature": 0, "stream": True}):
+        assert http.post("/v1/completions", headers=auth, json=body).status_code == 200  # sampled, streamed: served
+    for body, reason in [({"prompt": [10**9], "temperature": 0}, "token ids"), ({"prompt": ids, "logprobs": 99}, "logprobs"),
+                         ({"prompt": ids, "echo": True, "logprobs": 1, "temperature": 0.7}, "greedy")]:
         r = http.post("/v1/completions", headers=auth, json=body)
-        assert r.status_code == 422 and reason in r.text, (body, r.text)
+        assert r.status_code == 400 and reason in r.json()["error"]["message"], (body, r.text)  # OpenAI's shape
 
 
 def test_openai_target_feeds_learning_with_top_rows(http, draft_tokenizer, tiny_target, tmp_path):

@@ -26,7 +26,7 @@ import numpy as np
 
 from .baselines import Timed
 
-__all__ = ["GgufDraft", "run_llama", "summarize_llama"]
+__all__ = ["GgufDraft", "run_llama", "summarize_llama", "time_rows"]
 
 SPEC_MAX, SPEC_P_MIN = 16, 0.75  # llama.cpp's speculative defaults (draft-max, draft-p-min)
 
@@ -109,16 +109,23 @@ def run_llama(drafter_spec: str, target_spec: str, prompts: list[str], max_new_t
 
         local = od.LocalTarget.load(target_spec)
         rows["PyTorch fp32 target alone"] = lambda p, ids: target_alone(local, p, max_new_tokens)
+    return time_rows(rows, prompts, target.tokenizer, progress)
+
+
+def time_rows(rows: dict[str, Callable[[str, list[int]], Timed]], prompts: list[str], tokenizer: Any,
+              progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every row on every prompt, in order per prompt; the first row's output is the reference
+    each other row's is compared with (a shorter output compares as far as it goes: it stopped)."""
     results = []
     for i, prompt in enumerate(prompts):
-        ids = target.tokenizer(prompt)["input_ids"]
+        ids = tokenizer(prompt)["input_ids"]
         reference = None
         for name, run in rows.items():
             progress(f"prompt {i + 1}/{len(prompts)}: {name}")
             timed = run(prompt, ids)
             reference = timed.token_ids if reference is None else reference
             results.append({"row": name, "prompt": i, "tokens": len(timed.token_ids), "seconds": timed.seconds,
-                            "identical": timed.token_ids == reference})
+                            "identical": timed.token_ids == reference[: len(timed.token_ids)]})
     return results
 
 

@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from .baselines import Timed
+from .llama import time_rows
 
 __all__ = ["run_vllm"]
 
@@ -57,17 +58,8 @@ def run_vllm(drafter_spec: str, target_spec: str, prompts: list[str], max_new_to
              drafter.pair(target, objective="compute")}
     for name, pair in pairs.items():
         rows[name] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
-    results = []
     try:
-        for i, prompt in enumerate(prompts):
-            ids = target.tokenizer(prompt)["input_ids"]
-            reference = None
-            for name, run in rows.items():
-                progress(f"prompt {i + 1}/{len(prompts)}: {name}")
-                timed = run(prompt, ids)
-                reference = timed.token_ids if reference is None else reference
-                results.append({"row": name, "prompt": i, "tokens": len(timed.token_ids), "seconds": timed.seconds,
-                                "identical": timed.token_ids == reference[: len(timed.token_ids)]})
+        results = time_rows(rows, prompts, target.tokenizer, progress)
         for name, pair in pairs.items():
             if pair.modes is not None:
                 notes.append(f"{name}: per request, {pair.modes!r}")

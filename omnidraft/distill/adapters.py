@@ -103,16 +103,23 @@ def load_adapter_state(model: Any, name: str, state: dict[str, torch.Tensor]) ->
         raise ValueError(f"adapter state does not fit this drafter: unexpected keys {unexpected[:3]}")
 
 
-def save_peft(model: Any, name: str, directory: str | os.PathLike[str]) -> Path:
+def save_peft(model: Any, name: str, directory: str | os.PathLike[str], *, base: str | None = None) -> Path:
     """Adapter `name` of peft model `model` as a peft adapter directory (adapter_config.json and
     adapter_model.safetensors, what `PeftModel.from_pretrained` reads), written whole into a
-    temporary directory and renamed into place, so a crash leaves the old directory or the new one."""
+    temporary directory and renamed into place, so a crash leaves the old directory or the new one.
+    `base`: the base model's portable name (a preset or HF id) recorded as `base_model_name_or_path`
+    instead of this machine's cache path, so the directory loads on another machine."""
+    import copy
+
     from safetensors.torch import save
 
     final = Path(directory)
     state = {k: v.contiguous() for k, v in adapter_state(model, name).items()}
+    config = copy.copy(model.peft_config[name])
+    if base is not None:
+        config.base_model_name_or_path = base
     with atomic_path(final, directory=True) as tmp:
-        model.peft_config[name].save_pretrained(str(tmp))
+        config.save_pretrained(str(tmp))
         (tmp / PEFT_WEIGHTS).write_bytes(save(state, metadata={"format": "pt"}))
     return final
 

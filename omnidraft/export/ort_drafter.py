@@ -43,7 +43,9 @@ class OrtGraph:
     """An onnxruntime session over an exported drafter graph."""
 
     def __init__(self, path: str | Path, threads: int | None = None) -> None:
-        import onnxruntime as ort
+        from ..optional import require
+
+        ort = require("onnxruntime", "an ONNX drafter")
 
         options = ort.SessionOptions()
         if threads:

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import IncompatibleError, RemoteRequestError, TargetUnavailableError
+from ..optional import require
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
@@ -43,8 +44,7 @@ class RemoteTarget:
 
     def __init__(self, url: str, *, api_key: str | None = None, tokenizer: Any = None, timeout: float = 30.0,
                  retries: int = 2, client: Any = None) -> None:
-        import httpx
-
+        httpx = require("httpx", "RemoteTarget")
         if retries < 0 or timeout <= 0:
             raise ValueError(f"need retries >= 0 and timeout > 0, got {retries} and {timeout}")
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}

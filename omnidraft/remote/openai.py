@@ -24,11 +24,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import httpx
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ..errors import IncompatibleError, RemoteRequestError
+from ..optional import require
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
@@ -39,9 +39,11 @@ __all__ = ["Cancelled", "CompletionRequest", "OpenAICompletionsTarget", "complet
 MAX_LOGPROBS = 20
 
 
+PROBE_TEXT = "def f(x):\n    return x + 1  # caf\u00e9"
+
+
 class Cancelled(Exception):
     """A completion stopped because its client disconnected (`complete`'s `cancel` was set)."""
-PROBE_TEXT = "def f(x):\n    return x + 1  # caf\u00e9"
 
 
 class CompletionRequest(BaseModel):
@@ -49,11 +51,16 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     model: str | None = None
-    prompt: list[int] | str
+    prompt: list[StrictInt] | str
     max_tokens: int = Field(16, ge=0, le=4096)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    temperature: float = 1.0
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)
     stream: bool = False
     return_tokens_as_token_ids: bool = False
 
@@ -162,7 +169,8 @@ class OpenAICompletionsTarget:
         if not 1 <= topk <= MAX_LOGPROBS:
             raise ValueError(f"topk must be in [1, {MAX_LOGPROBS}], got {topk}")
         self.url, self.model, self.retries, self.topk = url, model, retries, topk
-        self.http = client if client is not None else httpx.Client(base_url=url, timeout=timeout)
+        self.http = client if client is not None else require("httpx", "OpenAICompletionsTarget").Client(
+            base_url=url, timeout=timeout)
         if api_key:
             self.http.headers.update({"authorization": f"Bearer {api_key}"})
         self.tokenizer, self.name = tokenizer, name or model

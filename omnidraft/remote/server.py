@@ -34,6 +34,8 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from ..target import Rule
+from .openai_api import OPENAI_PATHS, ChatRequest, chat_prompt, error_body, models_reply, respond
 from .protocol import VERSION, GenerateRequest, OpenRequest, PromptGenerateRequest, VerifyRequest
 from .service import HTTPError, ServerConfig, Service
 
@@ -48,9 +50,12 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     app = FastAPI(title="omnidraft verification server", version=str(VERSION))
     app.state.service = service
 
-    def fail(status: int, message: str) -> JSONResponse:
+    def fail(status: int, message: str, path: str = "") -> JSONResponse:
         if status != 404:
             service.metrics.rejected_requests += 1
+        if path in OPENAI_PATHS:  # what an OpenAI client parses; an invalid request is its 400
+            status = 400 if status == 422 else status
+            return JSONResponse(error_body(status, message), status_code=status)
         return JSONResponse({"version": VERSION, "error": message}, status_code=status)
 
     def key_of(request: Request) -> int | None:
@@ -93,11 +98,11 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         guarded = request.url.path.startswith("/v1/") or (request.url.path == "/metrics" and not config.open_metrics)
         request.state.key = key_of(request)
         if guarded and request.state.key is None:
-            return fail(401, "missing or wrong API key (send Authorization: Bearer <key>)")
+            return fail(401, "missing or wrong API key (send Authorization: Bearer <key>)", request.url.path)
         try:
             return await call_next(request)
         except HTTPError as exc:
-            return fail(exc.status, exc.message)
+            return fail(exc.status, exc.message, request.url.path)
         except Exception:  # a bug, never expected: logged, and the client is told to reconnect
             log.exception("unhandled error serving %s %s", request.method, request.url.path)
             reply = fail(500, "internal server error (logged on the server)")
@@ -143,19 +148,58 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         stream = await run_in_threadpool(service.generate_alone, await body(request, PromptGenerateRequest), request.state.key)
         return StreamingResponse(stream, media_type="application/x-ndjson")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        from .openai import Cancelled, CompletionRequest
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return models_reply(service.target.name)
 
-        parsed, cancel = await body(request, CompletionRequest), threading.Event()
-        work = asyncio.ensure_future(run_in_threadpool(service.complete, parsed, request.state.key, cancel))
-        while not (await asyncio.wait({work}, timeout=0.25))[0]:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        parsed = await body(request, ChatRequest)
+        try:
+            ids = chat_prompt(service.target.tokenizer, parsed, service.target.name)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from None
+        return await openai_reply(request, parsed, ids, parsed.limit)
+
+    async def until_disconnect(request: Request, work: Any, *args: Any) -> Any:
+        """`work(*args, cancel)` in the thread pool; `cancel` is set if the client goes away first."""
+        from .openai import Cancelled
+
+        cancel = threading.Event()
+        running = asyncio.ensure_future(run_in_threadpool(work, *args, cancel))
+        while not (await asyncio.wait({running}, timeout=0.25))[0]:
             if await request.is_disconnected():
                 cancel.set()  # the work stops at its next token; its reply goes nowhere
         try:
-            return work.result()
+            return running.result()
         except Cancelled:
             raise HTTPError(499, "the client closed the connection") from None
+
+    async def openai_reply(request: Request, parsed: Any, ids: list[int], limit: int) -> Any:
+        """Decode alone for a plain OpenAI client: a JSON reply, or SSE when it streams."""
+        rule = Rule() if parsed.temperature == 0 else Rule(mode="match", temperature=max(parsed.temperature, 1e-3),
+                                                           top_k=parsed.top_k, top_p=parsed.top_p)
+        target, key = service.target, request.state.key
+        if parsed.stream:  # a stream decodes as it is read: a client gone stops the reading
+            tokens = await run_in_threadpool(service.sample, ids, rule, limit, parsed.seed, key)
+            chunks = respond(tokens, parsed, target.tokenizer, target.name, len(ids), target.eos_ids)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+
+        def whole(cancel: threading.Event) -> Any:
+            tokens = service.sample(ids, rule, limit, parsed.seed, key, cancel)
+            return respond(tokens, parsed, target.tokenizer, target.name, len(ids), target.eos_ids)
+
+        return await until_disconnect(request, whole)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        from .openai import CompletionRequest
+
+        parsed = await body(request, CompletionRequest)
+        if parsed.echo or parsed.logprobs is not None:  # scoring (what OpenAICompletionsTarget reads): greedy
+            return await until_disconnect(request, service.complete, parsed, request.state.key)
+        ids = list(parsed.prompt) if isinstance(parsed.prompt, list) else service.target.tokenizer(parsed.prompt)["input_ids"]
+        return await openai_reply(request, parsed, ids, parsed.max_tokens)
 
     @app.delete("/v1/sessions/{sid}")
     async def close(sid: str, request: Request) -> Any:

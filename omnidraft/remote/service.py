@@ -319,6 +319,50 @@ class Service:
         self.metrics.rounds += 1
         return reply
 
+    def sample(self, ids: list[int], rule: Rule, max_tokens: int, seed: int | None, key: int = 0,
+               cancel: threading.Event | None = None) -> Iterator[int]:
+        """The target alone on `ids` (the OpenAI routes): up to `max_tokens` tokens under `rule`,
+        one step at a time (other sessions' verifies interleave), stopping after an EOS; the KV
+        budget is held while it runs. Checked now, decoded as the iterator is read; `cancel` set
+        (the client went away) stops it at its next token with `Cancelled`."""
+        from .openai import Cancelled
+
+        self._check_ids(ids, "prompt")
+        budget = len(ids) + max_tokens
+        self._check_context(budget, "the completion")
+        if (check := getattr(self.target, "check_rule", None)) is not None:
+            try:
+                check(rule)
+            except ValueError as exc:
+                raise HTTPError(422, str(exc)) from None
+        with self.table_lock:
+            self._reserve(budget, key)
+            self.inflight[key] = self.inflight.get(key, 0) + budget
+        session = _Session(self.target.begin(list(ids)), time.monotonic(), key)
+        generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+
+        def tokens() -> Iterator[int]:
+            try:
+                if rule.mode == "greedy" and self.batches:  # the engine's own loop, batched with the rest
+                    yield from self._engine_decode(session, max_tokens)
+                    return
+                self._prefill(session)
+                empty = torch.zeros(0, dtype=torch.long)
+                for _ in range(max_tokens):
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled("the client went away")
+                    with self.model_lock:
+                        token = session.inner.verify(empty, rule, None, generator).token
+                    yield token
+                    if token in self.target.eos_ids:
+                        return
+            finally:
+                with self.table_lock:
+                    self.inflight[key] -= budget
+                _release(session)
+
+        return tokens()
+
     def close(self, sid: str, key: int = 0) -> None:
         self._session(sid, key)  # 404 unless it is there for this key
         with self.table_lock:

@@ -109,9 +109,11 @@ class Retriever:
         """A pairing's retriever: with a `user`, their past outputs are drafts too, kept in their
         profile (`saved`: its datastore document; `fingerprint`: the target tokenizer's)."""
         history = None
-        if user is not None:
-            history = (Datastore.from_doc(saved, where=f"profile of {user!r}", fingerprint=fingerprint)
-                       if saved is not None else Datastore(fingerprint=fingerprint))
+        if user is not None and config.history_tokens > 0:  # 0: the user's outputs are never kept
+            history = Datastore(config.history_tokens, fingerprint=fingerprint)
+            if saved is not None:  # what the profile kept, within this config's retention
+                for doc in Datastore.from_doc(saved, where=f"profile of {user!r}", fingerprint=fingerprint).docs:
+                    history.add(list(doc))
         return cls(config, history, model=model)
 
     def begin(self, prompt_ids: list[int]) -> ContextIndex:

@@ -39,7 +39,8 @@ class RetrievalConfig:
     failed before is measured again (acceptance depends on the request). `defer_read`: beside model
     drafts, a request starts without them until its rounds have lost what reading its context
     costs the drafter (planner.ReadDeferral; docs/retrieval.md has what it measured); False: the
-    drafter reads every prompt at once."""
+    drafter reads every prompt at once. `history_tokens`: the most tokens of a user's past outputs
+    their profile keeps for retrieval (newest kept); 0 keeps none: no output text is stored."""
 
     max_len: int = 16
     min_match: int = 3
@@ -48,8 +49,11 @@ class RetrievalConfig:
     extend: bool = True
     probe_every: int = 8
     defer_read: bool = True
+    history_tokens: int = 32_768
 
     def __post_init__(self) -> None:
+        if not isinstance(self.history_tokens, int) or isinstance(self.history_tokens, bool) or self.history_tokens < 0:
+            raise ValueError(f"retrieval history_tokens must be an integer >= 0 (0: keep none), got {self.history_tokens!r}")
         if not isinstance(self.max_len, int) or self.max_len < 1:
             raise ValueError(f"retrieval max_len must be an integer >= 1, got {self.max_len!r}")
         if not isinstance(self.min_match, int) or self.min_match < 1:

@@ -1,0 +1,135 @@
+"""The verification server's OpenAI surface for plain clients: `/v1/models`, `/v1/completions` and
+`/v1/chat/completions` with temperature, top_p, top_k, seed, stop, max_tokens and streaming (SSE),
+so one deployment serves devices that draft and clients that do not (the official `openai` client
+included). The target decodes alone here: greedy at temperature 0, else lossless sampling from its
+own (filtered) distribution, one token a step through the session's verify with no proposal, so
+other sessions' verifies interleave. Errors take OpenAI's shape (`error_body`). Echo and
+prompt log-probabilities stay with openai.py's scoring path (what OpenAICompletionsTarget reads).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Iterator
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .openai import CompletionRequest
+
+__all__ = ["ChatRequest", "chat_prompt", "error_body", "models_reply", "respond"]
+
+OPENAI_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    role: str
+    content: str
+
+
+class ChatRequest(BaseModel):
+    """The part of OpenAI's chat completion request this server implements (other fields ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=4096)
+    max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+
+    @property
+    def limit(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 256
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def models_reply(name: str) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "omnidraft"}]}
+
+
+def chat_prompt(tokenizer: Any, request: ChatRequest, name: str) -> list[int]:
+    """The conversation through the target's chat template, as token ids (its special tokens once);
+    a ValueError names a target without a template."""
+    from ..rounds import render_chat
+
+    text = render_chat(tokenizer, [{"role": m.role, "content": m.content} for m in request.messages], name)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def respond(tokens: Iterator[int], request: CompletionRequest | ChatRequest, tokenizer: Any, name: str,
+            prompt_tokens: int, eos_ids: frozenset[int]) -> Any:
+    """The reply for `tokens` (the target's, as it decodes them): one JSON object, or the SSE chunks
+    of a streamed reply. Text is cut before the first stop string."""
+    chat = isinstance(request, ChatRequest)
+    rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+    stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    pieces = _texts(tokens, tokenizer, stops, eos_ids)
+    base = {"id": rid, "created": created, "model": request.model or name}
+    if request.stream:
+        return _sse(pieces, base, chat)
+    text, reason, count = "", "length", 0
+    for piece, reason, count in pieces:
+        text += piece
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})
+    return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": count,
+                      "total_tokens": prompt_tokens + count}}
+
+
+def _texts(tokens: Iterator[int], tokenizer: Any, stops: list[str], eos_ids: frozenset[int]) -> Iterator[tuple[str, str, int]]:
+    """(new text, finish reason so far, tokens so far) as tokens arrive; holds back text a stop
+    string may begin in, and ends at a stop string ("stop") or when the tokens end."""
+    ids: list[int] = []
+    shown, reason = 0, "length"
+    hold = max(map(len, stops), default=1) - 1
+    text = ""
+    for token in tokens:
+        ids.append(token)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        hit = min((i for i in (text.find(s, max(0, shown - hold)) for s in stops) if i >= 0), default=None)
+        if hit is not None:
+            yield text[shown:hit], "stop", len(ids)
+            if hasattr(tokens, "close"):
+                tokens.close()  # stops the decoding behind it
+            return
+        if token in eos_ids:
+            reason = "stop"
+        upto = len(text) - hold if not text.endswith("\ufffd") else shown
+        if upto > shown:
+            yield text[shown:upto], reason, len(ids)
+            shown = upto
+    yield text[shown:], reason, len(ids)
+
+
+def _sse(pieces: Iterator[tuple[str, str, int]], base: dict[str, Any], chat: bool) -> Iterator[bytes]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(doc: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+    if chat:
+        yield event({**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                           "finish_reason": None}]})
+    reason = "length"
+    for piece, reason, _ in pieces:
+        if piece:
+            body = {"delta": {"content": piece}} if chat else {"text": piece, "logprobs": None}
+            yield event({**base, "object": kind, "choices": [{"index": 0, **body, "finish_reason": None}]})
+    last = {"delta": {}} if chat else {"text": "", "logprobs": None}
+    yield event({**base, "object": kind, "choices": [{"index": 0, **last, "finish_reason": reason}]})
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,78 @@
+"""`omnidraft serve`'s OpenAI surface, driven by the official `openai` client: models, completions
+and chat completions, plain and streamed, sampled with a seed, stopped by a stop string, and
+errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from omnidraft import LocalTarget
+from omnidraft.remote.server import ServerConfig, create_app
+
+from .conftest import target_greedy
+
+KEY = "open-sesame"
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target):
+    from fastapi.testclient import TestClient
+    from openai import OpenAI
+
+    tokenizer = copy.deepcopy(tiny_target.tokenizer)
+    tokenizer.chat_template = TEMPLATE
+    target = LocalTarget(tiny_target.model, tokenizer, "tiny-target")
+    with TestClient(create_app(target, ServerConfig(api_key=KEY))) as http:
+        yield target, OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0)
+
+
+def test_models_lists_the_target(served):
+    target, client = served
+    assert [m.id for m in client.models.list().data] == [target.name]
+
+
+def test_a_greedy_completion_is_the_targets_own_and_streams_the_same_text(served):
+    target, client = served
+    prompt = "Question: Tom has 3 apples and buys 5 more."
+    out = client.completions.create(model=target.name, prompt=prompt, max_tokens=12, temperature=0)
+    want = target.tokenizer.decode(target_greedy(target, prompt, 12), skip_special_tokens=True)
+    assert out.choices[0].text == want and out.usage.completion_tokens == 12
+    streamed = client.completions.create(model=target.name, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == want
+
+
+def test_sampled_completions_follow_the_seed_and_the_default_temperature_is_served(served):
+    target, client = served
+    a = client.completions.create(model=target.name, prompt="Question:", max_tokens=8, seed=5)  # temperature 1
+    b = client.completions.create(model=target.name, prompt="Question:", max_tokens=8, seed=5)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_chat_completions_plain_and_streamed_with_a_stop_string(served):
+    target, client = served
+    messages = [{"role": "user", "content": "How many apples does Tom have?"}]
+    whole = client.chat.completions.create(model=target.name, messages=messages, max_tokens=16, temperature=0)
+    text = whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant" and text
+    streamed = client.chat.completions.create(model=target.name, messages=messages, max_tokens=16, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = client.chat.completions.create(model=target.name, messages=messages, max_tokens=16, temperature=0, stop=stop)
+    assert cut.choices[0].message.content == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_errors_come_in_openais_shape(served):
+    import openai
+
+    target, client = served
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=target.name, prompt="x", max_tokens=4, top_p=5.0)
+    assert "top_p" in str(bad.value)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=client._client,
+                      max_retries=0).models.list()
