@@ -204,7 +204,13 @@ def test_bad_input_to_the_vllm_server_gets_the_torch_engines_4xx(vllm_client, vl
     assert r.status_code == status, r.text
     ok = vllm_client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=AUTH)
     assert ok.status_code == 200  # the session and the engine still serve
-    assert vllm_client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2}, headers=AUTH).status_code == 501
+    plain = vllm_client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0}, headers=AUTH)
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 2  # vLLM's own decoding
+    sampled = vllm_client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2}, headers=AUTH)
+    assert sampled.status_code == 400 and "top_k" in sampled.json()["error"]["message"]  # temperature 1, no top_k
+    echo = vllm_client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "echo": True, "logprobs": 1,
+                                                     "temperature": 0}, headers=AUTH)
+    assert echo.status_code == 501
 
 
 @pytest.mark.real

@@ -21,6 +21,9 @@ __all__ = ["EngineLoop", "Handle"]
 
 log = logging.getLogger(__name__)
 
+GATHER_S = 0.02  # how long a step may wait for the next requests of sessions that were just answered
+ACTIVE_S = 1.0  # a session answered within this long is one the loop waits for
+
 
 @dataclass
 class Handle:
@@ -28,6 +31,7 @@ class Handle:
     None when it finished, was aborted or the engine failed (`error`)."""
 
     request_id: str
+    tag: str | None = None  # who asked (a session): the loop waits briefly for a session's next request
     outputs: queue.Queue = field(default_factory=queue.Queue)
     error: BaseException | None = None
 
@@ -59,14 +63,16 @@ class EngineLoop:
         self._ids = itertools.count()
         self._closed = False
         self.steps, self.busy = 0, 0.0  # engine steps taken and seconds spent in them (what a benchmark reads)
+        self._seen: dict[str, float] = {}  # tag -> when its last request finished
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: Any, params: Any) -> Handle:
-        """Queue one request (a vLLM prompt dict and SamplingParams); returns its handle at once."""
+    def submit(self, prompt: Any, params: Any, tag: str | None = None) -> Handle:
+        """Queue one request (a vLLM prompt dict and SamplingParams) for `tag` (a session); returns
+        its handle at once."""
         if self._closed:
             raise RuntimeError("the vLLM engine loop is closed")
-        handle = Handle(f"od-{next(self._ids)}")
+        handle = Handle(f"od-{next(self._ids)}", tag)
         self._inbox.put(("add", handle, prompt, params))
         return handle
 
@@ -88,15 +94,33 @@ class EngineLoop:
                 command = self._inbox.get(block=not busy)
             except queue.Empty:
                 command = None
+            deadline = time.monotonic() + GATHER_S
             while command is not None:
                 if not self._apply(*command):
                     return
-                try:
-                    command = self._inbox.get_nowait()
-                except queue.Empty:
-                    command = None
+                command = self._next(deadline)
             if self.engine.has_unfinished_requests():
                 self._step()
+
+    def _next(self, deadline: float) -> tuple | None:
+        """The next queued command; when none is queued, wait until `deadline` for one while a
+        session that was just answered (likely to ask again at once) has not asked yet."""
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not self._awaited():
+                return None
+        try:
+            return self._inbox.get(timeout=wait)
+        except queue.Empty:
+            return None
+
+    def _awaited(self) -> int:
+        """Sessions whose last request finished within ACTIVE_S and that have none queued or running:
+        a step started without them would run them in the next one, alone (ping-pong)."""
+        now, running = time.monotonic(), {h.tag for h in self._handles.values()}
+        return sum(1 for tag, when in self._seen.items() if now - when < ACTIVE_S and tag not in running)
 
     def _apply(self, op: str, handle: Handle | None, prompt: Any, params: Any) -> bool:
         if op == "stop":
@@ -134,6 +158,10 @@ class EngineLoop:
             if out.finished:
                 del self._handles[out.request_id]
                 handle.outputs.put(None)
+                if handle.tag is not None:
+                    self._seen[handle.tag] = time.monotonic()
+        if len(self._seen) > 4096:  # forget sessions long gone
+            self._seen = {t: w for t, w in self._seen.items() if time.monotonic() - w < ACTIVE_S}
 
     def _fail_all(self, exc: BaseException) -> None:
         for handle in self._handles.values():

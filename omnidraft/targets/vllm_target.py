@@ -205,7 +205,7 @@ class VLLMTarget:
             logprobs=logprobs or None, prompt_logprobs=logprobs if prompt_logprobs else None,
             ignore_eos=not stream, stop_token_ids=sorted(self.eos_ids) if stream else None,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
-        return self.loop.submit({"prompt_token_ids": list(ids), "cache_salt": salt}, params)
+        return self.loop.submit({"prompt_token_ids": list(ids), "cache_salt": salt}, params, tag=salt)
 
     def request(self, ids: list[int], salt: str, **options: Any) -> Any:
         """One request, waited for: its final RequestOutput."""
