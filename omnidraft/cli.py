@@ -204,7 +204,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     import omnidraft as od
 
-    from .remote.server import ServerConfig, create_app
+    from .remote.server import ServerConfig, create_app, http_protocol
 
     key = api_keys(args)
     config = ServerConfig(api_key=key, max_sessions=args.max_sessions, ttl_s=args.ttl,
@@ -220,7 +220,7 @@ def _serve(args: argparse.Namespace) -> None:
           f"{'required' if key else 'OFF'}", file=sys.stderr, flush=True)
     # on SIGTERM, streams in flight get GRACE_S seconds to finish, then the server stops
     uvicorn.run(create_app(target, config), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=GRACE_S)
+                timeout_graceful_shutdown=GRACE_S, http=http_protocol())
 
 
 GRACE_S = 30  # seconds a stopping server lets streams in flight finish

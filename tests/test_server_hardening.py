@@ -475,3 +475,38 @@ def test_a_request_during_a_running_stream_is_refused_and_the_client_follows_com
     session = remote.begin(list(ids))
     with pytest.raises(TargetUnavailableError, match="out of step"):
         list(session.decode(3))
+
+
+def test_a_client_trickling_its_headers_is_disconnected(tiny_target, monkeypatch):
+    """Reliability defect 7: a connection sending its headers a byte at a time stayed open for ever.
+    Now the request line and headers must arrive within HEADER_TIMEOUT_S."""
+    import socket
+
+    from omnidraft.bench.remote import serve_in_thread
+    from omnidraft.remote import server as server_module
+
+    monkeypatch.setattr(server_module, "HEADER_TIMEOUT_S", 1.0)
+    url, stop = serve_in_thread(create_app(tiny_target, ServerConfig(api_key=KEY)))
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            closed_after = None
+            started = time.monotonic()
+            for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 40:
+                try:
+                    s.sendall(bytes([byte]))
+                    time.sleep(0.1)
+                    if s.recv(1, socket.MSG_DONTWAIT) == b"":
+                        closed_after = time.monotonic() - started
+                        break
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    closed_after = time.monotonic() - started
+                    break
+            assert closed_after is not None and closed_after < 3.0
+        with socket.create_connection((host, int(port)), timeout=10) as s:  # a prompt client is served
+            s.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            assert s.recv(64).startswith(b"HTTP/1.1 200")
+    finally:
+        stop()

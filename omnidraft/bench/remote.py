@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ..remote.client import RemoteTarget
-from ..remote.server import ServerConfig, create_app
+from ..remote.server import ServerConfig, create_app, http_protocol
 
 __all__ = ["ROWS", "LatencyClient", "run_remote", "serve_in_thread"]
 
@@ -60,7 +60,7 @@ def serve_in_thread(app: Any) -> tuple[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=http_protocol()))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60

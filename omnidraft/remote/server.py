@@ -39,9 +39,56 @@ from .openai_api import OPENAI_PATHS, ChatRequest, chat_prompt, error_body, mode
 from .protocol import VERSION, GenerateRequest, OpenRequest, PromptGenerateRequest, VerifyRequest
 from .service import HTTPError, ServerConfig, Service
 
-__all__ = ["ServerConfig", "create_app"]
+__all__ = ["HEADER_TIMEOUT_S", "ServerConfig", "create_app", "http_protocol"]
 
 log = logging.getLogger(__name__)
+
+
+HEADER_TIMEOUT_S = 10.0  # a connection's request line and headers must arrive within this
+
+
+def http_protocol() -> type:
+    """uvicorn's h11 protocol with a deadline on each request's headers: a client trickling them
+    (slowloris) is disconnected, where uvicorn alone would wait on it for ever. Pass it as
+    `uvicorn.run(..., http=http_protocol())`."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        _deadline: Any = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._late)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _late(self) -> None:
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # this request's headers are in
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request's headers have the same deadline
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderDeadline
 
 
 def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
