@@ -34,7 +34,7 @@ from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
 from .client import call_json
 
-__all__ = ["Cancelled", "CompletionRequest", "OpenAICompletionsTarget", "complete", "token_string"]
+__all__ = ["Cancelled", "CompletionRequest", "SamplingFields", "OpenAICompletionsTarget", "complete", "token_string"]
 
 MAX_LOGPROBS = 20
 
@@ -46,15 +46,12 @@ class Cancelled(Exception):
     """A completion stopped because its client disconnected (`complete`'s `cancel` was set)."""
 
 
-class CompletionRequest(BaseModel):
-    """The subset of OpenAI's completion request this server implements (other fields are ignored)."""
+class SamplingFields(BaseModel):
+    """What OpenAI's completion and chat requests share: the model name, sampling, stop, streaming
+    (other fields are ignored)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     model: str | None = None
-    prompt: list[StrictInt] | str
-    max_tokens: int = Field(16, ge=0, le=4096)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
@@ -62,6 +59,15 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
+
+
+class CompletionRequest(SamplingFields):
+    """The subset of OpenAI's completion request this server implements."""
+
+    prompt: list[StrictInt] | str
+    max_tokens: int = Field(16, ge=0, le=4096)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False
 
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .openai import CompletionRequest
+from .openai import CompletionRequest, SamplingFields
 
 __all__ = ["ChatRequest", "chat_prompt", "error_body", "models_reply", "respond"]
 
@@ -29,21 +29,12 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatRequest(BaseModel):
-    """The part of OpenAI's chat completion request this server implements (other fields ignored)."""
+class ChatRequest(SamplingFields):
+    """The part of OpenAI's chat completion request this server implements."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=4096)
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
 
     @property
     def limit(self) -> int:
