@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.omnidraft-installed
 DEMO_ARGS ?=
 LLAMA_CPP := 0.3.36
-LLAMA_TAG := omnidraft.1
+LLAMA_TAG := omnidraft.2
 WHEELS ?= $(HOME)/.cache/omnidraft/wheels
 
 .PHONY: demo test test-fast bench install clean

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 from statistics import median
@@ -104,8 +103,6 @@ def _candidates(spec: str) -> list[str]:
     if spec in PRESETS or spec.endswith(".gguf"):
         if importlib.util.find_spec("llama_cpp") is None:
             log.info("llama-cpp-python is not installed: the drafter runs on PyTorch")
-        elif "vllm" in sys.modules:  # llama.cpp dies of SIGILL in a process that has loaded vLLM (docs/vllm.md)
-            log.info("vLLM is loaded in this process: the drafter runs on PyTorch, not llama.cpp")
         else:
             names.append("llama.cpp")
     return names

@@ -17,7 +17,6 @@ import torch
 
 from .adaptive.head import CostModel, Stopper
 from .adaptive.lengths import DraftLengths, plan_drafting
-from .adaptive.policy import CostPolicy
 from .backends import drafting_twin
 from .config import K_START, RELAXED, DecodeConfig
 from .distill.attach import attach_adapter
@@ -94,11 +93,8 @@ class Pairing:
         self.last: Generation | None = None
         self._book = threading.RLock()  # the state requests share: costs, policies, caches, stats
 
-    @property
-    def policy(self) -> CostPolicy | None:
-        """The cost policy that picks draft lengths (None with a fixed k, a head or hysteresis)."""
-        return self.lengths.policy
-
+    policy = property(lambda self: self.lengths.policy,
+                      doc="The cost policy that picks draft lengths (None with a fixed k, a head or hysteresis).")
     head = property(lambda self: self.lengths.head, doc="The acceptance head (None without one).")
     head_trainer = property(lambda self: self.lengths.trainer, doc="The head's trainer (None without a head).")
     head_ready = property(lambda self: self.lengths.head_ready, doc="Whether the head (not its fallback) decides.")
@@ -254,8 +250,7 @@ class Pairing:
 
     def open_drafts(self, prompt_ids: list[int], drafter_ids: list[int]) -> tuple[Any, ContextIndex | None, int]:
         """A request's drafting side: (drafter session, retrieval index, the drafter context's last
-        token). With `propose_round` and `settle_round`, what a verifier that runs elsewhere needs
-        (llamacpp/hook.py)."""
+        token). With `propose_round` and `settle_round`, what llamacpp/hook.py's verifier needs."""
         with self._book:  # begin() also moves the shared acceptance history
             index = self.retriever.begin(prompt_ids) if self.retriever is not None and self.free_drafts else None
         if isinstance(self.drafter, Adaptable):  # a fake or an exported graph has no adapters
@@ -288,6 +283,9 @@ class Pairing:
             model, free = self.plan.at(self.target, len(tsession.ids))  # what can pay at this context
             defer = model and k > 0 and rent.defer(self.policy.last_rates if self.policy else {}, produced)
             room, ask = within_budget(tsession, max_new_tokens - produced - 1, k if model and not defer else 0)
+            if room == 0 < max_new_tokens - produced - 1:  # the server takes no draft now: it decodes the rest
+                yield from decode_alone(tsession, max_new_tokens - produced)
+                return
             draft, proposal, used, q, t1 = self.propose_round(tsession, dsession, rule, index if free else None,
                                                               ask, stopper, last, room, generator)
             t2 = time.perf_counter()

@@ -114,6 +114,11 @@ class _LocalSession:
     def ids(self) -> list[int]:
         return self.runner.ids
 
+    @property
+    def cached(self) -> int:
+        """Tokens of the sequence already in the KV cache."""
+        return self.runner.kv_len
+
     def prefill(self, most: int) -> int:
         """Feed up to `most` uncached tokens of the sequence (a server bounds how long one call
         holds the model this way); returns how many remain."""

@@ -9,12 +9,14 @@ in different orders, so past ~256 tokens of context a multi-token verify gave lo
 from one-token decoding, and a lossless verifier could feed only one token a call there
 (docs/llamacpp.md). With the split off, one query is computed as each of several is. The engine
 still measures which batches are exact (LlamaEngine.exact_limits): a stock build stays correct,
-only slower at long contexts. The wheel's version gets a local tag (`+omnidraft.N`, the Makefile's
+only slower at long contexts. The build enables this CPU's vector features by name, never AMX
+(`cpu_flags`). The wheel's version gets a local tag (`+omnidraft.N`, the Makefile's
 LLAMA_TAG), so it is told apart from a stock build everywhere, the engine's per-machine memo included.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -50,7 +52,29 @@ def main(version: str, tag: str, wheels: str) -> None:
             archive.extractall(tmp, filter="data")
         root = Path(tmp) / f"llama_cpp_python-{version}"
         patch(root, version, tag)
-        subprocess.run([*pip, "wheel", "-q", "--no-deps", str(root), "-w", str(out)], check=True)
+        env = {**os.environ, "CMAKE_ARGS": " ".join([os.environ.get("CMAKE_ARGS", ""), *cpu_flags()]).strip()}
+        subprocess.run([*pip, "wheel", "-q", "--no-deps", str(root), "-w", str(out)], check=True, env=env)
+
+
+# ggml's CMake options for the x86 features it can use, by the /proc/cpuinfo flag that offers each
+FEATURES = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "avx512f": "GGML_AVX512",
+            "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
+            "avx_vnni": "GGML_AVX_VNNI"}
+
+
+def cpu_flags() -> list[str]:
+    """What `-march=native` would enable, minus AMX: ggml's AMX code dies of SIGILL on a machine
+    whose kernel does not grant the AMX tile state (a VM can list amx_tile and still refuse it), so
+    the build names this CPU's other features itself. Elsewhere than x86 Linux: native, as stock."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    have = set(flags.split(":", 1)[1].split())
+    if "avx" not in have:
+        return []
+    return ["-DGGML_NATIVE=OFF", *(f"-D{option}={'ON' if flag in have else 'OFF'}" for flag, option in FEATURES.items()),
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ compute-bound engine each extra token lengthens that step for everyone. The budg
 length that maximises committed tokens per second over all sessions (goodput, in the spirit of
 SmartSpec, Liu et al. 2024): a step over T tokens costs about b + s T seconds (fitted to the
 target's measured verify costs), N active sessions each verifying k drafted tokens plus the pending
-one commit N E(k) tokens, E(k) = (1 - a^(k+1)) / (1 - a) at acceptance a. Pure arithmetic: no
-server, no model.
+one (plus the context tail a block-granular prefix cache recomputes) commit N E(k) tokens,
+E(k) = (1 - a^(k+1)) / (1 - a) at acceptance a, against N tokens a step decoding alone. Pure
+arithmetic: no server, no model.
 """
 
 from __future__ import annotations
@@ -24,16 +25,20 @@ def step_cost(costs: dict[int, float]) -> tuple[float, float]:
     return costs[1] - s, s
 
 
-def draft_budget(costs: dict[int, float], acceptance: float, sessions: int, most: int) -> int:
-    """The draft length in [0, `most`] of highest goodput for `sessions` sessions verifying at once,
-    each accepting a drafted token with probability `acceptance`; 0: send no draft."""
-    if most < 0 or sessions < 1:
-        raise ValueError(f"need most >= 0 and sessions >= 1, got {most} and {sessions}")
+def draft_budget(costs: dict[int, float], acceptance: float, sessions: int, most: int, tail: int = 0) -> int:
+    """The draft length in [1, `most`] of highest goodput for `sessions` sessions verifying at once,
+    each accepting a drafted token with probability `acceptance`, where each verify also recomputes
+    `tail` tokens of context (a block-granular prefix cache); 0 when no length beats the sessions
+    decoding alone in the engine's own loop (one token each a step, no tail): hand them over."""
+    if most < 0 or sessions < 1 or tail < 0:
+        raise ValueError(f"need most >= 0, sessions >= 1 and tail >= 0, got {most}, {sessions} and {tail}")
     a = min(max(acceptance, 0.0), 0.999)
     b, s = step_cost(costs)
+    alone = sessions / (b + s * sessions)
 
     def goodput(k: int) -> float:
         committed = (1 - a ** (k + 1)) / (1 - a)
-        return sessions * committed / (b + s * sessions * (k + 1))
+        return sessions * committed / (b + s * sessions * (k + 1 + tail))
 
-    return max(range(most + 1), key=lambda k: (goodput(k), -k))
+    best = max(range(1, most + 1), key=lambda k: (goodput(k), -k), default=0)
+    return best if best and goodput(best) > alone else 0

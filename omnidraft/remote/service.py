@@ -35,6 +35,7 @@ __all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service"]
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 256  # prompt tokens one model call may take: the most a long prompt holds the model at once
+PREFILL_WORK = 256 * 2048  # chunk x context: past 2,048 tokens of context a chunk shrinks (down to 32 tokens)
 ACTIVE_S = 1.0  # a session that verified within this many seconds counts in the load a draft budget serves
 
 
@@ -259,13 +260,14 @@ class Service:
                 return
 
     def _prefill(self, session: _Session) -> None:
-        """Feed a session's uncached prompt PREFILL_CHUNK tokens per model call, taking the model
-        lock per call, so other sessions' verifies interleave with a long prompt's prefill (an
-        engine that batches sessions chunks prefills itself)."""
+        """Feed a session's uncached prompt at most PREFILL_CHUNK tokens per model call (fewer past
+        2,048 tokens of context, PREFILL_WORK), taking the model lock per call, so other sessions'
+        verifies interleave with a long prompt's prefill (an engine that batches sessions chunks
+        prefills itself)."""
         step = getattr(session.inner, "prefill", None)
         while step is not None and not self.batches:
-            with self.model_lock:
-                if step(PREFILL_CHUNK) == 0:
+            with self.model_lock:  # a chunk's cost grows with the context it attends to: keep it about level
+                if step(max(32, min(PREFILL_CHUNK, PREFILL_WORK // max(1, session.inner.cached)))) == 0:
                     return
 
     def _stepwise(self, session: _Session, max_tokens: int) -> Iterator[int]:
@@ -386,7 +388,8 @@ class Service:
             active = sum(1 for v in self.sessions.values() if now - v.used < ACTIVE_S)
         m = self.metrics
         acceptance = m.accepted / m.proposed if m.proposed >= 64 else 0.8
-        return draft_budget(self.costs, acceptance, max(1, active), MAX_PROPOSAL - 1)
+        return draft_budget(self.costs, acceptance, max(1, active), MAX_PROPOSAL - 1,
+                            tail=int(getattr(self.target, "verify_tail", 0)))
 
     @staticmethod
     def _check_idle(session: _Session) -> None:

@@ -149,6 +149,9 @@ class VLLMTarget:
         self.vocab = int(config.get_vocab_size())
         self.context_length = int(config.max_model_len)
         self.max_logprobs = int(config.max_logprobs)
+        cache = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
+        # tokens a verify recomputes on average besides its own: the context's last, partial block
+        self.verify_tail = int(getattr(cache, "block_size", 0) or 0) // 2
         self.token_bytes = build_token_bytes(tokenizer, self.vocab)
         self.token_bytes.require_byte_coverage(name)
         self.codec = ByteCodec(tokenizer, self.token_bytes)
