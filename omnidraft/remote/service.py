@@ -1,11 +1,9 @@
 """The verification server's state and rules, independent of the web framework (server.py serves
 it over HTTP): sessions with their locks, limits and KV budget, verify, streamed decoding and the
-draft budget. Errors are `HTTPError`s carrying the status the server answers with.
-
-On an engine that runs one forward at a time (PyTorch, llama.cpp) a fair model lock serialises
-model calls, and a long prompt is fed PREFILL_CHUNK tokens per call, so other sessions' verifies
-interleave with its prefill (the bound: docs/remote.md). On an engine that batches sessions (vLLM)
-there is no model lock: each session's own lock keeps its requests in order.
+draft budget; refusals are `HTTPError`s (config.py). On an engine that runs one forward at a time
+(PyTorch, llama.cpp) a fair model lock serialises model calls and a long prompt is fed in chunks,
+so other sessions' verifies interleave with its prefill (the bound: docs/remote.md). On an engine
+that batches sessions (vLLM) there is no model lock: each session's own lock orders its requests.
 """
 
 from __future__ import annotations
@@ -26,48 +24,18 @@ import torch
 
 from ..target import Rule
 from .budget import draft_budget
+from .config import HTTPError, ServerConfig
 from .metrics import Metrics
 from .protocol import (MAX_PROMPT, MAX_PROPOSAL, GenerateChunk, GenerateRequest, InfoReply, OpenReply,
                        OpenRequest, PromptGenerateRequest, VerifyReply, VerifyRequest)
 
-__all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service"]
+__all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service"]  # the last three re-exported
 
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 256  # prompt tokens one model call may take: the most a long prompt holds the model at once
 PREFILL_WORK = 256 * 2048  # chunk x context: past 2,048 tokens of context a chunk shrinks (down to 32 tokens)
 ACTIVE_S = 1.0  # a session that verified within this many seconds counts in the load a draft budget serves
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    api_key: str | tuple[str, ...] | None = None  # one key, or several (each with its own session quota)
-    max_sessions_per_key: int | None = None  # None: a key may hold all `max_sessions`
-    max_sessions: int = 64
-    ttl_s: float = 600.0
-    max_body_bytes: int = 8 << 20
-    max_tokens: int = 262_144  # committed tokens over all sessions: bounds KV-cache memory
-    max_tokens_per_key: int | None = None  # None: an equal share of max_tokens per API key, so none starves another
-    fresh_ttl_s: float = 30.0  # a session that has not verified yet expires after this long idle
-    body_timeout_s: float = 30.0  # a request body not read completely within this is refused (408)
-    open_metrics: bool = False  # True: /metrics without the API key (a scraper on a private network)
-
-    def __post_init__(self) -> None:
-        if (self.max_sessions < 1 or self.ttl_s <= 0 or self.max_body_bytes < 1024 or self.max_tokens < 1
-                or self.body_timeout_s <= 0 or (self.max_sessions_per_key is not None and self.max_sessions_per_key < 1)
-                or self.fresh_ttl_s <= 0 or (self.max_tokens_per_key is not None and self.max_tokens_per_key < 1)):
-            raise ValueError(f"server limits must be positive (body >= 1 KiB), got {self}")
-        if isinstance(self.api_key, tuple) and (not self.api_key or not all(self.api_key)):
-            raise ValueError("api_key: give one key or a non-empty tuple of non-empty keys")
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return () if self.api_key is None else (self.api_key,) if isinstance(self.api_key, str) else self.api_key
-
-    @property
-    def key_tokens(self) -> int:
-        """The KV tokens one API key may hold: `max_tokens_per_key`, or an equal share of the budget."""
-        return self.max_tokens_per_key or self.max_tokens // max(1, len(self.keys))
 
 
 @dataclass
@@ -103,12 +71,6 @@ class FairLock:
         with self._cond:
             self._held = False
             self._cond.notify_all()
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 class Service:
