@@ -76,3 +76,16 @@ def test_errors_come_in_openais_shape(served):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=client._client,
                       max_retries=0).models.list()
+
+
+def test_unknown_or_unimplemented_fields_are_refused_by_name(served):
+    import openai
+
+    target, client = served
+    with pytest.raises(openai.BadRequestError, match="best_guess"):
+        client.completions.create(model=target.name, prompt="x", max_tokens=2, extra_body={"best_guess": 1})
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model=target.name, prompt="x", max_tokens=2, presence_penalty=0.5)
+    ok = client.completions.create(model=target.name, prompt="x", max_tokens=2, temperature=0, user="u1",
+                                   presence_penalty=0.0)
+    assert ok.usage.completion_tokens == 2

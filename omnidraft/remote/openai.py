@@ -47,11 +47,17 @@ class Cancelled(Exception):
 
 
 class SamplingFields(BaseModel):
-    """What OpenAI's completion and chat requests share: the model name, sampling, stop, streaming
-    (other fields are ignored)."""
+    """What OpenAI's completion and chat requests share: the model name, sampling, stop, streaming.
+    An unknown field is refused, naming it; OpenAI fields this server does not implement are taken
+    at their neutral values only (a penalty of 0, no logit bias), and `user` is accepted."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     model: str | None = None
+    user: str | None = None
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    logit_bias: None = None
+    stream_options: dict | None = None
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)

@@ -24,9 +24,10 @@ OPENAI_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     role: str
     content: str
+    name: str | None = None
 
 
 class ChatRequest(SamplingFields):
