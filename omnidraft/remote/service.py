@@ -18,7 +18,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -183,16 +183,8 @@ class Service:
         self._check_ids(request.prompt_ids, "prompt")
         budget = len(request.prompt_ids) + request.max_tokens
         self._check_context(budget, "the completion")
-        with self.table_lock:
-            self._reserve(budget, key)
-            self.inflight[key] = self.inflight.get(key, 0) + budget
+        release = self._hold(budget, key)
         session = _Session(self.target.begin(list(request.prompt_ids)), time.monotonic(), key)
-
-        held = [budget]
-
-        def release() -> None:  # once, whether the stream ends, breaks or never starts
-            with self.table_lock:
-                self.inflight[key] -= held.pop() if held else 0
 
         def stream() -> Iterator[bytes]:
             try:
@@ -232,14 +224,16 @@ class Service:
                 if step(max(32, min(PREFILL_CHUNK, PREFILL_WORK // max(1, session.inner.cached)))) == 0:
                     return
 
-    def _stepwise(self, session: _Session, max_tokens: int) -> Iterator[int]:
-        """One token a step, the model lock held per step only: other sessions' verifies interleave."""
-        empty, rule = torch.zeros(0, dtype=torch.long), Rule()
+    def _stepwise(self, session: _Session, max_tokens: int, rule: Rule = Rule(),
+                  generator: torch.Generator | None = None) -> Iterator[int]:
+        """One token a step under `rule` (greedy by default), the model lock held per step only:
+        other sessions' verifies interleave."""
+        empty = torch.zeros(0, dtype=torch.long)
         self._prefill(session)
         for _ in range(max_tokens):
             with self.model_lock:
                 started = time.perf_counter()
-                token = session.inner.verify(empty, rule).token
+                token = session.inner.verify(empty, rule, None, generator).token
                 self.metrics.observe(time.perf_counter() - started)
             yield token
 
@@ -267,9 +261,7 @@ class Service:
             prompt_tokens = len(request.prompt)
         budget = min(prompt_tokens, MAX_PROMPT) + request.max_tokens
         self._check_context(budget, "the completion")
-        with self.table_lock:
-            self._reserve(budget, key)
-            self.inflight[key] = self.inflight.get(key, 0) + budget
+        release = self._hold(budget, key)
         started = time.perf_counter()
         try:
             reply = complete(self.target, request, self.config.max_tokens, max_prompt=MAX_PROMPT, context=self.context,
@@ -277,8 +269,7 @@ class Service:
         except ValueError as exc:
             raise HTTPError(422, str(exc)) from None
         finally:
-            with self.table_lock:
-                self.inflight[key] -= budget
+            release()
         self.metrics.observe(time.perf_counter() - started)
         self.metrics.rounds += 1
         return reply
@@ -299,9 +290,7 @@ class Service:
                 check(rule)
             except ValueError as exc:
                 raise HTTPError(422, str(exc)) from None
-        with self.table_lock:
-            self._reserve(budget, key)
-            self.inflight[key] = self.inflight.get(key, 0) + budget
+        release = self._hold(budget, key)
         session = _Session(self.target.begin(list(ids)), time.monotonic(), key)
         generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
 
@@ -310,19 +299,14 @@ class Service:
                 if rule.mode == "greedy" and self.batches:  # the engine's own loop, batched with the rest
                     yield from self._engine_decode(session, max_tokens)
                     return
-                self._prefill(session)
-                empty = torch.zeros(0, dtype=torch.long)
-                for _ in range(max_tokens):
-                    if cancel is not None and cancel.is_set():
-                        raise Cancelled("the client went away")
-                    with self.model_lock:
-                        token = session.inner.verify(empty, rule, None, generator).token
+                for token in self._stepwise(session, max_tokens, rule, generator):
                     yield token
                     if token in self.target.eos_ids:
                         return
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled("the client went away")
             finally:
-                with self.table_lock:
-                    self.inflight[key] -= budget
+                release()
                 _release(session)
 
         return tokens()
@@ -339,6 +323,20 @@ class Service:
             if session is None or session.key != key:  # another key's session is not there for this one
                 raise HTTPError(404, f"no session {sid!r} (closed, expired or never opened)")
             return session  # only a request that is served refreshes `used` (a stale one keeps nothing alive)
+
+    def _hold(self, tokens: int, key: int) -> Callable[[], None]:
+        """Reserve `tokens` of the KV budget for a request that keeps no session (a completion, a
+        /v1/generate stream); returns the release, which takes effect once however often called."""
+        with self.table_lock:
+            self._reserve(tokens, key)
+            self.inflight[key] = self.inflight.get(key, 0) + tokens
+        held = [tokens]
+
+        def release() -> None:
+            with self.table_lock:
+                self.inflight[key] -= held.pop() if held else 0
+
+        return release
 
     def _budget(self) -> int | None:
         """The draft tokens each session may send next round at the present load (remote/budget.py),
