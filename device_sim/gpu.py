@@ -24,11 +24,15 @@ def _read(path: str | Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a readable GPU check JSON: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a GPU check JSON (format {doc.get('format') if isinstance(doc, dict) else None!r}, "
-                         f"expected {FORMAT!r}); write one with python -m benchmarks.gpu_check")
+        raise ValueError(
+            f"{path}: not a GPU check JSON (format {doc.get('format') if isinstance(doc, dict) else None!r}, "
+            f"expected {FORMAT!r}); write one with python -m benchmarks.gpu_check"
+        )
     if doc.get("version") != VERSION:
-        raise ValueError(f"{path}: GPU check version {doc.get('version')!r}; this device_sim reads version {VERSION}: "
-                         "rerun the check with this checkout's benchmarks/gpu_check.py")
+        raise ValueError(
+            f"{path}: GPU check version {doc.get('version')!r}; this device_sim reads version {VERSION}: "
+            "rerun the check with this checkout's benchmarks/gpu_check.py"
+        )
     return doc
 
 
@@ -58,12 +62,17 @@ def profiles_from_check(path: str | Path, context: int | None = None) -> list[di
         for k, v in row.get("graph", {}).get(at, {}).items():
             best[int(k)] = min(best.get(int(k), float("inf")), float(v))
         longest = row["eager"][str(contexts[-1])]
-        profiles.append({
-            "name": f"{slug}-{name}-{doc['dtype']}", "drafter_ms": 0.0,
-            "source": (f"measured by benchmarks/gpu_check.py on {doc.get('device_name')} (torch {doc.get('torch')}, "
-                       f"{doc['dtype']}, random weights of the {name} shape), forwards after {at} tokens of context, "
-                       "the faster of eager and CUDA graphs"),
-            "target_ms": _interpolated(best, max(best)),
-            "prefill_ms_per_token": round(float(longest["prefill_ms"]) / contexts[-1], 4),
-        })
+        profiles.append(
+            {
+                "name": f"{slug}-{name}-{doc['dtype']}",
+                "drafter_ms": 0.0,
+                "source": (
+                    f"measured by benchmarks/gpu_check.py on {doc.get('device_name')} "
+                    f"(torch {doc.get('torch')}, {doc['dtype']}, random weights of the {name} shape), "
+                    f"forwards after {at} tokens of context, the faster of eager and CUDA graphs"
+                ),
+                "target_ms": _interpolated(best, max(best)),
+                "prefill_ms_per_token": round(float(longest["prefill_ms"]) / contexts[-1], 4),
+            }
+        )
     return profiles

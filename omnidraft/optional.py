@@ -10,8 +10,16 @@ from .errors import MissingDependencyError
 
 __all__ = ["EXTRAS", "require"]
 
-EXTRAS = {"httpx": "client", "pydantic": "client", "fastapi": "server", "uvicorn": "server", "onnx": "onnx",
-          "onnxruntime": "onnx", "llama_cpp": "llama", "vllm": "vllm"}
+EXTRAS = {
+    "httpx": "client",
+    "pydantic": "client",
+    "fastapi": "server",
+    "uvicorn": "server",
+    "onnx": "onnx",
+    "onnxruntime": "onnx",
+    "llama_cpp": "llama",
+    "vllm": "vllm",
+}
 
 
 def require(module: str, what: str) -> ModuleType:
@@ -21,4 +29,6 @@ def require(module: str, what: str) -> ModuleType:
     except ImportError as exc:
         extra = EXTRAS.get(module.split(".")[0])
         hint = f"pip install 'omnidraft[{extra}]'" if extra else f"pip install {module.split('.')[0]}"
-        raise MissingDependencyError(f"{what} needs {module.split('.')[0]}, which is not installed: {hint}") from exc
+        raise MissingDependencyError(
+            f"{what} needs {module.split('.')[0]}, which is not installed: {hint}"
+        ) from exc

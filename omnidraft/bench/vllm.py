@@ -34,9 +34,17 @@ def _pairing(pair: Any, prompt: str, n: int) -> Timed:
     return Timed(out.token_ids, time.perf_counter() - started)
 
 
-def run_vllm(drafter_spec: str, target_spec: str, prompts: list[str], max_new_tokens: int, *, dtype: str = "float32",
-             ngram: bool = True, notes: list[str] | None = None,
-             progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+def run_vllm(
+    drafter_spec: str,
+    target_spec: str,
+    prompts: list[str],
+    max_new_tokens: int,
+    *,
+    dtype: str = "float32",
+    ngram: bool = True,
+    notes: list[str] | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[dict[str, Any]]:
     """Per prompt, per row: {"row", "prompt", "tokens", "seconds", "identical"} (identical: the
     same ids as vLLM alone). `notes` receives why a row is absent and each pairing's choice."""
     import omnidraft as od
@@ -44,7 +52,8 @@ def run_vllm(drafter_spec: str, target_spec: str, prompts: list[str], max_new_to
     notes = notes if notes is not None else []
     target = od.VLLMTarget.load(target_spec, dtype=dtype)
     rows: dict[str, Callable[[str, list[int]], Timed]] = {
-        "vLLM alone": lambda p, ids: _engine_alone(target, ids, max_new_tokens)}
+        "vLLM alone": lambda p, ids: _engine_alone(target, ids, max_new_tokens)
+    }
     others = []
     if ngram:
         try:
@@ -54,8 +63,10 @@ def run_vllm(drafter_spec: str, target_spec: str, prompts: list[str], max_new_to
         except Exception as exc:  # the CPU build may not offer it: say so instead of a row
             notes.append(f"vLLM n-gram speculative decoding did not start: {type(exc).__name__}: {exc}"[:400])
     drafter = od.Drafter.load(drafter_spec)
-    pairs = {"omnidraft (default)": drafter.pair(target), "omnidraft (compute objective)":
-             drafter.pair(target, objective="compute")}
+    pairs = {
+        "omnidraft (default)": drafter.pair(target),
+        "omnidraft (compute objective)": drafter.pair(target, objective="compute"),
+    }
     for name, pair in pairs.items():
         rows[name] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
     try:

@@ -16,22 +16,33 @@ class ServerConfig:
     ttl_s: float = 600.0
     max_body_bytes: int = 8 << 20
     max_tokens: int = 262_144  # committed tokens over all sessions: bounds KV-cache memory
-    max_tokens_per_key: int | None = None  # None: an equal share of max_tokens per API key, so none starves another
+    max_tokens_per_key: int | None = (
+        None  # None: an equal share of max_tokens per API key, so none starves another
+    )
     fresh_ttl_s: float = 30.0  # a session that has not verified yet expires after this long idle
     body_timeout_s: float = 30.0  # a request body not read completely within this is refused (408)
     open_metrics: bool = False  # True: /metrics without the API key (a scraper on a private network)
 
     def __post_init__(self) -> None:
-        if (self.max_sessions < 1 or self.ttl_s <= 0 or self.max_body_bytes < 1024 or self.max_tokens < 1
-                or self.body_timeout_s <= 0 or (self.max_sessions_per_key is not None and self.max_sessions_per_key < 1)
-                or self.fresh_ttl_s <= 0 or (self.max_tokens_per_key is not None and self.max_tokens_per_key < 1)):
+        if (
+            self.max_sessions < 1
+            or self.ttl_s <= 0
+            or self.max_body_bytes < 1024
+            or self.max_tokens < 1
+            or self.body_timeout_s <= 0
+            or (self.max_sessions_per_key is not None and self.max_sessions_per_key < 1)
+            or self.fresh_ttl_s <= 0
+            or (self.max_tokens_per_key is not None and self.max_tokens_per_key < 1)
+        ):
             raise ValueError(f"server limits must be positive (body >= 1 KiB), got {self}")
         if isinstance(self.api_key, tuple) and (not self.api_key or not all(self.api_key)):
             raise ValueError("api_key: give one key or a non-empty tuple of non-empty keys")
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return () if self.api_key is None else (self.api_key,) if isinstance(self.api_key, str) else self.api_key
+        return (
+            () if self.api_key is None else (self.api_key,) if isinstance(self.api_key, str) else self.api_key
+        )
 
     @property
     def key_tokens(self) -> int:

@@ -45,12 +45,16 @@ class ChatRequest(SamplingFields):
 def error_body(status: int, message: str) -> dict[str, Any]:
     """OpenAI's error shape."""
     kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 def models_reply(name: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "omnidraft"}]}
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": 0, "owned_by": "omnidraft"}],
+    }
 
 
 def chat_prompt(tokenizer: Any, request: ChatRequest, name: str) -> list[int]:
@@ -62,8 +66,14 @@ def chat_prompt(tokenizer: Any, request: ChatRequest, name: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def respond(tokens: Iterator[int], request: CompletionRequest | ChatRequest, tokenizer: Any, name: str,
-            prompt_tokens: int, eos_ids: frozenset[int]) -> Any:
+def respond(
+    tokens: Iterator[int],
+    request: CompletionRequest | ChatRequest,
+    tokenizer: Any,
+    name: str,
+    prompt_tokens: int,
+    eos_ids: frozenset[int],
+) -> Any:
     """The reply for `tokens` (the target's, as it decodes them): one JSON object, or the SSE chunks
     of a streamed reply. Text is cut before the first stop string."""
     chat = isinstance(request, ChatRequest)
@@ -77,13 +87,24 @@ def respond(tokens: Iterator[int], request: CompletionRequest | ChatRequest, tok
     for piece, reason, count in pieces:
         text += piece
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
-    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})
-    return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": count,
-                      "total_tokens": prompt_tokens + count}}
+    choice.update(
+        {"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None}
+    )
+    return {
+        **base,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": count,
+            "total_tokens": prompt_tokens + count,
+        },
+    }
 
 
-def _texts(tokens: Iterator[int], tokenizer: Any, stops: list[str], eos_ids: frozenset[int]) -> Iterator[tuple[str, str, int]]:
+def _texts(
+    tokens: Iterator[int], tokenizer: Any, stops: list[str], eos_ids: frozenset[int]
+) -> Iterator[tuple[str, str, int]]:
     """(new text, finish reason so far, tokens so far) as tokens arrive; holds back text a stop
     string may begin in, and ends at a stop string ("stop") or when the tokens end."""
     ids: list[int] = []
@@ -115,8 +136,15 @@ def _sse(pieces: Iterator[tuple[str, str, int]], base: dict[str, Any], chat: boo
         return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
     if chat:
-        yield event({**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                           "finish_reason": None}]})
+        yield event(
+            {
+                **base,
+                "object": kind,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                ],
+            }
+        )
     reason = "length"
     for piece, reason, _ in pieces:
         if piece:

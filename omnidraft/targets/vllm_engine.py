@@ -62,7 +62,10 @@ class EngineLoop:
         self._handles: dict[str, Handle] = {}
         self._ids = itertools.count()
         self._closed = False
-        self.steps, self.busy = 0, 0.0  # engine steps taken and seconds spent in them (what a benchmark reads)
+        self.steps, self.busy = (
+            0,
+            0.0,
+        )  # engine steps taken and seconds spent in them (what a benchmark reads)
         self._seen: dict[str, float] = {}  # tag -> when its last request finished
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()

@@ -52,8 +52,10 @@ def _vllm() -> Any:
     except ImportError as exc:
         from ..errors import MissingDependencyError
 
-        raise MissingDependencyError("VLLMTarget needs vLLM: pip install 'omnidraft[vllm]' (the CPU build "
-                                     "matching the torch pin) or vLLM itself on a GPU host") from exc
+        raise MissingDependencyError(
+            "VLLMTarget needs vLLM: pip install 'omnidraft[vllm]' (the CPU build "
+            "matching the torch pin) or vLLM itself on a GPU host"
+        ) from exc
     return vllm
 
 
@@ -63,7 +65,9 @@ def engine_defaults(engine_args: dict[str, Any]) -> dict[str, Any]:
     where the caller left them out."""
     args = {"enable_prefix_caching": True, "max_logprobs": DEFAULT_MAX_LOGPROBS, "seed": 0, **engine_args}
     if not args["enable_prefix_caching"]:
-        raise ValueError("VLLMTarget needs enable_prefix_caching=True: a verify reads the context from the cache")
+        raise ValueError(
+            "VLLMTarget needs enable_prefix_caching=True: a verify reads the context from the cache"
+        )
     if not torch.cuda.is_available():
         args.setdefault("block_size", 32)  # the CPU attention backend's block size is a multiple of 32
         if "kv_cache_memory_bytes" not in args and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -78,8 +82,15 @@ class _VLLMSession:
         self.forwards = 0
         self.recomputed = 0  # verifies that had to recompute rows the cache had served
 
-    def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, *, topk: int = 0) -> Verdict:
+    def verify(
+        self,
+        proposal: torch.Tensor,
+        rule: Rule,
+        q: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        topk: int = 0,
+    ) -> Verdict:
         """proposal (M,) int64 target ids. All or nothing: the session changes only once the
         verdict is known."""
         owner = self.owner
@@ -90,8 +101,9 @@ class _VLLMSession:
         out = owner.request(self.ids + draft, self.salt, max_tokens=1, logprobs=width, prompt_logprobs=m > 0)
         if m and not tail_rows(len(out.prompt_token_ids), out.num_cached_tokens or 0, base):
             self.recomputed += 1
-            out = owner.request(self.ids + draft, self.salt, max_tokens=1, logprobs=width, prompt_logprobs=True,
-                                cached=False)
+            out = owner.request(
+                self.ids + draft, self.salt, max_tokens=1, logprobs=width, prompt_logprobs=True, cached=False
+            )
         dicts = [out.prompt_logprobs[base + i] for i in range(m)] + [out.outputs[0].logprobs[0]]
         ids, logp = _top(dicts, width)
         if rule.mode == "greedy":
@@ -171,7 +183,9 @@ class VLLMTarget:
 
         from ..models import hf_directory, load_tokenizer
 
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: no __main__ guard needed
+        os.environ.setdefault(
+            "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+        )  # in this process: no __main__ guard needed
         path = hf_directory(spec)
         args = engine_defaults(engine_args)
         engine = LLMEngine.from_engine_args(EngineArgs(model=path, **args))
@@ -190,24 +204,43 @@ class VLLMTarget:
         if rule.mode == "greedy":
             return
         if rule.mode != "match":
-            raise ValueError(f"VLLMTarget verifies greedy and match only, not {rule.mode!r}: the rejection modes "
-                             "need the target's whole distribution, and vLLM returns its top log-probabilities")
+            raise ValueError(
+                f"VLLMTarget verifies greedy and match only, not {rule.mode!r}: the rejection modes "
+                "need the target's whole distribution, and vLLM returns its top log-probabilities"
+            )
         if not 0 < rule.top_k <= self.max_logprobs or rule.top_p < 1.0:
-            raise ValueError(f"match sampling on VLLMTarget needs 0 < top_k <= {self.max_logprobs} and top_p = 1 "
-                             f"(got top_k={rule.top_k}, top_p={rule.top_p}): the distribution is known exactly "
-                             "only over the top log-probabilities vLLM returns")
+            raise ValueError(
+                f"match sampling on VLLMTarget needs 0 < top_k <= {self.max_logprobs} and top_p = 1 "
+                f"(got top_k={rule.top_k}, top_p={rule.top_p}): the distribution is known exactly "
+                "only over the top log-probabilities vLLM returns"
+            )
 
-    def submit(self, ids: list[int], salt: str, *, max_tokens: int, stream: bool = False, logprobs: int = 0,
-               prompt_logprobs: bool = False, cached: bool = True) -> Any:
+    def submit(
+        self,
+        ids: list[int],
+        salt: str,
+        *,
+        max_tokens: int,
+        stream: bool = False,
+        logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        cached: bool = True,
+    ) -> Any:
         """Queue one greedy request on the engine loop; returns its handle."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, detokenize=False, skip_reading_prefix_cache=not cached,
-            logprobs=logprobs or None, prompt_logprobs=logprobs if prompt_logprobs else None,
-            ignore_eos=not stream, stop_token_ids=sorted(self.eos_ids) if stream else None,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+            temperature=0.0,
+            max_tokens=max_tokens,
+            detokenize=False,
+            skip_reading_prefix_cache=not cached,
+            logprobs=logprobs or None,
+            prompt_logprobs=logprobs if prompt_logprobs else None,
+            ignore_eos=not stream,
+            stop_token_ids=sorted(self.eos_ids) if stream else None,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
         return self.loop.submit({"prompt_token_ids": list(ids), "cache_salt": salt}, params, tag=salt)
 
     def request(self, ids: list[int], salt: str, **options: Any) -> Any:
@@ -226,14 +259,21 @@ class VLLMTarget:
         return dict(self._costs)
 
     def _time_verifies(self, most: int = 8, reps: int = 5) -> dict[str, float]:
-        ids = [int(i) for i in torch.randint(0, self.vocab, (COST_CONTEXT + most,), generator=torch.Generator().manual_seed(0))]
+        ids = [
+            int(i)
+            for i in torch.randint(
+                0, self.vocab, (COST_CONTEXT + most,), generator=torch.Generator().manual_seed(0)
+            )
+        ]
         salt = uuid.uuid4().hex
         self.request(ids[:COST_CONTEXT], salt, max_tokens=1)
         times: dict[int, list[float]] = {n: [] for n in range(1, most + 1)}
         for _ in range(reps):
             for n in times:
                 started = time.perf_counter()
-                self.request(ids[: COST_CONTEXT + n - 1], salt, max_tokens=1, logprobs=1, prompt_logprobs=n > 1)
+                self.request(
+                    ids[: COST_CONTEXT + n - 1], salt, max_tokens=1, logprobs=1, prompt_logprobs=n > 1
+                )
                 times[n].append(time.perf_counter() - started)
         return {str(n): sorted(t)[len(t) // 2] for n, t in times.items()}
 
