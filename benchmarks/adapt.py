@@ -207,7 +207,7 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
     Speculation, which needs long held-out requests to show anything: `eval_max_new_tokens` records
     the held-out traces longer than the training ones (default: `max_new_tokens`)."""
     from omnidraft.distill.adapters import AdapterConfig
-    from omnidraft.drafter import Drafter
+    from omnidraft.draft.torch_drafter import TorchDrafter as Drafter
 
     out.mkdir(parents=True, exist_ok=True)
     train_traces = traces_for(target, train, n_train, max_new_tokens, out, batch_size=record_batch)

@@ -11,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from omnidraft.bench.pairs import DRAFTER, loaded_pairs, split_pair
+from omnidraft.bench.pairs import loaded_pairs
+from omnidraft.cli_options import DRAFTER, split_pair
 from omnidraft.config import K_START
 
 __all__ = ["adapt", "bench_cache", "bench_draft", "bench_drafters", "bench_replay", "bench_switch"]
@@ -108,7 +109,7 @@ def bench_drafters(args: argparse.Namespace) -> None:
     drafters = {}
     if "fp32" in backends:
         loaded = load_model(drafter_spec)
-        drafters["pytorch fp32"] = od.Drafter(loaded.model, loaded.tokenizer, loaded.name)
+        drafters["pytorch fp32"] = od.TorchDrafter(loaded.model, loaded.tokenizer, loaded.name)
     if "int8" in backends:
         drafters["pytorch int8"] = od.Drafter.load(drafter_spec, backend="torch")  # not its llama.cpp twin
     if "llama.cpp" in backends:
@@ -120,7 +121,7 @@ def bench_drafters(args: argparse.Namespace) -> None:
                               capacity=args.shortlist_buffer, budget=tuple(int(b) for b in args.shortlist_budget.split(",")))
         drafters[f"pytorch int8, {item} head"] = drafter
     for label, path in files.items():
-        whole = od.Drafter.load_onnx(str(path))
+        whole = od.Drafter.load(str(path))
         if not whole.gathers:  # a gathering graph is timed shortlisted only (its whole head is the inside graph's)
             drafters[label] = whole
         if whole.lm_head is None and not whole.gathers:
@@ -129,7 +130,7 @@ def bench_drafters(args: argparse.Namespace) -> None:
             kind, _, size = item.partition(":")
             if kind == "dyna" and whole.gathers:
                 continue  # DynaSpec's support follows the graph's own hidden state: outside only
-            graph = od.Drafter.load_onnx(str(path))
+            graph = od.Drafter.load(str(path))
             graph.use_shortlist(kind, size=int(size or args.shortlist_size), capacity=args.shortlist_buffer,
                                 clusters=args.shortlist_clusters, budget=tuple(int(b) for b in args.shortlist_budget.split(",")))
             drafters[f"{label}, {item} head"] = graph

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from omnidraft.distill.trace_store import TargetTrace
-from omnidraft.drafter import Draft
+from omnidraft.draft import Draft
 from omnidraft.translate.codec import ByteCodec
 from omnidraft.translate.ngram_cache import NgramCache
 from omnidraft.translate.token_bytes import TokenBytes, build_token_bytes

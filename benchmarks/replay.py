@@ -51,7 +51,7 @@ def parse_decode(text: str) -> dict[str, Any]:
 
 def drafter_for(scheme: str, fp32: Any) -> Any:
     """A Drafter of the loaded fp32 drafter model under `scheme` (the model itself for fp32)."""
-    from omnidraft.drafter import Drafter
+    from omnidraft.draft.torch_drafter import TorchDrafter as Drafter
     from omnidraft.int8 import quantize_int8
 
     if scheme not in SCHEMES:

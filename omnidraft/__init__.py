@@ -14,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "DecodeConfig",
+    "DraftSession",
     "Drafter",
     "HeadConfig",
     "Generation",
@@ -22,12 +23,14 @@ __all__ = [
     "LocalTarget",
     "OmnidraftError",
     "OpenAICompletionsTarget",
+    "OrtDrafter",
     "PRESETS",
     "Pairing",
     "ProfileStore",
     "RemoteTarget",
     "RetrievalConfig",
     "Rule",
+    "TorchDrafter",
     "TrainConfig",
     "VLLMTarget",
     "load_model",
@@ -37,7 +40,10 @@ __version__ = "0.1.0"
 
 _WHERE = {
     "DecodeConfig": "config",
-    "Drafter": "drafter",
+    "Drafter": "draft",
+    "TorchDrafter": "draft.torch_drafter",
+    "OrtDrafter": "export.ort_drafter",
+    "DraftSession": "draft",
     "HeadConfig": "adaptive.head",
     "Generation": "pairing",
     "LlamaCppDrafter": "llamacpp",

@@ -3,7 +3,7 @@
 `fastest_drafter(spec)` loads each installed backend that can run `spec` (PyTorch int8 always;
 llama.cpp for a preset or .gguf file when llama-cpp-python is installed), drafts the same tokens
 with each, and returns the one with the lowest time per drafted token. The timings are remembered
-per machine (kernels.host_key) and model, so a later load times nothing and loads one backend.
+per machine and model (measured.py), so a later load times nothing and loads one backend.
 A PyTorch drafter is the only one that learns: pair with `Drafter.load(spec, backend="torch")`
 to learn adapters.
 
@@ -16,14 +16,12 @@ an acceptance head, a shortlisted head); `backend="torch"` at load keeps it on P
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import time
-from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
-from .atomic import atomic_write_bytes
+from . import measured
 
 __all__ = ["draft_ms", "drafting_cost", "drafting_twin", "fastest_drafter", "pairing_outlook"]
 
@@ -50,13 +48,8 @@ def draft_ms(drafter: Any, prompt_ids: list[int] | None = None, *, tokens: int =
 def drafting_cost(drafter: Any) -> float:
     """Seconds per drafted token of `drafter` (its class and model), measured once per machine
     with `draft_ms` and remembered."""
-    from .kernels import remembered
-
-    head, engine = getattr(drafter, "head", None), getattr(drafter, "engine", None)
-    key = (f"{getattr(drafter, 'name', '?')}|{type(drafter).__name__}|int8 {getattr(drafter, '_int8', None)}|"
-           f"head {type(head.policy).__name__ if head is not None else 'full'}"
-           + (f"|{engine.path.name}" if engine is not None else ""))  # a llama.cpp drafter's weights
-    return float(remembered("drafting-cost", key, lambda: draft_ms(drafter))) / 1e3
+    key = drafter.cost_key  # its model, backend, weights and head
+    return float(measured.remembered("drafting-cost", key, lambda: draft_ms(drafter))) / 1e3
 
 
 def drafting_twin(drafter: Any, config: Any, *, learn: bool, adapter: Any, user: str | None) -> Any:
@@ -89,13 +82,6 @@ def pairing_outlook(drafter: Any, target: Any, config: Any) -> Any:
     return outlook(verify_costs(), drafting_cost(drafter) if config.drafts != "retrieval" else 0.0)
 
 
-def _cache_file() -> Path:
-    from .kernels import host_key
-    from .presets import cache_dir
-
-    return cache_dir() / "kernels" / f"drafter-backends-{host_key()}.json"
-
-
 def _candidates(spec: str) -> list[str]:
     from .presets import PRESETS
 
@@ -112,12 +98,7 @@ def fastest_drafter(spec: str, load: Callable[[str], Any]) -> Any:
     """The drafter for `spec` on whichever installed backend drafts fastest here; `load(backend)`
     loads it on one backend."""
     names = _candidates(spec)
-    path = _cache_file()
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    timed = known.get(spec, {})
+    timed = dict(measured.read("drafter-backends").get(spec, {}))
     if len(names) == 1:
         return load(names[0])
     if all(n in timed for n in names):
@@ -128,9 +109,7 @@ def fastest_drafter(spec: str, load: Callable[[str], Any]) -> Any:
         loaded[name] = load(name)
         timed[name] = round(draft_ms(loaded[name]), 3)
     best = min(names, key=timed.__getitem__)
-    log.info("drafter %s: %s ms per drafted token; drafting on %s (remembered in %s)", spec,
+    path = measured.update("drafter-backends", {spec: timed})
+    log.info("drafter %s: %s ms per drafted token; drafting on %s (kept in %s)", spec,
              ", ".join(f"{n} {timed[n]:.1f}" for n in names), best, path)
-    known[spec] = timed
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
     return loaded[best]

@@ -1,6 +1,7 @@
-"""A drafter paired with a target, and OmniDraft's Algorithm 1 loop: draft, translate, verify,
-re-sync, learn. Streaming, EOS, stop strings and `max_new_tokens` live here; the acceptance maths
-live in verify.py and the vocabulary work in translate/.
+"""A drafter paired with a target: the long-lived pairing state (translator, profile, adapter,
+cost model, draft-length policy, retrieval) and the request API (`generate`, `stream`, `chat`):
+streaming, EOS, stop strings and `max_new_tokens`. The rounds themselves are round_loop.py, the
+acceptance maths verify.py, the vocabulary work translate/.
 """
 
 from __future__ import annotations
@@ -15,26 +16,24 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
-from .adaptive.head import CostModel, Stopper
+from .adaptive.head import CostModel
 from .adaptive.lengths import DraftLengths, plan_drafting
 from .backends import drafting_twin
 from .config import K_START, RELAXED, DecodeConfig
 from .distill.attach import attach_adapter
-from .draft import NO_DRAFT, Adaptable
 from .errors import TargetError
-from .retrieve import ContextIndex
-from .retrieve.planner import NO_RENT, Retriever
-from .rounds import (Generation, check_request, decode_alone, draft_rows, first_stop, make_generator, relaxation,
-                     render_chat, verified, within_budget)
+from .retrieve.planner import Retriever
+from . import round_loop
+from .rounds import Generation, check_request, decode_alone, first_stop, make_generator, render_chat, verified
 from .stats import GenerationStats, RoundRecord
 from .translate.ngram_cache import NgramCache
 from .translate.tables import TABLES_KEPT, pair_tables
-from .translate.translator import Source, Translator
+from .translate.translator import Translator
 
 if TYPE_CHECKING:
     from .distill.adapters import AdapterConfig
     from .distill.trainer import TrainConfig
-    from .drafter import Drafter
+    from .draft import Drafter
     from .profiles import ProfileStore
     from .target import Target
 
@@ -80,7 +79,7 @@ class Pairing:
                                              target.token_bytes.fingerprint, model=config.drafts == "hybrid" and plan.model)
                           if config.drafts != "model" else None)
         self.lengths = DraftLengths(config, self.cost, may_idle=plan.may_idle,
-                                    hidden_size=getattr(drafter, "hidden_size", None) if config.head else None,
+                                    hidden_size=drafter.hidden_size if config.head else None,
                                     saved_head=profile.tensors.get("head") if profile else None, shared=self._shared,
                                     label=f"{drafter.name} -> {target.name}")
         self.learner = None
@@ -241,145 +240,13 @@ class Pairing:
             if alone:  # the target decodes the whole request on its side: no draft at all
                 yield from decode_alone(tsession, max_new_tokens)
                 return
-            dsession, index, last = self.open_drafts(prompt_ids, self.drafter.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+            drafter_ids = self.drafter.tokenizer(prompt, add_special_tokens=special)["input_ids"]
+            request = round_loop.open_request(self, tsession, prompt_ids, drafter_ids, rule, generator)
             topk = self.learner.config.topk if self.learner is not None else 0
-            yield from self._loop(tsession, dsession, rule, max_new_tokens, generator, topk, last, index, rows)
+            yield from round_loop.run(self, request, max_new_tokens, topk, rows)
         finally:
             if (close := getattr(tsession, "close", None)) is not None:
                 close()  # a remote session frees its server-side KV cache now
-
-    def open_drafts(self, prompt_ids: list[int], drafter_ids: list[int]) -> tuple[Any, ContextIndex | None, int]:
-        """A request's drafting side: (drafter session, retrieval index, the drafter context's last
-        token). With `propose_round` and `settle_round`, what llamacpp/hook.py's verifier needs."""
-        with self._book:  # begin() also moves the shared acceptance history
-            index = self.retriever.begin(prompt_ids) if self.retriever is not None and self.free_drafts else None
-        if isinstance(self.drafter, Adaptable):  # a fake or an exported graph has no adapters
-            self.drafter.activate(self.adapter)
-        return self.drafter.begin(drafter_ids), index, drafter_ids[-1] if drafter_ids else -1
-
-    def first_k(self) -> tuple[int, Stopper | None]:
-        """A request's first draft length (0: no model draft) and the head's stopping rule."""
-        with self._book:
-            k, stopper = self.lengths.begin_request()
-        return (k if self.model_drafts else 0), stopper
-
-    def _loop(self, tsession: Any, dsession: Any, rule: Any, max_new_tokens: int, generator: torch.Generator | None,
-              topk: int, last: int, index: ContextIndex | None, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
-        """Algorithm 1's rounds: propose (retrieve, or draft and translate), verify, settle (re-sync
-        the drafter, learn, observe costs and acceptance). `last`: the drafter context's last token,
-        which token healing may let the next draft replace (translate/healing.py). `index`: the
-        request's retrieval index (None: model drafts only). `rows`: the target's top-k rows, kept
-        for distillation when `topk` > 0."""
-        k, stopper = self.first_k()
-        produced, first, previous, idle = 0, True, None, False  # idle: the last round did not draft
-        deferral = self.retriever.deferral if index is not None else None  # the drafter's read, deferred
-        rent = deferral.begin(len(tsession.ids)) if deferral is not None else NO_RENT
-        while produced < max_new_tokens:
-            t0 = time.perf_counter()
-            if previous is not None:  # the round's whole wall time beyond drafting and verifying is overhead
-                drafted, t_draft, verified, t_verify, started = previous
-                with self._book:
-                    self.cost.observe(drafted, t_draft, verified, t_verify, (t0 - started) - t_draft - t_verify)
-            model, free = self.plan.at(self.target, len(tsession.ids))  # what can pay at this context
-            defer = model and k > 0 and rent.defer(self.policy.last_rates if self.policy else {}, produced)
-            room, ask = within_budget(tsession, max_new_tokens - produced - 1, k if model and not defer else 0)
-            if room == 0 < max_new_tokens - produced - 1:  # the server takes no draft now: it decodes the rest
-                yield from decode_alone(tsession, max_new_tokens - produced)
-                return
-            draft, proposal, used, q, t1 = self.propose_round(tsession, dsession, rule, index if free else None,
-                                                              ask, stopper, last, room, generator)
-            t2 = time.perf_counter()
-            context = len(tsession.ids)
-            verdict = tsession.verify(proposal.ids, rule, q, generator, topk=topk, **relaxation(self.config, rule, proposal))
-            t3 = time.perf_counter()
-            new = tsession.ids[context:]
-            eos = next((i for i, t in enumerate(new) if t in self.target.eos_ids), None)
-            if eos is not None:
-                new = new[: eos + 1]
-            if topk:
-                rows.append((verdict.topk[0][: len(new)], verdict.topk[1][: len(new)]))
-            retrieved_accepted = sum(1 for s in proposal.sources[: verdict.accepted] if s == Source.RETRIEVED)
-            with self._book:
-                last, k = self.settle_round(dsession, index, draft, proposal, used, new, verdict.accepted,
-                                       retrieved_accepted, last, k, stopper)
-                rent.settle(defer, len(new), None if first else t3 - t0, len(draft.ids), t1 - t0, self.cost.draft, produced)
-            t4 = time.perf_counter()
-            produced += len(new)
-            # the first verification also prefills the prompt: not a verification cost. A round is observed
-            # when the next starts, so its overhead includes the head's bookkeeping, the caller's handling of
-            # the yielded tokens and all else between two rounds. A draft after rounds without one first
-            # catches the drafter up on every token committed meanwhile: its time is not a drafting cost
-            drafted = 0 if idle else len(draft.ids)
-            previous = None if first else (drafted, t1 - t0, len(proposal) + 1, t3 - t2, t0)
-            first, idle = False, not draft.ids
-            yield new, RoundRecord(
-                context=context, drafted=len(draft.ids), proposed=len(proposal), accepted=verdict.accepted,
-                emitted=len(new), from_cache=sum(1 for s in proposal.sources[: verdict.accepted] if s == Source.NGRAM),
-                t_draft=t1 - t0, t_translate=t2 - t1, t_verify=t3 - t2, t_resync=t4 - t3,
-                retrieved=proposal.retrieved, retrieved_accepted=retrieved_accepted,
-            )
-            if new and new[-1] in self.target.eos_ids:
-                return
-
-    def propose_round(self, tsession: Any, dsession: Any, rule: Any, index: ContextIndex | None, k: int,
-                 stopper: Stopper | None, last: int, room: int, generator: torch.Generator | None) -> tuple[Any, ...]:
-        """This round's proposal in target ids, from retrieval or from a model draft (translated,
-        and run on into a retrieved continuation), and the rows rejection sampling needs. Returns
-        (draft, proposal, retrieval used, q rows, time the draft was done)."""
-        translator, mode = self.translator, rule.mode
-        only = {"exact": "direct", "omnidraft": "aligned"}.get(mode, "any")
-        used = None
-        if index is not None:
-            with self._book:
-                used = self.retriever.plan(index, self.cost, self.policy.last_rates if self.policy else {}, room, drafting=k > 0)
-        table = self.drafter.token_bytes.table
-        if used is not None:  # a retrieved draft: no drafter forward this round
-            draft, t1 = NO_DRAFT, time.perf_counter()
-            with self._book:
-                proposal = translator.translate([], only=only).then(used.candidate.ids[: used.length])
-        else:
-            draft = NO_DRAFT if k == 0 else self._draft(dsession, rule, k, stopper, last,
-                                                         tsession.ids[-1] if tsession.ids else None,
-                                                         self._shared if mode == "exact" else None, generator)
-            t1 = time.perf_counter()
-            with self._book:
-                proposal = translator.translate(draft.ids, only=only, skip=len(table[last]) if draft.healed else 0)
-                proposal = proposal.cut(min(len(proposal), room))
-                if index is not None:
-                    proposal, used = self.retriever.extend(index, proposal, room)
-        modeled = len(proposal) - proposal.retrieved  # proposed tokens that came from the model
-        q = draft_rows(translator, proposal, modeled, draft) if only != "any" and len(proposal) else None
-        return draft, proposal, used, q, t1
-
-    def settle_round(self, dsession: Any, index: ContextIndex | None, draft: Any, proposal: Any, used: Any, new: list[int],
-                accepted: int, retrieved_accepted: int, last: int, k: int, stopper: Stopper | None) -> tuple[int, int]:
-        """After the verdict: the drafter keeps what matches the committed text and re-encodes the
-        rest, the n-gram cache learns, the retrieval index and stats see the round, and the next
-        draft length is chosen. Returns (the drafter context's last token, the next k)."""
-        held = self.drafter.token_bytes.table[last] if draft.healed else b""  # committed bytes the draft starts with
-        keep, tail = self.translator.resync(draft.ids, held + self.target.token_bytes.join(new))
-        self.translator.learn(draft.ids[:keep] + tail, new, skip=len(held))
-        dsession.commit(keep, tail)
-        if index is not None:
-            index.commit(new)
-            self.retriever.observe(used, len(proposal), accepted)
-        if self.model_drafts:
-            modeled = len(proposal) - proposal.retrieved
-            k = self.lengths.next(k, stopper, len(draft.ids), modeled, accepted - retrieved_accepted, keep)
-        return (draft.ids[:keep] + tail or [last])[-1], k
-
-    def _draft(self, dsession: Any, rule: Any, k: int, stopper: Stopper | None, last: int, committed: int | None,
-               allowed: torch.Tensor | None, generator: torch.Generator | None) -> Any:
-        """One draft: up to k tokens (k_max once the head decides), stopped by the head or, until it
-        decides, by the drafter's confidence; healed when the target's last committed token
-        `committed` lets a longer drafter token replace the drafter context's `last`."""
-        k, stop_confidence, extra = self.lengths.for_draft(k, stopper)
-        if self.healer is not None and committed is not None and rule.mode in ("greedy", "match"):  # where it is lossless
-            heal = self.healer.candidates(last, self.target.token_bytes.table[committed])
-            if heal is not None:
-                extra["heal"] = heal
-        return dsession.propose(k, temperature=rule.temperature, allowed=allowed, generator=generator,
-                                stop_confidence=stop_confidence, **extra)
 
 
 def pair(drafter: Any, target: Any, config: DecodeConfig | None = None, *, user: str | None = None,

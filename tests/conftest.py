@@ -68,7 +68,7 @@ def tiny_target(target_tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_drafter(draft_tokenizer):
-    from omnidraft import Drafter
+    from omnidraft import TorchDrafter as Drafter
 
     return Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
 

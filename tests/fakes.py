@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from itertools import accumulate
 
-from omnidraft.drafter import Draft
+from omnidraft.draft import Draft
 
 
 class OracleDrafter:

@@ -108,7 +108,7 @@ def test_filtered_sampling_reproduces_the_filtered_target_distribution(mode):
 
     tok_d, tok_t = train_bpe(300, gsm8k_texts(n=300)), train_bpe(330, gsm8k_texts(n=300))
     target = od.LocalTarget(tiny_llama(len(tok_t), seed=5, logit_scale=4.0), tok_t, "t")
-    drafter = od.Drafter(tiny_llama(len(tok_d), seed=5, logit_scale=4.0), tok_d, "d")
+    drafter = od.TorchDrafter(tiny_llama(len(tok_d), seed=5, logit_scale=4.0), tok_d, "d")
     if mode == "per-call":
         pair, call = drafter.pair(target, k=3), {"temperature": 1.0, "top_k": 8, "top_p": 0.9}
     else:

@@ -73,7 +73,7 @@ def test_export_parity_is_recorded_and_greedy_identical(exported):
 
 
 def test_ort_drafts_equal_pytorch_drafts(exported, tiny_drafter):
-    drafter = od.Drafter.load_onnx(str(exported[0]))
+    drafter = od.Drafter.load(str(exported[0]))
     for prompt in PROMPTS[:3]:
         ids = tiny_drafter.tokenizer(prompt)["input_ids"]
         a, b = tiny_drafter.begin(ids), drafter.begin(ids)
@@ -84,7 +84,7 @@ def test_ort_drafts_equal_pytorch_drafts(exported, tiny_drafter):
 
 
 def test_engine_with_the_ort_drafter_is_target_greedy(exported, tiny_target):
-    pair = od.Drafter.load_onnx(str(exported[0])).pair(tiny_target, k=4)
+    pair = od.Drafter.load(str(exported[0])).pair(tiny_target, k=4)
     for prompt in PROMPTS[:4]:
         assert pair.generate(prompt, max_new_tokens=24).token_ids == target_greedy(tiny_target, prompt, 24)
 
@@ -98,7 +98,7 @@ def test_pruned_int8_export_maps_ids_back(tiny_drafter, tiny_target, tmp_path):
     assert 0 <= sidecar["parity"]["top1_agreement"] <= 1 and sidecar["quantization"] == "int8"
     kept = sidecar["keep_ids"]
     assert set(keep) <= set(kept) and len(kept) == 256  # padded to a whole block of rows
-    drafter = od.Drafter.load_onnx(str(out))
+    drafter = od.Drafter.load(str(out))
     draft = drafter.begin(tiny_drafter.tokenizer(PROMPTS[1])["input_ids"]).propose(8, stop_confidence=0)
     assert all(t in set(kept) for t in draft.ids)
     pair = drafter.pair(tiny_target, k=4)
@@ -115,19 +115,19 @@ def test_corrupt_graph_or_foreign_tokenizer_is_refused(exported, tmp_path, targe
     shutil.copytree(src.with_suffix(".tokenizer"), tmp_path / "bad.tokenizer")
     bad.write_bytes(bad.read_bytes()[:1000])
     with pytest.raises(CorruptFileError, match="SHA-256"):
-        OrtDrafter.load(bad)
+        OrtDrafter.open(bad)
     shutil.copy(src, bad)
     target_tokenizer.save_pretrained(str(tmp_path / "bad.tokenizer"))
     with pytest.raises(IncompatibleError, match="tokenizer"):
-        OrtDrafter.load(bad)
+        OrtDrafter.open(bad)
     (tmp_path / "bad.onnx.json").write_text("{not json")
     with pytest.raises(CorruptFileError, match="sidecar"):
-        OrtDrafter.load(bad)
+        OrtDrafter.open(bad)
 
 
 def test_an_onnx_drafter_refuses_to_learn(exported, tiny_target):
     with pytest.raises(ValueError, match="cannot learn"):
-        od.Drafter.load_onnx(str(exported[0])).pair(tiny_target, learn=True)
+        od.Drafter.load(str(exported[0])).pair(tiny_target, learn=True)
 
 
 def test_a_head_outside_the_graph_drafts_whole_or_shortlisted(tiny_drafter, tiny_target, tmp_path, monkeypatch):
@@ -139,7 +139,7 @@ def test_a_head_outside_the_graph_drafts_whole_or_shortlisted(tiny_drafter, tiny
     sidecar = export_drafter(tiny_drafter.model, out, name="tiny-drafter", tokenizer=tiny_drafter.tokenizer,
                              fingerprint=tiny_drafter.token_bytes.fingerprint, head="outside")
     assert sidecar["head"] == "outside" and out.with_suffix(".head.pt").is_file()
-    drafter = od.Drafter.load_onnx(str(out))
+    drafter = od.Drafter.load(str(out))
     ids = tiny_drafter.tokenizer(PROMPTS[0])["input_ids"]
     assert drafter.begin(ids).propose(6, stop_confidence=0).ids == tiny_drafter.begin(ids).propose(6, stop_confidence=0).ids
     router = tmp_path / "router.pt"
@@ -152,10 +152,10 @@ def test_a_head_outside_the_graph_drafts_whole_or_shortlisted(tiny_drafter, tiny
         pair = drafter.pair(tiny_target, k=4)
         assert pair.generate(PROMPTS[1], max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPTS[1], 16), kind
     with pytest.raises(ValueError, match="outside"):
-        od.Drafter.load_onnx(str(exported_inside(tiny_drafter, tmp_path))).use_shortlist("static")
+        od.Drafter.load(str(exported_inside(tiny_drafter, tmp_path))).use_shortlist("static")
     out.with_suffix(".head.pt").write_bytes(b"torn")
     with pytest.raises(CorruptFileError, match="LM head"):
-        od.Drafter.load_onnx(str(out))
+        od.Drafter.load(str(out))
 
 
 def exported_inside(tiny_drafter, tmp_path):
@@ -178,7 +178,7 @@ def test_a_gathering_graph_evaluates_just_the_support(tiny_drafter, tiny_target,
     sidecar = export_drafter(tiny_drafter.model, out, name="tiny-drafter", tokenizer=tiny_drafter.tokenizer,
                              fingerprint=tiny_drafter.token_bytes.fingerprint, head="gather", quantize=quantize)
     assert sidecar["head"] == "gather"
-    drafter = od.Drafter.load_onnx(str(out))
+    drafter = od.Drafter.load(str(out))
     assert drafter.gathers and drafter.lm_head is None
     ids = tiny_drafter.tokenizer(PROMPTS[0])["input_ids"]
     weight = tiny_drafter.model.get_output_embeddings().weight.detach().float()

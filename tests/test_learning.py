@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import pytest
 
-from omnidraft import Drafter
+from omnidraft import TorchDrafter as Drafter
 from omnidraft.distill.adapters import AdapterConfig, adapter_state
 from omnidraft.distill.buffer import VerifiedRequest, build_example
 from omnidraft.distill.losses import direct_kl, ngram_nll

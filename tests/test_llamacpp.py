@@ -168,14 +168,14 @@ def test_the_server_backend_serves_the_engines_greedy_output_and_keeps_its_guara
 
 def test_auto_picks_the_faster_drafter_backend_once_per_machine(tmp_path, monkeypatch):
     from omnidraft import backends
-    from omnidraft.llamacpp import drafter as llama_drafter
+    from omnidraft.llamacpp import drafting as llama_drafter
 
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(llama_drafter, "drafting_weights", lambda path, engine, weights, **_: path)  # timed elsewhere
-    times = {"Drafter": 9.0, "LlamaCppDrafter": 4.0}
+    times = {"TorchDrafter": 9.0, "LlamaCppDrafter": 4.0}
     monkeypatch.setattr(backends, "draft_ms", lambda d, **_: times[type(d).__name__])
     assert isinstance(od.Drafter.load("smollm2-135m", backend="auto"), od.LlamaCppDrafter)
-    (saved,) = tmp_path.joinpath("kernels").glob("drafter-backends-*.json")
+    (saved,) = tmp_path.joinpath("measured").glob("drafter-backends-*.json")
     assert json.loads(saved.read_text())["smollm2-135m"] == {"torch": 9.0, "llama.cpp": 4.0}
     monkeypatch.setattr(backends, "draft_ms", lambda d, **_: pytest.fail("timed twice"))
     assert isinstance(od.Drafter.load("smollm2-135m", backend="auto"), od.LlamaCppDrafter)

@@ -78,7 +78,7 @@ def test_pairings_of_one_tokenizer_pair_share_their_read_only_tables(tiny_drafte
 def _sample_pair(mode: str, n: int):
     tok_d, tok_t = train_bpe(300, gsm8k_texts(n=300)), train_bpe(330, gsm8k_texts(n=300))
     target = od.LocalTarget(tiny_llama(len(tok_t), seed=5, logit_scale=8.0), tok_t, "t")
-    drafter = od.Drafter(tiny_llama(len(tok_d), seed=5, logit_scale=8.0), tok_d, "d")
+    drafter = od.TorchDrafter(tiny_llama(len(tok_d), seed=5, logit_scale=8.0), tok_d, "d")
     pair = drafter.pair(target, k=3, mode=mode, temperature=1.0)
     gen = torch.Generator().manual_seed(11)
     prompt = "Question: how many"
@@ -214,7 +214,7 @@ def test_a_healing_drafter_replaces_its_last_token_only_when_it_prefers_a_longer
     healed = session.propose(4, stop_confidence=0, heal=longer)  # only longer tokens allowed: it must replace
     assert healed.healed and table[healed.ids[0]].startswith(held) and table[healed.ids[0]] != held
     session.commit(1, [])
-    assert session.runner.ids == ids[:-1] + healed.ids[:1]
+    assert session.ids == ids[:-1] + healed.ids[:1]
 
 
 class _SpyDrafter:
@@ -229,7 +229,7 @@ class _SpyDrafter:
 
         class Session:
             def propose(self, k, **kw):
-                context = list(session.runner.ids)
+                context = list(session.ids)
                 draft = session.propose(k, **kw)
                 calls.append((context, draft))
                 return draft

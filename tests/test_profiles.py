@@ -199,7 +199,7 @@ def test_leftovers_of_killed_saves_are_cleaned_and_missing_keys_name_the_file(tm
 
 
 def test_adapter_names_are_injective():
-    from omnidraft import Drafter
+    from omnidraft import TorchDrafter as Drafter
 
     users = ["a.b", "a_b", "a-b", "a__b", None, "default"]
     names = {Drafter.adapter_name("qwen", u) for u in users} | {Drafter.adapter_name("qwen_x", "y"),
@@ -211,7 +211,7 @@ def test_adapter_names_are_injective():
 def test_users_on_one_drafter_never_share_adapter_weights(draft_tokenizer, tiny_target, tmp_path):
     """Users "a.b" and "a_b" used to map to one adapter name, and the second drafted with (and saved)
     the first's weights."""
-    from omnidraft import Drafter
+    from omnidraft import TorchDrafter as Drafter
     from omnidraft.distill.adapters import adapter_state
 
     from .conftest import tiny_llama

@@ -103,11 +103,11 @@ def test_smollm2_onnx_export_drafts_like_pytorch(tmp_path):
     prompts = [loaded.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", 1) + load_prompts("humaneval", 1)]
     out = tmp_path / "smollm2.onnx"
     sidecar = export_drafter(loaded.model, out, name=loaded.name, tokenizer=loaded.tokenizer,
-                             fingerprint=od.Drafter(loaded.model, loaded.tokenizer).token_bytes.fingerprint,
+                             fingerprint=od.TorchDrafter(loaded.model, loaded.tokenizer).token_bytes.fingerprint,
                              parity_prompts=prompts, parity_steps=16)
     assert sidecar["parity"]["greedy_identical"] == 2, sidecar["parity"]
-    drafter = od.Drafter.load_onnx(str(out))
-    fp32 = od.Drafter(loaded.model, loaded.tokenizer, loaded.name)
+    drafter = od.Drafter.load(str(out))
+    fp32 = od.TorchDrafter(loaded.model, loaded.tokenizer, loaded.name)
     for ids in prompts:
         assert drafter.begin(ids).propose(8, stop_confidence=0).ids == fp32.begin(ids).propose(8, stop_confidence=0).ids
 

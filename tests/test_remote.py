@@ -66,7 +66,7 @@ def test_remote_sampling_modes_are_reproducible_by_seed(http, tiny_drafter):
 
 
 def test_remote_verdicts_carry_topk_rows_for_learning(http, draft_tokenizer, tiny_target, tmp_path):
-    from omnidraft import Drafter
+    from omnidraft import TorchDrafter as Drafter
     from omnidraft.distill.adapters import AdapterConfig
     from omnidraft.distill.trainer import TrainConfig
     from omnidraft.profiles import ProfileStore
@@ -262,7 +262,7 @@ def test_openai_endpoint_speaks_the_completions_shape(http, tiny_target):
 
 
 def test_openai_target_feeds_learning_with_top_rows(http, draft_tokenizer, tiny_target, tmp_path):
-    from omnidraft import Drafter
+    from omnidraft import TorchDrafter as Drafter
     from omnidraft.distill.adapters import AdapterConfig
     from omnidraft.distill.trainer import TrainConfig
     from omnidraft.profiles import ProfileStore

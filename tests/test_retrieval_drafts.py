@@ -141,7 +141,7 @@ def test_sampling_with_retrieved_drafts_keeps_the_target_distribution(mode, draf
     first round proposes a retrieved continuation; chi-square against the target's softmax."""
     tok_d, tok_t = train_bpe(300, gsm8k_texts(n=300)), train_bpe(330, gsm8k_texts(n=300))
     target = od.LocalTarget(tiny_llama(len(tok_t), seed=5, logit_scale=8.0), tok_t, "t")
-    drafter = od.Drafter(tiny_llama(len(tok_d), seed=5, logit_scale=8.0), tok_d, "d")
+    drafter = od.TorchDrafter(tiny_llama(len(tok_d), seed=5, logit_scale=8.0), tok_d, "d")
     pair = drafter.pair(target, k=3, mode=mode, temperature=1.0, drafts=drafts,
                         retrieval=RetrievalConfig(min_match=2))
     gen = torch.Generator().manual_seed(13)

@@ -53,7 +53,7 @@ def test_shortlisted_logits_equal_the_full_heads_on_the_support(draft_tokenizer,
 
 @pytest.mark.parametrize("kind", ["static", "evo", "dyna"])
 def test_greedy_output_stays_the_targets_with_every_policy(draft_tokenizer, tiny_target, kind):
-    drafter = od.Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    drafter = od.TorchDrafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
     drafter.use_shortlist(kind, size=120, clusters=8, budget=(3, 2))
     assert isinstance(drafter.model.get_output_embeddings(), ShortlistHead)
     pair = drafter.pair(tiny_target, k=4)
@@ -68,7 +68,7 @@ def test_exact_sampling_keeps_the_targets_distribution_with_a_shortlist():
     """As test_pairing's chi-square test, with a drafter that drafts from a third of its vocabulary."""
     tok_d, tok_t = train_bpe(300, gsm8k_texts(n=300)), train_bpe(330, gsm8k_texts(n=300))
     target = od.LocalTarget(tiny_llama(len(tok_t), seed=5, logit_scale=8.0), tok_t, "t")
-    drafter = od.Drafter(tiny_llama(len(tok_d), seed=5, logit_scale=8.0), tok_d, "d")
+    drafter = od.TorchDrafter(tiny_llama(len(tok_d), seed=5, logit_scale=8.0), tok_d, "d")
     install(drafter.model, Static(drafter.model.get_output_embeddings(), torch.arange(0, len(tok_d), 3)))
     pair = drafter.pair(target, k=3, mode="exact", temperature=1.0)
     gen = torch.Generator().manual_seed(11)
@@ -130,7 +130,7 @@ def test_shortlist_files_are_versioned_and_refused_when_they_do_not_fit(tiny_dra
     built = shortlist(tiny_drafter, "dyna", size=256, clusters=8, path=path)
     again = shortlist(tiny_drafter, "dyna", size=256, clusters=8, path=path)
     assert torch.equal(built.core.ids, again.core.ids)
-    other = od.Drafter(tiny_llama(len(target_tokenizer), seed=3), target_tokenizer, "other")
+    other = od.TorchDrafter(tiny_llama(len(target_tokenizer), seed=3), target_tokenizer, "other")
     with pytest.raises(ValueError, match="another tokenizer"):
         shortlist(other, "static", size=256, clusters=8, path=path)
     saved = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
@@ -195,3 +195,18 @@ def test_healing_keeps_a_context_token_the_support_leaves_out(tiny_drafter):
             assert not tiny_drafter.begin(ids).propose(1, stop_confidence=0, heal=longer & (torch.arange(len(table)) != i)).healed
     finally:
         tiny_drafter.model.set_output_embeddings(tiny_drafter.model.get_output_embeddings().full)
+
+
+def test_the_shipped_corpus_is_the_checkouts_training_text():
+    """The shortlist corpus ships in the package (a wheel has no data/); it must be what
+    tools/shortlist_corpus.py writes from data/, byte for byte."""
+    import importlib.util
+    from pathlib import Path
+
+    from omnidraft.shortlist.build import CORPUS, corpus
+
+    spec = importlib.util.spec_from_file_location("shortlist_corpus", Path(__file__).parents[1] / "tools" / "shortlist_corpus.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert corpus() == tool.texts()
+    assert CORPUS.read_bytes() == tool.encode(tool.texts())

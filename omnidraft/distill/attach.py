@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..draft import Adaptable
+from ..draft.picking import Adaptable
 
 __all__ = ["attach_adapter"]
 

@@ -1,7 +1,6 @@
-"""An onnxruntime drafter: the exported graph (export/onnx.py) behind the same drafter protocol as
-the PyTorch `Drafter`, so the engine drafts with it unchanged.
+"""`OrtDrafter`: an exported graph (export/onnx.py) on onnxruntime, a drafting backend.
 
-`OrtDrafter.load("drafter.onnx")` checks the sidecar (format, the .onnx file's SHA-256, the
+`Drafter.load("drafter.onnx")` (`OrtDrafter.open`) checks the sidecar (format, the .onnx file's SHA-256, the
 tokenizer saved beside it against the fingerprint recorded at export) before opening the graph.
 A session keeps the KV cache as numpy arrays; a rollback slices them. With a pruned LM head the
 graph's logits cover `keep_ids` only and ids are mapped back to the drafter's vocabulary here.
@@ -10,23 +9,17 @@ graph's logits cover `keep_ids` only and ids are mapped back to the drafter's vo
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..draft import Draft, confidence, heal_pick, pick
+from ..draft.base import Drafter
 from ..errors import CorruptFileError, IncompatibleError
-from ..translate.codec import ByteCodec
-from ..translate.token_bytes import build_token_bytes
 from .sidecar import SIDECAR_FORMAT, file_sha256, sidecar_path
 
-if TYPE_CHECKING:
-    from ..adaptive.head import Stopper
-
-__all__ = ["OrtDrafter", "OrtGraph"]
+__all__ = ["OrtDrafter", "OrtGraph", "OrtStream"]
 
 
 class _State:
@@ -93,94 +86,43 @@ class OrtGraph:
             state.past = [p[:, :, :n] for p in state.past]
 
 
-class _OrtDraftSession:
+class OrtStream:
+    """A `Stream` on an exported graph: the KV cache as numpy arrays, sliced back on a crop. The
+    graph gives the last position's logits only: more rows are more calls."""
+
+    gives_hidden = True
+
     def __init__(self, owner: OrtDrafter, ids: list[int]) -> None:
         self.owner, self.graph = owner, owner.graph
         self.state = self.graph.start()
-        if owner.head is not None:
-            owner.head.policy.begin(list(ids))
         self.ids = list(ids)  # the sequence; the cache holds its first state.length tokens
-        self._base = len(self.ids)
-        self._logits: np.ndarray | None = None  # logits after the whole sequence, when the cache is full
-        self._support: torch.Tensor | None = None  # the rows they cover (a gathering graph)
 
-    def _forward(self) -> np.ndarray:
-        if self._logits is None:
-            if self.state.length >= len(self.ids):  # re-feed the last token to get its logits again
-                self.graph.crop(self.state, len(self.ids) - 1)
-            self._logits = self.owner.run(self.state, self.ids[self.state.length :])
-            self._support = self.owner.support
-        return self._logits
+    def extend(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
 
-    def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
-                generator: torch.Generator | None = None, stop_confidence: float = 0.0,
-                stopper: Stopper | None = None, heal: torch.Tensor | None = None) -> Draft:
-        if k < 1:
-            raise ValueError(f"draft length k must be >= 1, got {k}")
-        with self.owner.lock:
-            return self._propose(k, temperature, allowed, generator, stop_confidence, stopper, heal)
-
-    def _propose(self, k: int, temperature: float, allowed: torch.Tensor | None, generator: torch.Generator | None,
-                 stop_confidence: float, stopper: Stopper | None, heal: torch.Tensor | None) -> Draft:
-        self._base = len(self.ids)
-        ids, rows, healed = [], [], False
-        for step in range(k):
-            if self.owner.head is not None:
-                self.owner.head.step = step
-            logits = None
-            if step == 0 and heal is not None and len(self.ids) > 1:
-                logits, token, probs = self._heal_step(heal, temperature, allowed, generator)
-                healed = logits is not None
-            if logits is None:
-                logits = self.owner.full_logits(self._forward(), self._support)
-                token, probs = pick(logits, temperature, allowed, generator)
-            ids.append(token)
-            if probs is not None:
-                rows.append(probs)
-            hidden = torch.from_numpy(self.state.hidden)
-            self.ids.append(token)
-            self._logits = None
-            halt = stopper is not None and stopper.stop_after(step, token, logits, hidden)
-            if halt or token in self.owner.stop_ids or (stop_confidence > 0 and confidence(logits, token, probs) < stop_confidence):
-                break
-        return Draft(ids, torch.stack(rows) if rows else None, healed)
-
-    def _heal_step(self, heal: torch.Tensor, temperature: float, allowed: torch.Tensor | None,
-                   generator: torch.Generator | None) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
-        """Token healing (see Drafter's session): the graph gives last-position logits only, so the
-        sequence is fed up to the last token first. (logits, token, probs) when a longer token
-        replaces it, else (None, -1, None) with the last token not fed yet."""
-        n = len(self.ids) - 1
-        self.graph.crop(self.state, min(self.state.length, n - 1))
-        chosen = heal_pick(self.owner.full_logits(self.owner.run(self.state, self.ids[self.state.length : n])), heal,
-                           self.ids[-1], temperature, allowed, generator)
-        self._logits = None
-        if chosen is None:
-            return None, -1, None
+    def crop(self, n: int) -> None:
         del self.ids[n:]
-        self._base -= 1
-        return chosen
+        self.graph.crop(self.state, min(self.state.length, n))
 
-    def commit(self, keep: int, tail: list[int]) -> None:
-        del self.ids[self._base + keep :]
-        self.graph.crop(self.state, min(self.state.length, len(self.ids)))
-        self.ids.extend(tail)
-        self._logits = None
-        self._base = len(self.ids)
-        if self.owner.head is not None and tail:
-            self.owner.head.policy.observe(tail)
+    def logits(self, rows: int = 1, *, hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = len(self.ids)
+        self.graph.crop(self.state, min(self.state.length, n - rows))  # re-feed positions read again
+        out, states = [], []
+        for end in range(n - rows + 1, n + 1):
+            out.append(self.owner.full_logits(self.owner.run(self.state, self.ids[self.state.length : end]), self.owner.support))
+            states.append(torch.from_numpy(self.state.hidden))
+        return torch.stack(out), torch.stack(states) if hidden else None
 
 
-class OrtDrafter:
-    """A drafter running an exported ONNX graph; pairs with any target like `Drafter`."""
+class OrtDrafter(Drafter, name="onnx"):
+    """A drafter running an exported ONNX graph (`Drafter.load("drafter.onnx")`); drafts, cannot learn."""
+
+    backend = "ONNX Runtime"
 
     def __init__(self, graph: OrtGraph, tokenizer: Any, sidecar: dict[str, Any], name: str) -> None:
-        self.graph, self.tokenizer, self.sidecar, self.name = graph, tokenizer, sidecar, name
+        self.graph, self.sidecar, self.name = graph, sidecar, name
         self.vocab_size = int(sidecar["vocab_size"])
-        self.token_bytes = build_token_bytes(tokenizer, self.vocab_size)
-        self.codec = ByteCodec(tokenizer, self.token_bytes)
-        self.stop_ids = frozenset(i for i in (tokenizer.eos_token_id,) if isinstance(i, int))
-        self.lock = threading.RLock()
+        self._init_vocabulary(tokenizer, self.vocab_size)
         keep = sidecar.get("keep_ids")
         self.keep_ids = torch.as_tensor(keep, dtype=torch.long) if keep is not None else None
         self.hidden_size = int(sidecar["hidden_size"])
@@ -193,7 +135,11 @@ class OrtDrafter:
         self._rows = self._every.numpy()  # `support` as the graph's input
 
     @classmethod
-    def load(cls, path: str | Path, *, threads: int | None = None) -> OrtDrafter:
+    def from_spec(cls, spec: str, *, threads: int | None = None, **_: Any) -> OrtDrafter:
+        return cls.open(spec, threads=threads)
+
+    @classmethod
+    def open(cls, path: str | Path, *, threads: int | None = None) -> OrtDrafter:
         """Open an exported drafter; a corrupt graph or a mismatched tokenizer is refused."""
         from transformers import AutoTokenizer
 
@@ -246,8 +192,8 @@ class OrtDrafter:
         full[(self.support if support is None else support) if self.gathers else self.keep_ids] = t
         return full
 
-    def begin(self, ids: list[int]) -> _OrtDraftSession:
-        return _OrtDraftSession(self, ids)
+    def stream(self, ids: list[int]) -> OrtStream:
+        return OrtStream(self, ids)
 
     def use_shortlist(self, kind: str | None, **options: Any) -> None:
         """As `Drafter.use_shortlist`, for a graph exported with its head outside (`omnidraft
@@ -265,12 +211,6 @@ class OrtDrafter:
         with self.lock:
             self.head = None if kind in (None, "full") else ShortlistHead(
                 self.lm_head, self.vocab_size, shortlist(self, kind, head=self.lm_head, **options))
-
-    def pair(self, target: Any, config: Any = None, **options: Any) -> Any:
-        """Pair with `target`: see `omnidraft.pairing.pair`; an exported drafter drafts but cannot learn."""
-        from ..pairing import pair
-
-        return pair(self, target, config, **options)
 
     def __repr__(self) -> str:
         return f"OrtDrafter({self.name!r}, vocab {self.vocab_size}, {self.sidecar.get('quantization') or 'fp32'})"

@@ -5,11 +5,11 @@
     pair = drafter.pair(target)
 
 `engine.py` evaluates token ids with a KV cache that keeps the longest shared prefix; `target.py`
-and `drafter.py` put the target and drafter protocols on it; `hook.py` offers an omnidraft drafter to
+and `drafting.py` put the target and drafter protocols on it; `hook.py` offers an omnidraft drafter to
 llama-cpp-python's own speculative decoding (`Llama(..., draft_model=...)`).
 """
 
-from .drafter import LlamaCppDrafter
+from .drafting import LlamaCppDrafter
 from .engine import LlamaEngine
 from .target import LlamaCppTarget
 

@@ -7,10 +7,10 @@
 `Llama.generate` calls its `draft_model` with every committed id (prompt, output, and the token
 it just sampled) and verifies what comes back itself. The hook infers each round's verdict from the
 next call (the ids after the last call's context: the accepted prefix of its proposal, then the
-target's token), settles it like the pairing's own loop (drafter rolled back and re-synced, n-gram
-cache, retrieval index and statistics, next draft length), and proposes again: model drafts
-translated into the target's ids, retrieved continuations, or both (`drafts=`). A call whose ids do
-not extend the last call's starts a new request. Where the measured costs say drafting cannot pay,
+target's token), settles it with the pairing's own round functions (round_loop.py: drafter rolled
+back and re-synced, n-gram cache, retrieval index and statistics, costs, next draft length), and
+proposes again: model drafts translated into the target's ids, retrieved continuations, or both
+(`drafts=`). A call whose ids do not extend the last call's starts a new request. Where the measured costs say drafting cannot pay,
 it returns no draft and llama.cpp decodes alone. One generation at a time per hook.
 """
 
@@ -22,16 +22,16 @@ from typing import Any
 import numpy as np
 from llama_cpp.llama_speculative import LlamaDraftModel
 
+from .. import round_loop
 from ..target import Rule
-from ..translate.translator import Source
 
 __all__ = ["OmnidraftDraftModel"]
 
 GREEDY = Rule()
 
 
-class _Context:
-    """The stand-in target session `propose_round` reads: the committed ids."""
+class _Committed:
+    """The stand-in target session the round loop reads: the committed ids."""
 
     def __init__(self, ids: list[int]) -> None:
         self.ids = ids
@@ -53,42 +53,47 @@ class OmnidraftDraftModel(LlamaDraftModel):
         self.engine = getattr(target, "engine", None)
         self.max_draft = max_draft
         self._ids: list[int] | None = None
-        self._round: tuple[Any, ...] | None = None
+        self.request: round_loop.Request | None = None
+        self._round: round_loop.Round | None = None
+        self._returned = 0.0  # when the last proposal went back to llama.cpp
         self.calls = self.proposed = 0
 
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
         now = time.perf_counter()
         ids = [int(t) for t in input_ids]
-        if self._ids is None or len(ids) <= len(self._ids) or ids[: len(self._ids)] != self._ids:
+        p = self.pairing
+        if self.request is None or self._ids is None or len(ids) <= len(self._ids) or ids[: len(self._ids)] != self._ids:
             self._open(ids)
         else:
             self._settle(ids[len(self._ids) :], now)
         self._ids = ids
+        req = self.request
+        assert req is not None
+        req.target = _Committed(ids)
         started = time.perf_counter()
+        round_loop.begin_round(p, req, started)
+        model, free = p.plan.at(p.target, len(ids))  # what can pay at this context
         room = self.max_draft if self.engine is None else min(self.max_draft, self.engine.rows_at(len(ids) - 1) - 1)
-        draft, proposal, used, _, t_draft = self.pairing.propose_round(
-            _Context(ids), self.dsession, GREEDY, self.index, self.k if room > 0 else 0, self.stopper, self.last,
-            max(0, room), None)
-        self._round = (draft, proposal, used, t_draft - started, time.perf_counter())
+        self._round = round_loop.propose(p, req, req.k if room > 0 and model else 0, max(0, room), free, started)
         self.calls += 1
-        self.proposed += len(proposal)
-        return np.asarray(proposal.ids.tolist(), dtype=np.intc)
+        self.proposed += len(self._round.proposal)
+        self._returned = time.perf_counter()
+        return np.asarray(self._round.proposal.ids.tolist(), dtype=np.intc)
 
     def _open(self, ids: list[int]) -> None:
         p = self.pairing
         text = p.target.token_bytes.join(ids).decode("utf-8", errors="replace")
-        self.dsession, self.index, self.last = p.open_drafts(ids, p.drafter.tokenizer(text, add_special_tokens=False)["input_ids"])
-        self.k, self.stopper = p.first_k()
-        self._idle = False
+        drafter_ids = p.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.request = round_loop.open_request(p, _Committed(ids), ids, drafter_ids, GREEDY)
+        self._round = None
 
     def _settle(self, new: list[int], now: float) -> None:
-        draft, proposal, used, t_draft, returned = self._round
-        proposed = proposal.ids.tolist()
+        """The last round's verdict, inferred: the accepted prefix of its proposal, then the target's token."""
+        rnd, req = self._round, self.request
+        if rnd is None or req is None:
+            return
+        proposed = rnd.proposal.ids.tolist()
         accepted = next((j for j, t in enumerate(proposed) if j >= len(new) or new[j] != t), len(proposed))
-        retrieved_accepted = sum(1 for s in proposal.sources[:accepted] if s == Source.RETRIEVED)
-        # as in the pairing's loop: a draft right after rounds without one also caught the drafter up
-        drafted = 0 if self._idle else len(draft.ids)
-        self.pairing.cost.observe(drafted, t_draft, len(proposed) + 1, now - returned, 0.0)
-        self._idle = not draft.ids
-        self.last, self.k = self.pairing.settle_round(self.dsession, self.index, draft, proposal, used, new, accepted,
-                                                      retrieved_accepted, self.last, self.k, self.stopper)
+        round_loop.settle(self.pairing, req, rnd, new, accepted)
+        # llama.cpp verified between the proposal's return and this call: that is the verify's time
+        round_loop.observe(req, rnd, now - self._returned, len(proposed) + 1)

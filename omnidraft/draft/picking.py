@@ -1,8 +1,5 @@
-"""What every drafter backend shares: `Draft` (what one `propose` returns) and the pure functions
-that pick a drafted token (`pick`, `restrict`, `confidence`, `heal_pick`).
-
-No model and no tokenizer here: the PyTorch drafter (drafter.py), the ONNX Runtime one
-(export/ort_drafter.py) and the pairing loop all import them from this module.
+"""`Draft` (what one `propose` returns) and the pure functions that pick a drafted token (`pick`,
+`restrict`, `confidence`, `heal_pick`): no model and no tokenizer here.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ NO_DRAFT = Draft([])  # a round that does not speculate: the target decodes one 
 @runtime_checkable
 class Adaptable(Protocol):
     """A drafter that carries LoRA adapters, one per (target, user) pairing, and can learn: the
-    PyTorch `Drafter`. An exported graph drafts with the adapter it was exported with."""
+    `TorchDrafter`. An exported graph drafts with the adapter it was exported with."""
 
     lock: Any
     trainable: Any
