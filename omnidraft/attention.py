@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .kernels import median_ms, remembered
+from .kernels import median_ms
+from .measured import remembered
 
 __all__ = ["NAME", "attention_choice", "use_grouped_attention"]
 

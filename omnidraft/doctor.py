@@ -1,4 +1,4 @@
-"""What this machine offers omnidraft: versions, optional backends, presets, and the kernel plan.
+"""What this machine offers omnidraft: versions, optional backends, presets, what was measured on it.
 
 Returns lines of text for `omnidraft doctor` to print; loads a model only when asked for its plan.
 """
@@ -6,16 +6,16 @@ Returns lines of text for `omnidraft doctor` to print; loads a model only when a
 from __future__ import annotations
 
 import importlib.util
-import json
 import platform
 import sys
 
 import torch
 
 from . import presets
-from .kernels import BUCKETS, host_key
+from . import measured
+from .kernels import BUCKETS
 
-__all__ = ["report"]
+__all__ = ["report", "reset"]
 
 _BACKENDS = {"onnxruntime": "ONNX Runtime drafter (export/)", "llama_cpp": "llama.cpp (llama-cpp-python)",
              "fastapi": "verification server (serve)", "httpx": "remote client"}
@@ -34,33 +34,41 @@ def _preset_state(name: str) -> str:
 
 
 def _drafter_weights() -> list[str]:
-    """What each llama.cpp drafter file measured here runs (llamacpp/requant.py), from the memo."""
-    path = presets.cache_dir() / "kernels" / f"drafter-weights-{host_key()}.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
+    """What each llama.cpp drafter file measured here runs (llamacpp/requant.py)."""
     lines = []
-    for key, timed in sorted(known.items()):
+    for key, timed in sorted(measured.read("drafter-weights").items()):
         try:
             use, shipped, q8 = timed["use"], timed["shipped"], timed["q8_0"]
             lines.append(f"llama.cpp drafter {key.split('|')[0]}: runs {'Q8_0 copy' if use == 'q8_0' else 'as shipped'} "
                          f"(ms per prompt token read / drafted token: shipped {shipped['read_ms']:.2f} / "
                          f"{shipped['draft_ms']:.1f}, Q8_0 {q8['read_ms']:.2f} / {q8['draft_ms']:.1f})")
         except (KeyError, TypeError, AttributeError):
-            lines.append(f"llama.cpp drafter {key.split('|')[0]}: unreadable timing in {path} (re-timed at next load: delete it)")
+            lines.append(f"llama.cpp drafter {key.split('|')[0]}: unreadable timing (`omnidraft doctor --reset` clears it)")
     return lines
+
+
+def _measurements() -> list[str]:
+    """One line per kind of measurement kept for this machine."""
+    kept = measured.entries()
+    lines = [f"measured on this machine (key {measured.machine_key()}, under {measured.directory()}): "
+             + (", ".join(f"{kind} ({n})" for kind, _, n in kept) if kept else "nothing yet")]
+    return lines + (["  a timing taken on a busy machine decides until `omnidraft doctor --reset` forgets it"] if kept else [])
+
+
+def reset() -> list[str]:
+    """Forget every per-machine measurement; one line per file removed."""
+    removed = measured.reset()
+    return [f"removed {path}" for path in removed] or [f"nothing measured under {measured.directory()}"]
 
 
 def report(targets: list[str] = ()) -> list[str]:
     """The doctor's lines; with `targets`, each one's kernel plan (timed now if not cached)."""
     lines = [f"python {sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"{platform.processor() or platform.machine()}",
-             f"oneDNN: {'available' if torch.backends.mkldnn.is_available() else 'NOT available (stock kernels only)'}; "
-             f"machine key {host_key()} (kernel plans are cached per machine under {presets.cache_dir() / 'kernels'})"]
+             f"oneDNN: {'available' if torch.backends.mkldnn.is_available() else 'NOT available (stock kernels only)'}"]
     lines += [f"{module:>12}: {'yes' if _installed(module) else 'no '}  {what}" for module, what in _BACKENDS.items()]
     lines += [f"preset {name}: {_preset_state(name)}" for name in sorted(presets.PRESETS)]
-    lines += _drafter_weights()
+    lines += _measurements() + _drafter_weights()
     for spec in targets:
         from .attention import attention_choice
         from .models import load_model

@@ -4,35 +4,31 @@ Two paths compute the same fp32 `x @ W.T + b` from the one dense weight: stock `
 GEMM/gemv) and oneDNN (`torch.ops.mkldnn._linear_pointwise` on the plain weight, no packed copy).
 Which is faster depends on the host and on the number of rows: on one 2-core EPYC MKL's one-row
 gemv wins, on another oneDNN wins at every row count (docs/kernels.md). So nothing is assumed:
-`plan_kernels` times both paths for every distinct layer shape at the row counts a decode step, a
+`kernel_plan` times both paths for every distinct layer shape at the row counts a decode step, a
 verification and a prefill use, and `use_kernels` swaps each `nn.Linear` for a `KernelLinear` that
-dispatches by row count. The plan is cached per machine (CPU, torch build, thread count) and layer
-shape, so a second load does not time again. Never a second copy of a weight.
+dispatches by row count. The plan is kept per machine and layer shape (measured.py), so a second
+load does not time again. Never a second copy of a weight.
 
 This module knows layers and timings only: no tokenizer, no decoding.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import platform
 import time
 from bisect import bisect_left
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from .atomic import atomic_write_bytes
+from . import measured
 
-__all__ = ["BUCKETS", "PATHS", "KernelLinear", "KernelPlan", "host_key", "kernel_plan", "median_ms", "remembered",
-           "stock_kernels", "use_kernels"]
+__all__ = ["BUCKETS", "PATHS", "KernelLinear", "KernelPlan", "kernel_plan", "median_ms", "stock_kernels", "use_kernels"]
 
 log = logging.getLogger(__name__)
 
@@ -100,19 +96,6 @@ def _size(shape: str) -> int:
     return int(out) * int(rest.split("+")[0])
 
 
-def host_key() -> str:
-    """What a kernel timing is a function of besides the shape: CPU, torch build, threads."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                cpu += "|" + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    raw = f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|onednn {torch.backends.mkldnn.is_available()}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
-
-
 COLD_BYTES = 256 << 20  # weights rotated through per timing: more than a CPU's last-level cache
 
 
@@ -147,40 +130,6 @@ def _time_shape(linear: nn.Linear, reps: int) -> dict[str, list[float]]:
     return out
 
 
-def remembered(name: str, key: str, measure: Callable[[], Any]) -> Any:
-    """`measure()` for `key`, measured once per machine and remembered in the JSON file `name`
-    under `$OMNIDRAFT_CACHE/kernels/` (one per host_key; written atomically; an unreadable file is
-    measured again). For figures that depend on the machine, never on the request."""
-    from .presets import cache_dir
-
-    path = cache_dir() / "kernels" / f"{name}-{host_key()}.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):
-        known = {}
-    if key not in known:
-        known[key] = measure()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
-    return known[key]
-
-
-def _cache_file(cache: Path | None) -> Path:
-    from .presets import cache_dir
-
-    return (cache or cache_dir() / "kernels") / f"{host_key()}.json"
-
-
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return doc.get("shapes", {}) if doc.get("version") == PLAN_VERSION else {}
-
-
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
             if type(child) is nn.Linear and child.weight.dtype == torch.float32]
@@ -189,8 +138,8 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 def kernel_plan(model: nn.Module, *, cache: Path | None = None, reps: int = 3) -> KernelPlan:
     """The fastest path per bucket for every distinct fp32 linear shape of `model` on this machine:
     read from the per-machine cache, timing only shapes it does not hold yet (then saved)."""
-    path = _cache_file(cache)
-    known = _read_cache(path)
+    kind = f"kernel-plan-v{PLAN_VERSION}"
+    known = measured.read(kind, root=cache)
     seen: dict[str, nn.Linear] = {}
     for _, _, lin in _linears(model):
         seen.setdefault(_shape_key(lin.out_features, lin.in_features, lin.bias is not None), lin)
@@ -199,12 +148,12 @@ def kernel_plan(model: nn.Module, *, cache: Path | None = None, reps: int = 3) -
         started = time.perf_counter()
         for key in missing:
             known[key] = _time_shape(seen[key], reps)
-        log.info("timed %d linear shape(s) on this machine in %.1f s; cached in %s", len(missing),
+        path = measured.update(kind, {key: known[key] for key in missing}, root=cache)
+        log.info("timed %d linear shape(s) on this machine in %.1f s; kept in %s", len(missing),
                  time.perf_counter() - started, path)
-        atomic_write_bytes(path, json.dumps({"version": PLAN_VERSION, "shapes": known}, indent=1).encode())
     ms = {key: known[key] for key in seen if key in known}
     choices = {key: tuple(min(PATHS, key=lambda p: t[p][i]) for i in range(len(BUCKETS))) for key, t in ms.items()}
-    return KernelPlan(host=host_key(), choices=choices, ms=ms)
+    return KernelPlan(host=measured.machine_key(), choices=choices, ms=ms)
 
 
 def use_kernels(model: nn.Module, plan: KernelPlan | None = None, **kwargs: Any) -> KernelPlan | None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from omnidraft import kernels as K
+from omnidraft import measured
 
 from .conftest import tiny_llama
 
@@ -74,9 +75,10 @@ def test_a_plan_is_timed_once_per_machine_and_shape(tmp_path, monkeypatch):
 
 
 def test_a_corrupt_cache_is_timed_again(tmp_path):
-    (tmp_path / f"{K.host_key()}.json").write_text("{not json")
+    path = tmp_path / f"kernel-plan-v{K.PLAN_VERSION}-{measured.machine_key()}.json"
+    path.write_text("{not json")
     plan = K.kernel_plan(tiny_llama(300, seed=3), cache=tmp_path, reps=1)
-    assert plan.choices and K._read_cache(tmp_path / f"{K.host_key()}.json")
+    assert plan.choices and json.loads(path.read_text())
 
 
 def test_fixed_plans_give_identical_logits_on_both_paths():
@@ -122,7 +124,7 @@ def test_doctor_names_each_llama_cpp_drafters_weights_from_the_memo(tmp_path, mo
 
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     assert not [line for line in doctor.report() if line.startswith("llama.cpp drafter")]
-    memo = tmp_path / "kernels" / f"drafter-weights-{K.host_key()}.json"
+    memo = tmp_path / "measured" / f"drafter-weights-{measured.machine_key()}.json"
     memo.parent.mkdir(parents=True)
     memo.write_text(json.dumps({
         "small.Q4_1.gguf|98|0.3|2|True|repack True": {"use": "q8_0", "shipped": {"read_ms": 2.97, "draft_ms": 9.1},
@@ -160,4 +162,4 @@ def test_grouped_attention_verifies_with_the_same_logits(tmp_path, monkeypatch, 
     assert model.config._attn_implementation == (A.NAME if grouped_faster else "sdpa")
     assert ("attention grouped" in A.attention_choice(model)) is grouped_faster  # what `omnidraft doctor` says
     assert all(torch.equal(a, b) for a, b in zip(verifies(), stock))
-    assert json.loads(next((tmp_path / "kernels").glob("attention-*.json")).read_text())  # remembered per machine
+    assert json.loads(next((tmp_path / "measured").glob("attention-*.json")).read_text())  # remembered per machine

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 import omnidraft.backends
-from omnidraft import kernels
+from omnidraft import measured
 from omnidraft.adaptive.policy import outlook
 from tests.conftest import target_greedy
 
@@ -111,12 +111,12 @@ def test_machine_figures_are_measured_once_and_survive_a_corrupt_file(tmp_path, 
         calls.append(1)
         return {"1": 0.5}
 
-    assert kernels.remembered("probe", "model|a", measure) == {"1": 0.5}
-    assert kernels.remembered("probe", "model|a", measure) == {"1": 0.5}
+    assert measured.remembered("probe", "model|a", measure) == {"1": 0.5}
+    assert measured.remembered("probe", "model|a", measure) == {"1": 0.5}
     assert len(calls) == 1
-    (file,) = (tmp_path / "kernels").glob("probe-*.json")
+    (file,) = (tmp_path / "measured").glob("probe-*.json")
     file.write_text("{not json")
-    assert kernels.remembered("probe", "model|a", measure) == {"1": 0.5}
+    assert measured.remembered("probe", "model|a", measure) == {"1": 0.5}
     assert len(calls) == 2
 
 
@@ -129,7 +129,7 @@ def test_a_pairing_drafts_through_the_faster_llama_cpp_twin_unless_it_needs_pyto
     from omnidraft.adaptive.head import HeadConfig
     from omnidraft.config import DecodeConfig
 
-    twin = od.Drafter(tiny_drafter.model, tiny_drafter.tokenizer, "twin")
+    twin = od.TorchDrafter(tiny_drafter.model, tiny_drafter.tokenizer, "twin")
     costs = {id(twin): 0.005, id(tiny_drafter): 0.02}
     monkeypatch.setattr(omnidraft.backends, "_candidates", lambda spec: ["torch", "llama.cpp"])
     monkeypatch.setattr(omnidraft.backends, "drafting_cost", lambda d: costs[id(d)])

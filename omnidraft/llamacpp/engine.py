@@ -33,6 +33,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import MissingDependencyError
+from ..measured import remembered
 
 __all__ = ["LlamaEngine", "gguf_file", "open_llama", "require_llama_cpp"]
 
@@ -243,8 +244,6 @@ class LlamaEngine:
         """How many tokens one call may evaluate and give, bit for bit, the logits one token a call
         gives, by context length (attention kernels change with the cache's length too): measured
         once per machine, llama.cpp build, model file and settings, then remembered."""
-        from ..kernels import remembered
-
         found = remembered("llama-exact-rows", f"{self._key()}|n_ctx {self.n_ctx}|by context", self._probe_limits)
         return [(int(c), int(r)) for c, r in found]
 
@@ -268,8 +267,6 @@ class LlamaEngine:
         """Seconds to evaluate n = 1..`most` tokens after a context and get their logits, fed as a
         verify is (calls of at most `exact_rows`): what verifying n tokens costs. Measured once per
         machine, model and settings (a few seconds), then remembered."""
-        from ..kernels import remembered
-
         if most not in self._row_costs:
             costs = remembered("llama-row-costs", f"{self._key()}|rows {most}", lambda: self._time_rows(most))
             self._row_costs[most] = {int(n): float(s) for n, s in costs.items()}

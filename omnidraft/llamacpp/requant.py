@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_path
+from ..measured import remembered
 
 __all__ = ["WEIGHTS", "drafting_weights", "requantized"]
 
@@ -89,7 +90,6 @@ def drafting_weights(path: Path, engine: Any, weights: str = "auto", *, threads:
         return path
     if weights == "q8_0":
         return requantized(path, threads)
-    from ..kernels import remembered
     from .engine import LlamaEngine
 
     def measure() -> dict[str, Any]:

@@ -249,10 +249,10 @@ class VLLMTarget:
 
     def verify_costs(self, context: int | None = None) -> dict[int, float]:
         """Seconds to verify n tokens (n = 1 .. 8) after a context, measured on this machine once
-        and remembered (kernels.remembered): what a pairing reads to decide whether drafting can
+        and remembered (measured.py): what a pairing reads to decide whether drafting can
         pay here. A verify costs about the same at any context (the cache serves it)."""
         if self._costs is None:
-            from ..kernels import remembered
+            from ..measured import remembered
 
             costs = remembered("vllm-verify-costs", self.key, self._time_verifies)
             self._costs = {int(n): float(s) for n, s in costs.items()}
