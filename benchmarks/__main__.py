@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from omnidraft.bench.pairs import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
+from omnidraft.cli_options import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
 
 from . import commands
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .bench.pairs import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
+from .cli_options import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
 from .errors import OmnidraftError
 
 __all__ = ["main"]
@@ -105,8 +105,10 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--file", default=None, help="export: the .tar to write; import: the .tar to read")
     f.add_argument("--store", default=None, help="profile store directory (default: $OMNIDRAFT_CACHE/profiles)")
 
-    o = sub.add_parser("doctor", help="what this machine offers: backends, presets, and the measured kernel plan")
+    o = sub.add_parser("doctor", help="what this machine offers: backends, presets, and what was measured on it")
     o.add_argument("--target", action="append", default=[], help="also show this model's kernel plan, repeatable")
+    o.add_argument("--reset", action="store_true",
+                   help="forget every per-machine measurement (timed again at next use)")
 
     s = sub.add_parser("simulate", help="python -m device_sim with the same arguments", add_help=False)
     s.add_argument("rest", nargs=argparse.REMAINDER)
@@ -293,9 +295,9 @@ def _profiles(args: argparse.Namespace) -> None:
 
 
 def _doctor(args: argparse.Namespace) -> None:
-    from .doctor import report
+    from .doctor import report, reset
 
-    print("\n".join(report(args.target)))
+    print("\n".join(reset() if args.reset else report(args.target)))
 
 
 def _simulate(args: argparse.Namespace) -> None:

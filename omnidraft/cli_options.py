@@ -1,14 +1,14 @@
-"""What the `omnidraft` command and the lab (`python -m benchmarks`) share: the default models,
-DRAFTER:TARGET specs, the decoding options and the pairing built from them."""
+"""What the `omnidraft` command, its bench and the lab (`python -m benchmarks`) share: the default
+models, DRAFTER:TARGET specs, the decoding options and the pairing built from them."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import time
-from typing import Any, Iterator
+from typing import Any
 
-__all__ = ["DRAFTER", "TARGET", "add_decoding_args", "load_pair", "loaded_pairs", "split_pair", "start_run"]
+__all__ = ["DRAFTER", "TARGET", "add_decoding_args", "load_pair", "split_pair", "start_run"]
 
 DRAFTER = "smollm2-135m"
 TARGET = "qwen2.5-coder-1.5b"
@@ -47,23 +47,11 @@ def load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) -> 
     logging.getLogger("omnidraft").info("loaded %s and %s in %.1f s", drafter, target, time.perf_counter() - started)
     extra = {"mode": getattr(args, "mode", "greedy"), "temperature": getattr(args, "temperature", 0.0)}
     if args.adaptive_k is not None:
-        from ..adaptive.policy import Hysteresis
+        from .adaptive.policy import Hysteresis
 
         extra["adaptive"] = Hysteresis(k_min=2, k_max=args.adaptive_k)
     return drafter.pair(target, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy,
                         drafts=(args.drafts or ["hybrid"])[0], **extra)
-
-
-def loaded_pairs(specs: list[str] | None, default: str, target_backend: str = "torch") -> Iterator[tuple[str, Any, Any]]:
-    """(spec, drafter, target) for each DRAFTER:TARGET spec, loaded one pair at a time; the target
-    on PyTorch, or (`target_backend`) on "llama.cpp" or "vllm"."""
-    import omnidraft as od
-
-    for pair_spec in specs or [default]:
-        drafter_spec, target_spec = split_pair(pair_spec)
-        target = (od.LlamaCppTarget(target_spec) if target_backend == "llama.cpp" else
-                  od.VLLMTarget.load(target_spec) if target_backend == "vllm" else od.LocalTarget.load(target_spec))
-        yield pair_spec, od.Drafter.load(drafter_spec), target
 
 
 def start_run(args: argparse.Namespace) -> None:

@@ -85,6 +85,17 @@ def test_the_sdk_never_imports_the_lab_and_no_file_is_over_400_lines():
         assert len(path.read_text(encoding="utf-8").splitlines()) <= 400, path
 
 
+def test_the_core_never_imports_the_bench():
+    """The bench (omnidraft/bench/) is a command of the CLI, never a dependency of the library: no
+    module outside it imports it, except the CLI inside the function of its `bench` command."""
+    for path in SDK.rglob("*.py"):
+        if path.parent.name == "bench" or path.name == "cli.py":
+            continue
+        assert not any(i.startswith("omnidraft.bench") for i in _imports(path)), path
+    top = ast.parse((SDK / "cli.py").read_text(encoding="utf-8")).body
+    assert not any(isinstance(n, ast.ImportFrom) and (n.module or "").startswith("bench") for n in top)
+
+
 def test_importing_the_sdk_loads_no_lab_server_or_plotting_module():
     probe = ("import sys, omnidraft as od; od.Drafter, od.LocalTarget, od.Pairing, od.DecodeConfig, od.pair; "
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('benchmarks', 'fastapi', 'uvicorn', 'matplotlib')))")

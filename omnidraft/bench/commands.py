@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .pairs import DRAFTER, TARGET, load_pair, loaded_pairs, split_pair
+from ..cli_options import DRAFTER, TARGET, load_pair, split_pair
+from .pairs import loaded_pairs
 
 __all__ = ["bench", "run_pair"]
 

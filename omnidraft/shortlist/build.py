@@ -5,9 +5,9 @@ clustered by direction (spherical k-means) and the router scores a cluster by th
 dot product with its centroid: the clusters whose mean direction is nearest the hidden state hold
 the rows with the largest logits (docs/shortlists.md has what that keeps against a trained router).
 
-Token frequencies are counted on the repository's training text only (GSM8K train questions and worked
-answers, HumanEval problems 64-163 with their solutions, the second half of the CNN/DailyMail
-sample), never on the prompts benchmarks evaluate, and cached per drafter tokenizer under
+Token frequencies are counted on training text shipped with the package (GSM8K train questions
+and worked answers, HumanEval problems 64-163 with their solutions, the second half of the
+CNN/DailyMail sample), never on the prompts benchmarks evaluate, and cached per drafter tokenizer under
 `$OMNIDRAFT_CACHE/shortlists/` or at a path the caller keeps beside the drafter. A file is
 written atomically and carries its format version and the drafter tokenizer's fingerprint; one
 that does not fit the drafter (version, tokenizer, vocabulary, clusters, router width) is
@@ -16,6 +16,7 @@ rebuilt in the cache and refused, naming why, at a caller's path.
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import logging
@@ -35,18 +36,14 @@ __all__ = ["FORMAT", "POLICIES", "check_fits", "cluster_rows", "corpus", "freque
 log = logging.getLogger(__name__)
 
 POLICIES = ("full", "static", "evo", "dyna")
+CORPUS = Path(__file__).with_name("corpus.jsonl.gz")
 
 
 def corpus() -> list[str]:
-    """The training text (see module doc)."""
-    from ..bench.datasets import data_dir, load_references
-
-    texts = [p + a for p, a in load_references("gsm8k:train", 400)]
-    texts += [p + a for p, a in load_references("humaneval:train", 100)]
-    with open(data_dir() / "cnndm" / "train_sample.jsonl", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    texts += [r["article"] for r in rows[len(rows) // 2 :]]
-    return texts
+    """The training text (see module doc), shipped in the package (tools/shortlist_corpus.py
+    writes it from the checkout's data/)."""
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def frequent_ids(tokenizer: Any, token_bytes: Any, texts: list[str], size: int, keep: set[int]) -> torch.Tensor:
