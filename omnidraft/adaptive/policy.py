@@ -221,6 +221,10 @@ class ModeChooser:
     def best(self) -> str:
         return max(self.MODES, key=lambda m: self.rates[m])
 
+    def __repr__(self) -> str:
+        rates = ", ".join(f"{m} {'untried' if r is None else f'{r:.2f} tok/s'}" for m, r in self.rates.items())
+        return f"ModeChooser({rates})"
+
     def choose(self) -> str:
         for mode in self.MODES:
             if self.rates[mode] is None:

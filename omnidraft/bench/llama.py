@@ -113,17 +113,23 @@ def run_llama(drafter_spec: str, target_spec: str, prompts: list[str], max_new_t
 
 
 def time_rows(rows: dict[str, Callable[[str, list[int]], Timed]], prompts: list[str], tokenizer: Any,
-              progress: Callable[[str], None]) -> list[dict[str, Any]]:
+              progress: Callable[[str], None], references: list[list[int]] | None = None) -> list[dict[str, Any]]:
     """Every row on every prompt, in order per prompt; the first row's output is the reference
-    each other row's is compared with (a shorter output compares as far as it goes: it stopped)."""
+    each other row's is compared with (a shorter output compares as far as it goes: it stopped),
+    unless `references` gives each prompt's (then every row is compared with it, and the outputs
+    of the first row are appended to a list passed as `references=[]`)."""
     results = []
+    given = bool(references)
     for i, prompt in enumerate(prompts):
         ids = tokenizer(prompt)["input_ids"]
-        reference = None
+        reference = references[i] if given and references is not None else None
         for name, run in rows.items():
             progress(f"prompt {i + 1}/{len(prompts)}: {name}")
             timed = run(prompt, ids)
-            reference = timed.token_ids if reference is None else reference
+            if reference is None:
+                reference = timed.token_ids
+                if references is not None:
+                    references.append(reference)
             results.append({"row": name, "prompt": i, "tokens": len(timed.token_ids), "seconds": timed.seconds,
                             "identical": timed.token_ids == reference[: len(timed.token_ids)]})
     return results

@@ -2,8 +2,9 @@
 one run, each greedy and timed per request (prefill included), every output against vLLM alone's:
 - vLLM alone: the engine's own greedy decoding of the request (the speed to beat);
 - vLLM n-gram: vLLM's own speculative decoding with `speculative_config` method "ngram" (a
-  second engine on the same weights; where vLLM's CPU build refuses it, the row is absent and the
-  refusal is in the notes);
+  second engine on the same weights, timed after the first is closed: two engines in one process
+  slow each other; where vLLM's CPU build refuses it, the row is absent and the refusal is in the
+  notes);
 - omnidraft: the default pairing with the drafter on `VLLMTarget` (per request it speculates or
   lets vLLM decode alone, whichever it measured faster), and the same under the "compute"
   objective (every request speculates), to show what drafting costs where the default declines it.
@@ -54,14 +55,6 @@ def run_vllm(
     rows: dict[str, Callable[[str, list[int]], Timed]] = {
         "vLLM alone": lambda p, ids: _engine_alone(target, ids, max_new_tokens)
     }
-    others = []
-    if ngram:
-        try:
-            spec = od.VLLMTarget.load(target_spec, dtype=dtype, speculative_config=NGRAM)
-            others.append(spec)
-            rows["vLLM n-gram speculative"] = lambda p, ids: _engine_alone(spec, ids, max_new_tokens)
-        except Exception as exc:  # the CPU build may not offer it: say so instead of a row
-            notes.append(f"vLLM n-gram speculative decoding did not start: {type(exc).__name__}: {exc}"[:400])
     drafter = od.Drafter.load(drafter_spec)
     pairs = {
         "omnidraft (default)": drafter.pair(target),
@@ -69,12 +62,23 @@ def run_vllm(
     }
     for name, pair in pairs.items():
         rows[name] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
+    references: list[list[int]] = []
     try:
-        results = time_rows(rows, prompts, target.tokenizer, progress)
+        results = time_rows(rows, prompts, target.tokenizer, progress, references)
         for name, pair in pairs.items():
             if pair.modes is not None:
                 notes.append(f"{name}: per request, {pair.modes!r}")
     finally:
-        for engine in (target, *others):
-            engine.close()
+        target.close()
+    if ngram:  # a second engine, after the first is closed: two engines in one process slow each other
+        try:
+            spec = od.VLLMTarget.load(target_spec, dtype=dtype, speculative_config=NGRAM)
+        except Exception as exc:  # the CPU build may not offer it: say so instead of a row
+            notes.append(f"vLLM n-gram speculative decoding did not start: {type(exc).__name__}: {exc}"[:400])
+            return results
+        try:
+            peer = {"vLLM n-gram speculative": lambda p, ids: _engine_alone(spec, ids, max_new_tokens)}
+            results += time_rows(peer, prompts, spec.tokenizer, progress, references)
+        finally:
+            spec.close()
     return results
