@@ -8,7 +8,8 @@ LLAMA_CPP := 0.3.36
 LLAMA_TAG := omnidraft.2
 WHEELS ?= $(HOME)/.cache/omnidraft/wheels
 
-.PHONY: demo test test-fast bench install clean
+.PHONY: demo test test-fast lint bench install clean
+SOURCES := omnidraft device_sim benchmarks tests tools
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,8 +34,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/omnidraft demo $(DEMO_ARGS)
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(SOURCES)
+	$(VENV)/bin/ruff format --check $(SOURCES)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not real"

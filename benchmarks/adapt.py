@@ -41,8 +41,18 @@ from omnidraft.translate.vocab_map import build_vocab_map
 
 from .adapt_report import FULL, NO_GAIN, write_report
 
-__all__ = ["FULL", "MARGINS", "VARIANTS", "agreement", "cache_ablation", "evaluate", "live_check", "prompts_for", "run_adapt",
-           "traces_for"]
+__all__ = [
+    "FULL",
+    "MARGINS",
+    "VARIANTS",
+    "agreement",
+    "cache_ablation",
+    "evaluate",
+    "live_check",
+    "prompts_for",
+    "run_adapt",
+    "traces_for",
+]
 
 log = logging.getLogger("omnidraft")
 
@@ -56,7 +66,9 @@ VARIANTS = {  # the paper's (dm, hybrid, full) on its own labels and losses; spa
 }
 
 
-def traces_for(target: Any, dataset: str, n: int, max_new_tokens: int, cache: Path, batch_size: int = 8) -> list[TargetTrace]:
+def traces_for(
+    target: Any, dataset: str, n: int, max_new_tokens: int, cache: Path, batch_size: int = 8
+) -> list[TargetTrace]:
     """The target's traces for the first `n` prompts of `dataset`, recorded once and cached. A
     longer recording of the same prompts serves its first `n`; a shorter one is extended (only the
     prompts it lacks are recorded: the 1.5B target records ~7 s a prompt here)."""
@@ -75,9 +87,20 @@ def traces_for(target: Any, dataset: str, n: int, max_new_tokens: int, cache: Pa
     have = load_traces(recorded[max(recorded)], target.token_bytes.fingerprint) if recorded else []
     prompts = load_prompts(dataset, n)[len(have) :]
     started = time.perf_counter()
-    traces = have + record_many(target, prompts, max_new_tokens, batch_size=batch_size,
-                                progress=lambda i: log.info("recorded %d/%d %s prompts on %s (%.0f s)", i, len(prompts),
-                                                            dataset, target.name, time.perf_counter() - started))
+    traces = have + record_many(
+        target,
+        prompts,
+        max_new_tokens,
+        batch_size=batch_size,
+        progress=lambda i: log.info(
+            "recorded %d/%d %s prompts on %s (%.0f s)",
+            i,
+            len(prompts),
+            dataset,
+            target.name,
+            time.perf_counter() - started,
+        ),
+    )
     save_traces(path, traces, target.token_bytes.fingerprint)
     return traces
 
@@ -89,15 +112,27 @@ def prompts_for(target: Any, dataset: str, traces: list[TargetTrace]) -> list[st
     prompts = load_prompts(dataset, len(traces))
     for i, (prompt, trace) in enumerate(zip(prompts, traces)):
         if target.tokenizer(prompt)["input_ids"] != trace.prompt_ids:
-            raise ValueError(f"recorded trace {i} of {dataset} is not of prompt {i} as {target.name} tokenizes it now; "
-                             "delete the cached traces to record them again")
+            raise ValueError(
+                f"recorded trace {i} of {dataset} is not of prompt {i} as {target.name} tokenizes it now; "
+                "delete the cached traces to record them again"
+            )
     return prompts
 
 
-def evaluate(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list[str], *, k: int,
-             stop_confidence: float, strategy: str = "text", ngram: NgramCacheConfig | None = None,
-             adapter: str | None = None, cache: NgramCache | None = None,
-             tts: TrainConfig | None = None) -> dict[str, float]:
+def evaluate(
+    drafter: Any,
+    target: Any,
+    traces: list[TargetTrace],
+    prompts: list[str],
+    *,
+    k: int,
+    stop_confidence: float,
+    strategy: str = "text",
+    ngram: NgramCacheConfig | None = None,
+    adapter: str | None = None,
+    cache: NgramCache | None = None,
+    tts: TrainConfig | None = None,
+) -> dict[str, float]:
     """Greedy acceptance, τ and n-gram hits/round of `drafter` (with `adapter`) on `prompts`, each
     generating as many tokens as its trace holds. `target`: a `ReplayTarget` of `traces` (drafter
     forwards only), or the live target they were recorded from (the check that replay tells the
@@ -107,8 +142,13 @@ def evaluate(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list
     `tts`: score with Test-Time Speculation (its `tts_every` > 0): `adapter` takes fast steps inside
     each request and is put back at its end, so it is the same before and after; Algorithm 2's
     updates stay off (nothing is learned across held-out prompts)."""
-    pair = Pairing(drafter, target, DecodeConfig(k=k, stop_confidence=stop_confidence, strategy=strategy,
-                                                 ngram=ngram or NgramCacheConfig()))
+    pair = Pairing(
+        drafter,
+        target,
+        DecodeConfig(
+            k=k, stop_confidence=stop_confidence, strategy=strategy, ngram=ngram or NgramCacheConfig()
+        ),
+    )
     pair.adapter = adapter
     if cache is not None:
         pair.translator.cache = cache
@@ -121,20 +161,35 @@ def evaluate(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list
         tokens += len(out.token_ids)
         same += out.token_ids == trace.continuation[: len(out.token_ids)]
     s = GenerationStats.from_rounds(rounds, tokens, 0.0)  # (no wall time: replayed rows must be reproducible)
-    fast = {"tts_steps": pair.learner.fast_steps, "tts_seconds": pair.learner.fast_seconds} if tts is not None else {}
-    return {"acceptance_rate": s.acceptance_rate, "tau": s.mean_accepted_length,
-            "ngram_hits_per_round": s.ngram_hits_per_round, "rounds": len(rounds),
-            "ngram_entries": len(pair.translator.cache), "ngram_bytes": pair.translator.cache.nbytes,
-            "same_as_recorded": same, **fast}
+    fast = (
+        {"tts_steps": pair.learner.fast_steps, "tts_seconds": pair.learner.fast_seconds}
+        if tts is not None
+        else {}
+    )
+    return {
+        "acceptance_rate": s.acceptance_rate,
+        "tau": s.mean_accepted_length,
+        "ngram_hits_per_round": s.ngram_hits_per_round,
+        "rounds": len(rounds),
+        "ngram_entries": len(pair.translator.cache),
+        "ngram_bytes": pair.translator.cache.nbytes,
+        "same_as_recorded": same,
+        **fast,
+    }
 
 
-def _tts_learner(drafter: Any, adapter: str | None, t2d: torch.Tensor, target_bytes: Any, tts: TrainConfig) -> Any:
+def _tts_learner(
+    drafter: Any, adapter: str | None, t2d: torch.Tensor, target_bytes: Any, tts: TrainConfig
+) -> Any:
     from omnidraft.distill.learner import Learner
 
     if not tts.tts_every:
         raise ValueError("scoring with Test-Time Speculation needs TrainConfig.tts_every > 0")
     if adapter is None or not hasattr(drafter, "add_adapter"):
-        raise ValueError("Test-Time Speculation trains an adapter: score a Drafter with one (a fresh one for the unadapted drafter)")
+        raise ValueError(
+            "Test-Time Speculation trains an adapter: score a Drafter with one (a fresh one for the "
+            "unadapted drafter)"
+        )
     return Learner(drafter, adapter, t2d, target_bytes, replace(tts, interval=NEVER))
 
 
@@ -144,8 +199,14 @@ NEVER = 2**31 - 1  # an Algorithm 2 interval no scoring run reaches
 MARGINS = (0.5, 1.5, 3.0)  # nats between the target's two most likely tokens: where agreement is split
 
 
-def agreement(drafter: Any, adapter: str | None, target_bytes: Any, t2d: torch.Tensor, traces: list[TargetTrace],
-              prompts: list[str]) -> list[dict[str, Any]] | None:
+def agreement(
+    drafter: Any,
+    adapter: str | None,
+    target_bytes: Any,
+    t2d: torch.Tensor,
+    traces: list[TargetTrace],
+    prompts: list[str],
+) -> list[dict[str, Any]] | None:
     """Where the drafter (with `adapter`) still disagrees with the target: teacher-forced top-1
     agreement at every direct position of `traces` (one drafter token spells the committed target
     token), split by how sure the target was, its top-1 minus top-2 log-probability (`MARGINS`).
@@ -181,23 +242,53 @@ def agreement(drafter: Any, adapter: str | None, target_bytes: Any, t2d: torch.T
                 right += torch.bincount(bucket, weights=hit, minlength=len(n))
         finally:
             drafter.activate(previous)
-    labels = [f"< {MARGINS[0]:g}", *(f"{a:g} to {b:g}" for a, b in zip(MARGINS, MARGINS[1:])), f">= {MARGINS[-1]:g}", "all"]
+    labels = [
+        f"< {MARGINS[0]:g}",
+        *(f"{a:g} to {b:g}" for a, b in zip(MARGINS, MARGINS[1:])),
+        f">= {MARGINS[-1]:g}",
+        "all",
+    ]
     n, right = torch.cat([n, n.sum()[None]]), torch.cat([right, right.sum()[None]])
-    return [{"margin": label, "positions": int(c), "agreement": float(r / c) if c else None}
-            for label, c, r in zip(labels, n.tolist(), right.tolist())]
+    return [
+        {"margin": label, "positions": int(c), "agreement": float(r / c) if c else None}
+        for label, c, r in zip(labels, n.tolist(), right.tolist())
+    ]
 
 
 def _request(trace: TargetTrace, prompt: str, topk: int) -> VerifiedRequest:
     n = len(trace.continuation)
-    return VerifiedRequest(prompt, trace.continuation, trace.topk_ids[:, :topk], trace.topk_logp[:, :topk], [1] * n)
+    return VerifiedRequest(
+        prompt, trace.continuation, trace.topk_ids[:, :topk], trace.topk_logp[:, :topk], [1] * n
+    )
 
 
-def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train: int, n_eval: int,
-              max_new_tokens: int, steps: int, eval_every: int, variants: list[str], config: TrainConfig,
-              rank: int, k: int, stop_confidence: float, out: Path, name: str, modules: tuple[str, ...] | None = None,
-              cache_study: bool = False, record_batch: int = 8, live: int = 0, full_lr: float | None = None,
-              tts: TrainConfig | None = None, eval_max_new_tokens: int | None = None,
-              on_point: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
+def run_adapt(
+    drafter: Any,
+    target: Any,
+    *,
+    train: str,
+    evaluation: str,
+    n_train: int,
+    n_eval: int,
+    max_new_tokens: int,
+    steps: int,
+    eval_every: int,
+    variants: list[str],
+    config: TrainConfig,
+    rank: int,
+    k: int,
+    stop_confidence: float,
+    out: Path,
+    name: str,
+    modules: tuple[str, ...] | None = None,
+    cache_study: bool = False,
+    record_batch: int = 8,
+    live: int = 0,
+    full_lr: float | None = None,
+    tts: TrainConfig | None = None,
+    eval_max_new_tokens: int | None = None,
+    on_point: Callable[[dict[str, Any]], None] = lambda _: None,
+) -> dict[str, Any]:
     """Run the experiment of the module doc; write `name`.json/.md/.png under `out`. Traces not yet
     cached are recorded `record_batch` prompts at a time. `live` > 0: the unadapted and each
     adapted drafter also run on the first `live` held-out prompts against the live `target`, beside
@@ -211,27 +302,47 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
 
     out.mkdir(parents=True, exist_ok=True)
     train_traces = traces_for(target, train, n_train, max_new_tokens, out, batch_size=record_batch)
-    eval_traces = traces_for(target, evaluation, n_eval, eval_max_new_tokens or max_new_tokens, out, batch_size=record_batch)
+    eval_traces = traces_for(
+        target, evaluation, n_eval, eval_max_new_tokens or max_new_tokens, out, batch_size=record_batch
+    )
     replay = ReplayTarget.like(target, train_traces + eval_traces)
     train_prompts = prompts_for(target, train, train_traces)
     eval_prompts = prompts_for(target, evaluation, eval_traces)
     lora = AdapterConfig(rank=rank, alpha=2 * rank, **({"modules": tuple(modules)} if modules else {}))
     t2d = build_vocab_map(drafter.token_bytes, target.token_bytes, drafter.tokenizer, target.tokenizer).t2d
     score = lambda d, adapter=None, stop=stop_confidence, tts=None: evaluate(  # noqa: E731
-        d, replay, eval_traces, eval_prompts, k=k, stop_confidence=stop, adapter=adapter, tts=tts)
-    result: dict[str, Any] = {"pair": f"{drafter.name}:{target.name}", "train": train, "eval": evaluation,
-                              "n_train": len(train_traces), "n_eval": len(eval_traces), "max_new_tokens": max_new_tokens,
-                              "eval_max_new_tokens": eval_max_new_tokens or max_new_tokens,
-                              "k": k, "stop_confidence": stop_confidence, "rank": rank,
-                              "drafter_precision": "int8" if getattr(drafter, "_int8", False) else "fp32",
-                              "train_weights": "drafting" if getattr(drafter, "_through_int8", False) else "fp32",
-                              "modules": list(lora.modules), "config": dict(vars(config)),
-                              "variants": {}}
+        d, replay, eval_traces, eval_prompts, k=k, stop_confidence=stop, adapter=adapter, tts=tts
+    )
+    result: dict[str, Any] = {
+        "pair": f"{drafter.name}:{target.name}",
+        "train": train,
+        "eval": evaluation,
+        "n_train": len(train_traces),
+        "n_eval": len(eval_traces),
+        "max_new_tokens": max_new_tokens,
+        "eval_max_new_tokens": eval_max_new_tokens or max_new_tokens,
+        "k": k,
+        "stop_confidence": stop_confidence,
+        "rank": rank,
+        "drafter_precision": "int8" if getattr(drafter, "_int8", False) else "fp32",
+        "train_weights": "drafting" if getattr(drafter, "_through_int8", False) else "fp32",
+        "modules": list(lora.modules),
+        "config": dict(vars(config)),
+        "variants": {},
+    }
     baseline = result["baseline"] = score(drafter)
     agree = lambda d, adapter=None: agreement(d, adapter, target.token_bytes, t2d, eval_traces, eval_prompts)  # noqa: E731
     result["agreement"] = agree(drafter)
-    check = lambda d, adapter=None: live_check(d, adapter, target, replay, eval_traces[:live], eval_prompts[:live],  # noqa: E731
-                                               k=k, stop_confidence=stop_confidence)
+    check = lambda d, adapter=None: live_check(
+        d,
+        adapter,
+        target,
+        replay,
+        eval_traces[:live],
+        eval_prompts[:live],  # noqa: E731
+        k=k,
+        stop_confidence=stop_confidence,
+    )
     if live:
         result["live"] = {"prompts": min(live, len(eval_traces)), "variants": {"none": check(drafter)}}
     on_point({"variant": "none", "step": 0, **baseline})
@@ -242,7 +353,9 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
     if fixed:
         result["baseline_fixed_k"] = score(drafter, stop=0.0)
     settings = {"early stop": stop_confidence, "fixed k": 0.0} if stop_confidence > 0 else {"fixed k": 0.0}
-    with_tts = lambda d, adapter: {name: score(d, adapter, stop=stop, tts=tts) for name, stop in settings.items()}  # noqa: E731
+    with_tts = lambda d, adapter: {
+        name: score(d, adapter, stop=stop, tts=tts) for name, stop in settings.items()
+    }  # noqa: E731
     if tts is not None:
         result["tts"] = {"every": tts.tts_every, "lr": tts.tts_lr}
         torch.manual_seed(config.seed)
@@ -250,24 +363,38 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
         drafter.add_adapter(fresh, lora)
         result["baseline_tts"] = with_tts(drafter, fresh)
     if cache_study:
-        result["cache_ablation"] = cache_ablation(drafter, target, eval_traces, eval_prompts, k=k,
-                                                  stop_confidence=stop_confidence)
+        result["cache_ablation"] = cache_ablation(
+            drafter, target, eval_traces, eval_prompts, k=k, stop_confidence=stop_confidence
+        )
         write_report(out, name, result)
     for variant in variants:
         if variant == "none":
-            result["variants"]["none"] = {"curve": [{"step": 0, **baseline}], "final": {"step": 0, **baseline}}
+            result["variants"]["none"] = {
+                "curve": [{"step": 0, **baseline}],
+                "final": {"step": 0, **baseline},
+            }
             if fixed:
                 result["variants"]["none"]["fixed_k"] = result["baseline_fixed_k"]
             if tts is not None:
                 result["variants"]["none"]["tts"] = result["baseline_tts"]
             continue
-        cfg = replace(config, **VARIANTS[variant], **({"lr": full_lr} if variant in FULL and full_lr is not None else {}))
-        torch.manual_seed(cfg.seed)  # the LoRA's random A: two unseeded runs ended 0.016-0.025 apart in acceptance
+        cfg = replace(
+            config,
+            **VARIANTS[variant],
+            **({"lr": full_lr} if variant in FULL and full_lr is not None else {}),
+        )
+        torch.manual_seed(
+            cfg.seed
+        )  # the LoRA's random A: two unseeded runs ended 0.016-0.025 apart in acceptance
         if variant in FULL:
             if drafter._int8:
                 model = load_model(drafter._spec).model
             else:  # the fp32 base without any adapter layers
-                model = copy.deepcopy(drafter.trainable).unload() if drafter.trainable is not None else copy.deepcopy(drafter.model)
+                model = (
+                    copy.deepcopy(drafter.trainable).unload()
+                    if drafter.trainable is not None
+                    else copy.deepcopy(drafter.model)
+                )
             model.requires_grad_(True)
             trainer = OnlineTrainer(model, t2d, cfg)
             drafting = (lambda m: quantize_int8(m, drafter.tokenizer)) if drafter._int8 else copy.deepcopy  # noqa: E731
@@ -279,24 +406,44 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
             as_drafter = lambda adapter=adapter: (drafter, adapter)  # noqa: E731
         curve = [{"step": 0, **baseline}]
         started, i = time.perf_counter(), 0
-        while trainer.steps < steps and i < 50 * len(train_traces):  # (a set with no labelled token never steps)
+        while trainer.steps < steps and i < 50 * len(
+            train_traces
+        ):  # (a set with no labelled token never steps)
             trace, prompt = train_traces[i % len(train_traces)], train_prompts[i % len(train_traces)]
             i += 1
             if variant not in FULL:
                 drafter.activate(as_drafter()[1])
-            if trainer.add(build_example(_request(trace, prompt, cfg.topk), drafter, target.token_bytes, t2d,
-                                           spans=cfg.spans)):
+            if trainer.add(
+                build_example(
+                    _request(trace, prompt, cfg.topk), drafter, target.token_bytes, t2d, spans=cfg.spans
+                )
+            ):
                 before = trainer.steps
                 logs = trainer.update()
-                log.info("%s: step %d, loss %.3f (%.0f s)", variant, trainer.steps, logs[-1]["loss"] if logs else float("nan"),
-                         time.perf_counter() - started)
+                log.info(
+                    "%s: step %d, loss %.3f (%.0f s)",
+                    variant,
+                    trainer.steps,
+                    logs[-1]["loss"] if logs else float("nan"),
+                    time.perf_counter() - started,
+                )
                 if trainer.steps // eval_every > before // eval_every or trainer.steps >= steps:
-                    point = {"step": trainer.steps, "requests": i, "loss": logs[-1]["loss"] if logs else None,
-                             **score(*as_drafter())}
+                    point = {
+                        "step": trainer.steps,
+                        "requests": i,
+                        "loss": logs[-1]["loss"] if logs else None,
+                        **score(*as_drafter()),
+                    }
                     curve.append(point)
                     on_point({"variant": variant, **point})
-        result["variants"][variant] = {"curve": curve, "final": curve[-1], "lr": cfg.lr, "train_s": time.perf_counter() - started,
-                                       "requests": i, "trained_bytes": sum(p.numel() * p.element_size() for p in trainer.params)}
+        result["variants"][variant] = {
+            "curve": curve,
+            "final": curve[-1],
+            "lr": cfg.lr,
+            "train_s": time.perf_counter() - started,
+            "requests": i,
+            "trained_bytes": sum(p.numel() * p.element_size() for p in trainer.params),
+        }
         trained = as_drafter()  # (a full variant's drafter is built once, for every figure below)
         if fixed:
             result["variants"][variant]["fixed_k"] = score(*trained, stop=0.0)
@@ -312,8 +459,17 @@ def run_adapt(drafter: Any, target: Any, *, train: str, evaluation: str, n_train
     return result
 
 
-def live_check(drafter: Any, adapter: str | None, target: Any, replay: ReplayTarget, traces: list[TargetTrace],
-               prompts: list[str], *, k: int, stop_confidence: float) -> dict[str, dict[str, Any]]:
+def live_check(
+    drafter: Any,
+    adapter: str | None,
+    target: Any,
+    replay: ReplayTarget,
+    traces: list[TargetTrace],
+    prompts: list[str],
+    *,
+    k: int,
+    stop_confidence: float,
+) -> dict[str, dict[str, Any]]:
     """The figures replay gives, beside those of the live `target` on the same prompts: with the
     engine's early stop and (if it has one) at a fixed draft length. They agree wherever the live
     greedy output is the recorded one; a recording batched several prompts per forward, whose
@@ -334,14 +490,32 @@ def profile_footprint(drafter: Any, target: Any, adapter: str) -> dict[str, int]
 
     tensors = adapter_state(drafter.trainable, adapter)
     with tempfile.TemporaryDirectory() as tmp:
-        home = ProfileStore(tmp).save(PairingProfile(drafter=drafter.name, target=target.name, user="size",
-                                                     fingerprint="size", tensors={"adapter": tensors}))
+        home = ProfileStore(tmp).save(
+            PairingProfile(
+                drafter=drafter.name,
+                target=target.name,
+                user="size",
+                fingerprint="size",
+                tensors={"adapter": tensors},
+            )
+        )
         disk = sum(f.stat().st_size for f in Path(home).rglob("*") if f.is_file())
-    return {"disk_bytes": disk, "adapter_ram_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    return {
+        "disk_bytes": disk,
+        "adapter_ram_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    }
 
 
-def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], prompts: list[str], *, k: int,
-                   stop_confidence: float, full_cache: NgramCache | None = None) -> list[dict]:
+def cache_ablation(
+    drafter: Any,
+    target: Any,
+    traces: list[TargetTrace],
+    prompts: list[str],
+    *,
+    k: int,
+    stop_confidence: float,
+    full_cache: NgramCache | None = None,
+) -> list[dict]:
     """The n-gram cache's gain under the paper's "ngram" translation, by size and policy.
 
     Gain = τ with the cache minus τ with none (max_entries=0). "full" is the default bound, which
@@ -349,19 +523,31 @@ def cache_ablation(drafter: Any, target: Any, traces: list[TargetTrace], prompts
     holds 1/4 of the entries the full run ended with.
     """
     replay = ReplayTarget.like(target, traces)
-    run = lambda cache=None, **c: evaluate(drafter, replay, traces, prompts, k=k,  # noqa: E731
-                                           stop_confidence=stop_confidence, strategy="ngram",
-                                           ngram=NgramCacheConfig(**c), cache=cache)
+    run = lambda cache=None, **c: evaluate(
+        drafter,
+        replay,
+        traces,
+        prompts,
+        k=k,  # noqa: E731
+        stop_confidence=stop_confidence,
+        strategy="ngram",
+        ngram=NgramCacheConfig(**c),
+        cache=cache,
+    )
     none, full = run(max_entries=0), run(full_cache)
     quarter = max(1, full["ngram_entries"] // 4)
     rows = [{"cache": "none", **none}, {"cache": "full", **full}]  # (the full cache never evicts: no policy)
     for policy in ("lfu", "lfu-da", "lru"):
-        rows.append({"cache": f"quarter ({quarter} entries)", "policy": policy, **run(max_entries=quarter, policy=policy)})
+        rows.append(
+            {
+                "cache": f"quarter ({quarter} entries)",
+                "policy": policy,
+                **run(max_entries=quarter, policy=policy),
+            }
+        )
     for row in rows:
         row["gain_kept"] = gain_kept(row["tau"], none["tau"], full["tau"])
     return rows
-
-
 
 
 def gain_kept(tau: float, none: float, full: float) -> float | None:

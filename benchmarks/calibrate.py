@@ -47,14 +47,25 @@ def calibrate(pair: Any, *, max_tokens: int = 12, context: int = 256, reps: int 
     near, far = _step_ms(drafter, 128, 1, reps * 2), _step_ms(drafter, 1024, 1, reps * 2)
     slope = (far - near) / (1024 - 128) * 1000
     target_ms = [round(_step_ms(target, context, m, reps), 2) for m in range(1, max_tokens + 1)]
-    prefill = _median_ms(lambda: CausalRunner(target, [100 + i % 500 for i in range(context)]).forward(keep=1), reps)
-    out = pair.generate("Question: Tom has 3 apples and buys 5 more. How many now?\nAnswer:", max_new_tokens=48)
+    prefill = _median_ms(
+        lambda: CausalRunner(target, [100 + i % 500 for i in range(context)]).forward(keep=1), reps
+    )
+    out = pair.generate(
+        "Question: Tom has 3 apples and buys 5 more. How many now?\nAnswer:", max_new_tokens=48
+    )
     bookkeeping = 1000 * sum(r.t_translate + r.t_resync for r in out.rounds) / len(out.rounds)
-    drafter_mb = sum(t.numel() * t.element_size() for t in drafter.state_dict().values() if hasattr(t, "numel")) / 2**20
+    drafter_mb = (
+        sum(t.numel() * t.element_size() for t in drafter.state_dict().values() if hasattr(t, "numel"))
+        / 2**20
+    )
     return {
         "name": f"this-machine:{pair.drafter.name}:{pair.target.name}",
-        "source": (f"python -m benchmarks calibrate on {platform.node() or 'this host'} ({platform.processor() or platform.machine()}), "
-                   f"medians of {reps} runs at context {context}; drafter {pair.drafter.name}, target {pair.target.name}"),
+        "source": (
+            f"python -m benchmarks calibrate on {platform.node() or 'this host'} "
+            f"({platform.processor() or platform.machine()}), "
+            f"medians of {reps} runs at context {context}; drafter {pair.drafter.name}, target "
+            f"{pair.target.name}"
+        ),
         "drafter_ms": round(near - slope * 128 / 1000, 3),
         "drafter_ms_per_1k_context": round(slope, 3),
         "target_ms": target_ms,

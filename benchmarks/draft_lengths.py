@@ -23,16 +23,25 @@ import torch
 from omnidraft.adaptive.head import HeadConfig
 from omnidraft.adaptive.policy import Hysteresis
 from omnidraft.atomic import atomic_write_bytes
-from omnidraft.distill.trace_store import ReplayTarget
-from .adapt import prompts_for, traces_for
 from omnidraft.bench.datasets import load_prompts
 from omnidraft.bench.runner import compare_pairings, paired_ratio
+from omnidraft.distill.trace_store import ReplayTarget
+
+from .adapt import prompts_for, traces_for
 
 __all__ = ["Prequential", "against_best_fixed", "run_draft_policies", "train_heads", "write_draft_report"]
 
 
-def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tokens: int, cache: Path,
-                configs: dict[str, HeadConfig], progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def train_heads(
+    drafter: Any,
+    target: Any,
+    train: str,
+    n_train: int,
+    max_new_tokens: int,
+    cache: Path,
+    configs: dict[str, HeadConfig],
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
     """One acceptance head per schedule, trained on the replayed training traces; cached under `cache`.
 
     The drafting rollout (the fallback policy picks draft lengths; features and labels are
@@ -57,9 +66,13 @@ def train_heads(drafter: Any, target: Any, train: str, n_train: int, max_new_tok
     traces = traces_for(target, train, n_train, max_new_tokens, cache)
     prompts = prompts_for(target, train, traces)
     any_config = next(iter(configs.values()))
-    pair = drafter.pair(ReplayTarget.like(target, traces), k=4, stop_confidence=0.3,
-                        head=replace(any_config, warmup=10**9, steps=0, capacity=10**9),
-                        adaptive=Hysteresis(k_min=2, k_max=any_config.k_max))
+    pair = drafter.pair(
+        ReplayTarget.like(target, traces),
+        k=4,
+        stop_confidence=0.3,
+        head=replace(any_config, warmup=10**9, steps=0, capacity=10**9),
+        adaptive=Hysteresis(k_min=2, k_max=any_config.k_max),
+    )
     requests = []  # (features, labels) of each request's rounds
     for i, (trace, prompt) in enumerate(zip(traces, prompts)):
         before = len(pair.head_trainer.labels)
@@ -109,20 +122,32 @@ class Prequential:
 
     def report(self) -> dict[str, float]:
         n = max(self.rows, 1)
-        return {"rows": self.rows, "bce": self.bce / n, "constant_bce": self.base / n,
-                "mean_prob": self.prob / n, "accept_rate": self.accepted / n}
+        return {
+            "rows": self.rows,
+            "bce": self.bce / n,
+            "constant_bce": self.base / n,
+            "mean_prob": self.prob / n,
+            "accept_rate": self.accepted / n,
+        }
 
 
-def _variants(drafter: Any, target: Any, fixed: list[int], confident: list[int], heads: dict[str, Any],
-              k_max: int) -> dict[str, Any]:
+def _variants(
+    drafter: Any, target: Any, fixed: list[int], confident: list[int], heads: dict[str, Any], k_max: int
+) -> dict[str, Any]:
     """Fixed k drafts exactly k tokens a round (the paper's static baseline). Every other row decides
     its length as it drafts: the drafter's confidence alone (stop after a token it gives p < 0.3,
     the engine's default), the hysteresis fallback, and the two heads."""
     pairs = {f"fixed k={k}": drafter.pair(target, k=k, stop_confidence=0.0) for k in fixed}
     pairs |= {f"confidence stop, k≤{k}": drafter.pair(target, k=k, stop_confidence=0.3) for k in confident}
-    pairs["fallback (hysteresis)"] = drafter.pair(target, k=4, stop_confidence=0.3, adaptive=Hysteresis(k_min=2, k_max=k_max))
+    pairs["fallback (hysteresis)"] = drafter.pair(
+        target, k=4, stop_confidence=0.3, adaptive=Hysteresis(k_min=2, k_max=k_max)
+    )
     for schedule, head in heads.items():
-        pair = drafter.pair(target, k=4, head=HeadConfig(train=None, warmup=0, k_max=k_max, width=head.width, depth=head.depth))
+        pair = drafter.pair(
+            target,
+            k=4,
+            head=HeadConfig(train=None, warmup=0, k_max=k_max, width=head.width, depth=head.depth),
+        )
         pair.head.load_state_dict(head.state_dict())
         pairs[f"head ({schedule})"] = pair
     return pairs
@@ -134,52 +159,95 @@ def against_best_fixed(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if not fixed:
         return {}
     best = max(fixed, key=lambda r: r["speedup"])
-    return {"best_fixed": best["variant"],
-            "adaptive": {r["variant"]: paired_ratio(r["prompt_s"], best["prompt_s"])
-                         for r in rows if not r["variant"].startswith("fixed k=")}}
+    return {
+        "best_fixed": best["variant"],
+        "adaptive": {
+            r["variant"]: paired_ratio(r["prompt_s"], best["prompt_s"])
+            for r in rows
+            if not r["variant"].startswith("fixed k=")
+        },
+    }
 
 
-def run_draft_policies(drafter: Any, target: Any, *, dataset: str, train: str, n: int, n_train: int,
-                       max_new_tokens: int, train_tokens: int, fixed: list[int], k_max: int, cache: Path,
-                       confident: Sequence[int] = (), train_only: bool = False,
-                       progress: Callable[[str], None] = lambda _: None) -> dict[str, Any] | None:
+def run_draft_policies(
+    drafter: Any,
+    target: Any,
+    *,
+    dataset: str,
+    train: str,
+    n: int,
+    n_train: int,
+    max_new_tokens: int,
+    train_tokens: int,
+    fixed: list[int],
+    k_max: int,
+    cache: Path,
+    confident: Sequence[int] = (),
+    train_only: bool = False,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any] | None:
     """Rows: variant -> acceptance, τ, tokens/s, speedup over the target alone, identical count;
     and each adaptive variant against the best fixed k, paired per prompt.
     `train_only` stops after training (and caching) the heads: that part needs no idle machine."""
-    configs = {"joint": HeadConfig(train="joint", k_max=k_max, interval=1, steps=5),
-               "interleaved": HeadConfig(train="interleaved", k_max=k_max, interval=4, steps=10)}
+    configs = {
+        "joint": HeadConfig(train="joint", k_max=k_max, interval=1, steps=5),
+        "interleaved": HeadConfig(train="interleaved", k_max=k_max, interval=4, steps=10),
+    }
     heads, scores = train_heads(drafter, target, train, n_train, train_tokens, cache, configs, progress)
     if train_only:
         return None
     pairs = _variants(drafter, target, fixed, list(confident), heads, k_max)
     result = compare_pairings(pairs, load_prompts(dataset, n), max_new_tokens, progress)
-    return {"dataset": dataset, "train": train, "n_train": n_train, "max_new_tokens": max_new_tokens,
-            "head_scores": scores, **result, "against_best_fixed": against_best_fixed(result["rows"])}
+    return {
+        "dataset": dataset,
+        "train": train,
+        "n_train": n_train,
+        "max_new_tokens": max_new_tokens,
+        "head_scores": scores,
+        **result,
+        "against_best_fixed": against_best_fixed(result["rows"]),
+    }
 
 
 def write_draft_report(results: list[dict[str, Any]], out: Path, name: str) -> str:
-    table = "| pair | dataset | variant | acceptance | τ | drafted/round | tok/s | speedup vs target | identical |\n" \
-            "|---|---|---|---|---|---|---|---|---|\n"
+    table = (
+        "| pair | dataset | variant | acceptance | τ | drafted/round | tok/s | speedup vs target | identical "
+        "|\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
     for res in results:
         for r in res["rows"]:
-            table += (f"| {res['pair']} | {res['dataset']} | {r['variant']} | {r['acceptance_rate']:.3f} | {r['tau']:.2f} | "
-                      f"{r['drafted_per_round']:.1f} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n")
-    table += "\nEach adaptive policy against the best fixed k, paired per prompt (geometric mean of the fixed " \
-             "run's time over the policy's, 95% interval; above 1 = the policy is faster):\n\n" \
-             "| pair | dataset | best fixed | policy | time ratio | 95% interval | prompts faster |\n" \
-             "|---|---|---|---|---|---|---|\n"
+            table += (
+                f"| {res['pair']} | {res['dataset']} | {r['variant']} | {r['acceptance_rate']:.3f} | "
+                f"{r['tau']:.2f} | "
+                f"{r['drafted_per_round']:.1f} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | "
+                f"{r['identical']}/{r['prompts']} |\n"
+            )
+    table += (
+        "\nEach adaptive policy against the best fixed k, paired per prompt (geometric mean of the fixed "
+        "run's time over the policy's, 95% interval; above 1 = the policy is faster):\n\n"
+        "| pair | dataset | best fixed | policy | time ratio | 95% interval | prompts faster |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
     for res in results:
         versus = res.get("against_best_fixed") or {}
         for variant, c in versus.get("adaptive", {}).items():
-            table += (f"| {res['pair']} | {res['dataset']} | {versus['best_fixed']} | {variant} | {c['ratio']:.3f} | "
-                      f"{c['low']:.3f}–{c['high']:.3f} | {c['wins']}/{c['prompts']} |\n")
-    table += "\nHeads scored online on their training stream (each request predicted before training on it):\n\n" \
-             "| pair | dataset | head | rows | BCE | BCE of the mean rate | mean predicted p | acceptance |\n" \
-             "|---|---|---|---|---|---|---|---|\n"
+            table += (
+                f"| {res['pair']} | {res['dataset']} | {versus['best_fixed']} | {variant} | {c['ratio']:.3f} "
+                "| "
+                f"{c['low']:.3f}–{c['high']:.3f} | {c['wins']}/{c['prompts']} |\n"
+            )
+    table += (
+        "\nHeads scored online on their training stream (each request predicted before training on it):\n\n"
+        "| pair | dataset | head | rows | BCE | BCE of the mean rate | mean predicted p | acceptance |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
     for res in results:
         for schedule, sc in res.get("head_scores", {}).items():
-            table += (f"| {res['pair']} | {res['dataset']} | {schedule} | {sc['rows']} | {sc['bce']:.3f} | "
-                      f"{sc['constant_bce']:.3f} | {sc['mean_prob']:.3f} | {sc['accept_rate']:.3f} |\n")
+            table += (
+                f"| {res['pair']} | {res['dataset']} | {schedule} | {sc['rows']} | {sc['bce']:.3f} | "
+                f"{sc['constant_bce']:.3f} | {sc['mean_prob']:.3f} | {sc['accept_rate']:.3f} |\n"
+            )
     atomic_write_bytes(out / f"{name}.json", json.dumps(results, indent=1).encode())
     atomic_write_bytes(out / f"{name}.md", table.encode())
     return table

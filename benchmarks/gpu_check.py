@@ -102,14 +102,25 @@ def graphs(model: Any, contexts: list[int], ks: list[int], device: torch.device,
     out: dict[str, Any] = {}
     for context in contexts:
         cache.reset()
-        model(input_ids=_ids(context, vocab, device), past_key_values=cache, use_cache=True, logits_to_keep=1,
-              cache_position=torch.arange(context, device=device))
+        model(
+            input_ids=_ids(context, vocab, device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            cache_position=torch.arange(context, device=device),
+        )
         row = {}
         for k in ks:
             new, where = _ids(k, vocab + 1, device) % vocab, torch.arange(context, context + k, device=device)
 
             def step(new: torch.Tensor = new, where: torch.Tensor = where, k: int = k) -> None:
-                forward(input_ids=new, past_key_values=cache, use_cache=True, logits_to_keep=k, cache_position=where)
+                forward(
+                    input_ids=new,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=k,
+                    cache_position=where,
+                )
 
             step()  # the capture itself is not timed
             row[str(k)] = round(median_ms(step, device, reps), 3)
@@ -123,24 +134,42 @@ def generate_ms_per_token(model: Any, device: torch.device, context: int, reps: 
     ids = _ids(context, model.config.vocab_size, device)
 
     def run(n: int) -> None:
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
     return (median_ms(lambda: run(33), device, reps) - median_ms(lambda: run(1), device, reps)) / 32
 
 
 def check(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    report: dict[str, Any] = {"format": FORMAT, "version": VERSION, "device": args.device, "dtype": args.dtype,
-                              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
-                              platform.processor() or platform.machine(), "torch": torch.__version__,
-                              "contexts": args.contexts, "ks": args.ks, "layers": args.layers, "models": {}}
+    report: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "device": args.device,
+        "dtype": args.dtype,
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "contexts": args.contexts,
+        "ks": args.ks,
+        "layers": args.layers,
+        "models": {},
+    }
     started = time.perf_counter()
     for name in args.models:
         model = build(name, device, dtype, args.layers)
         row: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters())}
         row["eager"] = eager(model, args.contexts, args.ks, device, args.reps)
-        row["generate_ms_per_token"] = round(generate_ms_per_token(model, device, min(args.contexts), args.reps), 3)
+        row["generate_ms_per_token"] = round(
+            generate_ms_per_token(model, device, min(args.contexts), args.reps), 3
+        )
         if args.graphs and time.perf_counter() - started < args.budget_s:
             try:
                 row["graph"] = graphs(model, args.contexts, args.ks, device, args.reps)
@@ -162,10 +191,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--contexts", nargs="+", type=int, default=[200, 1000, 4000])
     p.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8, 16])
-    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has (a quick CPU run)")
+    p.add_argument(
+        "--layers", type=int, default=None, help="fewer layers than the shape has (a quick CPU run)"
+    )
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
-    p.add_argument("--budget-s", type=float, default=240.0, help="no graph capture starts after this many seconds")
+    p.add_argument(
+        "--budget-s", type=float, default=240.0, help="no graph capture starts after this many seconds"
+    )
     p.add_argument("--out", default="gpu-check.json")
     args = p.parse_args(argv)
     report = check(args)

@@ -27,18 +27,31 @@ from typing import Any
 
 import torch
 
+from omnidraft.bench.datasets import load_references
 from omnidraft.distill.trace_store import TargetTrace
 from omnidraft.draft import Draft
 from omnidraft.translate.codec import ByteCodec
 from omnidraft.translate.ngram_cache import NgramCache
 from omnidraft.translate.token_bytes import TokenBytes, build_token_bytes
+
 from .adapt import cache_ablation
-from omnidraft.bench.datasets import load_references
 
-__all__ = ["VOCABULARIES", "ReferenceDrafter", "TextEnd", "UseLog", "load_end", "markdown", "offline_optimum", "reference_traces",
-           "run_cache_bench"]
+__all__ = [
+    "VOCABULARIES",
+    "ReferenceDrafter",
+    "TextEnd",
+    "UseLog",
+    "load_end",
+    "markdown",
+    "offline_optimum",
+    "reference_traces",
+    "run_cache_bench",
+]
 
-VOCABULARIES = {"llama-2": "ggml-vocab-llama-spm.gguf", "llama-3": "ggml-vocab-llama-bpe.gguf"}  # in data/tokenizers
+VOCABULARIES = {
+    "llama-2": "ggml-vocab-llama-spm.gguf",
+    "llama-3": "ggml-vocab-llama-bpe.gguf",
+}  # in data/tokenizers
 
 _BYTES_PER_TOKEN = 16  # encode this many bytes per drafted token: k tokens never run past the window
 
@@ -57,8 +70,8 @@ class TextEnd:
 def load_end(spec: str) -> TextEnd:
     """A tokenizer by the name of a shared vocabulary ("llama-2", "llama-3"), a preset, a .gguf
     path or an HF directory (models.load_tokenizer)."""
-    from omnidraft.models import load_tokenizer
     from omnidraft.bench.datasets import data_dir
+    from omnidraft.models import load_tokenizer
 
     path = data_dir() / "tokenizers" / VOCABULARIES[spec] if spec in VOCABULARIES else None
     if path is not None and not path.is_file():
@@ -75,8 +88,14 @@ class ReferenceDrafter:
     paired). A wrong token is a single byte that differs from the right token's first, and ends
     the draft."""
 
-    def __init__(self, end: TextEnd, references: dict[str, str], *, accuracy: float,
-                 generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        end: TextEnd,
+        references: dict[str, str],
+        *,
+        accuracy: float,
+        generator: torch.Generator | None = None,
+    ) -> None:
         if not 0.0 < accuracy <= 1.0:
             raise ValueError(f"drafter accuracy must be in (0, 1], got {accuracy}")
         self.tokenizer, self.token_bytes, self.codec = end.tokenizer, end.token_bytes, end.codec
@@ -84,7 +103,10 @@ class ReferenceDrafter:
         self._text: dict[tuple[int, ...], tuple[bytes, torch.Tensor]] = {}
         for prompt, reference in references.items():
             data = reference.encode()
-            self._text[tuple(end.tokenizer(prompt)["input_ids"])] = (data, torch.rand(len(data) + 1, generator=generator) < accuracy)
+            self._text[tuple(end.tokenizer(prompt)["input_ids"])] = (
+                data,
+                torch.rand(len(data) + 1, generator=generator) < accuracy,
+            )
 
     def begin(self, ids: list[int]) -> _ReferenceSession:
         entry = self._text.get(tuple(ids))
@@ -102,12 +124,22 @@ class _ReferenceSession:
     def __init__(self, owner: ReferenceDrafter, text: bytes, right: torch.Tensor) -> None:
         self.owner, self.text, self.right, self.pos, self.draft = owner, text, right, 0, []
 
-    def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
-                generator: torch.Generator | None = None, stop_confidence: float = 0.0, stopper: Any = None,
-                heal: torch.Tensor | None = None) -> Draft:
+    def propose(
+        self,
+        k: int,
+        *,
+        temperature: float = 0.0,
+        allowed: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        stop_confidence: float = 0.0,
+        stopper: Any = None,
+        heal: torch.Tensor | None = None,
+    ) -> Draft:
         o = self.owner
         ids = o.codec.encode(self.text[self.pos : self.pos + _BYTES_PER_TOKEN * (k + 1)])[:k]
-        starts = accumulate((len(o.token_bytes.table[t] or b"") for t in ids[:-1]), initial=self.pos)  # byte of each token
+        starts = accumulate(
+            (len(o.token_bytes.table[t] or b"") for t in ids[:-1]), initial=self.pos
+        )  # byte of each token
         miss = next((j for j, s in enumerate(starts) if not self.right[s]), len(ids))
         if miss < len(ids) or not ids:
             ids = ids[:miss] + [o.wrong(ids[miss] if ids else o.token_bytes.byte_token[ord(" ")])]
@@ -123,13 +155,20 @@ def reference_traces(target: TextEnd, pairs: list[tuple[str, str]]) -> list[Any]
     traces = []
     for prompt, reference in pairs:
         ids = target.codec.encode(reference.encode())
-        traces.append(TargetTrace(target.tokenizer(prompt)["input_ids"], ids, torch.zeros(len(ids), 0, dtype=torch.long),
-                                  torch.zeros(len(ids), 0)))
+        traces.append(
+            TargetTrace(
+                target.tokenizer(prompt)["input_ids"],
+                ids,
+                torch.zeros(len(ids), 0, dtype=torch.long),
+                torch.zeros(len(ids), 0),
+            )
+        )
     return traces
 
 
-def run_cache_bench(drafter: TextEnd, target: TextEnd, *, dataset: str, n: int, k: int, accuracy: float,
-                    seed: int = 0) -> dict[str, Any]:
+def run_cache_bench(
+    drafter: TextEnd, target: TextEnd, *, dataset: str, n: int, k: int, accuracy: float, seed: int = 0
+) -> dict[str, Any]:
     """The cache ablation of benchmarks/adapt.py (none, full, 1/4 LFU, LFU-DA and LRU) with the reference
     drafter on `n` prompts of `dataset`: every row replays the same prompts in the same order, and
     the drafter errs at the same places in each (drawn once from `seed`)."""
@@ -137,7 +176,9 @@ def run_cache_bench(drafter: TextEnd, target: TextEnd, *, dataset: str, n: int, 
     pairs = load_references(dataset, n)
     traces = reference_traces(target, pairs)
     prompts = [p for p, _ in pairs]
-    oracle = ReferenceDrafter(drafter, dict(pairs), accuracy=accuracy, generator=torch.Generator().manual_seed(seed))
+    oracle = ReferenceDrafter(
+        drafter, dict(pairs), accuracy=accuracy, generator=torch.Generator().manual_seed(seed)
+    )
     log = UseLog()
     rows = cache_ablation(oracle, target, traces, prompts, k=k, stop_confidence=0.0, full_cache=log)
     uses = rows[1]["ngram_hits_per_round"] * rows[1]["rounds"]  # the full cache's
@@ -146,13 +187,27 @@ def run_cache_bench(drafter: TextEnd, target: TextEnd, *, dataset: str, n: int, 
     quarter = rows[-1]["ngram_entries"]
     used = {t for trace in traces for t in trace.continuation}
     spelled = {t: len(drafter.codec.encode(target.token_bytes.table[t] or b"")) for t in used}
-    merged = sum(1 for trace in traces for t in trace.continuation if spelled[t] >= 2)  # need >= 2 drafter tokens
-    return {"drafter": drafter.name, "target": target.name, "dataset": dataset, "n": len(traces), "k": k,
-            "accuracy": accuracy, "seed": seed, "target_tokens": sum(len(t.continuation) for t in traces),
-            "multi_token_words": merged, "rows": rows,
-            "offline_optimum": {"entries": quarter, "uses_kept": offline_optimum(log.events, quarter),
-                                "added": len({key for _, key in log.events}),
-                                "ever_used": len({key for used, key in log.events if used})}}
+    merged = sum(
+        1 for trace in traces for t in trace.continuation if spelled[t] >= 2
+    )  # need >= 2 drafter tokens
+    return {
+        "drafter": drafter.name,
+        "target": target.name,
+        "dataset": dataset,
+        "n": len(traces),
+        "k": k,
+        "accuracy": accuracy,
+        "seed": seed,
+        "target_tokens": sum(len(t.continuation) for t in traces),
+        "multi_token_words": merged,
+        "rows": rows,
+        "offline_optimum": {
+            "entries": quarter,
+            "uses_kept": offline_optimum(log.events, quarter),
+            "added": len({key for _, key in log.events}),
+            "ever_used": len({key for used, key in log.events if used}),
+        },
+    }
 
 
 class UseLog(NgramCache):
@@ -202,23 +257,34 @@ def offline_optimum(events: list[tuple[bool, tuple[int, ...]]], capacity: int) -
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# n-gram cache: {result['drafter']} drafting for {result['target']}, {result['dataset']} "
-             f"({result['n']} reference answers, {result['target_tokens']} target tokens), k={result['k']}\n",
-             f"Reference drafter, each token right with probability {result['accuracy']:g} (seed {result['seed']}); "
-             f"\"ngram\" translation. {result['multi_token_words'] / result['target_tokens']:.1%} of the target's "
-             "tokens take two or more drafter tokens to spell.\n",
-             "| cache | policy | acceptance | τ | n-gram hits/round | entries | cache KB | share of the full cache's τ gain |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# n-gram cache: {result['drafter']} drafting for {result['target']}, {result['dataset']} "
+        f"({result['n']} reference answers, {result['target_tokens']} target tokens), k={result['k']}\n",
+        f"Reference drafter, each token right with probability {result['accuracy']:g} (seed "
+        f"{result['seed']}); "
+        f'"ngram" translation. {result["multi_token_words"] / result["target_tokens"]:.1%} of the target\'s '
+        "tokens take two or more drafter tokens to spell.\n",
+        "| cache | policy | acceptance | τ | n-gram hits/round | entries | cache KB | share of the full "
+        "cache's τ gain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         kept = row.get("gain_kept")
-        lines.append(f"| {row['cache']} | {row.get('policy', '–')} | {row['acceptance_rate']:.3f} | {row['tau']:.3f} | "
-                     f"{row['ngram_hits_per_round']:.3f} | {row['ngram_entries']} | {row['ngram_bytes'] / 1024:.0f} | "
-                     f"{'–' if kept is None else f'{kept:.1%}'} |")
+        lines.append(
+            f"| {row['cache']} | {row.get('policy', '–')} | {row['acceptance_rate']:.3f} | {row['tau']:.3f} "
+            "| "
+            f"{row['ngram_hits_per_round']:.3f} | {row['ngram_entries']} | {row['ngram_bytes'] / 1024:.0f} | "
+            f"{'–' if kept is None else f'{kept:.1%}'} |"
+        )
     best = result.get("offline_optimum", {}).get("uses_kept")
     if best is not None:
         online = ", ".join(f"{r['policy']} {r['uses_kept']:.1%}" for r in result["rows"] if r.get("policy"))
-        lines += ["", f"Share of the full cache's n-gram uses a {result['offline_optimum']['entries']}-entry cache serves: "
-                      f"{online}; knowing the future (Belady's MIN on the full run's adds and uses), {best:.1%}. "
-                      f"Of the {result['offline_optimum']['added']} merges the full run added, "
-                      f"{result['offline_optimum']['ever_used']} were ever used."]
+        lines += [
+            "",
+            f"Share of the full cache's n-gram uses a {result['offline_optimum']['entries']}-entry cache "
+            "serves: "
+            f"{online}; knowing the future (Belady's MIN on the full run's adds and uses), {best:.1%}. "
+            f"Of the {result['offline_optimum']['added']} merges the full run added, "
+            f"{result['offline_optimum']['ever_used']} were ever used.",
+        ]
     return "\n".join(lines) + "\n"

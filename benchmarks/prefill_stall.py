@@ -26,13 +26,17 @@ def main() -> None:
     args = p.parse_args()
     target = od.LocalTarget.load(args.target)
     url, stop = serve_in_thread(create_app(target, ServerConfig()))
-    long_ids = (target.tokenizer("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n")["input_ids"]
-                * args.prompt)[: args.prompt]
+    long_ids = (
+        target.tokenizer("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n")["input_ids"]
+        * args.prompt
+    )[: args.prompt]
     short = target.tokenizer("Question: Tom has 3 apples.")["input_ids"]
     waits, done = [], threading.Event()
     with httpx.Client(base_url=url, timeout=3600) as a, httpx.Client(base_url=url, timeout=3600) as b:
         sid_b = b.post("/v1/sessions", json={"prompt_ids": short}).json()["session"]
-        committed = b.post(f"/v1/sessions/{sid_b}/verify", json={"committed": len(short), "proposal": []}).json()["committed"]
+        committed = b.post(
+            f"/v1/sessions/{sid_b}/verify", json={"committed": len(short), "proposal": []}
+        ).json()["committed"]
 
         def prefill() -> None:
             sid = a.post("/v1/sessions", json={"prompt_ids": long_ids}).json()["session"]
@@ -46,14 +50,21 @@ def main() -> None:
         time.sleep(0.5)
         while not done.is_set():
             started = time.perf_counter()
-            committed = b.post(f"/v1/sessions/{sid_b}/verify", json={"committed": committed, "proposal": []}).json()["committed"]
+            committed = b.post(
+                f"/v1/sessions/{sid_b}/verify", json={"committed": committed, "proposal": []}
+            ).json()["committed"]
             waits.append(("verify_s", time.perf_counter() - started))
         thread.join()
     stop()
     verify = sorted(w for k, w in waits if k == "verify_s")
-    report = {"target": args.target, "prompt_tokens": args.prompt, "prefill_s": round(dict(waits)["prefill_s"], 1),
-              "verifies_meanwhile": len(verify), "verify_max_s": round(verify[-1], 3),
-              "verify_median_s": round(verify[len(verify) // 2], 3)}
+    report = {
+        "target": args.target,
+        "prompt_tokens": args.prompt,
+        "prefill_s": round(dict(waits)["prefill_s"], 1),
+        "verifies_meanwhile": len(verify),
+        "verify_max_s": round(verify[-1], 3),
+        "verify_median_s": round(verify[len(verify) // 2], 3),
+    }
     print(json.dumps(report))
 
 

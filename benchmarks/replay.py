@@ -19,20 +19,26 @@ from pathlib import Path
 from typing import Any, Callable
 
 from omnidraft.atomic import atomic_write_bytes
+from omnidraft.backends import draft_ms
+from omnidraft.bench.datasets import load_prompts
 from omnidraft.distill.trace_store import ReplayTarget
 from omnidraft.stats import GenerationStats
+
 from .adapt import prompts_for, traces_for
-from omnidraft.bench.datasets import load_prompts
-from omnidraft.backends import draft_ms
 
 __all__ = ["SCHEMES", "parse_decode", "replay_variant", "run_replay"]
 
-SCHEMES = ("fp32", "int8", "int8-per-channel", "int8-per-tensor")  # int8: the default (per-channel, MLPs smoothed)
+SCHEMES = (
+    "fp32",
+    "int8",
+    "int8-per-channel",
+    "int8-per-tensor",
+)  # int8: the default (per-channel, MLPs smoothed)
 _KEYS = {"k": int, "stop": float, "heal": bool, "strategy": str}
 
 
 def parse_decode(text: str) -> dict[str, Any]:
-    """"heal=off,k=8" -> DecodeConfig overrides. Keys: k, stop (stop_confidence), heal (on/off), strategy."""
+    """ "heal=off,k=8" -> DecodeConfig overrides. Keys: k, stop (stop_confidence), heal (on/off), strategy."""
     overrides: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
@@ -66,8 +72,9 @@ def drafter_for(scheme: str, fp32: Any) -> Any:
     return Drafter(model, fp32.tokenizer, fp32.name)
 
 
-def replay_variant(drafter: Any, replay: ReplayTarget, traces: list[Any], prompts: list[str],
-                   overrides: dict[str, Any]) -> dict[str, float]:
+def replay_variant(
+    drafter: Any, replay: ReplayTarget, traces: list[Any], prompts: list[str], overrides: dict[str, Any]
+) -> dict[str, float]:
     """Acceptance rate, τ, share of rounds whose first proposal is accepted, drafted tokens per
     round and n-gram hits per round of one variant; checks every output against its trace."""
     pair = drafter.pair(replay, **overrides)
@@ -78,16 +85,32 @@ def replay_variant(drafter: Any, replay: ReplayTarget, traces: list[Any], prompt
         rounds += out.rounds
         tokens += len(out.token_ids)
     s = GenerationStats.from_rounds(rounds, tokens, time.perf_counter() - started)
-    return {"acceptance_rate": s.acceptance_rate, "tau": s.mean_accepted_length,
-            "first_accepted": sum(r.accepted > 0 for r in rounds) / max(1, len(rounds)),
-            "drafted_per_round": sum(r.drafted for r in rounds) / max(1, len(rounds)),
-            "ngram_hits_per_round": s.ngram_hits_per_round, "rounds": len(rounds), "prompts": len(traces),
-            "identical": identical, "seconds": time.perf_counter() - started}
+    return {
+        "acceptance_rate": s.acceptance_rate,
+        "tau": s.mean_accepted_length,
+        "first_accepted": sum(r.accepted > 0 for r in rounds) / max(1, len(rounds)),
+        "drafted_per_round": sum(r.drafted for r in rounds) / max(1, len(rounds)),
+        "ngram_hits_per_round": s.ngram_hits_per_round,
+        "rounds": len(rounds),
+        "prompts": len(traces),
+        "identical": identical,
+        "seconds": time.perf_counter() - started,
+    }
 
 
-def run_replay(drafter_spec: str, target: Any, *, datasets: list[str], n: int, max_new_tokens: int,
-               schemes: list[str], decodes: list[str], base: dict[str, Any], cache: Path,
-               progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def run_replay(
+    drafter_spec: str,
+    target: Any,
+    *,
+    datasets: list[str],
+    n: int,
+    max_new_tokens: int,
+    schemes: list[str],
+    decodes: list[str],
+    base: dict[str, Any],
+    cache: Path,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
     """Every (dataset, scheme, decode variant) on the first `n` traces of each dataset."""
     from omnidraft.models import load_model
 
@@ -108,21 +131,34 @@ def run_replay(drafter_spec: str, target: Any, *, datasets: list[str], n: int, m
                 progress(f"{dataset} {scheme} {decode or 'defaults'}")
                 row = replay_variant(drafter, replay, traces, prompts, {**base, **parse_decode(decode)})
                 rows.append({"dataset": dataset, "drafter": scheme, "decode": decode or "defaults", **row})
-    return {"pair": f"{fp32.name}:{target.name}", "n": n, "max_new_tokens": max_new_tokens, "base": base,
-            "ms_per_token": costs, "rows": rows}
+    return {
+        "pair": f"{fp32.name}:{target.name}",
+        "n": n,
+        "max_new_tokens": max_new_tokens,
+        "base": base,
+        "ms_per_token": costs,
+        "rows": rows,
+    }
 
 
 def write_replay_report(result: dict[str, Any], out: Path, name: str) -> str:
-    table = (f"# {result['pair']}: replayed greedy traces, {result['n']} prompts x {result['max_new_tokens']} tokens "
-             f"per dataset, base config {result['base']}\n\n"
-             "| drafter | ms per drafted token |\n|---|---|\n"
-             + "".join(f"| {scheme} | {ms:.1f} |\n" for scheme, ms in result.get("ms_per_token", {}).items())
-             + "\n| dataset | drafter | decode | acceptance | τ | first proposal accepted | drafted/round | n-gram/round | identical |\n"
-             "|---|---|---|---|---|---|---|---|---|\n")
+    table = (
+        f"# {result['pair']}: replayed greedy traces, {result['n']} prompts x {result['max_new_tokens']} "
+        "tokens "
+        f"per dataset, base config {result['base']}\n\n"
+        "| drafter | ms per drafted token |\n|---|---|\n"
+        + "".join(f"| {scheme} | {ms:.1f} |\n" for scheme, ms in result.get("ms_per_token", {}).items())
+        + "\n| dataset | drafter | decode | acceptance | τ | first proposal accepted | drafted/round | "
+        "n-gram/round | identical |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
     for r in result["rows"]:
-        table += (f"| {r['dataset']} | {r['drafter']} | {r['decode']} | {r['acceptance_rate']:.3f} | {r['tau']:.3f} | "
-                  f"{r['first_accepted']:.3f} | {r['drafted_per_round']:.2f} | {r['ngram_hits_per_round']:.3f} | "
-                  f"{r['identical']}/{r['prompts']} |\n")
+        table += (
+            f"| {r['dataset']} | {r['drafter']} | {r['decode']} | {r['acceptance_rate']:.3f} | "
+            f"{r['tau']:.3f} | "
+            f"{r['first_accepted']:.3f} | {r['drafted_per_round']:.2f} | {r['ngram_hits_per_round']:.3f} | "
+            f"{r['identical']}/{r['prompts']} |\n"
+        )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / f"{name}.json", json.dumps(result, indent=1).encode())
     atomic_write_bytes(out / f"{name}.md", table.encode())

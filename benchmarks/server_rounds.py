@@ -35,15 +35,26 @@ def round_times(target: Any, contexts: list[int], *, rounds: int = 8, draft: int
             sid = http.post("/v1/sessions", json={"prompt_ids": ids[:n]}).json()["session"]
             committed, times = n, []
             for r in range(rounds + 1):
-                proposal = ids[committed : committed + draft]  # the article's own next tokens: accepts and rejects
+                proposal = ids[
+                    committed : committed + draft
+                ]  # the article's own next tokens: accepts and rejects
                 started = time.perf_counter()
-                reply = http.post(f"/v1/sessions/{sid}/verify", json={"committed": committed, "proposal": proposal}).json()
+                reply = http.post(
+                    f"/v1/sessions/{sid}/verify", json={"committed": committed, "proposal": proposal}
+                ).json()
                 if r:
                     times.append(time.perf_counter() - started)
                 committed = reply["committed"]
             http.delete(f"/v1/sessions/{sid}")
-            rows.append({"context": n, "median_ms": 1000 * median(times), "min_ms": 1000 * min(times),
-                         "max_ms": 1000 * max(times), "step_ms": 1000 * _step_time(target, ids[:n], rounds)})
+            rows.append(
+                {
+                    "context": n,
+                    "median_ms": 1000 * median(times),
+                    "min_ms": 1000 * min(times),
+                    "max_ms": 1000 * max(times),
+                    "step_ms": 1000 * _step_time(target, ids[:n], rounds),
+                }
+            )
     return rows
 
 

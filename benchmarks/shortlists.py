@@ -43,12 +43,16 @@ def _continuations(target_spec: str, prompts: list[str], tokens: int) -> list[st
 
 
 @torch.inference_mode()
-def _forward(drafter: Any, prompt: str, continuation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+def _forward(
+    drafter: Any, prompt: str, continuation: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """(hidden (T, d), full logits (T, V), next ids (T,), context ids) at the continuation's positions."""
     tok = drafter.tokenizer
     start = len(tok(prompt)["input_ids"]) - 1
     ids = tok(prompt + continuation)["input_ids"]
-    out = drafter.model(input_ids=torch.tensor([ids]), output_hidden_states=True, logits_to_keep=len(ids) - start)
+    out = drafter.model(
+        input_ids=torch.tensor([ids]), output_hidden_states=True, logits_to_keep=len(ids) - start
+    )
     hidden = out.hidden_states[-1][0, start:-1].float()
     return hidden, out.logits[0, :-1].float(), torch.tensor(ids[start + 1 :]), ids[: start + 1]
 
@@ -66,9 +70,22 @@ def _mask(v: int, ids: torch.Tensor) -> torch.Tensor:
     return m
 
 
-def run_shortlists(drafter: Any, target_spec: str, *, datasets: list[str], n: int, tokens: int, sizes: list[int],
-                   buffer: int, clusters: int, core: int, budgets: list[int], out: Path, name: str,
-                   progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def run_shortlists(
+    drafter: Any,
+    target_spec: str,
+    *,
+    datasets: list[str],
+    n: int,
+    tokens: int,
+    sizes: list[int],
+    buffer: int,
+    clusters: int,
+    core: int,
+    budgets: list[int],
+    out: Path,
+    name: str,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
     from omnidraft.shortlist.build import corpus, frequent_ids, shortlist
     from omnidraft.shortlist.policies import Evo
 
@@ -80,8 +97,16 @@ def run_shortlists(drafter: Any, target_spec: str, *, datasets: list[str], n: in
     dyna = shortlist(drafter, "dyna", size=4 * core, clusters=clusters)
     groups = [c.ids if c is not None else torch.empty(0, dtype=torch.long) for c in dyna.clusters]
     dyna_core = _mask(v, dyna.core.ids)
-    result: dict[str, Any] = {"drafter": drafter.name, "target": target_spec, "tokens": tokens, "n": n,
-                              "buffer": buffer, "clusters": clusters, "dyna_core": len(dyna.core.ids), "runs": []}
+    result: dict[str, Any] = {
+        "drafter": drafter.name,
+        "target": target_spec,
+        "tokens": tokens,
+        "n": n,
+        "buffer": buffer,
+        "clusters": clusters,
+        "dyna_core": len(dyna.core.ids),
+        "runs": [],
+    }
     for dataset in datasets:
         prompts = load_prompts(dataset, n)
         progress(f"{dataset}: target continuations")
@@ -100,7 +125,11 @@ def run_shortlists(drafter: Any, target_spec: str, *, datasets: list[str], n: in
             for size in sizes:
                 static = _mask(v, torch.cat([ranked[:size], stops]))
                 add(f"static {size}", *_agree(logits, nxt, static.expand(t, v)), t)
-                evo = Evo(torch.nn.Linear(1, v, bias=False), torch.cat([ranked[: max(1, size - buffer)], stops]), buffer)
+                evo = Evo(
+                    torch.nn.Linear(1, v, bias=False),
+                    torch.cat([ranked[: max(1, size - buffer)], stops]),
+                    buffer,
+                )
                 evo.begin(context)
                 rows = torch.zeros(t, v, dtype=torch.bool)
                 for j in range(t):
@@ -119,8 +148,15 @@ def run_shortlists(drafter: Any, target_spec: str, *, datasets: list[str], n: in
         run = {"dataset": dataset, "rows": []}
         full = tally["full"][0] / tally["full"][2]
         for key, (agree, size, count) in tally.items():
-            run["rows"].append({"policy": key.split()[0], "param": key.split()[1] if " " in key else None,
-                                "support": size / count, "agreement": agree / count, "relative": agree / count / full})
+            run["rows"].append(
+                {
+                    "policy": key.split()[0],
+                    "param": key.split()[1] if " " in key else None,
+                    "support": size / count,
+                    "agreement": agree / count,
+                    "relative": agree / count / full,
+                }
+            )
         result["runs"].append(run)
         _write(result, out, name)
     return result
@@ -137,17 +173,27 @@ def _static_at(rows: list[dict[str, Any]], size: float) -> float | None:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# shortlists: {result['drafter']} on {result['target']}'s greedy text ({result['n']} prompts x "
-             f"{result['tokens']} tokens per dataset)", "",
-             f"EvoSpec buffer {result['buffer']}; DynaSpec {result['clusters']} clusters over a core of "
-             f"{result['dyna_core']}. Relative: agreement / the full head's.", ""]
+    lines = [
+        f"# shortlists: {result['drafter']} on {result['target']}'s greedy text ({result['n']} prompts x "
+        f"{result['tokens']} tokens per dataset)",
+        "",
+        f"EvoSpec buffer {result['buffer']}; DynaSpec {result['clusters']} clusters over a core of "
+        f"{result['dyna_core']}. Relative: agreement / the full head's.",
+        "",
+    ]
     for run in result["runs"]:
-        lines += [f"## {run['dataset']}", "", "| policy | mean support | agreement | relative | static at that size |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            f"## {run['dataset']}",
+            "",
+            "| policy | mean support | agreement | relative | static at that size |",
+            "|---|---|---|---|---|",
+        ]
         for r in run["rows"]:
             at = _static_at(run["rows"], r["support"]) if r["policy"] in ("evo", "dyna") else None
-            lines.append(f"| {r['policy']} {r['param'] or ''} | {r['support']:.0f} | {r['agreement']:.3f} | "
-                         f"{r['relative']:.3f} | {'%.3f' % at if at is not None else ''} |")
+            lines.append(
+                f"| {r['policy']} {r['param'] or ''} | {r['support']:.0f} | {r['agreement']:.3f} | "
+                f"{r['relative']:.3f} | {'%.3f' % at if at is not None else ''} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -54,7 +54,9 @@ def record(target: Any, drafter: Any, prompts: list[str], tokens: int) -> list[d
     return logs
 
 
-def proposal_at(log: dict[int, list[int]], start: int, committed: list[int], reference: list[int]) -> list[int]:
+def proposal_at(
+    log: dict[int, list[int]], start: int, committed: list[int], reference: list[int]
+) -> list[int]:
     """What the drafter proposed at context length start + len(committed): the recorded proposal
     there, else the rest of the latest recorded one whose head is on the committed text."""
     here = start + len(committed)
@@ -81,8 +83,9 @@ def replay_client(http: Any, ids: list[int], log: dict, reference: list[int], to
             more, gaps = streamed(http, f"/v1/sessions/{sid}/generate", body, last)
             committed, times = committed + more, times + gaps
             break
-        reply = http.post(f"/v1/sessions/{sid}/verify",
-                          json={"committed": len(ids) + len(committed), "proposal": proposal}).json()
+        reply = http.post(
+            f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + len(committed), "proposal": proposal}
+        ).json()
         new = proposal[: reply["accepted"]] + [reply["token"]]
         committed += new
         budget = reply.get("budget")
@@ -120,7 +123,9 @@ def run(url: str, target: Any, clients: list[tuple], fn: Any) -> dict[str, Any]:
     https = [httpx.Client(base_url=url, timeout=600) for _ in clients]
     steps, busy = loop.steps, loop.busy
     started = time.perf_counter()
-    threads = [threading.Thread(target=fn, args=(h, *args, out)) for h, args, out in zip(https, clients, outs)]
+    threads = [
+        threading.Thread(target=fn, args=(h, *args, out)) for h, args, out in zip(https, clients, outs)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -128,12 +133,16 @@ def run(url: str, target: Any, clients: list[tuple], fn: Any) -> dict[str, Any]:
     wall = time.perf_counter() - started
     total = sum(len(o["tokens"]) for o in outs)
     per_token = sorted(x for o in outs for x in o["per_token"])
-    return {"tokens": total, "wall_s": round(wall, 2), "tok_s": round(total / wall, 2),
-            "engine_steps_per_token": round((loop.steps - steps) / total, 3),
-            "engine_s_per_token": round((loop.busy - busy) / total, 4),
-            "p50_s_per_token": round(statistics.median(per_token), 4),
-            "p95_s_per_token": round(per_token[int(0.95 * (len(per_token) - 1))], 4),
-            "outputs": [o["tokens"] for o in outs]}
+    return {
+        "tokens": total,
+        "wall_s": round(wall, 2),
+        "tok_s": round(total / wall, 2),
+        "engine_steps_per_token": round((loop.steps - steps) / total, 3),
+        "engine_s_per_token": round((loop.busy - busy) / total, 4),
+        "p50_s_per_token": round(statistics.median(per_token), 4),
+        "p95_s_per_token": round(per_token[int(0.95 * (len(per_token) - 1))], 4),
+        "outputs": [o["tokens"] for o in outs],
+    }
 
 
 def main() -> None:
@@ -159,17 +168,28 @@ def main() -> None:
     references = [target.generate(i, args.tokens) for i in ids]
     logs = record(target, od.Drafter.load(args.drafter), prompts, args.tokens)
     url, stop = serve_in_thread(create_app(target, ServerConfig(max_sessions=256)))
-    report: dict[str, Any] = {"target": args.target, "dtype": args.dtype, "verify_costs_ms":
-                              {n: round(1e3 * s, 1) for n, s in target.verify_costs().items()}, "runs": {}}
+    report: dict[str, Any] = {
+        "target": args.target,
+        "dtype": args.dtype,
+        "verify_costs_ms": {n: round(1e3 * s, 1) for n, s in target.verify_costs().items()},
+        "runs": {},
+    }
     try:
         for n in sessions:
-            spec = run(url, target, [(ids[i], logs[i], references[i], args.tokens) for i in range(n)], replay_client)
+            spec = run(
+                url, target, [(ids[i], logs[i], references[i], args.tokens) for i in range(n)], replay_client
+            )
             alone = run(url, target, [(ids[i], args.tokens) for i in range(n)], alone_client)
             for row in (spec, alone):
-                row["wrong"] = sum(a != b for i, o in enumerate(row.pop("outputs")) for a, b in zip(o, references[i]))
-            report["runs"][n] = {"omnidraft": spec, "vllm_alone": alone,
-                                 "throughput_ratio": round(spec["tok_s"] / alone["tok_s"], 3),
-                                 "engine_time_ratio": round(spec["engine_s_per_token"] / alone["engine_s_per_token"], 3)}
+                row["wrong"] = sum(
+                    a != b for i, o in enumerate(row.pop("outputs")) for a, b in zip(o, references[i])
+                )
+            report["runs"][n] = {
+                "omnidraft": spec,
+                "vllm_alone": alone,
+                "throughput_ratio": round(spec["tok_s"] / alone["tok_s"], 3),
+                "engine_time_ratio": round(spec["engine_s_per_token"] / alone["engine_s_per_token"], 3),
+            }
             print(n, json.dumps(report["runs"][n]), flush=True)
     finally:
         stop()

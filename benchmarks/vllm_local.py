@@ -49,8 +49,12 @@ def main() -> None:
 
     target = od.VLLMTarget.load(args.target, dtype=args.dtype)
     pair = od.Drafter.load(args.drafter).pair(target)
-    report: dict = {"target": args.target, "dtype": args.dtype, "speculating": pair.speculating,
-                    "verify_costs_ms": {n: round(1e3 * s, 1) for n, s in target.verify_costs().items()}}
+    report: dict = {
+        "target": args.target,
+        "dtype": args.dtype,
+        "speculating": pair.speculating,
+        "verify_costs_ms": {n: round(1e3 * s, 1) for n, s in target.verify_costs().items()},
+    }
     for dataset in args.dataset or ["gsm8k", "humaneval"]:
         rows = []
         for prompt in load_prompts(dataset, args.n):
@@ -61,15 +65,32 @@ def main() -> None:
             started = time.perf_counter()
             out = pair.generate(prompt, max_new_tokens=args.tokens)
             t_pair = time.perf_counter() - started
-            rows.append({"identical": out.token_ids == alone[: len(out.token_ids)], "alone_s": t_alone,
-                         "pair_s": t_pair, "tokens": len(out.token_ids), "alone_tokens": len(alone), "tau": out.stats.mean_accepted_length})
+            rows.append(
+                {
+                    "identical": out.token_ids == alone[: len(out.token_ids)],
+                    "alone_s": t_alone,
+                    "pair_s": t_pair,
+                    "tokens": len(out.token_ids),
+                    "alone_tokens": len(alone),
+                    "tau": out.stats.mean_accepted_length,
+                }
+            )
             print(dataset, rows[-1], flush=True)
-        ratio = sum(r["alone_s"] / r["alone_tokens"] * r["tokens"] for r in rows) / sum(r["pair_s"] for r in rows)
-        report[dataset] = {"rows": rows, "speedup_vs_vllm_alone": round(ratio, 3),
-                           "vllm_alone_tok_s": round(sum(r["alone_tokens"] for r in rows) / sum(r["alone_s"] for r in rows), 2),
-                           "identical": sum(r["identical"] for r in rows)}
+        ratio = sum(r["alone_s"] / r["alone_tokens"] * r["tokens"] for r in rows) / sum(
+            r["pair_s"] for r in rows
+        )
+        report[dataset] = {
+            "rows": rows,
+            "speedup_vs_vllm_alone": round(ratio, 3),
+            "vllm_alone_tok_s": round(
+                sum(r["alone_tokens"] for r in rows) / sum(r["alone_s"] for r in rows), 2
+            ),
+            "identical": sum(r["identical"] for r in rows),
+        }
         print(dataset, {k: v for k, v in report[dataset].items() if k != "rows"}, flush=True)
-    report["verify_ms_by_context"] = {n: round(1e3 * s, 1) for n, s in _verify_by_context(target, [200, 1000, 2000, 3000]).items()}
+    report["verify_ms_by_context"] = {
+        n: round(1e3 * s, 1) for n, s in _verify_by_context(target, [200, 1000, 2000, 3000]).items()
+    }
     print(report["verify_ms_by_context"], flush=True)
     target.close()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

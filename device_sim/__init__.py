@@ -9,5 +9,14 @@ from __future__ import annotations
 from .profiles import DeviceProfile, NetworkProfile, load_profiles
 from .simulate import Scenario, SimResult, TraceRound, read_trace, simulate, sweep_k
 
-__all__ = ["DeviceProfile", "NetworkProfile", "Scenario", "SimResult", "TraceRound", "load_profiles", "read_trace",
-           "simulate", "sweep_k"]
+__all__ = [
+    "DeviceProfile",
+    "NetworkProfile",
+    "Scenario",
+    "SimResult",
+    "TraceRound",
+    "load_profiles",
+    "read_trace",
+    "simulate",
+    "sweep_k",
+]

@@ -15,38 +15,61 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m device_sim", description=__doc__)
     p.add_argument("--profiles", action="append", default=[], help="extra profile JSON files")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, help_ in (("replay", "expected latency of a trace per scenario"), ("sweep", "best draft length per scenario"),
-                        ("validate", "predicted vs measured wall time of each generation in a trace"),
-                       ("plot", "PNG: expected speedup against round-trip time, one line per device")):
+    for name, help_ in (
+        ("replay", "expected latency of a trace per scenario"),
+        ("sweep", "best draft length per scenario"),
+        ("validate", "predicted vs measured wall time of each generation in a trace"),
+        ("plot", "PNG: expected speedup against round-trip time, one line per device"),
+    ):
         q = sub.add_parser(name, help=help_)
         q.add_argument("trace")
         q.add_argument("--device", action="append", help="device profile name(s); default: all")
         q.add_argument("--server", default=None, help="target host profile: the target runs remotely")
         q.add_argument("--network", action="append", help="network profile name(s) (with --server)")
-        q.add_argument("--rtt", type=float, action="append", default=[], metavar="MS",
-                       help="an ad-hoc network of this round-trip time (loopback bandwidth), repeatable (with --server)")
-        q.add_argument("--select", action="append", default=[], metavar="KEY=VALUE",
-                       help="only the generations whose trace header has KEY=VALUE (e.g. dataset=gsm8k, rtt_ms=50.0)")
+        q.add_argument(
+            "--rtt",
+            type=float,
+            action="append",
+            default=[],
+            metavar="MS",
+            help="an ad-hoc network of this round-trip time (loopback bandwidth), repeatable (with --server)",
+        )
+        q.add_argument(
+            "--select",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="only the generations whose trace header has KEY=VALUE (e.g. dataset=gsm8k, rtt_ms=50.0)",
+        )
         if name == "plot":
             q.add_argument("--png", required=True, help="where to write the plot")
             q.add_argument("--max-rtt", type=float, default=200.0)
     sub.add_parser("list", help="list the profiles and their sources")
-    g = sub.add_parser("gpu-profile", help="server profiles from a GPU check JSON (python -m benchmarks.gpu_check)")
+    g = sub.add_parser(
+        "gpu-profile", help="server profiles from a GPU check JSON (python -m benchmarks.gpu_check)"
+    )
     g.add_argument("check")
     g.add_argument("--out", required=True, help="profile file to write (pass it to --profiles)")
-    g.add_argument("--context", type=int, default=None, help="context the costs are read at (default: the middle one)")
+    g.add_argument(
+        "--context", type=int, default=None, help="context the costs are read at (default: the middle one)"
+    )
     return p
 
 
 def _scenarios(args, cat):
     devices = args.device or sorted(cat.devices)
     for ms in args.rtt:
-        cat.networks[f"rtt-{ms:g}ms"] = NetworkProfile(name=f"rtt-{ms:g}ms", source="ad-hoc: --rtt on the command line",
-                                                       rtt_ms=ms, bandwidth_mbps=10000)
-    networks = (args.network or []) + [f"rtt-{ms:g}ms" for ms in args.rtt] or (["loopback"] if args.server else ["none"])
+        cat.networks[f"rtt-{ms:g}ms"] = NetworkProfile(
+            name=f"rtt-{ms:g}ms", source="ad-hoc: --rtt on the command line", rtt_ms=ms, bandwidth_mbps=10000
+        )
+    networks = (args.network or []) + [f"rtt-{ms:g}ms" for ms in args.rtt] or (
+        ["loopback"] if args.server else ["none"]
+    )
     for name in devices + ([args.server] if args.server else []) + networks:
         if name not in cat.devices and name not in cat.networks:
-            raise SystemExit(f"unknown profile {name!r}; known: {', '.join(sorted(cat.devices) + sorted(cat.networks))}")
+            raise SystemExit(
+                f"unknown profile {name!r}; known: {', '.join(sorted(cat.devices) + sorted(cat.networks))}"
+            )
     server = cat.devices[args.server] if args.server else None
     for d in devices:
         for n in networks:
@@ -80,20 +103,29 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as exc:
         raise SystemExit(str(exc)) from None
     if args.command == "replay":
-        print("speedup is over the target alone (remote: the server generating the whole completion from one "
-              "request, streamed); fwd/tok: target forwards per committed token (alone: 1.00)")
-        print(f"{'scenario':<44}{'tok/s':>8}{'speedup':>9}{'TTFT s':>8}{'bytes/tok':>10}{'fwd/tok':>9}  latency-objective default")
+        print(
+            "speedup is over the target alone (remote: the server generating the whole completion from one "
+            "request, streamed); fwd/tok: target forwards per committed token (alone: 1.00)"
+        )
+        print(
+            f"{'scenario':<44}{'tok/s':>8}{'speedup':>9}{'TTFT s':>8}{'bytes/tok':>10}{'fwd/tok':>9}  "
+            "latency-objective default"
+        )
         for label, sc in _scenarios(args, cat):
             r = simulate(runs, sc)
             choice = "speculate" if r.speculation_pays else "target alone (speculation slower)"
-            print(f"{label:<44}{r.tokens_per_s:>8.2f}{r.speedup:>8.2f}×{r.ttft_s:>8.2f}{r.bytes_per_token:>10.1f}"
-                  f"{r.forwards_per_token:>9.2f}  {choice}")
+            print(
+                f"{label:<44}{r.tokens_per_s:>8.2f}{r.speedup:>8.2f}×{r.ttft_s:>8.2f}{r.bytes_per_token:>10.1f}"
+                f"{r.forwards_per_token:>9.2f}  {choice}"
+            )
     elif args.command == "sweep":
         for label, sc in _scenarios(args, cat):
             rows = sweep_k(runs, sc)
             best = max(rows, key=lambda row: row[2])
-            print(f"{label}: best k = {best[0]} (τ {best[1]:.2f}, {best[2]:.2f} tok/s); "
-                  + ", ".join(f"k={k}:{tps:.2f}" for k, _, tps in rows))
+            print(
+                f"{label}: best k = {best[0]} (τ {best[1]:.2f}, {best[2]:.2f} tok/s); "
+                + ", ".join(f"k={k}:{tps:.2f}" for k, _, tps in rows)
+            )
     elif args.command == "plot":
         _plot(runs, args, cat)
     else:
@@ -111,8 +143,17 @@ def _plot(runs, args, cat) -> None:
     rtts = [args.max_rtt * i / 40 for i in range(41)]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for d in args.device or sorted(cat.devices):
-        speedups = [simulate(runs, Scenario(device=cat.devices[d], server=cat.devices[args.server],
-                                            network=NetworkProfile(name="sweep", source="sweep", rtt_ms=r))).speedup for r in rtts]
+        speedups = [
+            simulate(
+                runs,
+                Scenario(
+                    device=cat.devices[d],
+                    server=cat.devices[args.server],
+                    network=NetworkProfile(name="sweep", source="sweep", rtt_ms=r),
+                ),
+            ).speedup
+            for r in rtts
+        ]
         ax.plot(rtts, speedups, label=d)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("round-trip time (ms)")

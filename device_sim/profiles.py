@@ -32,7 +32,10 @@ class DeviceProfile:
 
     def __post_init__(self) -> None:
         if not self.target_ms or any(t <= 0 for t in self.target_ms):
-            raise ValueError(f"device {self.name!r}: target_ms must be a non-empty list of positive costs, got {self.target_ms}")
+            raise ValueError(
+                f"device {self.name!r}: target_ms must be a non-empty list of positive costs, got "
+                f"{self.target_ms}"
+            )
         if self.drafter_ms < 0 or self.prefill_ms_per_token < 0:
             raise ValueError(f"device {self.name!r}: costs must be >= 0")
         object.__setattr__(self, "target_ms", tuple(float(t) for t in self.target_ms))

@@ -1,6 +1,7 @@
 """Replay recorded rounds under a scenario: exact arithmetic on the profile's costs, no wall clock.
 
-Traces are omnidraft's per-round JSONL (`omnidraft.stats`, which imports nothing heavy). Each round costs: drafting (device), one target forward over the pending token plus the proposal
+Traces are omnidraft's per-round JSONL (`omnidraft.stats`, which imports nothing heavy). Each round costs:
+drafting (device), one target forward over the pending token plus the proposal
 (the first round also prefills the prompt), the bookkeeping, and in a remote placement one network
 exchange. The target-alone baseline is charged the same prefill and one forward per token; in a
 remote placement it is what a deployed server does: one request carrying the prompt, the whole
@@ -21,7 +22,15 @@ from omnidraft.stats import read_trace
 
 from .profiles import LOCAL, DeviceProfile, NetworkProfile
 
-__all__ = ["Scenario", "SimResult", "TraceRound", "acceptance_per_position", "read_trace", "simulate", "sweep_k"]
+__all__ = [
+    "Scenario",
+    "SimResult",
+    "TraceRound",
+    "acceptance_per_position",
+    "read_trace",
+    "simulate",
+    "sweep_k",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,17 +132,25 @@ def acceptance_per_position(runs: list[list[TraceRound]]) -> float:
     return accepted / (accepted + rejections) if accepted + rejections else 0.0
 
 
-def sweep_k(runs: list[list[TraceRound]], sc: Scenario, ks: range = range(1, 13)) -> list[tuple[int, float, float]]:
+def sweep_k(
+    runs: list[list[TraceRound]], sc: Scenario, ks: range = range(1, 13)
+) -> list[tuple[int, float, float]]:
     """(k, expected tau, expected tokens/s) per draft length under the geometric model fitted to `runs`."""
     alpha = acceptance_per_position(runs)
     # target tokens per drafted token, over the model's part of each round (retrieved tokens cost no drafting)
-    ratio = sum(r.proposed - r.retrieved for run in runs for r in run) / max(1, sum(r.drafted for run in runs for r in run))
+    ratio = sum(r.proposed - r.retrieved for run in runs for r in run) / max(
+        1, sum(r.drafted for run in runs for r in run)
+    )
     context = sum(r.context for run in runs for r in run) / sum(len(run) for run in runs)
     rows = []
     for k in ks:
         m = max(1, round(k * ratio))
         tau = (1 - alpha ** (m + 1)) / (1 - alpha) if alpha < 1 else m + 1
-        ms = (sc.device.draft_cost(k, int(context)) + sc.target_host.target_cost(m + 1) + sc.device.bookkeeping_ms_per_round
-              + (sc.network.exchange_ms(sc.id_bytes * m, sc.reply_bytes) if sc.remote else 0.0))
+        ms = (
+            sc.device.draft_cost(k, int(context))
+            + sc.target_host.target_cost(m + 1)
+            + sc.device.bookkeeping_ms_per_round
+            + (sc.network.exchange_ms(sc.id_bytes * m, sc.reply_bytes) if sc.remote else 0.0)
+        )
         rows.append((k, tau, 1000 * tau / ms))
     return rows

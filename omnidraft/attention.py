@@ -27,20 +27,35 @@ __all__ = ["NAME", "attention_choice", "use_grouped_attention"]
 NAME = "omnidraft_sdpa"
 
 
-def _grouped_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+def _grouped_sdpa(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    if (groups > 1 and query.shape[2] > 1 and attention_mask is not None and dropout == 0.0
-            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
-            and not kwargs.get("output_attentions", False)):
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                             enable_gqa=True)
+    if (
+        groups > 1
+        and query.shape[2] > 1
+        and attention_mask is not None
+        and dropout == 0.0
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    ):
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+        )
         return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
 
 
 def _register() -> None:
@@ -52,8 +67,9 @@ def _register() -> None:
 
 
 @torch.inference_mode()
-def _time_attention(heads: int, kv_heads: int, dim: int, *, context: int = 1024, rows: int = 4,
-                    reps: int = 20) -> dict[str, float]:
+def _time_attention(
+    heads: int, kv_heads: int, dim: int, *, context: int = 1024, rows: int = 4, reps: int = 20
+) -> dict[str, float]:
     """Median ms of one masked attention call of `rows` new tokens after `context` cached ones, the
     cache repeated per query head (transformers') and grouped."""
     q = torch.randn(1, heads, rows, dim)
@@ -62,7 +78,9 @@ def _time_attention(heads: int, kv_heads: int, dim: int, *, context: int = 1024,
     n = heads // kv_heads
 
     def repeated(_: int) -> Any:
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(n, 1), v.repeat_interleave(n, 1), attn_mask=mask)
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(n, 1), v.repeat_interleave(n, 1), attn_mask=mask
+        )
 
     def grouped(_: int) -> Any:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -79,7 +97,9 @@ def _timings(model: Any) -> dict[str, float] | None:
     if getattr(config, "_attn_implementation", None) not in ("sdpa", NAME) or not heads or kv_heads == heads:
         return None
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return remembered("attention", f"{heads}x{kv_heads}x{dim}|v1", lambda: _time_attention(heads, kv_heads, dim))
+    return remembered(
+        "attention", f"{heads}x{kv_heads}x{dim}|v1", lambda: _time_attention(heads, kv_heads, dim)
+    )
 
 
 def use_grouped_attention(model: Any) -> bool:
@@ -98,7 +118,14 @@ def attention_choice(model: Any) -> str:
     """One line for `omnidraft doctor`: which form a verify's attention takes for `model`, and why."""
     ms = _timings(model)
     if ms is None:
-        return f"attention {getattr(model.config, '_attn_implementation', '?')} as transformers runs it (nothing to choose)"
-    pick = "grouped (the cache's own key/value heads)" if ms["grouped"] <= ms["repeated"] else "repeated per query head"
-    return (f"a verify's attention {pick}: grouped {ms['grouped']:.2f} ms, repeated {ms['repeated']:.2f} ms "
-            "(4 tokens after 1,024, one layer)")
+        kind = getattr(model.config, "_attn_implementation", "?")
+        return f"attention {kind} as transformers runs it (nothing to choose)"
+    pick = (
+        "grouped (the cache's own key/value heads)"
+        if ms["grouped"] <= ms["repeated"]
+        else "repeated per query head"
+    )
+    return (
+        f"a verify's attention {pick}: grouped {ms['grouped']:.2f} ms, repeated {ms['repeated']:.2f} ms "
+        "(4 tokens after 1,024, one layer)"
+    )

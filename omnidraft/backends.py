@@ -57,8 +57,16 @@ def drafting_twin(drafter: Any, config: Any, *, learn: bool, adapter: Any, user:
     token faster on this machine (costs measured once and remembered) and the pairing needs nothing
     only the PyTorch drafter has (see the module doc)."""
     spec = getattr(drafter, "twin_spec", None)
-    if (spec is None or learn or adapter is not None or user is not None or config.head
-            or drafter.head is not None or drafter.active is not None or "llama.cpp" not in _candidates(spec)):
+    if (
+        spec is None
+        or learn
+        or adapter is not None
+        or user is not None
+        or config.head
+        or drafter.head is not None
+        or drafter.active is not None
+        or "llama.cpp" not in _candidates(spec)
+    ):
         return drafter
     twin = drafter.llama_twin()
     if twin is None:
@@ -66,7 +74,12 @@ def drafting_twin(drafter: Any, config: Any, *, learn: bool, adapter: Any, user:
     fast, slow = drafting_cost(twin), drafting_cost(drafter)
     if fast >= slow:
         return drafter
-    log.info("%s: drafting on llama.cpp (%.1f ms a token against %.1f on PyTorch here)", drafter.name, 1e3 * fast, 1e3 * slow)
+    log.info(
+        "%s: drafting on llama.cpp (%.1f ms a token against %.1f on PyTorch here)",
+        drafter.name,
+        1e3 * fast,
+        1e3 * slow,
+    )
     return twin
 
 
@@ -110,6 +123,11 @@ def fastest_drafter(spec: str, load: Callable[[str], Any]) -> Any:
         timed[name] = round(draft_ms(loaded[name]), 3)
     best = min(names, key=timed.__getitem__)
     path = measured.update("drafter-backends", {spec: timed})
-    log.info("drafter %s: %s ms per drafted token; drafting on %s (kept in %s)", spec,
-             ", ".join(f"{n} {timed[n]:.1f}" for n in names), best, path)
+    log.info(
+        "drafter %s: %s ms per drafted token; drafting on %s (kept in %s)",
+        spec,
+        ", ".join(f"{n} {timed[n]:.1f}" for n in names),
+        best,
+        path,
+    )
     return loaded[best]

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["DRAFTER", "TARGET", "add_decoding_args", "load_pair", "split_pair", "start_run"]
+__all__ = ["DRAFTER", "TARGET", "add_decoding_args", "build_parser", "load_pair", "split_pair", "start_run"]
 
 DRAFTER = "smollm2-135m"
 TARGET = "qwen2.5-coder-1.5b"
@@ -16,22 +16,39 @@ TARGET = "qwen2.5-coder-1.5b"
 
 def add_decoding_args(q: argparse.ArgumentParser) -> None:
     """The decoding options every command that builds a pairing takes."""
-    q.add_argument("--k", type=int, default=None,
-                   help="fixed drafter tokens per round (default: chosen each round from the pairing's measured "
-                        "costs, 0 where drafting cannot pay; the lab commands use 6)")
-    q.add_argument("--stop-confidence", type=float, default=0.3,
-                   help="end a draft after a token the drafter gives less probability than this (0: never)")
+    q.add_argument(
+        "--k",
+        type=int,
+        default=None,
+        help="fixed drafter tokens per round (default: chosen each round from the pairing's measured "
+        "costs, 0 where drafting cannot pay; the lab commands use 6)",
+    )
+    q.add_argument(
+        "--stop-confidence",
+        type=float,
+        default=0.3,
+        help="end a draft after a token the drafter gives less probability than this (0: never)",
+    )
     q.add_argument("--strategy", choices=["text", "ngram"], default="text")
-    q.add_argument("--adaptive-k", type=int, default=None, metavar="K_MAX",
-                   help="move the draft length with acceptance (hysteresis), up to K_MAX; default: fixed --k")
+    q.add_argument(
+        "--adaptive-k",
+        type=int,
+        default=None,
+        metavar="K_MAX",
+        help="move the draft length with acceptance (hysteresis), up to K_MAX; default: fixed --k",
+    )
     q.add_argument("--max-new-tokens", type=int, default=128)
-    q.add_argument("--drafts", action="append", choices=["hybrid", "model", "retrieval"],
-                   help="where drafts come from (default hybrid: the drafter model or text retrieved from the "
-                        "context, whichever is expected to be faster); `bench` takes several and compares them")
+    q.add_argument(
+        "--drafts",
+        action="append",
+        choices=["hybrid", "model", "retrieval"],
+        help="where drafts come from (default hybrid: the drafter model or text retrieved from the "
+        "context, whichever is expected to be faster); `bench` takes several and compares them",
+    )
 
 
 def split_pair(pair: str) -> tuple[str, str]:
-    """"DRAFTER:TARGET" -> (drafter spec, target spec); exits with the usage error otherwise."""
+    """ "DRAFTER:TARGET" -> (drafter spec, target spec); exits with the usage error otherwise."""
     drafter, sep, target = pair.partition(":")
     if not sep or not drafter or not target:
         raise SystemExit(f"--pair must be DRAFTER:TARGET, got {pair!r}")
@@ -44,14 +61,22 @@ def load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) -> 
 
     started = time.perf_counter()
     drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
-    logging.getLogger("omnidraft").info("loaded %s and %s in %.1f s", drafter, target, time.perf_counter() - started)
+    logging.getLogger("omnidraft").info(
+        "loaded %s and %s in %.1f s", drafter, target, time.perf_counter() - started
+    )
     extra = {"mode": getattr(args, "mode", "greedy"), "temperature": getattr(args, "temperature", 0.0)}
     if args.adaptive_k is not None:
         from .adaptive.policy import Hysteresis
 
         extra["adaptive"] = Hysteresis(k_min=2, k_max=args.adaptive_k)
-    return drafter.pair(target, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy,
-                        drafts=(args.drafts or ["hybrid"])[0], **extra)
+    return drafter.pair(
+        target,
+        k=args.k,
+        stop_confidence=args.stop_confidence,
+        strategy=args.strategy,
+        drafts=(args.drafts or ["hybrid"])[0],
+        **extra,
+    )
 
 
 def start_run(args: argparse.Namespace) -> None:
@@ -60,5 +85,179 @@ def start_run(args: argparse.Namespace) -> None:
     for noisy in ("transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
-        raise SystemExit(f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and "
-                         f"{getattr(args, 'max_new_tokens', 1)}")
+        raise SystemExit(
+            f"--n and --max-new-tokens must be >= 1, got {getattr(args, 'n', 1)} and "
+            f"{getattr(args, 'max_new_tokens', 1)}"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `omnidraft` command's arguments, every subcommand's."""
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="omnidraft", description="Cross-vocabulary speculative decoding.")
+    p.add_argument("--version", action="version", version=f"omnidraft {__version__}")
+    p.add_argument("--debug", action="store_true", help="on an error, print the whole traceback")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream one speculative generation")
+    g.add_argument("prompt")
+    g.add_argument(
+        "--pair", default=f"{DRAFTER}:{TARGET}", help="DRAFTER:TARGET (presets, .gguf paths or HF dirs)"
+    )
+    g.add_argument("--mode", choices=["greedy", "match", "exact", "omnidraft"], default="greedy")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    add_decoding_args(g)
+
+    d = sub.add_parser("demo", help="a few GSM8K and HumanEval prompts, omnidraft vs the target alone")
+    d.add_argument("--target", default=TARGET)
+    d.add_argument("--drafter", default=DRAFTER)
+    d.add_argument("--n", type=int, default=2, help="prompts per dataset")
+    add_decoding_args(d)
+
+    b = sub.add_parser("bench", help="omnidraft vs target alone vs HF assisted generation")
+    b.add_argument("--pair", action="append", help="DRAFTER:TARGET, repeatable")
+    b.add_argument("--dataset", action="append", help="gsm8k | humaneval | FILE.jsonl, repeatable")
+    b.add_argument("--n", type=int, default=10)
+    b.add_argument(
+        "--peer",
+        action="append",
+        choices=["stock", "lookup", "assisted"],
+        help="peer rows beside the target alone, repeatable (default: all three): stock = the same model "
+        "on stock kernels, lookup = HF prompt lookup, assisted = HF assisted generation",
+    )
+    b.add_argument("--no-peers", action="store_true", help="time only omnidraft and the target alone")
+    b.add_argument("--out", default="bench_out")
+    b.add_argument("--name", default="bench")
+    b.add_argument("--trace", default=None, help="append per-round JSONL traces to this file")
+    b.add_argument(
+        "--k-grid",
+        type=int,
+        action="append",
+        metavar="K",
+        help="instead: the default pairing against each of these fixed draft lengths, paired per prompt",
+    )
+    b.add_argument(
+        "--remote",
+        action="store_true",
+        help="serve the target on loopback and verify over HTTP with --rtt injected per round trip",
+    )
+    b.add_argument(
+        "--rtt", type=float, action="append", metavar="MS", help="round-trip time(s) in ms for --remote"
+    )
+    b.add_argument(
+        "--target-backend",
+        choices=["torch", "llama.cpp", "vllm"],
+        default="torch",
+        help="llama.cpp: the target on llama.cpp, against llama.cpp alone, its own speculative decoding and "
+        "prompt lookup (with --remote: the server runs the target on llama.cpp); vllm: the target on "
+        "vLLM, against vLLM alone and vLLM's n-gram speculative decoding",
+    )
+    b.add_argument(
+        "--relaxed",
+        action="store_true",
+        help="with several --drafts: also the hybrid under relaxed verification, a LOSSY row, with ROUGE-L",
+    )
+    add_decoding_args(b)
+    e = sub.add_parser("export", help="export the drafter (with a pairing's adapter merged) to ONNX")
+    e.add_argument("--drafter", default=DRAFTER)
+    e.add_argument("--target", default=None, help="merge this target's adapter and prune for this pairing")
+    e.add_argument(
+        "--user", default=None, help="whose profile's adapter (default: the target's default profile)"
+    )
+    e.add_argument("--out", required=True, help="path ending in .onnx; the sidecar is OUT.json")
+    e.add_argument("--quantize", choices=["int8"], default=None, help="dynamic int8 (onnxruntime quantizer)")
+    e.add_argument(
+        "--prune",
+        action="store_true",
+        help="keep only LM-head rows the pairing can use (shared vocabulary + n-gram sub-tokens); needs "
+        "--target",
+    )
+    e.add_argument(
+        "--parity-prompts", type=int, default=4, help="prompts for the export-time parity check (0: skip)"
+    )
+    e.add_argument(
+        "--head",
+        choices=["inside", "outside", "gather"],
+        default="inside",
+        help="outside: the graph ends at the hidden state and the LM head is saved beside it; gather: "
+        "the graph evaluates the head rows a shortlist names (OrtDrafter.use_shortlist)",
+    )
+
+    v = sub.add_parser("serve", help="a verification server for remote pairing (RemoteTarget)")
+    v.add_argument("--target", default=TARGET)
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument(
+        "--api-key-file", default=None, help="file holding the API key(s) clients must send, one per line"
+    )
+    v.add_argument(
+        "--no-auth", action="store_true", help="serve without an API key (loopback development only)"
+    )
+    v.add_argument("--max-sessions", type=int, default=64)
+    v.add_argument(
+        "--max-sessions-per-key",
+        type=int,
+        default=None,
+        help="sessions one API key may hold (the key file may list several keys, one per line)",
+    )
+    v.add_argument(
+        "--engine",
+        "--backend",
+        dest="engine",
+        choices=["torch", "llama.cpp", "vllm"],
+        default="torch",
+        help="run the target on PyTorch (fp32), on llama.cpp (the preset's or .gguf file's own weights) or "
+        "on vLLM (sessions batched by its scheduler; pip install 'omnidraft[vllm]')",
+    )
+    v.add_argument(
+        "--dtype", default=None, help="torch, vllm: the weights' dtype (float32, bfloat16, float16)"
+    )
+    v.add_argument(
+        "--device", default=None, help="torch: where the target runs (cpu, cuda, cuda:N, mps; default cpu)"
+    )
+    v.add_argument("--max-model-len", type=int, default=None, help="vllm: the longest session, in tokens")
+    v.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs a model is split over")
+    v.add_argument("--pipeline-parallel-size", type=int, default=None, help="vllm: pipeline stages (nodes)")
+    v.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="vllm: any other engine argument (JSON value or string), e.g. enforce_eager=true; repeatable",
+    )
+    v.add_argument(
+        "--slots",
+        type=int,
+        default=4,
+        help="llama.cpp: sessions whose KV caches are kept side by side (each up to --n-ctx tokens)",
+    )
+    v.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp: the longest session, in tokens")
+    v.add_argument("--ttl", type=float, default=600.0, help="seconds an idle session is kept")
+
+    f = sub.add_parser("profiles", help="users' pairing profiles: list, show, export, import, delete")
+    f.add_argument("action", choices=["list", "show", "export", "import", "delete"])
+    f.add_argument("--drafter", default=DRAFTER)
+    f.add_argument("--target", default=TARGET)
+    f.add_argument(
+        "--user", default=None, help="the user id (show, export, delete; import: install under this id)"
+    )
+    f.add_argument("--file", default=None, help="export: the .tar to write; import: the .tar to read")
+    f.add_argument(
+        "--store", default=None, help="profile store directory (default: $OMNIDRAFT_CACHE/profiles)"
+    )
+
+    o = sub.add_parser(
+        "doctor", help="what this machine offers: backends, presets, and what was measured on it"
+    )
+    o.add_argument(
+        "--target", action="append", default=[], help="also show this model's kernel plan, repeatable"
+    )
+    o.add_argument(
+        "--reset", action="store_true", help="forget every per-machine measurement (timed again at next use)"
+    )
+
+    s = sub.add_parser("simulate", help="python -m device_sim with the same arguments", add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    return p

@@ -71,7 +71,9 @@ class DecodeConfig:
         if self.drafts not in DRAFT_SOURCES:
             raise ValueError(f"drafts must be one of {DRAFT_SOURCES}, got {self.drafts!r}")
         if self.k is not None and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
-            raise ValueError(f"draft length k must be None (chosen from measured costs) or an integer >= 1, got {self.k!r}")
+            raise ValueError(
+                f"draft length k must be None (chosen from measured costs) or an integer >= 1, got {self.k!r}"
+            )
         if self.objective not in ("latency", "compute"):
             raise ValueError(f"objective must be 'latency' or 'compute', got {self.objective!r}")
         if not isinstance(self.k_max, int) or self.k_max < 1:
@@ -82,7 +84,9 @@ class DecodeConfig:
             raise ValueError(f"stop_confidence must be in [0, 1), got {self.stop_confidence}")
         if self.mode == RELAXED:
             if self.drafts == "model":
-                raise ValueError("relaxed-lossy verification relaxes retrieved drafts only; drafts='model' has none")
+                raise ValueError(
+                    "relaxed-lossy verification relaxes retrieved drafts only; drafts='model' has none"
+                )
             if not isinstance(self.relaxed_top_r, int) or self.relaxed_top_r < 2:
                 raise ValueError(f"relaxed_top_r must be an integer >= 2, got {self.relaxed_top_r!r}")
         _ = self.rule  # validates mode, temperature and the sampling filters
@@ -95,8 +99,13 @@ class DecodeConfig:
     @property
     def rule(self) -> Rule:
         """The target's acceptance rule; relaxed verification is greedy's, relaxed for retrieved tokens."""
-        return Rule(mode="greedy" if self.mode == RELAXED else self.mode, temperature=self.temperature,
-                    top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        return Rule(
+            mode="greedy" if self.mode == RELAXED else self.mode,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+        )
 
     def request_rule(self, **sampling: Any) -> Rule:
         """The rule of one request with per-call `temperature`, `top_k`, `top_p`, `min_p` (None:
@@ -108,9 +117,19 @@ class DecodeConfig:
             raise TypeError(f"unknown sampling options {sorted(unknown)}")
         base = self.rule
         temperature = given.get("temperature", base.temperature)
-        mode = base.mode if temperature > 0 and base.mode != "greedy" else ("match" if temperature > 0 else "greedy")
-        return Rule(mode=mode, temperature=temperature, top_k=given.get("top_k", base.top_k),
-                    top_p=given.get("top_p", base.top_p), min_p=given.get("min_p", base.min_p), seed=given.get("seed"))
+        mode = (
+            base.mode
+            if temperature > 0 and base.mode != "greedy"
+            else ("match" if temperature > 0 else "greedy")
+        )
+        return Rule(
+            mode=mode,
+            temperature=temperature,
+            top_k=given.get("top_k", base.top_k),
+            top_p=given.get("top_p", base.top_p),
+            min_p=given.get("min_p", base.min_p),
+            seed=given.get("seed"),
+        )
 
     @property
     def start_k(self) -> int:

@@ -3,8 +3,16 @@ failures (a missing model package, a corrupt profile file) raise an OmnidraftErr
 
 from __future__ import annotations
 
-__all__ = ["CorruptFileError", "IncompatibleError", "MissingDependencyError", "MissingModelError", "OmnidraftError", "RemoteRequestError",
-           "TargetError", "TargetUnavailableError"]
+__all__ = [
+    "CorruptFileError",
+    "IncompatibleError",
+    "MissingDependencyError",
+    "MissingModelError",
+    "OmnidraftError",
+    "RemoteRequestError",
+    "TargetError",
+    "TargetUnavailableError",
+]
 
 
 class OmnidraftError(Exception):

@@ -31,16 +31,26 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CALIBRATION", "FakeInt8Linear", "fake_int8", "int8_qconfig", "int8_rows", "quantize_int8", "smooth_mlps"]
+__all__ = [
+    "CALIBRATION",
+    "FakeInt8Linear",
+    "fake_int8",
+    "int8_qconfig",
+    "int8_rows",
+    "quantize_int8",
+    "smooth_mlps",
+]
 
 CALIBRATION = (
-    "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+    "May. "
     "How many clips did Natalia sell altogether in April and May?\nAnswer: Let's think step by step. "
     "In May she sold 48 / 2 = 24 clips. Altogether she sold 48 + 24 = 72 clips.\n#### 72",
     'def fib(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n'
     "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\nprint([fib(i) for i in range(10)])\n",
     "The committee met on Tuesday to review the budget. After a long discussion, the members agreed that "
-    "the new library would open in the spring, and that its reading rooms would stay open until ten at night.",
+    "the new library would open in the spring, and that its reading rooms would stay open until ten at "
+    "night.",
     '{"id": 17, "name": "sensor-a", "values": [0.5, 1.25, -3.0], "ok": true}\n'
     "SELECT name, COUNT(*) FROM orders WHERE total > 100 GROUP BY name ORDER BY 2 DESC;",
 )
@@ -67,7 +77,9 @@ def smooth_mlps(model: Any, tokenizer: Any, *, down_alpha: float = 0.75, gate_al
     if getattr(config, "model_type", None) not in _NORM_FOLD:
         return 0
     layers = [m for m in model.modules() if _plain_mlp(m)]
-    peak = _input_peaks(model, tokenizer, [p for layer in layers for p in (layer.mlp.gate_proj, layer.mlp.down_proj)])
+    peak = _input_peaks(
+        model, tokenizer, [p for layer in layers for p in (layer.mlp.gate_proj, layer.mlp.down_proj)]
+    )
     for layer in layers:
         mlp = layer.mlp
         s = _scales(peak[mlp.down_proj], mlp.down_proj.weight.abs().amax(0), down_alpha)
@@ -84,8 +96,12 @@ def smooth_mlps(model: Any, tokenizer: Any, *, down_alpha: float = 0.75, gate_al
 def _plain_mlp(layer: nn.Module) -> bool:
     """A decoder layer whose gated MLP projections are all plain nn.Linear (no adapter on them)."""
     mlp, norm = getattr(layer, "mlp", None), getattr(layer, "post_attention_layernorm", None)
-    return (mlp is not None and norm is not None and isinstance(getattr(norm, "weight", None), torch.Tensor)
-            and all(type(getattr(mlp, p, None)) is nn.Linear for p in ("gate_proj", "up_proj", "down_proj")))
+    return (
+        mlp is not None
+        and norm is not None
+        and isinstance(getattr(norm, "weight", None), torch.Tensor)
+        and all(type(getattr(mlp, p, None)) is nn.Linear for p in ("gate_proj", "up_proj", "down_proj"))
+    )
 
 
 def _input_peaks(model: Any, tokenizer: Any, linears: list[nn.Module]) -> dict[nn.Module, torch.Tensor]:
@@ -110,8 +126,14 @@ def _scales(activation: torch.Tensor, weight: torch.Tensor, alpha: float) -> tor
     return activation.clamp_min(1e-5) ** alpha / weight.clamp_min(1e-5) ** (1 - alpha)
 
 
-def quantize_int8(model: Any, tokenizer: Any | None = None, *, inplace: bool = False,
-                  only: set[str] | None = None, per_channel: bool = True) -> Any:
+def quantize_int8(
+    model: Any,
+    tokenizer: Any | None = None,
+    *,
+    inplace: bool = False,
+    only: set[str] | None = None,
+    per_channel: bool = True,
+) -> Any:
     """Dynamic int8 copy of `model` (or `model` itself with `inplace`): its MLPs smoothed when a
     `tokenizer` is given for the calibration forward, then every nn.Linear (or those named in
     `only`) quantized with per-channel weights (one scale per tensor with `per_channel=False`,
@@ -123,8 +145,9 @@ def quantize_int8(model: Any, tokenizer: Any | None = None, *, inplace: bool = F
     linears = {n for n, m in model.named_modules() if type(m) is nn.Linear and (only is None or n in only)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.ao.quantization.quantize_dynamic(model, {n: int8_qconfig(per_channel) for n in linears}, dtype=torch.qint8,
-                                               inplace=True)
+        torch.ao.quantization.quantize_dynamic(
+            model, {n: int8_qconfig(per_channel) for n in linears}, dtype=torch.qint8, inplace=True
+        )
     return model.eval()
 
 
@@ -176,9 +199,13 @@ def fake_int8(model: Any) -> Any:
 
     swaps = {name: m for name, m in model.named_modules() if isinstance(m, DynamicLinear)}
     if not swaps:
-        raise ValueError("fake_int8 needs a model with dynamic int8 linears (quantize_int8); this one has none")
+        raise ValueError(
+            "fake_int8 needs a model with dynamic int8 linears (quantize_int8); this one has none"
+        )
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers(), swaps.values())}
-    copied = copy.deepcopy(model, shared)  # copies the module tree; every tensor and int8 linear stays the same object
+    copied = copy.deepcopy(
+        model, shared
+    )  # copies the module tree; every tensor and int8 linear stays the same object
     for name in swaps:
         parent, _, child = name.rpartition(".")
         setattr(copied.get_submodule(parent) if parent else copied, child, FakeInt8Linear(swaps[name]))

@@ -28,7 +28,16 @@ from torch import nn
 
 from . import measured
 
-__all__ = ["BUCKETS", "PATHS", "KernelLinear", "KernelPlan", "kernel_plan", "median_ms", "stock_kernels", "use_kernels"]
+__all__ = [
+    "BUCKETS",
+    "PATHS",
+    "KernelLinear",
+    "KernelPlan",
+    "kernel_plan",
+    "median_ms",
+    "stock_kernels",
+    "use_kernels",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +94,10 @@ class KernelPlan:
         """One line per shape: the chosen path and both timings at each bucket."""
         lines = []
         for shape, paths in sorted(self.choices.items(), key=lambda kv: -_size(kv[0])):
-            cells = [f"{rows}:{path}({self.ms[shape]['dense'][i]:.2f}/{self.ms[shape]['onednn'][i]:.2f})"
-                     for i, (rows, path) in enumerate(zip(BUCKETS, paths))]
+            cells = [
+                f"{rows}:{path}({self.ms[shape]['dense'][i]:.2f}/{self.ms[shape]['onednn'][i]:.2f})"
+                for i, (rows, path) in enumerate(zip(BUCKETS, paths))
+            ]
             lines.append(f"{shape:>16}  " + " ".join(cells))
         return lines
 
@@ -131,8 +142,12 @@ def _time_shape(linear: nn.Linear, reps: int) -> dict[str, list[float]]:
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32]
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype == torch.float32
+    ]
 
 
 def kernel_plan(model: nn.Module, *, cache: Path | None = None, reps: int = 3) -> KernelPlan:
@@ -149,10 +164,16 @@ def kernel_plan(model: nn.Module, *, cache: Path | None = None, reps: int = 3) -
         for key in missing:
             known[key] = _time_shape(seen[key], reps)
         path = measured.update(kind, {key: known[key] for key in missing}, root=cache)
-        log.info("timed %d linear shape(s) on this machine in %.1f s; kept in %s", len(missing),
-                 time.perf_counter() - started, path)
+        log.info(
+            "timed %d linear shape(s) on this machine in %.1f s; kept in %s",
+            len(missing),
+            time.perf_counter() - started,
+            path,
+        )
     ms = {key: known[key] for key in seen if key in known}
-    choices = {key: tuple(min(PATHS, key=lambda p: t[p][i]) for i in range(len(BUCKETS))) for key, t in ms.items()}
+    choices = {
+        key: tuple(min(PATHS, key=lambda p: t[p][i]) for i in range(len(BUCKETS))) for key, t in ms.items()
+    }
     return KernelPlan(host=measured.machine_key(), choices=choices, ms=ms)
 
 

@@ -37,7 +37,8 @@ def machine_key() -> str:
                 cpu += "|" + line.split(":", 1)[1].strip()
     except OSError:
         pass
-    raw = f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|onednn {torch.backends.mkldnn.is_available()}"
+    threads, onednn = torch.get_num_threads(), torch.backends.mkldnn.is_available()
+    raw = f"{cpu}|torch {torch.__version__}|threads {threads}|onednn {onednn}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

@@ -92,9 +92,16 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     if (converted / "config.json").exists():
         return _load_hf(str(converted), name, dtype)
     started = time.perf_counter()
-    log.info("first load of %s: dequantising %s once (tens of seconds; cached in %s)", name, path.name, converted)
+    log.info(
+        "first load of %s: dequantising %s once (tens of seconds; cached in %s)", name, path.name, converted
+    )
     loaded = _load_hf(str(path.parent), name, dtype, gguf_file=path.name)
-    log.info("dequantised %s in %.1f s; caching safetensors in %s", path.name, time.perf_counter() - started, converted)
+    log.info(
+        "dequantised %s in %.1f s; caching safetensors in %s",
+        path.name,
+        time.perf_counter() - started,
+        converted,
+    )
     _forget_gguf_origin(loaded.model)
     with atomic_path(converted, directory=True) as tmp:
         loaded.model.save_pretrained(tmp)

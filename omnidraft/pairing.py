@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
+from . import round_loop
 from .adaptive.head import CostModel
 from .adaptive.lengths import DraftLengths, plan_drafting
 from .backends import drafting_twin
@@ -23,8 +24,7 @@ from .config import K_START, RELAXED, DecodeConfig
 from .distill.attach import attach_adapter
 from .errors import TargetError
 from .retrieve.planner import Retriever
-from . import round_loop
-from .rounds import Generation, check_request, decode_alone, first_stop, make_generator, render_chat, verified
+from .rounds import Generation, check_request, first_stop, make_generator, render_chat, verified
 from .stats import GenerationStats, RoundRecord
 from .translate.ngram_cache import NgramCache
 from .translate.tables import TABLES_KEPT, pair_tables
@@ -46,58 +46,116 @@ class Pairing:
     """A drafter and a target with their translator (direct map + n-gram cache) and, per user, a
     profile: the n-gram cache, a LoRA adapter on the drafter and metrics (see profiles.py)."""
 
-    def __init__(self, drafter: Drafter, target: Target, config: DecodeConfig, *, user: str | None = None,
-                 learn: bool = False, train: TrainConfig | None = None, adapter: AdapterConfig | str | None = None,
-                 store: ProfileStore | None = None) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        target: Target,
+        config: DecodeConfig,
+        *,
+        user: str | None = None,
+        learn: bool = False,
+        train: TrainConfig | None = None,
+        adapter: AdapterConfig | str | None = None,
+        store: ProfileStore | None = None,
+    ) -> None:
         from .profiles import ProfileStore
 
         self.drafter, self.target, self.config, self.user = drafter, target, config, user
         if config.mode == RELAXED:
             if not getattr(target, "in_process", False):
-                raise ValueError(f"relaxed-lossy verification needs an in-process target; {target!r} verifies remotely")
-            log.warning("%s -> %s: relaxed-lossy verification; outputs may differ from the target's own greedy output",
-                        drafter.name, target.name)
+                raise ValueError(
+                    f"relaxed-lossy verification needs an in-process target; {target!r} verifies remotely"
+                )
+            log.warning(
+                "%s -> %s: relaxed-lossy verification; outputs may differ from the target's own greedy "
+                "output",
+                drafter.name,
+                target.name,
+            )
         vmap, healer = pair_tables(drafter, target, healing=config.healing)
         self.fingerprint = f"{drafter.token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
         self.store = store or ProfileStore()
-        profile = self.store.load(drafter.name, target.name, user, fingerprint=self.fingerprint) if user else None
+        profile = (
+            self.store.load(drafter.name, target.name, user, fingerprint=self.fingerprint) if user else None
+        )
         cache = NgramCache(config.ngram, fingerprint=self.fingerprint)
         if profile is not None and profile.ngram is not None:
-            cache = NgramCache.from_doc(profile.ngram, where=f"profile of {user!r}", fingerprint=self.fingerprint,
-                                        config=config.ngram)
+            cache = NgramCache.from_doc(
+                profile.ngram, where=f"profile of {user!r}", fingerprint=self.fingerprint, config=config.ngram
+            )
         self.translator = Translator(drafter.codec, target.codec, vmap, cache, strategy=config.strategy)
         self.healer = healer
         self._shared = vmap.d2t >= 0
         self.metrics: list[dict[str, Any]] = list(profile.metrics) if profile else []
         self._steps0 = profile.steps if profile else 0
-        self.adapter = attach_adapter(drafter, target.name, user, learn=learn, adapter=adapter,
-                                      saved=profile.tensors.get("adapter") if profile else None)
+        self.adapter = attach_adapter(
+            drafter,
+            target.name,
+            user,
+            learn=learn,
+            adapter=adapter,
+            saved=profile.tensors.get("adapter") if profile else None,
+        )
         self.plan = plan = plan_drafting(drafter, target, config, learn)
-        self.outlook, self.model_drafts, self.free_drafts, self.modes = plan.outlook, plan.model, plan.free, plan.modes
-        self.cost = CostModel(verify=plan.outlook.verify if plan.outlook else None)  # measured costs, if the target has them
-        self.retriever = (Retriever.for_user(config.retrieval, user, profile.history if profile else None,
-                                             target.token_bytes.fingerprint, model=config.drafts == "hybrid" and plan.model)
-                          if config.drafts != "model" else None)
-        self.lengths = DraftLengths(config, self.cost, may_idle=plan.may_idle,
-                                    hidden_size=drafter.hidden_size if config.head else None,
-                                    saved_head=profile.tensors.get("head") if profile else None, shared=self._shared,
-                                    label=f"{drafter.name} -> {target.name}")
+        self.outlook, self.model_drafts, self.free_drafts, self.modes = (
+            plan.outlook,
+            plan.model,
+            plan.free,
+            plan.modes,
+        )
+        self.cost = CostModel(
+            verify=plan.outlook.verify if plan.outlook else None
+        )  # measured costs, if the target has them
+        self.retriever = (
+            Retriever.for_user(
+                config.retrieval,
+                user,
+                profile.history if profile else None,
+                target.token_bytes.fingerprint,
+                model=config.drafts == "hybrid" and plan.model,
+            )
+            if config.drafts != "model"
+            else None
+        )
+        self.lengths = DraftLengths(
+            config,
+            self.cost,
+            may_idle=plan.may_idle,
+            hidden_size=drafter.hidden_size if config.head else None,
+            saved_head=profile.tensors.get("head") if profile else None,
+            shared=self._shared,
+            label=f"{drafter.name} -> {target.name}",
+        )
         self.learner = None
         if learn:
             from .distill.learner import Learner
             from .distill.trainer import TrainConfig
 
-            self.learner = Learner(drafter, self.adapter, vmap.t2d, target.token_bytes, train or TrainConfig(),
-                                   start_step=self._steps0)
+            self.learner = Learner(
+                drafter,
+                self.adapter,
+                vmap.t2d,
+                target.token_bytes,
+                train or TrainConfig(),
+                start_step=self._steps0,
+            )
         self.last: Generation | None = None
         self._book = threading.RLock()  # the state requests share: costs, policies, caches, stats
 
-    policy = property(lambda self: self.lengths.policy,
-                      doc="The cost policy that picks draft lengths (None with a fixed k, a head or hysteresis).")
+    policy = property(
+        lambda self: self.lengths.policy,
+        doc="The cost policy that picks draft lengths (None with a fixed k, a head or hysteresis).",
+    )
     head = property(lambda self: self.lengths.head, doc="The acceptance head (None without one).")
-    head_trainer = property(lambda self: self.lengths.trainer, doc="The head's trainer (None without a head).")
-    head_ready = property(lambda self: self.lengths.head_ready, doc="Whether the head (not its fallback) decides.")
-    drafting = property(lambda self: self.model_drafts or self.free_drafts, doc="Whether any draft can pay here.")
+    head_trainer = property(
+        lambda self: self.lengths.trainer, doc="The head's trainer (None without a head)."
+    )
+    head_ready = property(
+        lambda self: self.lengths.head_ready, doc="Whether the head (not its fallback) decides."
+    )
+    drafting = property(
+        lambda self: self.model_drafts or self.free_drafts, doc="Whether any draft can pay here."
+    )
 
     @property
     def speculating(self) -> bool:
@@ -118,14 +176,17 @@ class Pairing:
         from .distill.adapters import save_peft
 
         if self.adapter is None:
-            raise ValueError("this pairing has no adapter: pair(target, learn=True) or pair(target, adapter=DIR) gives one")
+            raise ValueError(
+                "this pairing has no adapter: pair(target, learn=True) or pair(target, adapter=DIR) gives one"
+            )
         if self.learner is not None:
             self.learner.wait()
         with self.drafter.lock:
             return save_peft(self.drafter.trainable, self.adapter, directory, base=self.drafter.name)
 
     def save(self) -> Path:
-        """Write this user's profile (adapter, head, n-gram cache, datastore, metrics) atomically; its directory."""
+        """Write this user's profile (adapter, head, n-gram cache, datastore, metrics) atomically;
+        returns its directory."""
         from .profiles import pairing_profile
 
         if self.user is None:
@@ -134,27 +195,61 @@ class Pairing:
             self.learner.wait()
         return self.store.save(pairing_profile(self))
 
-    def generate(self, prompt: str | list[str], max_new_tokens: int = 128, *, stop: str | Sequence[str] = (),
-                 seed: int | None = None, generator: torch.Generator | None = None, **sampling: Any) -> Any:
+    def generate(
+        self,
+        prompt: str | list[str],
+        max_new_tokens: int = 128,
+        *,
+        stop: str | Sequence[str] = (),
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        **sampling: Any,
+    ) -> Any:
         """Decode `prompt` speculatively; greedy output equals the target's own greedy output. A list
         of prompts gives a list of Generations (decoded one after another). `sampling`: this call's
         `temperature`, `top_k`, `top_p`, `min_p` (DecodeConfig.request_rule); sampling draws from
         `generator`, or from a fresh one seeded with `seed`."""
         if isinstance(prompt, list):
-            return [self.generate(p, max_new_tokens, stop=stop, seed=seed, generator=generator, **sampling) for p in prompt]
+            return [
+                self.generate(p, max_new_tokens, stop=stop, seed=seed, generator=generator, **sampling)
+                for p in prompt
+            ]
         done: list[Generation] = []
-        for _ in self._stream(prompt, max_new_tokens, stop, make_generator(seed, generator), True, done, {**sampling, "seed": seed}):
+        for _ in self._stream(
+            prompt,
+            max_new_tokens,
+            stop,
+            make_generator(seed, generator),
+            True,
+            done,
+            {**sampling, "seed": seed},
+        ):
             pass
         return done[0]
 
-    def chat(self, messages: list[dict[str, str]], max_new_tokens: int = 128, *, stop: str | Sequence[str] = (),
-             seed: int | None = None, generator: torch.Generator | None = None, **sampling: Any) -> Generation:
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        max_new_tokens: int = 128,
+        *,
+        stop: str | Sequence[str] = (),
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        **sampling: Any,
+    ) -> Generation:
         """Answer a conversation ([{"role": "user", "content": ...}, ...]) in the target's chat
         template, rendered once; the target reads it as rendered (no second BOS) and the drafter
         reads the same text."""
         done: list[Generation] = []
-        for _ in self._stream(self.render_chat(messages), max_new_tokens, stop, make_generator(seed, generator), False,
-                              done, {**sampling, "seed": seed}):
+        for _ in self._stream(
+            self.render_chat(messages),
+            max_new_tokens,
+            stop,
+            make_generator(seed, generator),
+            False,
+            done,
+            {**sampling, "seed": seed},
+        ):
             pass
         return done[0]
 
@@ -162,14 +257,38 @@ class Pairing:
         """The conversation as the target's chat template writes it, ready for the assistant's turn."""
         return render_chat(self.target.tokenizer, messages, self.target.name)
 
-    def stream(self, prompt: str, max_new_tokens: int = 128, *, stop: str | Sequence[str] = (), seed: int | None = None,
-               generator: torch.Generator | None = None, **sampling: Any) -> Iterator[str]:
+    def stream(
+        self,
+        prompt: str,
+        max_new_tokens: int = 128,
+        *,
+        stop: str | Sequence[str] = (),
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        **sampling: Any,
+    ) -> Iterator[str]:
         """Yield text as it is committed; afterwards `self.last` holds the full `Generation` (with
         threads sharing the pairing, the last one any of them finished)."""
-        return self._stream(prompt, max_new_tokens, stop, make_generator(seed, generator), True, [], {**sampling, "seed": seed})
+        return self._stream(
+            prompt,
+            max_new_tokens,
+            stop,
+            make_generator(seed, generator),
+            True,
+            [],
+            {**sampling, "seed": seed},
+        )
 
-    def _stream(self, prompt: str, max_new_tokens: int, stop: str | Sequence[str], generator: torch.Generator | None,
-                special: bool, done: list[Generation], sampling: dict[str, Any]) -> Iterator[str]:
+    def _stream(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        stop: str | Sequence[str],
+        generator: torch.Generator | None,
+        special: bool,
+        done: list[Generation],
+        sampling: dict[str, Any],
+    ) -> Iterator[str]:
         """`special`: the tokenizers add their special tokens (BOS) to `prompt`; False for text that
         has them already (a rendered chat). The finished Generation is appended to `done`."""
         stop = check_request(prompt, max_new_tokens, stop)
@@ -189,7 +308,9 @@ class Pairing:
             if not self.drafting and rule.mode == "greedy" and getattr(self.target, "generates_alone", False):
                 mode = "alone"
         try:
-            for new, record in self._rounds(prompt, rule, max_new_tokens, generator, mode == "alone", special, rows):
+            for new, record in round_loop.request_rounds(
+                self, prompt, rule, max_new_tokens, generator, mode == "alone", special, rows
+            ):
                 rounds.append(record)
                 out += new
                 if tts and len(rounds) % tts == 0:
@@ -205,7 +326,9 @@ class Pairing:
                     shown = len(text) - hold
         except TargetError as exc:  # e.g. a remote target gone: keep what was committed
             stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
-            self.last = exc.partial = Generation(text + decoder.decode(b"", final=True), out, stats, rounds, "error")
+            self.last = exc.partial = Generation(
+                text + decoder.decode(b"", final=True), out, stats, rounds, "error"
+            )
             raise
         finally:
             if tts:
@@ -220,38 +343,37 @@ class Pairing:
         with self._book:
             self._finish(mode, out, rounds, stats)
         if self.learner is not None and out:
-            self.learner.observe(verified(prompt, out, rounds, rows), stats.acceptance_rate, stats.mean_accepted_length)
+            self.learner.observe(
+                verified(prompt, out, rounds, rows), stats.acceptance_rate, stats.mean_accepted_length
+            )
 
     def _finish(self, mode: str, out: list[int], rounds: list[RoundRecord], stats: GenerationStats) -> None:
         """A finished request's bookkeeping: the user's datastore, the mode chooser, the head."""
         if self.retriever is not None:
             self.retriever.finish(out)
         if self.modes is not None and len(rounds) > 1:  # decode-phase rate: the first round also prefills
-            self.modes.observe(mode, len(out) - rounds[0].emitted, stats.seconds - rounds[0].seconds,
-                               label=f"{self.drafter.name} -> {self.target.name}")
+            self.modes.observe(
+                mode,
+                len(out) - rounds[0].emitted,
+                stats.seconds - rounds[0].seconds,
+                label=f"{self.drafter.name} -> {self.target.name}",
+            )
         if (row := self.lengths.end_request(self.learner)) is not None:
             self.metrics.append(row)
 
-    def _rounds(self, prompt: str, rule: Any, max_new_tokens: int, generator: torch.Generator | None, alone: bool,
-                special: bool, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
-        prompt_ids = self.target.tokenizer(prompt, add_special_tokens=special)["input_ids"]
-        tsession = self.target.begin(prompt_ids)
-        try:
-            if alone:  # the target decodes the whole request on its side: no draft at all
-                yield from decode_alone(tsession, max_new_tokens)
-                return
-            drafter_ids = self.drafter.tokenizer(prompt, add_special_tokens=special)["input_ids"]
-            request = round_loop.open_request(self, tsession, prompt_ids, drafter_ids, rule, generator)
-            topk = self.learner.config.topk if self.learner is not None else 0
-            yield from round_loop.run(self, request, max_new_tokens, topk, rows)
-        finally:
-            if (close := getattr(tsession, "close", None)) is not None:
-                close()  # a remote session frees its server-side KV cache now
 
-
-def pair(drafter: Any, target: Any, config: DecodeConfig | None = None, *, user: str | None = None,
-         learn: bool = False, train: TrainConfig | None = None, adapter: AdapterConfig | None = None,
-         store: ProfileStore | None = None, **overrides: Any) -> Pairing:
+def pair(
+    drafter: Any,
+    target: Any,
+    config: DecodeConfig | None = None,
+    *,
+    user: str | None = None,
+    learn: bool = False,
+    train: TrainConfig | None = None,
+    adapter: AdapterConfig | None = None,
+    store: ProfileStore | None = None,
+    **overrides: Any,
+) -> Pairing:
     """Pair `drafter` (any backend) with `target`; keyword overrides go into `DecodeConfig`.
 
     `user` loads (and `Pairing.save` writes) that user's profile for this target: n-gram cache,
@@ -261,5 +383,13 @@ def pair(drafter: Any, target: Any, config: DecodeConfig | None = None, *, user:
     if config is not None and overrides:
         raise ValueError(f"pass a DecodeConfig or keyword overrides, not both (got {sorted(overrides)})")
     config = config or DecodeConfig(**overrides)
-    return Pairing(drafting_twin(drafter, config, learn=learn, adapter=adapter, user=user), target, config, user=user,
-                   learn=learn, train=train, adapter=adapter, store=store)
+    return Pairing(
+        drafting_twin(drafter, config, learn=learn, adapter=adapter, user=user),
+        target,
+        config,
+        user=user,
+        learn=learn,
+        train=train,
+        adapter=adapter,
+        store=store,
+    )

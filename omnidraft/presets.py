@@ -26,7 +26,8 @@ class Preset:
     name: str
     description: str
     packages: tuple[str, ...]
-    layout: str  # "whole": the package ships the .gguf; "parts": raw parts with get_part_path(); "assemble": meta package
+    # "whole": the package ships the .gguf; "parts": raw parts with get_part_path(); "assemble": meta package
+    layout: str
     gguf_name: str
     sha256: str | None = None
 
@@ -138,7 +139,9 @@ def _concatenate(chunks: list[Path], out: Path, sha256: str | None) -> None:
                         digest.update(block)
                         dst.write(block)
         if sha256 is not None and digest.hexdigest() != sha256:
-            raise CorruptFileError(f"reassembled {out.name} has sha256 {digest.hexdigest()}, expected {sha256}")
+            raise CorruptFileError(
+                f"reassembled {out.name} has sha256 {digest.hexdigest()}, expected {sha256}"
+            )
         _check_gguf(tmp)
 
 
@@ -151,4 +154,6 @@ def _check_gguf(path: Path) -> None:
     except Exception as exc:  # the reader raises assorted errors on truncated files
         raise CorruptFileError(f"{path.name} is not a readable GGUF file: {exc}") from exc
     if end > path.stat().st_size:
-        raise CorruptFileError(f"{path.name} is truncated: tensors need {end} bytes, file has {path.stat().st_size}")
+        raise CorruptFileError(
+            f"{path.name} is truncated: tensors need {end} bytes, file has {path.stat().st_size}"
+        )

@@ -3,7 +3,8 @@
 A profile is a directory of versions plus a `CURRENT` pointer:
 
     <root>/<drafter>/<target>/<user>/CURRENT          "v000003"
-                                    /v000003/meta.json    library version, tokenizer fingerprints, steps, metrics
+                                    /v000003/meta.json    library version, tokenizer fingerprints, steps,
+                                    metrics
                                     /v000003/ngram.json   the n-gram cache
                                     /v000003/history.json the user's past outputs (retrieval drafts)
                                     /v000003/*.safetensors  adapter / acceptance head tensors, when present
@@ -43,7 +44,9 @@ FORMAT = "omnidraft.profile"
 VERSION = 1
 KEEP = 2  # versions kept: a broken or pruned-under-a-reader CURRENT falls back to the one before
 LOCK_TIMEOUT_S = 60.0
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # fullmatch: "$" would also match before a trailing newline
+_NAME = re.compile(
+    r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
+)  # fullmatch: "$" would also match before a trailing newline
 _VERSION = re.compile(r"v\d{6}")
 _READ_TRIES = 5
 
@@ -76,13 +79,22 @@ def pairing_profile(pair: Any) -> PairingProfile:
     if pair.adapter is not None:
         with pair.drafter.lock:
             alpha = pair.drafter.trainable.peft_config[pair.adapter].lora_alpha
-            tensors["adapter"] = {**adapter_state(pair.drafter.trainable, pair.adapter), "meta.alpha": torch.tensor(alpha)}
+            tensors["adapter"] = {
+                **adapter_state(pair.drafter.trainable, pair.adapter),
+                "meta.alpha": torch.tensor(alpha),
+            }
     history = pair.retriever.history if pair.retriever is not None else None
-    return PairingProfile(drafter=pair.drafter.name, target=pair.target.name, user=pair.user,
-                          fingerprint=pair.fingerprint, steps=pair.steps,
-                          metrics=pair.metrics + (pair.learner.metrics if pair.learner else []),
-                          ngram=pair.translator.cache.to_doc(), tensors=tensors,
-                          history=history.to_doc() if history is not None else None)
+    return PairingProfile(
+        drafter=pair.drafter.name,
+        target=pair.target.name,
+        user=pair.user,
+        fingerprint=pair.fingerprint,
+        steps=pair.steps,
+        metrics=pair.metrics + (pair.learner.metrics if pair.learner else []),
+        ngram=pair.translator.cache.to_doc(),
+        tensors=tensors,
+        history=history.to_doc() if history is not None else None,
+    )
 
 
 def model_dir_name(value: str) -> str:
@@ -98,7 +110,9 @@ def model_dir_name(value: str) -> str:
 
 def _check_name(kind: str, value: str) -> str:
     if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise ValueError(f"{kind} name must be 1-100 characters of letters, digits, '.', '_' or '-', got {value!r}")
+        raise ValueError(
+            f"{kind} name must be 1-100 characters of letters, digits, '.', '_' or '-', got {value!r}"
+        )
     return value
 
 
@@ -129,7 +143,9 @@ class ProfileStore:
             with FileLock(home / ".lock", timeout=LOCK_TIMEOUT_S):
                 return self._save_locked(home, profile)
         except Timeout:
-            raise TimeoutError(f"profile {home} stayed locked by another writer for {LOCK_TIMEOUT_S:.0f} s") from None
+            raise TimeoutError(
+                f"profile {home} stayed locked by another writer for {LOCK_TIMEOUT_S:.0f} s"
+            ) from None
 
     def entries(self) -> list[PairingProfile]:
         """Every current profile in the store (metadata and all), by directory."""
@@ -169,7 +185,9 @@ class ProfileStore:
             shutil.rmtree(home / old, ignore_errors=True)
         return version
 
-    def load(self, drafter: str, target: str, user: str, *, fingerprint: str | None = None) -> PairingProfile | None:
+    def load(
+        self, drafter: str, target: str, user: str, *, fingerprint: str | None = None
+    ) -> PairingProfile | None:
         """The current profile, or None if there is none. A tokenizer mismatch raises IncompatibleError."""
         home = self.path(drafter, target, user)
         for attempt in range(_READ_TRIES):
@@ -185,7 +203,8 @@ class ProfileStore:
                     break
         if fingerprint is not None and profile.fingerprint != fingerprint:
             raise IncompatibleError(
-                f"profile {home} was made for tokenizers {profile.fingerprint!r}, this pairing has {fingerprint!r}; "
+                f"profile {home} was made for tokenizers {profile.fingerprint!r}, this pairing has "
+                f"{fingerprint!r}; "
                 "it belongs to another drafter/target version"
             )
         return profile
@@ -206,7 +225,9 @@ class ProfileStore:
         """Install a profile exported by `export` (optionally under another user name)."""
         try:
             with tarfile.open(path) as tar:
-                members = {m.name: m for m in tar.getmembers() if m.isfile() and m.name.startswith("profile/")}
+                members = {
+                    m.name: m for m in tar.getmembers() if m.isfile() and m.name.startswith("profile/")
+                }
                 files = {Path(n).name: tar.extractfile(m).read() for n, m in members.items()}  # type: ignore[union-attr]
         except (tarfile.TarError, OSError) as exc:
             raise CorruptFileError(f"{path} is not an exported omnidraft profile: {exc}") from exc
@@ -232,7 +253,9 @@ class ProfileStore:
         if name is None and not complete:
             return None
         if not complete:
-            raise CorruptFileError(f"{home / 'CURRENT'} names {name!r}, and no complete profile version is left")
+            raise CorruptFileError(
+                f"{home / 'CURRENT'} names {name!r}, and no complete profile version is left"
+            )
         log.warning("%s names %r, not a complete version; using %s", home / "CURRENT", name, complete[-1])
         return complete[-1]
 
@@ -274,17 +297,30 @@ def _clean_leftovers(home: Path) -> None:
 def _write_version(version: Path, profile: PairingProfile) -> None:
     from safetensors.torch import save as save_tensors
 
-    meta = {"format": FORMAT, "version": VERSION, "library": _library_version(), "drafter": profile.drafter,
-            "target": profile.target, "user": profile.user, "fingerprint": profile.fingerprint,
-            "steps": profile.steps, "metrics": profile.metrics, "tensors": sorted(profile.tensors)}
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "library": _library_version(),
+        "drafter": profile.drafter,
+        "target": profile.target,
+        "user": profile.user,
+        "fingerprint": profile.fingerprint,
+        "steps": profile.steps,
+        "metrics": profile.metrics,
+        "tensors": sorted(profile.tensors),
+    }
     for stem, tensors in profile.tensors.items():
-        atomic_write_bytes(version / f"{_check_name('tensor file', stem)}.safetensors",
-                           save_tensors({k: v.contiguous() for k, v in tensors.items()}))
+        atomic_write_bytes(
+            version / f"{_check_name('tensor file', stem)}.safetensors",
+            save_tensors({k: v.contiguous() for k, v in tensors.items()}),
+        )
     if profile.ngram is not None:
         atomic_write_bytes(version / "ngram.json", json.dumps(profile.ngram).encode())
     if profile.history is not None:
         atomic_write_bytes(version / "history.json", json.dumps(profile.history).encode())
-    atomic_write_bytes(version / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the version complete
+    atomic_write_bytes(
+        version / "meta.json", json.dumps(meta, indent=1).encode()
+    )  # last: marks the version complete
 
 
 def _read_version(version: Path) -> PairingProfile:
@@ -301,11 +337,21 @@ def _from_files(files: dict[str, bytes], where: str) -> PairingProfile:
         tensors = {stem: load_tensors(files[f"{stem}.safetensors"]) for stem in meta["tensors"]}
         ngram = json.loads(files["ngram.json"]) if "ngram.json" in files else None
         history = json.loads(files["history.json"]) if "history.json" in files else None
-        return PairingProfile(drafter=meta["drafter"], target=meta["target"], user=meta["user"],
-                              fingerprint=meta["fingerprint"], steps=meta["steps"], metrics=meta["metrics"], ngram=ngram,
-                              history=history, tensors=tensors)
+        return PairingProfile(
+            drafter=meta["drafter"],
+            target=meta["target"],
+            user=meta["user"],
+            fingerprint=meta["fingerprint"],
+            steps=meta["steps"],
+            metrics=meta["metrics"],
+            ngram=ngram,
+            history=history,
+            tensors=tensors,
+        )
     except KeyError as exc:
-        raise CorruptFileError(f"{where}: incomplete profile: {exc.args[0]!r} is missing (from meta.json or its files)") from exc
+        raise CorruptFileError(
+            f"{where}: incomplete profile: {exc.args[0]!r} is missing (from meta.json or its files)"
+        ) from exc
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
         raise CorruptFileError(f"{where}: corrupt profile ({exc})") from exc
     except Exception as exc:  # safetensors raises its own error type on a truncated file

@@ -30,7 +30,17 @@ if TYPE_CHECKING:
     from .retrieve import ContextIndex
     from .target import Rule
 
-__all__ = ["Request", "Round", "begin_round", "observe", "open_request", "propose", "run", "settle"]
+__all__ = [
+    "Request",
+    "Round",
+    "begin_round",
+    "observe",
+    "open_request",
+    "propose",
+    "request_rounds",
+    "run",
+    "settle",
+]
 
 
 @dataclass
@@ -69,11 +79,19 @@ class Request:
     rent: Rent  # the deferred read of the prompt (retrieve/planner.py); NO_RENT: none
     produced: int = 0
     idle: bool = False
-    pending: tuple[int, float, int, float, float] | None = None  # the last round's costs, observed at the next
+    pending: tuple[int, float, int, float, float] | None = (
+        None  # the last round's costs, observed at the next
+    )
 
 
-def open_request(p: Pairing, target: Any, prompt_ids: list[int], drafter_ids: list[int], rule: Rule,
-                 generator: torch.Generator | None = None) -> Request:
+def open_request(
+    p: Pairing,
+    target: Any,
+    prompt_ids: list[int],
+    drafter_ids: list[int],
+    rule: Rule,
+    generator: torch.Generator | None = None,
+) -> Request:
     """A request's drafting side: the drafter session (with the pairing's adapter), the retrieval
     index, the first draft length and the acceptance head's stopping rule."""
     with p._book:  # begin() also moves the shared acceptance history
@@ -82,12 +100,22 @@ def open_request(p: Pairing, target: Any, prompt_ids: list[int], drafter_ids: li
     if isinstance(p.drafter, Adaptable):  # a fake or an exported graph has no adapters
         p.drafter.activate(p.adapter)
     deferral = p.retriever.deferral if index is not None else None  # the drafter's read, deferred
-    return Request(target, p.drafter.begin(drafter_ids), rule, index, generator, k if p.model_drafts else 0, stopper,
-                   drafter_ids[-1] if drafter_ids else -1,
-                   deferral.begin(len(target.ids)) if deferral is not None else NO_RENT)
+    return Request(
+        target,
+        p.drafter.begin(drafter_ids),
+        rule,
+        index,
+        generator,
+        k if p.model_drafts else 0,
+        stopper,
+        drafter_ids[-1] if drafter_ids else -1,
+        deferral.begin(len(target.ids)) if deferral is not None else NO_RENT,
+    )
 
 
-def propose(p: Pairing, req: Request, k: int, room: int, free: bool = True, started: float | None = None) -> Round:
+def propose(
+    p: Pairing, req: Request, k: int, room: int, free: bool = True, started: float | None = None
+) -> Round:
     """This round's proposal, at most `room` tokens: retrieved (when `free` and the planner says
     so), else a model draft of up to `k` tokens translated and run on into a retrieved continuation.
     `started`: when the round began (default: now); its draft time counts from there."""
@@ -98,7 +126,9 @@ def propose(p: Pairing, req: Request, k: int, room: int, free: bool = True, star
     used = None
     if index is not None:
         with p._book:
-            used = p.retriever.plan(index, p.cost, p.policy.last_rates if p.policy else {}, room, drafting=k > 0)
+            used = p.retriever.plan(
+                index, p.cost, p.policy.last_rates if p.policy else {}, room, drafting=k > 0
+            )
     if used is not None:  # a retrieved draft: no drafter forward this round
         draft, drafted = NO_DRAFT, time.perf_counter()
         with p._book:
@@ -128,8 +158,14 @@ def _draft(p: Pairing, req: Request, k: int) -> Draft:
         if heal is not None:
             extra["heal"] = heal
     allowed = p._shared if req.rule.mode == "exact" else None
-    return req.drafts.propose(k, temperature=req.rule.temperature, allowed=allowed, generator=req.generator,
-                              stop_confidence=stop_confidence, **extra)
+    return req.drafts.propose(
+        k,
+        temperature=req.rule.temperature,
+        allowed=allowed,
+        generator=req.generator,
+        stop_confidence=stop_confidence,
+        **extra,
+    )
 
 
 def settle(p: Pairing, req: Request, rnd: Round, new: list[int], accepted: int) -> int:
@@ -140,7 +176,9 @@ def settle(p: Pairing, req: Request, rnd: Round, new: list[int], accepted: int) 
     draft, proposal = rnd.draft, rnd.proposal
     retrieved = rnd.retrieved_among(accepted)
     with p._book:
-        held = p.drafter.token_bytes.table[req.last] if draft.healed else b""  # committed bytes the draft starts with
+        held = (
+            p.drafter.token_bytes.table[req.last] if draft.healed else b""
+        )  # committed bytes the draft starts with
         keep, tail = p.translator.resync(draft.ids, held + p.target.token_bytes.join(new))
         p.translator.learn(draft.ids[:keep] + tail, new, skip=len(held))
         req.drafts.commit(keep, tail)
@@ -173,8 +211,9 @@ def begin_round(p: Pairing, req: Request, now: float) -> None:
         req.pending = None
 
 
-def run(p: Pairing, req: Request, max_new_tokens: int, topk: int = 0,
-        rows: list | None = None) -> Iterator[tuple[list[int], RoundRecord]]:
+def run(
+    p: Pairing, req: Request, max_new_tokens: int, topk: int = 0, rows: list | None = None
+) -> Iterator[tuple[list[int], RoundRecord]]:
     """Algorithm 1's rounds against the target session `req.target`: propose, verify, settle,
     until `max_new_tokens` or EOS. `rows`: the target's top-k rows, kept for distillation when
     `topk` > 0. The first round also prefills the prompt: its verify is not a verification cost."""
@@ -184,15 +223,25 @@ def run(p: Pairing, req: Request, max_new_tokens: int, topk: int = 0,
         begin_round(p, req, t0)
         model, free = p.plan.at(p.target, len(tsession.ids))  # what can pay at this context
         defer = model and req.k > 0 and req.rent.defer(p.policy.last_rates if p.policy else {}, req.produced)
-        room, ask = within_budget(tsession, max_new_tokens - req.produced - 1, req.k if model and not defer else 0)
-        if room == 0 < max_new_tokens - req.produced - 1:  # the server takes no draft now: it decodes the rest
+        room, ask = within_budget(
+            tsession, max_new_tokens - req.produced - 1, req.k if model and not defer else 0
+        )
+        if (
+            room == 0 < max_new_tokens - req.produced - 1
+        ):  # the server takes no draft now: it decodes the rest
             yield from decode_alone(tsession, max_new_tokens - req.produced)
             return
         rnd = propose(p, req, ask, room, free, started=t0)
         t2 = time.perf_counter()
         context = len(tsession.ids)
-        verdict = tsession.verify(rnd.proposal.ids, req.rule, rnd.q, req.generator, topk=topk,
-                                  **relaxation(p.config, req.rule, rnd.proposal))
+        verdict = tsession.verify(
+            rnd.proposal.ids,
+            req.rule,
+            rnd.q,
+            req.generator,
+            topk=topk,
+            **relaxation(p.config, req.rule, rnd.proposal),
+        )
         t3 = time.perf_counter()
         new = tsession.ids[context:]
         eos = next((i for i, t in enumerate(new) if t in p.target.eos_ids), None)
@@ -202,8 +251,15 @@ def run(p: Pairing, req: Request, max_new_tokens: int, topk: int = 0,
             rows.append((verdict.topk[0][: len(new)], verdict.topk[1][: len(new)]))
         retrieved = settle(p, req, rnd, new, verdict.accepted)
         with p._book:
-            req.rent.settle(defer, len(new), None if first else t3 - t0, len(rnd.draft.ids), rnd.drafted - t0, p.cost.draft,
-                            req.produced)
+            req.rent.settle(
+                defer,
+                len(new),
+                None if first else t3 - t0,
+                len(rnd.draft.ids),
+                rnd.drafted - t0,
+                p.cost.draft,
+                req.produced,
+            )
         t4 = time.perf_counter()
         req.produced += len(new)
         if first:
@@ -212,11 +268,50 @@ def run(p: Pairing, req: Request, max_new_tokens: int, topk: int = 0,
             observe(req, rnd, t3 - t2, len(rnd.proposal) + 1)
         first = False
         proposal = rnd.proposal
-        yield new, RoundRecord(
-            context=context, drafted=len(rnd.draft.ids), proposed=len(proposal), accepted=verdict.accepted,
-            emitted=len(new), from_cache=sum(1 for s in proposal.sources[: verdict.accepted] if s == Source.NGRAM),
-            t_draft=rnd.drafted - t0, t_translate=t2 - rnd.drafted, t_verify=t3 - t2, t_resync=t4 - t3,
-            retrieved=proposal.retrieved, retrieved_accepted=retrieved,
+        yield (
+            new,
+            RoundRecord(
+                context=context,
+                drafted=len(rnd.draft.ids),
+                proposed=len(proposal),
+                accepted=verdict.accepted,
+                emitted=len(new),
+                from_cache=sum(1 for s in proposal.sources[: verdict.accepted] if s == Source.NGRAM),
+                t_draft=rnd.drafted - t0,
+                t_translate=t2 - rnd.drafted,
+                t_verify=t3 - t2,
+                t_resync=t4 - t3,
+                retrieved=proposal.retrieved,
+                retrieved_accepted=retrieved,
+            ),
         )
         if new and new[-1] in p.target.eos_ids:
             return
+
+
+def request_rounds(
+    p: Pairing,
+    prompt: str,
+    rule: Rule,
+    max_new_tokens: int,
+    generator: torch.Generator | None,
+    alone: bool,
+    special: bool,
+    rows: list,
+) -> Iterator[tuple[list[int], RoundRecord]]:
+    """One request's rounds from its prompt: the target session opened (and closed after), then
+    the target decoding alone (`alone`) or `run`. `special`: the tokenizers add their special
+    tokens (BOS) to `prompt`."""
+    prompt_ids = p.target.tokenizer(prompt, add_special_tokens=special)["input_ids"]
+    tsession = p.target.begin(prompt_ids)
+    try:
+        if alone:  # the target decodes the whole request on its side: no draft at all
+            yield from decode_alone(tsession, max_new_tokens)
+            return
+        drafter_ids = p.drafter.tokenizer(prompt, add_special_tokens=special)["input_ids"]
+        request = open_request(p, tsession, prompt_ids, drafter_ids, rule, generator)
+        topk = p.learner.config.topk if p.learner is not None else 0
+        yield from run(p, request, max_new_tokens, topk, rows)
+    finally:
+        if (close := getattr(tsession, "close", None)) is not None:
+            close()  # a remote session frees its server-side KV cache now

@@ -14,8 +14,18 @@ from .config import RELAXED
 from .stats import GenerationStats, RoundRecord
 from .translate.translator import Proposal, Source, Translator
 
-__all__ = ["Generation", "check_request", "decode_alone", "draft_rows", "first_stop", "make_generator", "relaxation", "render_chat", "within_budget",
-           "verified"]
+__all__ = [
+    "Generation",
+    "check_request",
+    "decode_alone",
+    "draft_rows",
+    "first_stop",
+    "make_generator",
+    "relaxation",
+    "render_chat",
+    "within_budget",
+    "verified",
+]
 
 
 @dataclass(frozen=True)
@@ -27,7 +37,6 @@ class Generation:
     stats: GenerationStats
     rounds: list[RoundRecord]
     finish_reason: str
-
 
 
 def draft_rows(translator: Translator, proposal: Proposal, modeled: int, draft: Any) -> torch.Tensor | None:
@@ -58,8 +67,21 @@ def decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int]
     context, last = len(tsession.ids), time.perf_counter()
     for token in tsession.decode(max_new_tokens):
         now = time.perf_counter()
-        yield [token], RoundRecord(context=context, drafted=0, proposed=0, accepted=0, emitted=1, from_cache=0,
-                                   t_draft=0.0, t_translate=0.0, t_verify=now - last, t_resync=0.0)
+        yield (
+            [token],
+            RoundRecord(
+                context=context,
+                drafted=0,
+                proposed=0,
+                accepted=0,
+                emitted=1,
+                from_cache=0,
+                t_draft=0.0,
+                t_translate=0.0,
+                t_verify=now - last,
+                t_resync=0.0,
+            ),
+        )
         context, last = context + 1, now
 
 
@@ -110,9 +132,16 @@ def make_generator(seed: int | None, generator: torch.Generator | None) -> torch
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], name: str) -> str:
     """`messages` in `tokenizer`'s chat template, ready for the assistant's turn (`name` for errors)."""
-    if (not isinstance(messages, list) or not messages
-            or any(not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
-                   for m in messages)):
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or any(
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
         raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}'s tokenizer has no chat template: use generate() with your own prompt")

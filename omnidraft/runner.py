@@ -59,8 +59,12 @@ class CausalRunner:
         step feeds it with what follows); returns how many remain to feed before it."""
         end = min(self.kv_len + most, len(self.ids) - 1)
         if end > self.kv_len:
-            self.model(input_ids=torch.tensor([self.ids[self.kv_len : end]], dtype=torch.long, device=self.device),
-                       past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.model(
+                input_ids=torch.tensor([self.ids[self.kv_len : end]], dtype=torch.long, device=self.device),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             self.kv_len = end
         return max(0, len(self.ids) - 1 - self.kv_len)
 

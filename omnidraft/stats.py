@@ -58,7 +58,9 @@ class GenerationStats:
     time_split: dict[str, float]
     speculating: float = 1.0  # share of rounds that drafted (a cost-driven pairing may decode alone)
     retrieved_share: float = 0.0  # share of the new tokens that were retrieved drafts, accepted
-    acceptance_by_source: dict[str, float] | None = None  # accepted / proposed, model and retrieved tokens apart
+    acceptance_by_source: dict[str, float] | None = (
+        None  # accepted / proposed, model and retrieved tokens apart
+    )
 
     @property
     def tokens_per_second(self) -> float:
@@ -68,8 +70,10 @@ class GenerationStats:
     def from_rounds(cls, rounds: list[RoundRecord], new_tokens: int, seconds: float) -> GenerationStats:
         proposing = [r.accepted / r.proposed for r in rounds if r.proposed > 0]
         total = sum(r.seconds for r in rounds) or 1.0
-        split = {name: sum(getattr(r, f"t_{name}") for r in rounds) / total
-                 for name in ("draft", "translate", "verify", "resync")}
+        split = {
+            name: sum(getattr(r, f"t_{name}") for r in rounds) / total
+            for name in ("draft", "translate", "verify", "resync")
+        }
         return cls(
             rounds=len(rounds),
             new_tokens=new_tokens,
@@ -78,7 +82,9 @@ class GenerationStats:
             mean_accepted_length=new_tokens / len(rounds) if rounds else 0.0,
             ngram_hits_per_round=fmean(r.from_cache for r in rounds) if rounds else 0.0,
             time_split=split,
-            speculating=sum(r.drafted > 0 or r.retrieved > 0 for r in rounds) / len(rounds) if rounds else 1.0,
+            speculating=sum(r.drafted > 0 or r.retrieved > 0 for r in rounds) / len(rounds)
+            if rounds
+            else 1.0,
             retrieved_share=sum(r.retrieved_accepted for r in rounds) / new_tokens if new_tokens else 0.0,
             acceptance_by_source=_by_source(rounds),
         )
@@ -94,7 +100,9 @@ def _by_source(rounds: list[RoundRecord]) -> dict[str, float]:
     return {name: a / p for name, a, p in (("model", model_a, model_p), ("retrieved", retr_a, retr_p)) if p}
 
 
-def write_trace(path: str | os.PathLike[str], rounds: Iterable[RoundRecord], meta: dict | None = None) -> None:
+def write_trace(
+    path: str | os.PathLike[str], rounds: Iterable[RoundRecord], meta: dict | None = None
+) -> None:
     """Append one JSONL trace: a header line, then one line per round."""
     with Path(path).open("a", encoding="utf-8") as fh:
         fh.write(json.dumps({"trace": "omnidraft", "version": TRACE_VERSION, **(meta or {})}) + "\n")
@@ -102,7 +110,9 @@ def write_trace(path: str | os.PathLike[str], rounds: Iterable[RoundRecord], met
             fh.write(json.dumps(asdict(r)) + "\n")
 
 
-def read_trace(path: str | os.PathLike[str], *, select: dict[str, str] | None = None) -> list[list[RoundRecord]]:
+def read_trace(
+    path: str | os.PathLike[str], *, select: dict[str, str] | None = None
+) -> list[list[RoundRecord]]:
     """The generations of a JSONL trace, each a list of rounds (a header line starts each one).
 
     `select` keeps the generations whose header has those values (compared as text), e.g.
@@ -128,8 +138,21 @@ def read_trace(path: str | os.PathLike[str], *, select: dict[str, str] | None = 
                 if not _REQUIRED <= set(doc) <= _FIELDS:
                     raise ValueError(f"fields differ from a round record: {sorted(set(doc) ^ _FIELDS)}")
                 r = RoundRecord(**doc)
-                if (min(r.context, r.drafted, r.proposed, r.accepted, r.emitted, r.retrieved, r.retrieved_accepted) < 0
-                        or r.accepted > r.proposed or r.retrieved > r.proposed or r.retrieved_accepted > r.retrieved):
+                if (
+                    min(
+                        r.context,
+                        r.drafted,
+                        r.proposed,
+                        r.accepted,
+                        r.emitted,
+                        r.retrieved,
+                        r.retrieved_accepted,
+                    )
+                    < 0
+                    or r.accepted > r.proposed
+                    or r.retrieved > r.proposed
+                    or r.retrieved_accepted > r.retrieved
+                ):
                     raise ValueError("counts out of range")
                 current.append(r)
             except (json.JSONDecodeError, TypeError, ValueError) as exc:

@@ -43,8 +43,9 @@ class Rule:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
+        ):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
@@ -57,8 +58,10 @@ class Rule:
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}: "
-                             "a smaller one overflows the softmax")
+            raise ValueError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}: "
+                "a smaller one overflows the softmax"
+            )
         if (self.mode == "greedy") != (self.temperature == 0):
             raise ValueError(
                 f"mode {self.mode!r} with temperature {self.temperature}: greedy needs temperature 0, "
@@ -72,8 +75,15 @@ class TargetSession(Protocol):
 
     ids: list[int]
 
-    def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, *, topk: int = 0) -> V.Verdict:
+    def verify(
+        self,
+        proposal: torch.Tensor,
+        rule: Rule,
+        q: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        topk: int = 0,
+    ) -> V.Verdict:
         """Accept a prefix of `proposal` and emit one token; with `topk` > 0 the verdict carries
         the target's top-k log-probabilities at every committed position (see Verdict)."""
         ...
@@ -131,9 +141,16 @@ class _LocalSession:
         with torch.inference_mode():
             return self.runner.forward(keep=keep)
 
-    def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, *, topk: int = 0,
-               relax: tuple[torch.Tensor, int] | None = None) -> V.Verdict:
+    def verify(
+        self,
+        proposal: torch.Tensor,
+        rule: Rule,
+        q: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        topk: int = 0,
+        relax: tuple[torch.Tensor, int] | None = None,
+    ) -> V.Verdict:
         """proposal (M,) int64; q (M, Vt) draft rows, needed by the rejection modes only. `relax`
         (LOSSY, greedy rules only): (mask (M,) of the proposals that may be accepted without being
         the argmax, top r), see verify.relaxed."""
@@ -151,9 +168,17 @@ class _LocalSession:
         return verdict
 
 
-def judge(logits: torch.Tensor, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None,
-          generator: torch.Generator | None, base: int, *, topk: int = 0,
-          relax: tuple[torch.Tensor, int] | None = None) -> V.Verdict:
+def judge(
+    logits: torch.Tensor,
+    proposal: torch.Tensor,
+    rule: Rule,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+    base: int,
+    *,
+    topk: int = 0,
+    relax: tuple[torch.Tensor, int] | None = None,
+) -> V.Verdict:
     """The verdict on `proposal` (M,) from the target's logits (M + 1, V) after the pending token
     and after each proposed one; `base` is the proposal's first position. Every in-process target
     (PyTorch, llama.cpp) verifies through this one function. Logits on an accelerator stay there
@@ -175,8 +200,14 @@ def judge(logits: torch.Tensor, proposal: torch.Tensor, rule: Rule, q: torch.Ten
     return verdict
 
 
-def _judge(logits: torch.Tensor, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None,
-           generator: torch.Generator | None, base: int = 0) -> V.Verdict:
+def _judge(
+    logits: torch.Tensor,
+    proposal: torch.Tensor,
+    rule: Rule,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+    base: int = 0,
+) -> V.Verdict:
     if rule.mode == "greedy":
         return V.greedy(logits, proposal)
     probs = V.probabilities(logits, rule.temperature, top_k=rule.top_k, top_p=rule.top_p, min_p=rule.min_p)
@@ -204,8 +235,14 @@ class LocalTarget:
         self.eos_ids = frozenset(_eos_ids(model, tokenizer))
 
     @classmethod
-    def load(cls, spec: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-             kernels: bool = True) -> LocalTarget:
+    def load(
+        cls,
+        spec: str,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        kernels: bool = True,
+    ) -> LocalTarget:
         """Load a target by preset name, .gguf path, local dir or HF id, on `device` ("cpu",
         "cuda", "cuda:1", "mps"; default cpu) in `dtype` ("float32", "bfloat16", "float16" or a
         torch dtype; default float32).
@@ -232,8 +269,15 @@ class LocalTarget:
         return f"LocalTarget({self.name!r}, vocab {len(self.token_bytes)})"
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:

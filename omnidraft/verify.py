@@ -38,8 +38,9 @@ class Verdict:
     topk: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
 
-def probabilities(logits: torch.Tensor, temperature: float, *, top_k: int = 0, top_p: float = 1.0,
-                  min_p: float = 0.0) -> torch.Tensor:
+def probabilities(
+    logits: torch.Tensor, temperature: float, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
     """Softmax of `logits` (..., V) at `temperature` > 0, in float32, then (when set) restricted
     to tokens with at least `min_p` times the top probability, to the `top_k` most probable, and
     to the smallest most-probable set holding `top_p` of the mass (never less than the most
@@ -74,8 +75,13 @@ def greedy(logits: torch.Tensor, proposal: torch.Tensor) -> Verdict:
     return Verdict(n, int(best[n]))
 
 
-def match(probs: torch.Tensor, proposal: torch.Tensor, generator: torch.Generator | None = None, *,
-          keys: list[tuple[int, int]] | None = None) -> Verdict:
+def match(
+    probs: torch.Tensor,
+    proposal: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    keys: list[tuple[int, int]] | None = None,
+) -> Verdict:
     """`match` sampling: sample every position from p (M+1, Vt); accept while the sample equals the proposal.
 
     Lossless for any proposal: the emitted tokens are the target's own samples. `keys` (seed,
@@ -83,8 +89,14 @@ def match(probs: torch.Tensor, proposal: torch.Tensor, generator: torch.Generato
     position's sample does not depend on how many draws came before it.
     """
     if keys is not None:
-        samples = torch.stack([torch.multinomial(row, 1, generator=torch.Generator().manual_seed(
-            (seed * 1_000_003 + position) % 2**63)) for row, (seed, position) in zip(probs, keys)]).squeeze(1)
+        samples = torch.stack(
+            [
+                torch.multinomial(
+                    row, 1, generator=torch.Generator().manual_seed((seed * 1_000_003 + position) % 2**63)
+                )
+                for row, (seed, position) in zip(probs, keys)
+            ]
+        ).squeeze(1)
     else:
         samples = torch.multinomial(probs, 1, generator=generator).squeeze(1)
     n = _first_false(samples[:-1] == proposal)

@@ -24,8 +24,12 @@ def train_bpe(vocab_size: int, texts: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
@@ -34,9 +38,19 @@ def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 1.0):
     """A 2-layer, 32-wide Llama with random weights (seeded); `logit_scale` sharpens its outputs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -63,22 +77,32 @@ def target_tokenizer(texts):
 def tiny_target(target_tokenizer):
     from omnidraft import LocalTarget
 
-    return LocalTarget(tiny_llama(len(target_tokenizer), seed=1, logit_scale=30.0), target_tokenizer, "tiny-target")
+    return LocalTarget(
+        tiny_llama(len(target_tokenizer), seed=1, logit_scale=30.0), target_tokenizer, "tiny-target"
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_drafter(draft_tokenizer):
     from omnidraft import TorchDrafter as Drafter
 
-    return Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    return Drafter(
+        tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter"
+    )
 
 
 def target_greedy(target, prompt: str, n: int) -> list[int]:
     """The target's own greedy continuation, by HF generate."""
     ids = target.tokenizer(prompt, return_tensors="pt")["input_ids"]
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                eos_token_id=sorted(target.eos_ids), pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
+    out = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=sorted(target.eos_ids),
+        pad_token_id=0,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def chi_square_p(observed, expected) -> float:

@@ -16,9 +16,19 @@ class OracleDrafter:
     """
 
     def __init__(self, base, reference: list[int], wrong_at: int = 10**9) -> None:
-        self.tokenizer, self.token_bytes, self.codec, self.name = base.tokenizer, base.token_bytes, base.codec, "oracle"
+        self.tokenizer, self.token_bytes, self.codec, self.name = (
+            base.tokenizer,
+            base.token_bytes,
+            base.codec,
+            "oracle",
+        )
         self.reference, self.wrong_at = reference, wrong_at
-        self.starts = {s: i for i, s in enumerate(accumulate((len(base.token_bytes.table[t] or b"") for t in reference), initial=0))}
+        self.starts = {
+            s: i
+            for i, s in enumerate(
+                accumulate((len(base.token_bytes.table[t] or b"") for t in reference), initial=0)
+            )
+        }
 
     def begin(self, ids):
         return _OracleSession(self)
@@ -33,7 +43,9 @@ class _OracleSession:
         i = o.starts.get(self.pos, len(o.reference))
         ids = o.reference[i : i + k] or [o.token_bytes.byte_token[ord("x")]]
         if o.wrong_at < len(ids):
-            ids[o.wrong_at] = next(t for t in o.token_bytes.byte_token if t is not None and t != ids[o.wrong_at])
+            ids[o.wrong_at] = next(
+                t for t in o.token_bytes.byte_token if t is not None and t != ids[o.wrong_at]
+            )
         self.draft = ids
         return Draft(ids)
 

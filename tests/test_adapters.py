@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnidraft.distill.adapters import (AdapterConfig, adapter_state, add_adapter, int8_learner, int8_twin, load_adapter_state,
-                                       set_active)
+from omnidraft.distill.adapters import (
+    AdapterConfig,
+    adapter_state,
+    add_adapter,
+    int8_learner,
+    int8_twin,
+    load_adapter_state,
+    set_active,
+)
 
 from .conftest import tiny_llama
 
@@ -32,7 +39,9 @@ def test_switching_adapters_switches_outputs_and_state_round_trips(drafter):
     x = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         for name in ("qwen", "gemma"):
-            state = {k: torch.randn_like(v) * 0.5 for k, v in adapter_state(drafter, name).items()}  # adapters that act
+            state = {
+                k: torch.randn_like(v) * 0.5 for k, v in adapter_state(drafter, name).items()
+            }  # adapters that act
             load_adapter_state(drafter, name, state)
             assert all(torch.equal(adapter_state(drafter, name)[k], v) for k, v in state.items())
         set_active(drafter, "qwen")
@@ -76,7 +85,9 @@ def test_the_int8_learner_trains_the_lora_the_twin_drafts_with(drafter):
     learner.train()
     learner(torch.tensor([[1, 2, 3, 4]])).logits.square().mean().backward()
     touched = {n for n, p in drafter.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
-    assert touched and all(".qwen." in n and "lora_" in n for n in touched)  # the shared modules got the gradient
+    assert touched and all(
+        ".qwen." in n and "lora_" in n for n in touched
+    )  # the shared modules got the gradient
 
 
 def test_an_adapter_added_after_the_twin_drafts_and_trains_through_it(drafter):
@@ -86,7 +97,9 @@ def test_an_adapter_added_after_the_twin_drafts_and_trains_through_it(drafter):
 
     twin = int8_twin(drafter)
     learner = int8_learner(twin)
-    model = add_adapter(drafter, "llama", AdapterConfig(rank=2, alpha=8))  # another rank and scale than the first two
+    model = add_adapter(
+        drafter, "llama", AdapterConfig(rank=2, alpha=8)
+    )  # another rank and scale than the first two
     assert model is drafter and covers(twin, drafter) and covers(learner, drafter)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -113,7 +126,9 @@ def test_a_second_target_reuses_the_int8_drafters_twin(draft_tokenizer, tmp_path
     fp32 = tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0)
     fp32.save_pretrained(tmp_path)  # where adding the first adapter reloads the fp32 weights from
     draft_tokenizer.save_pretrained(tmp_path)
-    d = Drafter(quantize_int8(fp32, draft_tokenizer), draft_tokenizer, "tiny-int8", spec=str(tmp_path), int8=True)
+    d = Drafter(
+        quantize_int8(fp32, draft_tokenizer), draft_tokenizer, "tiny-int8", spec=str(tmp_path), int8=True
+    )
     small = AdapterConfig(rank=2, alpha=4)
     d.add_adapter("a", small)
     twin, learner = d.model, d.learner

@@ -35,19 +35,28 @@ def test_greedy_identity_with_adaptive_drafting(tiny_drafter, tiny_target):
 def test_draft_length_grows_under_full_acceptance(tiny_target):
     ref = target_greedy(tiny_target, PROMPTS[0], 60)
     config = od.DecodeConfig(k=2, strategy="ngram", adaptive=Hysteresis(k_min=2, k_max=9))
-    out = od.Pairing(OracleDrafter(tiny_target, ref), tiny_target, config).generate(PROMPTS[0], max_new_tokens=60)
+    out = od.Pairing(OracleDrafter(tiny_target, ref), tiny_target, config).generate(
+        PROMPTS[0], max_new_tokens=60
+    )
     assert out.token_ids == ref
     assert [r.drafted for r in out.rounds[:5]] == [2, 3, 4, 5, 6]
 
 
 # -- acceptance head (adaptive/head.py, adaptive/trainer.py) --------------------------------------
 
+import torch  # noqa: E402
+
 from omnidraft.adaptive.head import (  # noqa: E402
-    EXTRA_FEATURES, AcceptanceHead, CostModel, HeadConfig, Stopper, _line, confidence_features)
+    EXTRA_FEATURES,
+    AcceptanceHead,
+    CostModel,
+    HeadConfig,
+    Stopper,
+    _line,
+    confidence_features,
+)
 from omnidraft.adaptive.trainer import HeadTrainer, round_labels  # noqa: E402
 from omnidraft.profiles import ProfileStore  # noqa: E402
-
-import torch  # noqa: E402
 
 
 class FixedHead(AcceptanceHead):
@@ -89,12 +98,15 @@ def test_a_seeded_head_is_reproducible_and_leaves_the_global_rng_alone():
     assert not torch.equal(AcceptanceHead(16, 8, 2, seed=8).layers[0].weight, a.layers[0].weight)
 
 
-@pytest.mark.parametrize("probs, gamma, k_min, k_max, stops_at", [
-    ([0.9, 0.9, 0.9, 0.5, 0.9], 0.5, 1, 8, 4),     # 1 - .9^3 = .271, 1 - .9^3*.5 = .636 > .5
-    ([0.9, 0.9, 0.9, 0.5, 0.9, 0.9], 0.7, 1, 8, 6),  # 1 - .9^4*.5 = .672 < .7; then .705 > .7
-    ([0.1, 0.9, 0.9], 0.5, 2, 8, 2),               # would stop at 1 but k_min = 2
-    ([0.99] * 10, 0.5, 1, 6, 6),                   # k_max bounds a confident draft
-])
+@pytest.mark.parametrize(
+    "probs, gamma, k_min, k_max, stops_at",
+    [
+        ([0.9, 0.9, 0.9, 0.5, 0.9], 0.5, 1, 8, 4),  # 1 - .9^3 = .271, 1 - .9^3*.5 = .636 > .5
+        ([0.9, 0.9, 0.9, 0.5, 0.9, 0.9], 0.7, 1, 8, 6),  # 1 - .9^4*.5 = .672 < .7; then .705 > .7
+        ([0.1, 0.9, 0.9], 0.5, 2, 8, 2),  # would stop at 1 but k_min = 2
+        ([0.99] * 10, 0.5, 1, 6, 6),  # k_max bounds a confident draft
+    ],
+)
 def test_stopping_rule_is_eq_6_7(probs, gamma, k_min, k_max, stops_at):
     config = HeadConfig(gamma=gamma, k_min=k_min, k_max=k_max)
     stopper = Stopper(FixedHead(probs), config, direct=torch.ones(5, dtype=torch.bool))
@@ -193,14 +205,15 @@ def test_round_labels_and_trainer_learns_a_separable_rule():
     head = AcceptanceHead(hidden_size=8, width=16, depth=2)
     trainer = HeadTrainer(head, HeadConfig(train="interleaved", steps=200, lr=1e-2))
     low_entropy = 8 + 1  # the entropy feature's column
-    for _ in range(60):  # accepted while the entropy feature is < 0: kept up to the first token where it is not
+    for _ in range(
+        60
+    ):  # accepted while the entropy feature is < 0: kept up to the first token where it is not
         x = torch.randn(6, 8 + EXTRA_FEATURES)
         rejected = (x[:, low_entropy] >= 0).nonzero()
         trainer.add(x, int(rejected[0]) if len(rejected) else 6)
     trainer.update()
     x = torch.randn(400, 8 + EXTRA_FEATURES)
     assert trainer.evaluate(x, (x[:, low_entropy] < 0).float())["accuracy"] > 0.9
-
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "joint"])
@@ -227,6 +240,7 @@ def test_a_head_saved_before_the_calibration_shift_still_loads():
     fresh = AcceptanceHead(hidden_size=8, width=4, depth=1)
     fresh.load_state_dict(old)
     assert fresh.prior_shift.item() == 0.0
+
 
 def test_an_untrained_head_predicts_the_drafters_own_probability():
     """Before any training the head is the drafter's confidence: its calibration path starts as
@@ -282,7 +296,9 @@ def test_head_saves_loads_and_switches_with_the_target(tiny_drafter, tiny_target
     for prompt in PROMPTS[:3]:
         a.generate(prompt, max_new_tokens=16)
     a.save()
-    other = LocalTarget(tiny_llama(len(target_tokenizer), seed=5, logit_scale=30.0), target_tokenizer, "tiny-other")
+    other = LocalTarget(
+        tiny_llama(len(target_tokenizer), seed=5, logit_scale=30.0), target_tokenizer, "tiny-other"
+    )
     b = tiny_drafter.pair(other, k=3, head=config, user="u", store=store)
     assert b.head is not a.head and not b.head_ready  # a new target starts on the fallback
     again = tiny_drafter.pair(tiny_target, k=3, head=config, user="u", store=store)
@@ -296,21 +312,45 @@ def test_head_saves_loads_and_switches_with_the_target(tiny_drafter, tiny_target
 def test_bench_draft_trains_both_heads_once_and_compares_policies(tiny_drafter, tiny_target, tmp_path):
     from benchmarks.draft_lengths import run_draft_policies, write_draft_report
 
-    kwargs = dict(dataset="gsm8k", train="gsm8k:train", n=2, n_train=3, max_new_tokens=12, train_tokens=12,
-                  fixed=[2, 4], confident=[4], k_max=6, cache=tmp_path)
+    kwargs = dict(
+        dataset="gsm8k",
+        train="gsm8k:train",
+        n=2,
+        n_train=3,
+        max_new_tokens=12,
+        train_tokens=12,
+        fixed=[2, 4],
+        confident=[4],
+        k_max=6,
+        cache=tmp_path,
+    )
     assert run_draft_policies(tiny_drafter, tiny_target, train_only=True, **kwargs) is None
     heads = sorted(p.name for p in tmp_path.glob("head-*"))
-    assert len(heads) == 3 and heads[0].endswith("interleaved.safetensors") and heads[1].endswith("joint.safetensors")
+    assert (
+        len(heads) == 3
+        and heads[0].endswith("interleaved.safetensors")
+        and heads[1].endswith("joint.safetensors")
+    )
     result = run_draft_policies(tiny_drafter, tiny_target, **kwargs)  # the cached heads are used
     score = result["head_scores"]["joint"]  # scored online, each request before training on it
     assert score["rows"] > 0 and 0 <= score["mean_prob"] <= 1 and score["bce"] > 0
     assert result["head_scores"]["interleaved"]["rows"] == 0  # 3 requests: it first trains after the 4th
     names = [r["variant"] for r in result["rows"]]
-    assert names == ["fixed k=2", "fixed k=4", "confidence stop, k≤4", "fallback (hysteresis)", "head (joint)",
-                     "head (interleaved)"]
+    assert names == [
+        "fixed k=2",
+        "fixed k=4",
+        "confidence stop, k≤4",
+        "fallback (hysteresis)",
+        "head (joint)",
+        "head (interleaved)",
+    ]
     assert all(r["identical"] == 2 and len(r["prompt_s"]) == 2 for r in result["rows"])
-    versus = result["against_best_fixed"]  # every policy that picks its own length, against the fastest fixed k
-    assert versus["best_fixed"] in ("fixed k=2", "fixed k=4") and sorted(versus["adaptive"]) == sorted(names[2:])
+    versus = result[
+        "against_best_fixed"
+    ]  # every policy that picks its own length, against the fastest fixed k
+    assert versus["best_fixed"] in ("fixed k=2", "fixed k=4") and sorted(versus["adaptive"]) == sorted(
+        names[2:]
+    )
     table = write_draft_report([{"pair": "tiny", **result}], tmp_path, "draft")
     assert "head (joint)" in table and "BCE of the mean rate" in table and "paired per prompt" in table
 
@@ -347,7 +387,9 @@ def _policy(cost: CostModel, accepted: int, proposed: int, drafted: int, **kw) -
     return policy
 
 
-VERIFY = {m: 20.0 + 4.0 * (m - 1) for m in range(1, 14)}  # a target step of 20 ms, 4 ms per extra verified token
+VERIFY = {
+    m: 20.0 + 4.0 * (m - 1) for m in range(1, 14)
+}  # a target step of 20 ms, 4 ms per extra verified token
 
 
 def test_cost_policy_drafts_long_when_drafts_are_cheap_and_accepted():
@@ -367,7 +409,9 @@ def test_cost_policy_stops_speculating_when_the_drafter_cannot_pay_and_probes_ag
     assert policy.next_k() == 0
     for _ in range(5):
         policy.observe(0, 0, 0)
-    assert policy.next_k() == 0 and policy.wait == 6  # the probe did not pay: the next one waits twice as long
+    assert (
+        policy.next_k() == 0 and policy.wait == 6
+    )  # the probe did not pay: the next one waits twice as long
     policy.observe(0, 0, 0)
     assert policy.next_k() >= 1
 

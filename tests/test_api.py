@@ -12,8 +12,10 @@ import omnidraft as od
 from .conftest import chi_square_p, target_greedy
 from .test_pairing import PROMPTS
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def test_an_integer_seed_reproduces_a_sampled_generation(tiny_drafter, tiny_target):
@@ -22,8 +24,12 @@ def test_an_integer_seed_reproduces_a_sampled_generation(tiny_drafter, tiny_targ
     first = pair.generate(PROMPTS[0], max_new_tokens=16, seed=7).token_ids
     assert pair.generate(PROMPTS[0], max_new_tokens=16, seed=7).token_ids == first
     for k in (1, 4):
-        assert tiny_drafter.pair(tiny_target, mode="match", temperature=1.0, k=k).generate(
-            PROMPTS[0], max_new_tokens=16, seed=7).token_ids == first
+        assert (
+            tiny_drafter.pair(tiny_target, mode="match", temperature=1.0, k=k)
+            .generate(PROMPTS[0], max_new_tokens=16, seed=7)
+            .token_ids
+            == first
+        )
     assert pair.generate(PROMPTS[0], max_new_tokens=16, seed=8).token_ids != first
     with pytest.raises(ValueError, match="seed or generator"):
         pair.generate(PROMPTS[0], seed=1, generator=torch.Generator())
@@ -72,8 +78,14 @@ def test_chat_renders_the_targets_template_once(tiny_drafter, tiny_target, monke
     assert text.endswith("<|im_start|>assistant\n")
     out = pair.chat(messages, max_new_tokens=16)
     ids = tiny_target.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    ref = tiny_target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                     eos_token_id=sorted(tiny_target.eos_ids), pad_token_id=0)[0, ids.shape[1]:].tolist()
+    ref = tiny_target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=sorted(tiny_target.eos_ids),
+        pad_token_id=0,
+    )[0, ids.shape[1] :].tolist()
     assert out.token_ids == ref
 
 
@@ -90,7 +102,9 @@ def test_probability_filters():
     assert torch.allclose(probabilities(logits, 1.0), torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
     assert torch.allclose(probabilities(logits, 1.0, top_k=2), torch.tensor([[2 / 3, 1 / 3, 0, 0, 0]]))
     assert torch.allclose(probabilities(logits, 1.0, top_p=0.7), torch.tensor([[2 / 3, 1 / 3, 0, 0, 0]]))
-    assert torch.allclose(probabilities(logits, 1.0, top_p=0.8), torch.tensor([[0.5, 0.25, 0.15, 0, 0]]) / 0.9)
+    assert torch.allclose(
+        probabilities(logits, 1.0, top_p=0.8), torch.tensor([[0.5, 0.25, 0.15, 0, 0]]) / 0.9
+    )
     assert torch.allclose(probabilities(logits, 1.0, min_p=0.4), torch.tensor([[0.5, 0.25, 0, 0, 0]]) / 0.75)
     with pytest.raises(ValueError, match="top_p"):
         od.Rule(mode="match", temperature=1.0, top_p=0.0)

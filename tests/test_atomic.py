@@ -36,7 +36,9 @@ def test_a_path_written_by_another_writer_lands_whole_or_not_at_all(tmp_path):
     assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
 
 
-def test_a_directory_is_replaced_whole_and_the_old_one_comes_back_if_the_new_one_cannot(tmp_path, monkeypatch):
+def test_a_directory_is_replaced_whole_and_the_old_one_comes_back_if_the_new_one_cannot(
+    tmp_path, monkeypatch
+):
     final = tmp_path / "adapter"
     with atomic_path(final, directory=True) as tmp:
         (tmp / "weights").write_bytes(b"v1")

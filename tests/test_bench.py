@@ -37,8 +37,14 @@ def test_runner_reports_after_every_prompt(tiny_drafter, tiny_target, tmp_path):
 def test_gap_table_splits_the_time_per_token_and_names_each_lever():
     """Target step 100 ms; the pairing commits a token every 50 ms, 10 of them drafting, 40
     verifying, at τ 3: free drafts would give 100/40, a one-step verify 100/(10 + 100/3)."""
-    row = {"pair": "d:t", "dataset": "gsm8k", "target_tok_s": 10.0, "omnidraft_tok_s": 20.0, "mean_accepted_length": 3.0,
-           "time_split": {"draft": 0.2, "translate": 0.0, "verify": 0.8, "resync": 0.0}}
+    row = {
+        "pair": "d:t",
+        "dataset": "gsm8k",
+        "target_tok_s": 10.0,
+        "omnidraft_tok_s": 20.0,
+        "mean_accepted_length": 3.0,
+        "time_split": {"draft": 0.2, "translate": 0.0, "verify": 0.8, "resync": 0.0},
+    }
     cells = gap_table([row]).splitlines()[2].split(" | ")
     assert cells[2:10] == ["100", "3.00", "50", "10", "40", "0", "2.00×", "2.50×"]
     assert cells[10].rstrip(" |") == f"{100 / (10 + 100 / 3):.2f}×"
@@ -51,12 +57,22 @@ def test_replay_bench_scores_variants_and_checks_every_output(tiny_drafter, tiny
     prompts = [p[:60] for p in load_prompts("gsm8k", 3)]
     traces = [record(tiny_target, p, 20, k=4) for p in prompts]
     replay = ReplayTarget.like(tiny_target, traces)
-    rows = [{"dataset": "gsm8k", "drafter": "tiny", "decode": d,
-             **replay_variant(tiny_drafter, replay, traces, prompts, {"k": 3, **parse_decode(d)})}
-            for d in ("heal=off", "heal=on,k=5,stop=0")]
-    assert all(r["identical"] == 3 and 0 <= r["first_accepted"] <= 1 and r["drafted_per_round"] > 0 for r in rows)
+    rows = [
+        {
+            "dataset": "gsm8k",
+            "drafter": "tiny",
+            "decode": d,
+            **replay_variant(tiny_drafter, replay, traces, prompts, {"k": 3, **parse_decode(d)}),
+        }
+        for d in ("heal=off", "heal=on,k=5,stop=0")
+    ]
+    assert all(
+        r["identical"] == 3 and 0 <= r["first_accepted"] <= 1 and r["drafted_per_round"] > 0 for r in rows
+    )
     assert rows[1]["drafted_per_round"] >= rows[0]["drafted_per_round"]  # k 5 without early stop drafts more
-    table = write_replay_report({"pair": "tiny:tiny", "n": 3, "max_new_tokens": 20, "base": {}, "rows": rows}, tmp_path, "r")
+    table = write_replay_report(
+        {"pair": "tiny:tiny", "n": 3, "max_new_tokens": 20, "base": {}, "rows": rows}, tmp_path, "r"
+    )
     assert "heal=on,k=5,stop=0" in table and (tmp_path / "r.json").exists()
     for bad, message in (("heal=maybe", "on or off"), ("temperature=1", "KEY=VALUE"), ("k", "KEY=VALUE")):
         with pytest.raises(ValueError, match=message):
@@ -68,7 +84,9 @@ def test_references_pair_each_dataset_prompt_with_its_answer():
 
     pairs = load_references("gsm8k:train", 3)
     assert [p for p, _ in pairs] == load_prompts("gsm8k:train", 3)
-    assert all(r.startswith(" ") and "<<" not in r and "####" in r for _, r in pairs)  # calculator notes removed
+    assert all(
+        r.startswith(" ") and "<<" not in r and "####" in r for _, r in pairs
+    )  # calculator notes removed
     prompt, solution = load_references("humaneval", 1)[0]
     assert prompt == load_prompts("humaneval", 1)[0] and "return" in solution
     with pytest.raises(ValueError, match="no reference answers for dataset 'mmlu'"):
@@ -89,12 +107,20 @@ def _reference_pairing(drafter_end, target_end, pairs, accuracy, strategy):
     from omnidraft.pairing import DecodeConfig, Pairing
 
     traces = reference_traces(target_end, pairs)
-    oracle = ReferenceDrafter(drafter_end, dict(pairs), accuracy=accuracy, generator=torch.Generator().manual_seed(0))
-    return Pairing(oracle, ReplayTarget.like(target_end, traces), DecodeConfig(k=4, strategy=strategy, stop_confidence=0.0, drafts="model")), traces
+    oracle = ReferenceDrafter(
+        drafter_end, dict(pairs), accuracy=accuracy, generator=torch.Generator().manual_seed(0)
+    )
+    return Pairing(
+        oracle,
+        ReplayTarget.like(target_end, traces),
+        DecodeConfig(k=4, strategy=strategy, stop_confidence=0.0, drafts="model"),
+    ), traces
 
 
 @pytest.mark.parametrize("accuracy", [1.0, 0.5])
-def test_reference_drafter_spells_the_reference_and_errs_at_its_rate(draft_tokenizer, target_tokenizer, accuracy):
+def test_reference_drafter_spells_the_reference_and_errs_at_its_rate(
+    draft_tokenizer, target_tokenizer, accuracy
+):
     """The engine commits the reference answer whatever the drafter does; a drafter that is always
     right has (almost) every re-tokenized draft accepted, one right half the time far fewer."""
     from omnidraft.bench.datasets import load_references
@@ -117,14 +143,25 @@ def test_cache_bench_rows_are_paired_and_reproducible(draft_tokenizer, target_to
     run = lambda: run_cache_bench(drafter_end, target_end, dataset="gsm8k:train", n=30, k=4, accuracy=0.8)  # noqa: E731
     first = run()
     assert [(r["cache"].split(" ")[0], r.get("policy")) for r in first["rows"]] == [
-        ("none", None), ("full", None), ("quarter", "lfu"), ("quarter", "lfu-da"), ("quarter", "lru")]
+        ("none", None),
+        ("full", None),
+        ("quarter", "lfu"),
+        ("quarter", "lfu-da"),
+        ("quarter", "lru"),
+    ]
     none, full = first["rows"][0], first["rows"][1]
     assert full["tau"] >= none["tau"] and full["ngram_hits_per_round"] > none["ngram_hits_per_round"]
     assert run()["rows"] == first["rows"]  # the drafter's errors are drawn once, from the seed
     assert "| quarter" in markdown(first) and "lfu-da" in markdown(first)
-    best = first["offline_optimum"]["uses_kept"]  # knowing the future serves at least what the policies did (an
+    best = first["offline_optimum"][
+        "uses_kept"
+    ]  # knowing the future serves at least what the policies did (an
     # estimate in general: a smaller cache drafts differently, so its sequence of uses is not the full one's)
-    assert full["uses_kept"] == 1.0 and all(best >= r["uses_kept"] - 1e-9 for r in first["rows"][2:]) and "Belady" in markdown(first)
+    assert (
+        full["uses_kept"] == 1.0
+        and all(best >= r["uses_kept"] - 1e-9 for r in first["rows"][2:])
+        and "Belady" in markdown(first)
+    )
 
 
 def test_the_offline_optimum_evicts_what_is_next_used_furthest_ahead():
@@ -147,7 +184,10 @@ def test_default_against_fixed_k_pairs_every_prompt(tiny_drafter, tiny_target):
     res = default_against_fixed_k(tiny_drafter, tiny_target, prompts, 10, [2, 4])
     assert [r["variant"] for r in res["rows"]] == ["default", "k=2", "k=4"]
     assert all(r["identical"] == 3 for r in res["rows"]) and res["best_fixed"] in ("k=2", "k=4")
-    assert res["default_vs_best"]["prompts"] == 3 and res["default_vs_best"]["low"] <= res["default_vs_best"]["ratio"]
+    assert (
+        res["default_vs_best"]["prompts"] == 3
+        and res["default_vs_best"]["low"] <= res["default_vs_best"]["ratio"]
+    )
     with pytest.raises(ValueError, match="draft lengths >= 1"):
         default_against_fixed_k(tiny_drafter, tiny_target, prompts, 10, [0])
 
@@ -166,13 +206,28 @@ def test_the_hybrid_is_paired_against_model_drafts_and_the_fastest_other_row():
     from omnidraft.bench.sources import RELAXED_ROW, hybrid_against, markdown
 
     def row(variant, seconds, **extra):
-        return {"variant": variant, "prompt_s": seconds, "tok_s": 2 / sum(seconds), "speedup": 1.0, "tau": 1.0,
-                "identical": 2, "prompts": 2, **extra}
+        return {
+            "variant": variant,
+            "prompt_s": seconds,
+            "tok_s": 2 / sum(seconds),
+            "speedup": 1.0,
+            "tau": 1.0,
+            "identical": 2,
+            "prompts": 2,
+            **extra,
+        }
 
-    rows = [row("omnidraft model", [2.0, 2.0]), row("omnidraft retrieval", [1.1, 1.1]), row("omnidraft hybrid", [1.0, 1.2]),
-            row("lookup", [1.05, 1.0], label="HF prompt lookup (10)"), row(RELAXED_ROW, [0.1, 0.1])]
+    rows = [
+        row("omnidraft model", [2.0, 2.0]),
+        row("omnidraft retrieval", [1.1, 1.1]),
+        row("omnidraft hybrid", [1.0, 1.2]),
+        row("lookup", [1.05, 1.0], label="HF prompt lookup (10)"),
+        row(RELAXED_ROW, [0.1, 0.1]),
+    ]
     paired = hybrid_against(rows)
-    assert paired["best_other"] == "HF prompt lookup (10)"  # the fastest lossless rival; the lossy row is none
+    assert (
+        paired["best_other"] == "HF prompt lookup (10)"
+    )  # the fastest lossless rival; the lossy row is none
     assert paired["hybrid_vs_best"]["ratio"] == pytest.approx((1.05 / 1.0 * 1.0 / 1.2) ** 0.5)
     assert paired["hybrid_vs_model"]["ratio"] == pytest.approx((2.0 / 1.0 * 2.0 / 1.2) ** 0.5)
     assert hybrid_against([r for r in rows if r["variant"] != "omnidraft hybrid"]) == {}

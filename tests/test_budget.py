@@ -21,7 +21,11 @@ def test_a_compute_bound_engine_under_load_takes_no_draft():
 
 
 def test_the_recomputed_tail_can_make_drafting_lose_to_decoding_alone():
-    assert draft_budget(COMPUTE_BOUND, 0.6, 1, 16, tail=0) > 0 == draft_budget(COMPUTE_BOUND, 0.6, 1, 16, tail=16)
+    assert (
+        draft_budget(COMPUTE_BOUND, 0.6, 1, 16, tail=0)
+        > 0
+        == draft_budget(COMPUTE_BOUND, 0.6, 1, 16, tail=16)
+    )
 
 
 def test_bad_input_is_named():

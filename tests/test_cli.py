@@ -56,7 +56,19 @@ def test_profiles_list_show_export_import_delete(tmp_path, capsys):
     pair = ["--drafter", "smollm2-135m", "--target", "qwen2.5-coder-0.5b"]
     main(["profiles", "list", "--store", str(a)])
     assert "'alice@example.com'" in capsys.readouterr().out
-    main(["profiles", "export", "--store", str(a), *pair, "--user", "alice@example.com", "--file", str(tmp_path / "x.tar")])
+    main(
+        [
+            "profiles",
+            "export",
+            "--store",
+            str(a),
+            *pair,
+            "--user",
+            "alice@example.com",
+            "--file",
+            str(tmp_path / "x.tar"),
+        ]
+    )
     main(["profiles", "import", "--store", str(b), "--file", str(tmp_path / "x.tar")])
     moved = ProfileStore(b).load("smollm2-135m", "qwen2.5-coder-0.5b", "alice@example.com")
     assert moved.ngram == profile.ngram and moved.steps == profile.steps

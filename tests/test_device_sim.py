@@ -11,8 +11,14 @@ import pytest
 from device_sim import DeviceProfile, NetworkProfile, Scenario, read_trace, simulate, sweep_k
 from device_sim.simulate import acceptance_per_position
 
-DEVICE = DeviceProfile(name="paper", source="hand-built", drafter_ms=10.0, target_ms=(100.0, 120.0, 130.0, 140.0),
-                       prefill_ms_per_token=2.0, bookkeeping_ms_per_round=1.0)
+DEVICE = DeviceProfile(
+    name="paper",
+    source="hand-built",
+    drafter_ms=10.0,
+    target_ms=(100.0, 120.0, 130.0, 140.0),
+    prefill_ms_per_token=2.0,
+    bookkeeping_ms_per_round=1.0,
+)
 ROUND = dict(from_cache=0, t_draft=0.01, t_translate=0.0, t_verify=0.1, t_resync=0.0)
 
 
@@ -24,8 +30,13 @@ def _trace(tmp_path, rounds):
 
 
 def test_replay_is_the_arithmetic_on_paper(tmp_path):
-    path = _trace(tmp_path, [dict(context=11, drafted=3, proposed=3, accepted=3, emitted=4),
-                             dict(context=15, drafted=3, proposed=2, accepted=0, emitted=1)])
+    path = _trace(
+        tmp_path,
+        [
+            dict(context=11, drafted=3, proposed=3, accepted=3, emitted=4),
+            dict(context=15, drafted=3, proposed=2, accepted=0, emitted=1),
+        ],
+    )
     r = simulate(read_trace(path), Scenario(device=DEVICE))
     # round 1: draft 3*10 + prefill 2*10 + forward of 4 tokens 140 + bookkeeping 1 = 191 ms
     # round 2: draft 3*10 + forward of 3 tokens 130 + bookkeeping 1 = 161 ms
@@ -36,8 +47,12 @@ def test_replay_is_the_arithmetic_on_paper(tmp_path):
 
 def test_remote_placement_adds_one_exchange_per_round(tmp_path):
     path = _trace(tmp_path, [dict(context=1, drafted=2, proposed=2, accepted=2, emitted=3)])
-    net = NetworkProfile(name="n", source="hand-built", rtt_ms=50.0, bandwidth_mbps=8.0, loss=0.0, overhead_bytes=0)
-    r = simulate(read_trace(path), Scenario(device=DEVICE, server=DEVICE, network=net, id_bytes=4, reply_bytes=16))
+    net = NetworkProfile(
+        name="n", source="hand-built", rtt_ms=50.0, bandwidth_mbps=8.0, loss=0.0, overhead_bytes=0
+    )
+    r = simulate(
+        read_trace(path), Scenario(device=DEVICE, server=DEVICE, network=net, id_bytes=4, reply_bytes=16)
+    )
     # up = 4*(2 + 1) = 12 bytes, down 16: (12+16)*8 bits / 8000 bits per ms = 0.028 ms
     # draft 2*10 + forward of 3 tokens 130 + bookkeeping 1 + exchange 50.028 (no prefill: a 1-token prompt)
     assert r.seconds * 1000 == pytest.approx(20 + 130 + 1 + 50.028)
@@ -45,17 +60,34 @@ def test_remote_placement_adds_one_exchange_per_round(tmp_path):
 
 
 def test_the_remote_baseline_is_one_streamed_completion_not_a_round_trip_per_token(tmp_path):
-    path = _trace(tmp_path, [dict(context=11, drafted=3, proposed=3, accepted=3, emitted=4),
-                             dict(context=15, drafted=3, proposed=2, accepted=0, emitted=1)])
-    net = NetworkProfile(name="n", source="hand-built", rtt_ms=50.0, bandwidth_mbps=1e9, loss=0.0, overhead_bytes=0)
-    r = simulate(read_trace(path), Scenario(device=DEVICE, server=DEVICE, network=net, id_bytes=4, reply_bytes=16))
+    path = _trace(
+        tmp_path,
+        [
+            dict(context=11, drafted=3, proposed=3, accepted=3, emitted=4),
+            dict(context=15, drafted=3, proposed=2, accepted=0, emitted=1),
+        ],
+    )
+    net = NetworkProfile(
+        name="n", source="hand-built", rtt_ms=50.0, bandwidth_mbps=1e9, loss=0.0, overhead_bytes=0
+    )
+    r = simulate(
+        read_trace(path), Scenario(device=DEVICE, server=DEVICE, network=net, id_bytes=4, reply_bytes=16)
+    )
     # the server alone: one exchange (50 ms) + prefill 2*10 + 5 tokens at 100 ms = 570 ms; 11 prompt ids sent
     assert r.baseline_seconds * 1000 == pytest.approx(570.0, abs=0.01) and r.baseline_bytes_sent == 44
     # speculating: 191 + 161 ms of compute plus one 50 ms exchange per round = 452 ms, 2 forwards for 5 tokens
     assert r.seconds * 1000 == pytest.approx(452.0, abs=0.01) and r.forwards_per_token == pytest.approx(0.4)
     assert r.speculation_pays
-    slow = simulate(read_trace(path), Scenario(device=DEVICE, server=DEVICE, id_bytes=4, reply_bytes=16,
-                                                network=NetworkProfile(name="far", source="x", rtt_ms=400.0, overhead_bytes=0)))
+    slow = simulate(
+        read_trace(path),
+        Scenario(
+            device=DEVICE,
+            server=DEVICE,
+            id_bytes=4,
+            reply_bytes=16,
+            network=NetworkProfile(name="far", source="x", rtt_ms=400.0, overhead_bytes=0),
+        ),
+    )
     assert not slow.speculation_pays  # at 400 ms a round trip per round loses to one streamed request
 
 
@@ -65,7 +97,9 @@ def test_loss_costs_expected_resends():
 
 
 def test_sweep_uses_the_fitted_acceptance(tmp_path):
-    path = _trace(tmp_path, [dict(context=5, drafted=4, proposed=4, accepted=a, emitted=a + 1) for a in (4, 2, 3, 0)])
+    path = _trace(
+        tmp_path, [dict(context=5, drafted=4, proposed=4, accepted=a, emitted=a + 1) for a in (4, 2, 3, 0)]
+    )
     runs = read_trace(path)
     alpha = acceptance_per_position(runs)
     assert alpha == pytest.approx(9 / (9 + 3))
@@ -73,7 +107,9 @@ def test_sweep_uses_the_fitted_acceptance(tmp_path):
     assert rows[0][1] == pytest.approx(1 + alpha)
 
 
-@pytest.mark.parametrize("bad, line", [('{"context": 1}', 2), ("not json", 2), ('{"trace": "omnidraft"}\n{"context": 1, "dr', 3)])
+@pytest.mark.parametrize(
+    "bad, line", [('{"context": 1}', 2), ("not json", 2), ('{"trace": "omnidraft"}\n{"context": 1, "dr', 3)]
+)
 def test_malformed_or_truncated_traces_name_the_line(tmp_path, bad, line):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"trace": "omnidraft", "version": 1}\n' + bad)
@@ -94,8 +130,13 @@ def test_device_sim_imports_no_torch():
 
 
 def test_traces_that_mix_sources_charge_the_drafter_for_drafted_tokens_only(tmp_path):
-    path = _trace(tmp_path, [dict(context=11, drafted=0, proposed=3, accepted=3, emitted=4, retrieved=3, retrieved_accepted=3),
-                             dict(context=15, drafted=2, proposed=4, accepted=1, emitted=2, retrieved=2, retrieved_accepted=0)])
+    path = _trace(
+        tmp_path,
+        [
+            dict(context=11, drafted=0, proposed=3, accepted=3, emitted=4, retrieved=3, retrieved_accepted=3),
+            dict(context=15, drafted=2, proposed=4, accepted=1, emitted=2, retrieved=2, retrieved_accepted=0),
+        ],
+    )
     r = simulate(read_trace(path), Scenario(device=DEVICE))
     # round 1: no drafting + prefill 2*10 + forward of 4 tokens 140 + bookkeeping 1 = 161 ms
     # round 2: draft 2*10 + forward of 5 tokens (140 + 10) + bookkeeping 1 = 171 ms

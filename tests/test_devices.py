@@ -26,9 +26,15 @@ def saved(tmp_path_factory, draft_tokenizer, target_tokenizer):
 
 def _greedy(target: LocalTarget, prompt: str, n: int) -> list[int]:
     ids = target.tokenizer(prompt, return_tensors="pt")["input_ids"].to(target.model.device)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                eos_token_id=sorted(target.eos_ids), pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
+    out = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=sorted(target.eos_ids),
+        pad_token_id=0,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

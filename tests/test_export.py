@@ -9,7 +9,8 @@ import torch
 
 import omnidraft as od
 from omnidraft.errors import CorruptFileError, IncompatibleError
-from omnidraft.export.onnx import Gemma3Graph, LlamaGraph, drafter_graph, export_drafter
+from omnidraft.export.graphs import Gemma3Graph, LlamaGraph, drafter_graph
+from omnidraft.export.onnx import export_drafter
 from omnidraft.export.ort_drafter import OrtDrafter
 from omnidraft.runner import CausalRunner
 
@@ -21,8 +22,15 @@ from .test_pairing import PROMPTS
 def exported(tiny_drafter, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
     prompts = [tiny_drafter.tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
-    sidecar = export_drafter(tiny_drafter.model, out, name="tiny-drafter", tokenizer=tiny_drafter.tokenizer,
-                             fingerprint=tiny_drafter.token_bytes.fingerprint, parity_prompts=prompts, parity_steps=12)
+    sidecar = export_drafter(
+        tiny_drafter.model,
+        out,
+        name="tiny-drafter",
+        tokenizer=tiny_drafter.tokenizer,
+        fingerprint=tiny_drafter.token_bytes.fingerprint,
+        parity_prompts=prompts,
+        parity_steps=12,
+    )
     return out, sidecar
 
 
@@ -45,12 +53,25 @@ def test_the_gemma3_graph_equals_the_hf_forward_past_its_sliding_window():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
-                              layer_types=["sliding_attention", "full_attention"])
+    config = Gemma3TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     model = Gemma3ForCausalLM(config).eval()
     for layer in model.model.layers:  # non-zero norm weights, so that (1 + w) is tested
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm):
+        for norm in (
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            layer.self_attn.q_norm,
+            layer.self_attn.k_norm,
+        ):
             norm.weight.data.normal_(0, 0.3)
     ids = torch.randint(0, 64, (14,)).tolist()
     graph = drafter_graph(model).eval()
@@ -92,9 +113,16 @@ def test_engine_with_the_ort_drafter_is_target_greedy(exported, tiny_target):
 def test_pruned_int8_export_maps_ids_back(tiny_drafter, tiny_target, tmp_path):
     keep = list(range(0, len(tiny_drafter.token_bytes), 2)) + [tiny_drafter.tokenizer.eos_token_id]
     out = tmp_path / "pruned.onnx"
-    sidecar = export_drafter(tiny_drafter.model, out, name="tiny", tokenizer=tiny_drafter.tokenizer, quantize="int8",
-                             fingerprint=tiny_drafter.token_bytes.fingerprint, keep_ids=keep,
-                             parity_prompts=[tiny_drafter.tokenizer(PROMPTS[0])["input_ids"]])
+    sidecar = export_drafter(
+        tiny_drafter.model,
+        out,
+        name="tiny",
+        tokenizer=tiny_drafter.tokenizer,
+        quantize="int8",
+        fingerprint=tiny_drafter.token_bytes.fingerprint,
+        keep_ids=keep,
+        parity_prompts=[tiny_drafter.tokenizer(PROMPTS[0])["input_ids"]],
+    )
     assert 0 <= sidecar["parity"]["top1_agreement"] <= 1 and sidecar["quantization"] == "int8"
     kept = sidecar["keep_ids"]
     assert set(keep) <= set(kept) and len(kept) == 256  # padded to a whole block of rows
@@ -102,7 +130,9 @@ def test_pruned_int8_export_maps_ids_back(tiny_drafter, tiny_target, tmp_path):
     draft = drafter.begin(tiny_drafter.tokenizer(PROMPTS[1])["input_ids"]).propose(8, stop_confidence=0)
     assert all(t in set(kept) for t in draft.ids)
     pair = drafter.pair(tiny_target, k=4)
-    assert pair.generate(PROMPTS[1], max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPTS[1], 16)
+    assert pair.generate(PROMPTS[1], max_new_tokens=16).token_ids == target_greedy(
+        tiny_target, PROMPTS[1], 16
+    )
 
 
 def test_corrupt_graph_or_foreign_tokenizer_is_refused(exported, tmp_path, target_tokenizer):
@@ -130,27 +160,44 @@ def test_an_onnx_drafter_refuses_to_learn(exported, tiny_target):
         od.Drafter.load(str(exported[0])).pair(tiny_target, learn=True)
 
 
-def test_a_head_outside_the_graph_drafts_whole_or_shortlisted(tiny_drafter, tiny_target, tmp_path, monkeypatch):
+def test_a_head_outside_the_graph_drafts_whole_or_shortlisted(
+    tiny_drafter, tiny_target, tmp_path, monkeypatch
+):
     """`head="outside"`: the graph ends at the hidden state; the head beside it gives the graph-inside
     drafts, and each shortlist policy keeps the target's greedy output (DynaSpec's clusters from the
     head beside the graph, or a file the PyTorch drafter built); a tampered head file is refused."""
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     out = tmp_path / "outside.onnx"
-    sidecar = export_drafter(tiny_drafter.model, out, name="tiny-drafter", tokenizer=tiny_drafter.tokenizer,
-                             fingerprint=tiny_drafter.token_bytes.fingerprint, head="outside")
+    sidecar = export_drafter(
+        tiny_drafter.model,
+        out,
+        name="tiny-drafter",
+        tokenizer=tiny_drafter.tokenizer,
+        fingerprint=tiny_drafter.token_bytes.fingerprint,
+        head="outside",
+    )
     assert sidecar["head"] == "outside" and out.with_suffix(".head.pt").is_file()
     drafter = od.Drafter.load(str(out))
     ids = tiny_drafter.tokenizer(PROMPTS[0])["input_ids"]
-    assert drafter.begin(ids).propose(6, stop_confidence=0).ids == tiny_drafter.begin(ids).propose(6, stop_confidence=0).ids
+    assert (
+        drafter.begin(ids).propose(6, stop_confidence=0).ids
+        == tiny_drafter.begin(ids).propose(6, stop_confidence=0).ids
+    )
     router = tmp_path / "router.pt"
     from omnidraft.shortlist.build import shortlist
 
     shortlist(tiny_drafter, "dyna", size=256, clusters=8, path=router)
-    for kind, options in [("static", {"size": 256}), ("evo", {"size": 256}),
-                          ("dyna", {"size": 256, "clusters": 8}), ("dyna", {"size": 256, "clusters": 8, "path": router})]:
+    for kind, options in [
+        ("static", {"size": 256}),
+        ("evo", {"size": 256}),
+        ("dyna", {"size": 256, "clusters": 8}),
+        ("dyna", {"size": 256, "clusters": 8, "path": router}),
+    ]:
         drafter.use_shortlist(kind, **options)
         pair = drafter.pair(tiny_target, k=4)
-        assert pair.generate(PROMPTS[1], max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPTS[1], 16), kind
+        assert pair.generate(PROMPTS[1], max_new_tokens=16).token_ids == target_greedy(
+            tiny_target, PROMPTS[1], 16
+        ), kind
     with pytest.raises(ValueError, match="outside"):
         od.Drafter.load(str(exported_inside(tiny_drafter, tmp_path))).use_shortlist("static")
     out.with_suffix(".head.pt").write_bytes(b"torn")
@@ -160,13 +207,20 @@ def test_a_head_outside_the_graph_drafts_whole_or_shortlisted(tiny_drafter, tiny
 
 def exported_inside(tiny_drafter, tmp_path):
     out = tmp_path / "inside.onnx"
-    export_drafter(tiny_drafter.model, out, name="tiny-drafter", tokenizer=tiny_drafter.tokenizer,
-                   fingerprint=tiny_drafter.token_bytes.fingerprint)
+    export_drafter(
+        tiny_drafter.model,
+        out,
+        name="tiny-drafter",
+        tokenizer=tiny_drafter.tokenizer,
+        fingerprint=tiny_drafter.token_bytes.fingerprint,
+    )
     return out
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
-def test_a_gathering_graph_evaluates_just_the_support(tiny_drafter, tiny_target, tmp_path, monkeypatch, quantize):
+def test_a_gathering_graph_evaluates_just_the_support(
+    tiny_drafter, tiny_target, tmp_path, monkeypatch, quantize
+):
     """`head="gather"`: the graph takes the support's ids and evaluates only those head rows. On the
     support its logits are the full head's (fp32: the same rows; int8: the rows `int8_rows` gives the
     head, dequantized); static and EvoSpec keep the target's greedy output; DynaSpec, whose support
@@ -175,8 +229,15 @@ def test_a_gathering_graph_evaluates_just_the_support(tiny_drafter, tiny_target,
 
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     out = tmp_path / "gather.onnx"
-    sidecar = export_drafter(tiny_drafter.model, out, name="tiny-drafter", tokenizer=tiny_drafter.tokenizer,
-                             fingerprint=tiny_drafter.token_bytes.fingerprint, head="gather", quantize=quantize)
+    sidecar = export_drafter(
+        tiny_drafter.model,
+        out,
+        name="tiny-drafter",
+        tokenizer=tiny_drafter.tokenizer,
+        fingerprint=tiny_drafter.token_bytes.fingerprint,
+        head="gather",
+        quantize=quantize,
+    )
     assert sidecar["head"] == "gather"
     drafter = od.Drafter.load(str(out))
     assert drafter.gathers and drafter.lm_head is None
@@ -193,11 +254,16 @@ def test_a_gathering_graph_evaluates_just_the_support(tiny_drafter, tiny_target,
     if quantize is None:
         full = CausalRunner(tiny_drafter.model, ids).forward(keep=1)[0]
         assert (got - full[support]).abs().max() < 1e-4
-        assert drafter.begin(ids).propose(6, stop_confidence=0).ids == tiny_drafter.begin(ids).propose(6, stop_confidence=0).ids
+        assert (
+            drafter.begin(ids).propose(6, stop_confidence=0).ids
+            == tiny_drafter.begin(ids).propose(6, stop_confidence=0).ids
+        )
     with pytest.raises(ValueError, match="outside"):
         drafter.use_shortlist("dyna", size=256, clusters=8)
     for kind in ("static", "evo"):
         drafter.use_shortlist(kind, size=256)
         pair = drafter.pair(tiny_target, k=4)
-        assert pair.generate(PROMPTS[1], max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPTS[1], 16), kind
+        assert pair.generate(PROMPTS[1], max_new_tokens=16).token_ids == target_greedy(
+            tiny_target, PROMPTS[1], 16
+        ), kind
         assert 256 <= max(drafter.head.support_sizes) < drafter.vocab_size

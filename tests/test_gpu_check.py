@@ -15,8 +15,30 @@ from device_sim.profiles import load_profiles
 @pytest.fixture(scope="module")
 def check_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu") / "check.json"
-    gpu_check(["--device", "cpu", "--dtype", "bfloat16", "--models", "qwen2.5-0.5b", "--layers", "2",
-               "--contexts", "16", "32", "--ks", "1", "2", "4", "--reps", "2", "--no-graphs", "--out", str(out)])
+    gpu_check(
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--models",
+            "qwen2.5-0.5b",
+            "--layers",
+            "2",
+            "--contexts",
+            "16",
+            "32",
+            "--ks",
+            "1",
+            "2",
+            "4",
+            "--reps",
+            "2",
+            "--no-graphs",
+            "--out",
+            str(out),
+        ]
+    )
     return out
 
 
@@ -24,7 +46,9 @@ def test_the_check_measures_every_k_at_every_context(check_json):
     doc = json.loads(check_json.read_text())
     row = doc["models"]["qwen2.5-0.5b"]
     assert doc["format"] == "omnidraft-gpu-check" and doc["version"] == 1
-    assert set(row["eager"]) == {"16", "32"} and all(row["eager"][c][k] > 0 for c in row["eager"] for k in "124")
+    assert set(row["eager"]) == {"16", "32"} and all(
+        row["eager"][c][k] > 0 for c in row["eager"] for k in "124"
+    )
     assert row["generate_ms_per_token"] > 0 and "graph" not in row
 
 

@@ -22,13 +22,17 @@ def test_smoothing_folds_scales_without_changing_the_fp32_model(draft_tokenizer)
         model.model.layers[0].mlp.up_proj.weight[7].mul_(40)
     smoothed = copy.deepcopy(model)
     assert smooth_mlps(smoothed, draft_tokenizer) == 2
-    assert not torch.allclose(smoothed.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
+    assert not torch.allclose(
+        smoothed.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight
+    )
     with torch.no_grad():
         assert torch.allclose(smoothed(X).logits, model(X).logits, atol=1e-4)
 
 
 def test_mlps_with_an_adapter_and_unknown_architectures_are_left_alone(draft_tokenizer):
-    peft = add_adapter(tiny_llama(len(draft_tokenizer), seed=4), "a", AdapterConfig(rank=2, alpha=4, modules=("up_proj",)))
+    peft = add_adapter(
+        tiny_llama(len(draft_tokenizer), seed=4), "a", AdapterConfig(rank=2, alpha=4, modules=("up_proj",))
+    )
     assert smooth_mlps(peft, draft_tokenizer) == 0  # every MLP has a LoRA on up_proj
     assert smooth_mlps(SimpleNamespace(config=SimpleNamespace(model_type="gemma3")), draft_tokenizer) == 0
 
@@ -37,7 +41,9 @@ def test_quantize_int8_copies_quantizes_per_channel_and_stays_close(draft_tokeni
     model = tiny_llama(len(draft_tokenizer), seed=5)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     q = quantize_int8(model, draft_tokenizer)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the fp32 model is untouched
+    assert all(
+        torch.equal(v, before[k]) for k, v in model.state_dict().items()
+    )  # the fp32 model is untouched
     linears = [m for m in q.modules() if "quantized" in type(m).__module__ and hasattr(m, "weight")]
     assert linears and all(m.weight().qscheme() == torch.per_channel_affine for m in linears)
     with torch.no_grad():
@@ -47,7 +53,9 @@ def test_quantize_int8_copies_quantizes_per_channel_and_stays_close(draft_tokeni
 
 def test_int8_twin_of_an_attention_adapter_model_smooths_its_mlps(draft_tokenizer):
     peft = add_adapter(tiny_llama(len(draft_tokenizer), seed=6), "a", AdapterConfig(rank=2, alpha=4))
-    assert smooth_mlps(copy.deepcopy(peft), draft_tokenizer) == 2  # the attention adapters leave the MLPs plain
+    assert (
+        smooth_mlps(copy.deepcopy(peft), draft_tokenizer) == 2
+    )  # the attention adapters leave the MLPs plain
     twin = int8_twin(peft, draft_tokenizer)
     with torch.no_grad():
         ref, got = peft(X).logits, twin(X).logits
@@ -59,7 +67,9 @@ def test_fake_int8_computes_what_the_int8_kernels_compute_one_token_at_a_time(dr
     q = quantize_int8(tiny_llama(len(draft_tokenizer), seed=8), draft_tokenizer)
     fake = fake_int8(q)
     assert not any("quantized" in type(m).__module__ for m in fake.modules())
-    assert fake.model.embed_tokens.weight is q.model.embed_tokens.weight  # nothing is copied: it reads q's tensors
+    assert (
+        fake.model.embed_tokens.weight is q.model.embed_tokens.weight
+    )  # nothing is copied: it reads q's tensors
     int8_linears = sum(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in q.modules())
     assert int8_linears and sum(isinstance(m, FakeInt8Linear) for m in fake.modules()) == int8_linears
     with torch.no_grad():  # a decode step: one row per call, where the kernel's per-call scale is the row's
@@ -67,7 +77,9 @@ def test_fake_int8_computes_what_the_int8_kernels_compute_one_token_at_a_time(dr
             ref, got = q(torch.tensor([[token]])).logits, fake(torch.tensor([[token]])).logits
             assert torch.allclose(got, ref, atol=1e-4 * ref.abs().max())
         fp32 = tiny_llama(len(draft_tokenizer), seed=8)(X).logits
-    assert not torch.allclose(fake(X).logits, fp32, atol=1e-4 * fp32.abs().max())  # it is the int8 function, not the fp32 one
+    assert not torch.allclose(
+        fake(X).logits, fp32, atol=1e-4 * fp32.abs().max()
+    )  # it is the int8 function, not the fp32 one
 
 
 def test_fake_int8_passes_gradients_straight_through_and_keeps_its_weights_frozen():
@@ -75,7 +87,9 @@ def test_fake_int8_passes_gradients_straight_through_and_keeps_its_weights_froze
     fake = fake_int8(linear)
     x = torch.randn(3, 16, requires_grad=True)
     fake(x).sum().backward()
-    assert torch.allclose(x.grad, fake[0].weight.sum(0).expand(3, 16))  # d(xW^T)/dx, rounding passed straight through
+    assert torch.allclose(
+        x.grad, fake[0].weight.sum(0).expand(3, 16)
+    )  # d(xW^T)/dx, rounding passed straight through
     assert not list(fake.parameters())  # the int8 weights are buffers: nothing to train
     with pytest.raises(ValueError, match="needs a model with dynamic int8 linears"):
         fake_int8(torch.nn.Sequential(torch.nn.Linear(4, 4)))

@@ -15,8 +15,11 @@ from .conftest import tiny_llama
 
 
 def _fixed_plan(model: nn.Module, path: str) -> K.KernelPlan:
-    shapes = {K._shape_key(m.out_features, m.in_features, m.bias is not None)
-              for m in model.modules() if type(m) is nn.Linear}
+    shapes = {
+        K._shape_key(m.out_features, m.in_features, m.bias is not None)
+        for m in model.modules()
+        if type(m) is nn.Linear
+    }
     ms = {s: {p: [1.0] * len(K.BUCKETS) for p in K.PATHS} for s in shapes}
     return K.KernelPlan(host="test", choices={s: (path,) * len(K.BUCKETS) for s in shapes}, ms=ms)
 
@@ -35,7 +38,9 @@ def test_every_path_computes_the_stock_linear(path, rows):
 def test_row_counts_pick_their_bucket_and_training_stays_stock(monkeypatch):
     layer = K.KernelLinear(nn.Linear(8, 8), ("dense", "onednn", "dense", "onednn", "dense", "onednn"))
     used = []
-    monkeypatch.setattr(K, "_onednn", lambda x, w, b: used.append(x.numel() // 8) or nn.functional.linear(x, w, b))
+    monkeypatch.setattr(
+        K, "_onednn", lambda x, w, b: used.append(x.numel() // 8) or nn.functional.linear(x, w, b)
+    )
     with torch.inference_mode():
         for rows in (1, 2, 3, 5, 9, 17, 200):
             layer(torch.randn(rows, 8))
@@ -51,12 +56,16 @@ def test_use_kernels_keeps_one_copy_and_the_same_greedy_output(tmp_path):
     model = tiny_llama(300, seed=3, logit_scale=30.0)
     weights = {n: p.data_ptr() for n, p in model.named_parameters()}
     ids = torch.tensor([[5, 17, 42, 7]])
-    stock = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    stock = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )
     plan = K.use_kernels(model, cache=tmp_path)
     assert plan is not None and model.kernel_plan is plan
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == weights  # no weight copied
     assert all(type(m) is not nn.Linear for m in model.modules())
-    planned = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    planned = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )
     assert planned.tolist() == stock.tolist()
 
 
@@ -67,7 +76,9 @@ def test_a_plan_is_timed_once_per_machine_and_shape(tmp_path, monkeypatch):
     first = K.kernel_plan(tiny_llama(300, seed=3), cache=tmp_path)
     n = len(timed)
     assert n == len(first.choices) > 0
-    second = K.kernel_plan(tiny_llama(300, seed=4), cache=tmp_path)  # same shapes, other weights: nothing timed
+    second = K.kernel_plan(
+        tiny_llama(300, seed=4), cache=tmp_path
+    )  # same shapes, other weights: nothing timed
     assert len(timed) == n and second.choices == first.choices
     K.kernel_plan(tiny_llama(310, seed=4), cache=tmp_path)  # a new vocabulary: only the new head's shape
     assert timed[n:] == [torch.Size([310, 32])]
@@ -103,10 +114,18 @@ def test_baseline_and_engine_run_the_same_model_objects_and_kernels(tiny_drafter
     pair = tiny_drafter.pair(LocalTarget(model, target_tokenizer, "planned"), k=3)
     layers = [m for m in model.modules() if isinstance(m, K.KernelLinear)]
     phase, seen = ["warm-up"], defaultdict(set)
-    handles = [m.register_forward_pre_hook(lambda m, _: seen[phase[0]].add((id(m), m.stock, m.paths))) for m in layers]
+    handles = [
+        m.register_forward_pre_hook(lambda m, _: seen[phase[0]].add((id(m), m.stock, m.paths)))
+        for m in layers
+    ]
     try:
-        results = run_prompts(pair, ["Question: Tom has 3 apples. How many"], 10, peers=("stock", "lookup"),
-                              progress=lambda msg: phase.__setitem__(0, msg.split(": ", 1)[1]))
+        results = run_prompts(
+            pair,
+            ["Question: Tom has 3 apples. How many"],
+            10,
+            peers=("stock", "lookup"),
+            progress=lambda msg: phase.__setitem__(0, msg.split(": ", 1)[1]),
+        )
     finally:
         for h in handles:
             h.remove()
@@ -126,12 +145,23 @@ def test_doctor_names_each_llama_cpp_drafters_weights_from_the_memo(tmp_path, mo
     assert not [line for line in doctor.report() if line.startswith("llama.cpp drafter")]
     memo = tmp_path / "measured" / f"drafter-weights-{measured.machine_key()}.json"
     memo.parent.mkdir(parents=True)
-    memo.write_text(json.dumps({
-        "small.Q4_1.gguf|98|0.3|2|True|repack True": {"use": "q8_0", "shipped": {"read_ms": 2.97, "draft_ms": 9.1},
-                                                      "q8_0": {"read_ms": 1.36, "draft_ms": 8.2}},
-        "broken.gguf|1|0.3|2|True|repack True": {"use": "q8_0"}}))
+    memo.write_text(
+        json.dumps(
+            {
+                "small.Q4_1.gguf|98|0.3|2|True|repack True": {
+                    "use": "q8_0",
+                    "shipped": {"read_ms": 2.97, "draft_ms": 9.1},
+                    "q8_0": {"read_ms": 1.36, "draft_ms": 8.2},
+                },
+                "broken.gguf|1|0.3|2|True|repack True": {"use": "q8_0"},
+            }
+        )
+    )
     lines = [line for line in doctor.report() if line.startswith("llama.cpp drafter")]
-    assert any("small.Q4_1.gguf: runs Q8_0 copy" in line and "shipped 2.97 / 9.1, Q8_0 1.36 / 8.2" in line for line in lines)
+    assert any(
+        "small.Q4_1.gguf: runs Q8_0 copy" in line and "shipped 2.97 / 9.1, Q8_0 1.36 / 8.2" in line
+        for line in lines
+    )
     assert any("broken.gguf: unreadable timing" in line for line in lines)
 
 
@@ -143,7 +173,9 @@ def test_grouped_attention_verifies_with_the_same_logits(tmp_path, monkeypatch, 
     from omnidraft.runner import CausalRunner
 
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(A, "_time_attention", lambda *a, **k: {"repeated": 1.0, "grouped": 0.5 if grouped_faster else 2.0})
+    monkeypatch.setattr(
+        A, "_time_attention", lambda *a, **k: {"repeated": 1.0, "grouped": 0.5 if grouped_faster else 2.0}
+    )
     model = tiny_llama(300, seed=4, logit_scale=30.0)
     ids = torch.randint(1, 300, (90,), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -160,6 +192,10 @@ def test_grouped_attention_verifies_with_the_same_logits(tmp_path, monkeypatch, 
     stock = verifies()
     assert A.use_grouped_attention(model) is grouped_faster
     assert model.config._attn_implementation == (A.NAME if grouped_faster else "sdpa")
-    assert ("attention grouped" in A.attention_choice(model)) is grouped_faster  # what `omnidraft doctor` says
+    assert (
+        "attention grouped" in A.attention_choice(model)
+    ) is grouped_faster  # what `omnidraft doctor` says
     assert all(torch.equal(a, b) for a, b in zip(verifies(), stock))
-    assert json.loads(next((tmp_path / "measured").glob("attention-*.json")).read_text())  # remembered per machine
+    assert json.loads(
+        next((tmp_path / "measured").glob("attention-*.json")).read_text()
+    )  # remembered per machine

@@ -23,8 +23,12 @@ def _imports(path: Path) -> set[str]:
     """Modules of the SDK that `path` imports anywhere except under `if TYPE_CHECKING:`."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)}
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -97,8 +101,11 @@ def test_the_core_never_imports_the_bench():
 
 
 def test_importing_the_sdk_loads_no_lab_server_or_plotting_module():
-    probe = ("import sys, omnidraft as od; od.Drafter, od.LocalTarget, od.Pairing, od.DecodeConfig, od.pair; "
-             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('benchmarks', 'fastapi', 'uvicorn', 'matplotlib')))")
+    probe = (
+        "import sys, omnidraft as od; od.Drafter, od.LocalTarget, od.Pairing, od.DecodeConfig, od.pair; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('benchmarks', 'fastapi', 'uvicorn', "
+        "'matplotlib')))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
 

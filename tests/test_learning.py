@@ -3,8 +3,8 @@ adapter switching between targets, and profiles that survive save/load."""
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from omnidraft import TorchDrafter as Drafter
 from omnidraft.distill.adapters import AdapterConfig, adapter_state
@@ -16,15 +16,20 @@ from omnidraft.translate.vocab_map import build_vocab_map
 
 from .conftest import target_greedy, tiny_llama
 
-PROMPTS = ["Question: Tom has 3 apples and buys 5 more.", "Question: A train travels 60 miles in 2 hours.",
-           "Question: Sara reads 12 pages a day for a week."]
+PROMPTS = [
+    "Question: Tom has 3 apples and buys 5 more.",
+    "Question: A train travels 60 miles in 2 hours.",
+    "Question: Sara reads 12 pages a day for a week.",
+]
 SMALL = AdapterConfig(rank=4, alpha=8)
 
 
 @pytest.fixture()
 def drafter(draft_tokenizer):
     """A fresh drafter per test: learning wraps and changes it."""
-    return Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    return Drafter(
+        tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter"
+    )
 
 
 def _request(drafter, target, prompt: str, n: int = 24) -> VerifiedRequest:
@@ -38,7 +43,9 @@ def _request(drafter, target, prompt: str, n: int = 24) -> VerifiedRequest:
 
 
 def test_examples_label_each_target_token_by_how_drafter_tokens_spell_it(drafter, tiny_target):
-    vmap = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer)
+    vmap = build_vocab_map(
+        drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer
+    )
     request = _request(drafter, tiny_target, PROMPTS[0])
     ex = build_example(request, drafter, tiny_target.token_bytes, vmap.t2d)
     # naive reference: walk both tokenizations of the continuation's bytes
@@ -64,7 +71,9 @@ def test_examples_label_each_target_token_by_how_drafter_tokens_spell_it(drafter
 
 
 def test_spans_label_misaligned_runs_of_target_tokens_like_ngram_tokens(drafter, tiny_target):
-    vmap = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer)
+    vmap = build_vocab_map(
+        drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer
+    )
     requests = [_request(drafter, tiny_target, p) for p in PROMPTS]
     tb, db = tiny_target.token_bytes.table, drafter.token_bytes.table
     spans_seen = 0
@@ -91,12 +100,16 @@ def test_spans_label_misaligned_runs_of_target_tokens_like_ngram_tokens(drafter,
                 continue  # direct (or a token the drafter spells with another id): the KL term's business
             spans_seen += len(tokens) > 1
             rows += [prompt_rows + i for i in subs]
-            logps.append(sum(float(request.topk_logp[j][request.topk_ids[j] == request.tokens[j]][0]) for j in tokens))
+            logps.append(
+                sum(float(request.topk_logp[j][request.topk_ids[j] == request.tokens[j]][0]) for j in tokens)
+            )
         assert torch.equal(ex.kl_rows, plain.kl_rows)  # spans add labels, never move the direct ones
         assert ex.ng_rows.tolist() == rows
         assert ex.ng_logp.tolist() == pytest.approx(logps, abs=1e-5)
         assert torch.equal(ex.ids[ex.ng_rows + 1], ex.ng_tokens)
-        assert len(plain.ng_logp) == sum(1 for x, y in zip(cuts, cuts[1:]) if t_at[y] - t_at[x] == 1 and d_at[y] - d_at[x] > 1)
+        assert len(plain.ng_logp) == sum(
+            1 for x, y in zip(cuts, cuts[1:]) if t_at[y] - t_at[x] == 1 and d_at[y] - d_at[x] > 1
+        )
     assert spans_seen > 0  # the two tokenizers disagree on boundaries somewhere, so spans are exercised
 
 
@@ -105,7 +118,9 @@ def _loss_and_reference_logits(drafter, target, config: TrainConfig):
     map, the examples and each one's full logits from its own unpadded forward."""
     vmap = build_vocab_map(drafter.token_bytes, target.token_bytes, drafter.tokenizer, target.tokenizer)
     drafter.add_adapter("t", SMALL)
-    examples = [build_example(_request(drafter, target, p), drafter, target.token_bytes, vmap.t2d) for p in PROMPTS]
+    examples = [
+        build_example(_request(drafter, target, p), drafter, target.token_bytes, vmap.t2d) for p in PROMPTS
+    ]
     total, parts = OnlineTrainer(drafter.trainable, vmap.t2d, config).loss(examples)
     with torch.no_grad():
         logits = [drafter.trainable(e.ids[None]).logits[0] for e in examples]
@@ -113,18 +128,32 @@ def _loss_and_reference_logits(drafter, target, config: TrainConfig):
 
 
 def test_trainer_loss_equals_the_reference_formula(drafter, tiny_target):
-    total, parts, vmap, examples, logits = _loss_and_reference_logits(drafter, tiny_target, TrainConfig(lam=0.2, direct_nll=0.0))
-    kl = direct_kl(torch.cat([lg[e.kl_rows] for lg, e in zip(logits, examples)]),
-                   torch.cat([e.kl_ids for e in examples]), torch.cat([e.kl_logp for e in examples]), vmap.t2d)
-    nll = ngram_nll(torch.cat([lg[e.ng_rows] for lg, e in zip(logits, examples)]), torch.cat([e.ng_tokens for e in examples]))
+    total, parts, vmap, examples, logits = _loss_and_reference_logits(
+        drafter, tiny_target, TrainConfig(lam=0.2, direct_nll=0.0)
+    )
+    kl = direct_kl(
+        torch.cat([lg[e.kl_rows] for lg, e in zip(logits, examples)]),
+        torch.cat([e.kl_ids for e in examples]),
+        torch.cat([e.kl_logp for e in examples]),
+        vmap.t2d,
+    )
+    nll = ngram_nll(
+        torch.cat([lg[e.ng_rows] for lg, e in zip(logits, examples)]),
+        torch.cat([e.ng_tokens for e in examples]),
+    )
     assert parts["kl"] == pytest.approx(float(kl), rel=1e-4)
     assert parts["ngram"] == pytest.approx(float(nll), rel=1e-4)
     assert float(total) == pytest.approx(float(kl + 0.2 * nll), rel=1e-4)
 
 
 def test_direct_nll_is_the_nll_of_the_target_greedy_token_at_direct_positions(drafter, tiny_target):
-    total, parts, vmap, examples, logits = _loss_and_reference_logits(drafter, tiny_target, TrainConfig(lam=0.2, direct_nll=0.5))
-    nll, plain = [], OnlineTrainer(drafter.trainable, vmap.t2d, TrainConfig(lam=0.2, direct_nll=0.0)).loss(examples)[0]
+    total, parts, vmap, examples, logits = _loss_and_reference_logits(
+        drafter, tiny_target, TrainConfig(lam=0.2, direct_nll=0.5)
+    )
+    nll, plain = (
+        [],
+        OnlineTrainer(drafter.trainable, vmap.t2d, TrainConfig(lam=0.2, direct_nll=0.0)).loss(examples)[0],
+    )
     for lg, e in zip(logits, examples):
         greedy = vmap.t2d[e.kl_ids[:, 0]]  # the target's argmax, as the drafter spells it
         assert torch.equal(greedy, e.ids[e.kl_rows + 1])  # greedy mode: what was committed
@@ -139,8 +168,15 @@ def test_direct_nll_is_the_nll_of_the_target_greedy_token_at_direct_positions(dr
 @pytest.mark.parametrize("spans", [False, True])
 def test_learning_pairing_stays_identical_and_updates_only_its_adapter(drafter, tiny_target, tmp_path, spans):
     base_before = {n: p.clone() for n, p in drafter.model.named_parameters()}
-    pair = drafter.pair(tiny_target, k=4, user="alice", learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
-                        train=TrainConfig(interval=1, lr=1e-2, spans=spans))
+    pair = drafter.pair(
+        tiny_target,
+        k=4,
+        user="alice",
+        learn=True,
+        adapter=SMALL,
+        store=ProfileStore(tmp_path),
+        train=TrainConfig(interval=1, lr=1e-2, spans=spans),
+    )
     lora_before = adapter_state(drafter.trainable, pair.adapter)
     for prompt in PROMPTS:
         out = pair.generate(prompt, max_new_tokens=20)
@@ -156,17 +192,29 @@ def test_learning_pairing_stays_identical_and_updates_only_its_adapter(drafter, 
 
 def test_learning_raises_acceptance_on_what_it_has_seen(drafter, tiny_target, tmp_path):
     torch.manual_seed(0)  # LoRA A matrices start random
-    pair = drafter.pair(tiny_target, k=4, learn=True, adapter=AdapterConfig(rank=8, alpha=16, modules=("q_proj", "v_proj")),
-                        train=TrainConfig(interval=1, epochs=60, lr=5e-2), store=ProfileStore(tmp_path))
+    pair = drafter.pair(
+        tiny_target,
+        k=4,
+        learn=True,
+        adapter=AdapterConfig(rank=8, alpha=16, modules=("q_proj", "v_proj")),
+        train=TrainConfig(interval=1, epochs=60, lr=5e-2),
+        store=ProfileStore(tmp_path),
+    )
     before = pair.generate(PROMPTS[1], max_new_tokens=24).stats.acceptance_rate
     after = pair.generate(PROMPTS[1], max_new_tokens=24).stats.acceptance_rate
     assert after > before + 0.2, (before, after)
 
 
-def test_test_time_speculation_steps_within_a_request_and_undoes_them_at_its_end(drafter, tiny_target, tmp_path):
+def test_test_time_speculation_steps_within_a_request_and_undoes_them_at_its_end(
+    drafter, tiny_target, tmp_path
+):
     torch.manual_seed(0)
-    train = TrainConfig(interval=100, tts_every=1, tts_lr=0.5)  # no Algorithm 2 update: only the fast steps move it
-    pair = drafter.pair(tiny_target, k=4, learn=True, adapter=SMALL, train=train, store=ProfileStore(tmp_path))
+    train = TrainConfig(
+        interval=100, tts_every=1, tts_lr=0.5
+    )  # no Algorithm 2 update: only the fast steps move it
+    pair = drafter.pair(
+        tiny_target, k=4, learn=True, adapter=SMALL, train=train, store=ProfileStore(tmp_path)
+    )
     before = adapter_state(drafter.trainable, pair.adapter)
     moved = False
     for piece in pair.stream(PROMPTS[0], max_new_tokens=24):
@@ -181,8 +229,14 @@ def test_test_time_speculation_steps_within_a_request_and_undoes_them_at_its_end
 
 def test_test_time_speculation_is_undone_when_the_request_is_abandoned(drafter, tiny_target, tmp_path):
     torch.manual_seed(0)
-    pair = drafter.pair(tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
-                        train=TrainConfig(interval=100, tts_every=1, tts_lr=0.5))
+    pair = drafter.pair(
+        tiny_target,
+        k=4,
+        learn=True,
+        adapter=SMALL,
+        store=ProfileStore(tmp_path),
+        train=TrainConfig(interval=100, tts_every=1, tts_lr=0.5),
+    )
     before = adapter_state(drafter.trainable, pair.adapter)
     stream = pair.stream(PROMPTS[1], max_new_tokens=24)
     next(stream), next(stream)
@@ -201,10 +255,22 @@ def test_train_config_refuses_a_bad_test_time_speculation_setting():
 def test_switching_target_switches_adapter_and_cache(drafter, tiny_target, target_tokenizer, tmp_path):
     from omnidraft import LocalTarget
 
-    other = LocalTarget(tiny_llama(len(target_tokenizer), seed=5, logit_scale=30.0), target_tokenizer, "tiny-other")
+    other = LocalTarget(
+        tiny_llama(len(target_tokenizer), seed=5, logit_scale=30.0), target_tokenizer, "tiny-other"
+    )
     store = ProfileStore(tmp_path)
-    a = drafter.pair(tiny_target, k=4, user="u", learn=True, adapter=SMALL, store=store, train=TrainConfig(interval=1, lr=1e-2))
-    b = drafter.pair(other, k=4, user="u", learn=True, adapter=SMALL, store=store, train=TrainConfig(interval=1, lr=1e-2))
+    a = drafter.pair(
+        tiny_target,
+        k=4,
+        user="u",
+        learn=True,
+        adapter=SMALL,
+        store=store,
+        train=TrainConfig(interval=1, lr=1e-2),
+    )
+    b = drafter.pair(
+        other, k=4, user="u", learn=True, adapter=SMALL, store=store, train=TrainConfig(interval=1, lr=1e-2)
+    )
     assert a.adapter != b.adapter and a.translator.cache is not b.translator.cache
     b.generate(PROMPTS[0], max_new_tokens=16)
     assert drafter.active == b.adapter
@@ -215,15 +281,26 @@ def test_switching_target_switches_adapter_and_cache(drafter, tiny_target, targe
     assert drafter.active is None  # a pairing without a profile drafts with the bare base
 
 
-def test_profile_save_and_load_restore_adapter_cache_and_metrics(drafter, tiny_target, draft_tokenizer, tmp_path):
+def test_profile_save_and_load_restore_adapter_cache_and_metrics(
+    drafter, tiny_target, draft_tokenizer, tmp_path
+):
     store = ProfileStore(tmp_path)
-    pair = drafter.pair(tiny_target, k=4, user="alice", learn=True, adapter=SMALL, store=store,
-                        train=TrainConfig(interval=2, lr=1e-2))
+    pair = drafter.pair(
+        tiny_target,
+        k=4,
+        user="alice",
+        learn=True,
+        adapter=SMALL,
+        store=store,
+        train=TrainConfig(interval=2, lr=1e-2),
+    )
     for prompt in PROMPTS + PROMPTS[:1]:
         pair.generate(prompt, max_new_tokens=16)
     pair.save()
     saved = adapter_state(drafter.trainable, pair.adapter)
-    fresh = Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    fresh = Drafter(
+        tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter"
+    )
     again = fresh.pair(tiny_target, k=4, user="alice", adapter=SMALL, store=store)
     loaded = adapter_state(fresh.trainable, again.adapter)
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
@@ -255,8 +332,15 @@ def test_lr_schedule_anneals_along_a_cosine_and_a_reloaded_profile_resumes_it(dr
 
 
 def test_background_training_never_changes_the_output(drafter, tiny_target, tmp_path):
-    pair = drafter.pair(tiny_target, k=4, user="bob", learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
-                        train=TrainConfig(interval=1, lr=1e-2, background=True))
+    pair = drafter.pair(
+        tiny_target,
+        k=4,
+        user="bob",
+        learn=True,
+        adapter=SMALL,
+        store=ProfileStore(tmp_path),
+        train=TrainConfig(interval=1, lr=1e-2, background=True),
+    )
     for prompt in PROMPTS * 2:
         assert pair.generate(prompt, max_new_tokens=16).token_ids == target_greedy(tiny_target, prompt, 16)
     pair.save()  # waits for the update in flight
@@ -283,15 +367,33 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
 
     monkeypatch.setattr(adapt, "quantize_int8", int8_drafting)
     torch.manual_seed(0)
-    kwargs = dict(train="gsm8k:train", evaluation="gsm8k:test", n_train=4, n_eval=2, max_new_tokens=12, steps=2,
-                  eval_every=1, config=TrainConfig(interval=2, batch_size=2, lr=1e-2), rank=4, k=4,
-                  stop_confidence=0.0, out=tmp_path, name="adapt", record_batch=3)
-    result = run_adapt(drafter, tiny_target, variants=["none", "dm", "hybrid", "full", "full-spans"], full_lr=1e-3, **kwargs)
+    kwargs = dict(
+        train="gsm8k:train",
+        evaluation="gsm8k:test",
+        n_train=4,
+        n_eval=2,
+        max_new_tokens=12,
+        steps=2,
+        eval_every=1,
+        config=TrainConfig(interval=2, batch_size=2, lr=1e-2),
+        rank=4,
+        k=4,
+        stop_confidence=0.0,
+        out=tmp_path,
+        name="adapt",
+        record_batch=3,
+    )
+    result = run_adapt(
+        drafter, tiny_target, variants=["none", "dm", "hybrid", "full", "full-spans"], full_lr=1e-3, **kwargs
+    )
     assert set(result["variants"]) == {"none", "dm", "hybrid", "full", "full-spans"}
-    # full fine-tuning takes its own lr; an fp32 drafter's fully tuned copy drafts in fp32, as the drafter does
+    # full fine-tuning takes its own lr; an fp32 drafter's fully tuned copy drafts in fp32, as the drafter
+    # does
     assert [result["variants"][v]["lr"] for v in ("hybrid", "full", "full-spans")] == [1e-2, 1e-3, 1e-3]
     assert "Full fine-tuning at lr 0.001." in (tmp_path / "adapt.md").read_text()
-    with pytest.raises(ValueError, match="need lr > 0"):  # a bad full lr is refused, not replaced by the adapters'
+    with pytest.raises(
+        ValueError, match="need lr > 0"
+    ):  # a bad full lr is refused, not replaced by the adapters'
         run_adapt(drafter, tiny_target, variants=["full"], full_lr=0.0, **kwargs)
     for name in ("dm", "hybrid", "full", "full-spans"):
         steps = [p["step"] for p in result["variants"][name]["curve"]]
@@ -303,13 +405,17 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     stamp = [p.stat().st_mtime_ns for p in recorded]
     # traces are reused, not recorded again; with an early stop the fixed-length figures come too;
     # a variant's adapter starts from the same seeded weights, so a rerun trains the same way
-    again = run_adapt(drafter, tiny_target, variants=["none", "hybrid"], live=1, **{**kwargs, "stop_confidence": 0.5})
+    again = run_adapt(
+        drafter, tiny_target, variants=["none", "hybrid"], live=1, **{**kwargs, "stop_confidence": 0.5}
+    )
     assert [p.stat().st_mtime_ns for p in recorded] == stamp
     assert again["variants"]["none"]["fixed_k"] == again["baseline_fixed_k"]
     losses = lambda run: [p["loss"] for p in run["variants"]["hybrid"]["curve"][1:]]  # noqa: E731
     assert losses(again) == pytest.approx(losses(result), rel=1e-5)
     assert "fixed draft length (k=4" in (tmp_path / "adapt.md").read_text()
-    assert again["agreement"][-1]["positions"] == again["variants"]["hybrid"]["agreement"][-1]["positions"] > 0
+    assert (
+        again["agreement"][-1]["positions"] == again["variants"]["hybrid"]["agreement"][-1]["positions"] > 0
+    )
     assert "| all | 100.0% |" in (tmp_path / "adapt.md").read_text()
     # live: the target itself verifies the first held-out prompt; its output is the recorded one, so
     # every figure equals replay's
@@ -318,8 +424,13 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     for settings in live["variants"].values():
         assert set(settings) == {"early stop", "fixed k"}
         for v in settings.values():
-            assert v["replay"]["same_as_recorded"] == v["live"]["same_as_recorded"] == 1  # (sharp tiny models: no near tie)
-            assert (v["live"]["acceptance_rate"], v["live"]["tau"]) == (v["replay"]["acceptance_rate"], v["replay"]["tau"])
+            assert (
+                v["replay"]["same_as_recorded"] == v["live"]["same_as_recorded"] == 1
+            )  # (sharp tiny models: no near tie)
+            assert (v["live"]["acceptance_rate"], v["live"]["tau"]) == (
+                v["replay"]["acceptance_rate"],
+                v["replay"]["tau"],
+            )
     assert "Live check: the first 1 held-out prompts" in (tmp_path / "adapt.md").read_text()
 
 
@@ -329,35 +440,93 @@ def test_adapt_scores_test_time_speculation_on_longer_held_out_requests(drafter,
 
     torch.manual_seed(0)
     tts = TrainConfig(interval=2, batch_size=2, tts_every=1, tts_lr=0.5)
-    result = run_adapt(drafter, tiny_target, train="gsm8k:train", evaluation="gsm8k:test", n_train=2, n_eval=2,
-                       max_new_tokens=8, eval_max_new_tokens=20, steps=1, eval_every=1, variants=["none", "hybrid", "full"],
-                       rank=2, k=4, stop_confidence=0.5, config=TrainConfig(interval=2, batch_size=2), out=tmp_path,
-                       name="tts", tts=tts)
+    result = run_adapt(
+        drafter,
+        tiny_target,
+        train="gsm8k:train",
+        evaluation="gsm8k:test",
+        n_train=2,
+        n_eval=2,
+        max_new_tokens=8,
+        eval_max_new_tokens=20,
+        steps=1,
+        eval_every=1,
+        variants=["none", "hybrid", "full"],
+        rank=2,
+        k=4,
+        stop_confidence=0.5,
+        config=TrainConfig(interval=2, batch_size=2),
+        out=tmp_path,
+        name="tts",
+        tts=tts,
+    )
     assert result["eval_max_new_tokens"] == 20 and any(tmp_path.glob("traces-*-gsm8k-test-2-20.safetensors"))
     assert result["tts"] == {"every": 1, "lr": 0.5}
-    assert set(result["variants"]["none"]["tts"]) == set(result["variants"]["hybrid"]["tts"]) == {"early stop", "fixed k"}
+    assert (
+        set(result["variants"]["none"]["tts"])
+        == set(result["variants"]["hybrid"]["tts"])
+        == {"early stop", "fixed k"}
+    )
     assert "tts" not in result["variants"]["full"]  # no adapter for the fast steps to move
     for settings in (result["variants"]["none"]["tts"], result["variants"]["hybrid"]["tts"]):
-        assert all(v["same_as_recorded"] == 2 for v in settings.values())  # learning changes speed, never output
+        assert all(
+            v["same_as_recorded"] == 2 for v in settings.values()
+        )  # learning changes speed, never output
         assert all(v["tts_steps"] > 0 and v["tts_seconds"] > 0 for v in settings.values())
-    assert "Test-Time Speculation: a fast Adam step (lr 0.5) every 1 rounds" in (tmp_path / "tts.md").read_text()
+    assert (
+        "Test-Time Speculation: a fast Adam step (lr 0.5) every 1 rounds" in (tmp_path / "tts.md").read_text()
+    )
     assert "8 tokens a training prompt, 20 a held-out one" in (tmp_path / "tts.md").read_text()
     # without an early stop the plain figures are the fixed-k ones; the agreement table has no empty column
-    run_adapt(drafter, tiny_target, train="gsm8k:train", evaluation="gsm8k:test", n_train=2, n_eval=1, max_new_tokens=8,
-              eval_max_new_tokens=20, steps=1, eval_every=1, variants=["none"], rank=2, k=4, stop_confidence=0.0,
-              config=TrainConfig(interval=2, batch_size=2), out=tmp_path, name="tts-fixed", tts=tts)
+    run_adapt(
+        drafter,
+        tiny_target,
+        train="gsm8k:train",
+        evaluation="gsm8k:test",
+        n_train=2,
+        n_eval=1,
+        max_new_tokens=8,
+        eval_max_new_tokens=20,
+        steps=1,
+        eval_every=1,
+        variants=["none"],
+        rank=2,
+        k=4,
+        stop_confidence=0.0,
+        config=TrainConfig(interval=2, batch_size=2),
+        out=tmp_path,
+        name="tts-fixed",
+        tts=tts,
+    )
     fixed = (tmp_path / "tts-fixed.md").read_text()
     assert "| none | fixed k |" in fixed and "| margin | share of positions | before |\n" in fixed
     # scoring with fast steps leaves the adapter as it found it, and refuses what it cannot score
     traces = record_many(tiny_target, PROMPTS[:1], 16, k=tts.topk)
     adapter = next(name for name in drafter.trainable.peft_config if name.startswith("adapt_hybrid"))
     before = adapter_state(drafter.trainable, adapter)
-    evaluate(drafter, ReplayTarget.like(tiny_target, traces), traces, PROMPTS[:1], k=4, stop_confidence=0.0,
-             adapter=adapter, tts=tts)
+    evaluate(
+        drafter,
+        ReplayTarget.like(tiny_target, traces),
+        traces,
+        PROMPTS[:1],
+        k=4,
+        stop_confidence=0.0,
+        adapter=adapter,
+        tts=tts,
+    )
     after = adapter_state(drafter.trainable, adapter)
     assert all(torch.equal(before[name], after[name]) for name in after)
     with pytest.raises(ValueError, match="tts_every > 0"):
-        evaluate(drafter, tiny_target, traces, PROMPTS[:1], k=4, stop_confidence=0.0, adapter=adapter, tts=TrainConfig())
+        evaluate(
+            drafter,
+            tiny_target,
+            traces,
+            PROMPTS[:1],
+            k=4,
+            stop_confidence=0.0,
+            adapter=adapter,
+            tts=TrainConfig(),
+        )
     with pytest.raises(ValueError, match="trains an adapter"):
         evaluate(drafter, tiny_target, traces, PROMPTS[:1], k=4, stop_confidence=0.0, tts=tts)
 
@@ -369,26 +538,60 @@ def test_agreement_counts_each_direct_position_once_by_the_target_margin(drafter
     from omnidraft.distill.trace_store import record_many
 
     traces = record_many(tiny_target, PROMPTS, 16, k=4)
-    t2d = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer).t2d
+    t2d = build_vocab_map(
+        drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer
+    ).t2d
     rows = agreement(drafter, None, tiny_target.token_bytes, t2d, traces, PROMPTS)
-    direct = sum(len(build_example(VerifiedRequest(p, t.continuation, t.topk_ids, t.topk_logp, [1] * len(t.continuation)),
-                                   drafter, tiny_target.token_bytes, t2d).kl_rows) for t, p in zip(traces, PROMPTS))
-    assert [r["margin"] for r in rows] == ["< 0.5", "0.5 to 1.5", "1.5 to 3", ">= 3", "all"] and len(MARGINS) == 3
+    direct = sum(
+        len(
+            build_example(
+                VerifiedRequest(p, t.continuation, t.topk_ids, t.topk_logp, [1] * len(t.continuation)),
+                drafter,
+                tiny_target.token_bytes,
+                t2d,
+            ).kl_rows
+        )
+        for t, p in zip(traces, PROMPTS)
+    )
+    assert [r["margin"] for r in rows] == ["< 0.5", "0.5 to 1.5", "1.5 to 3", ">= 3", "all"] and len(
+        MARGINS
+    ) == 3
     assert rows[-1]["positions"] == sum(r["positions"] for r in rows[:-1]) == direct > 0
     assert all(r["agreement"] is None or 0 <= r["agreement"] <= 1 for r in rows)
     # a drafter whose argmax is always the next token agrees everywhere
-    oracle = lambda ids: SimpleNamespace(logits=torch.nn.functional.one_hot(ids.roll(-1, 1), len(drafter.token_bytes)).float())  # noqa: E731
+    oracle = lambda ids: SimpleNamespace(
+        logits=torch.nn.functional.one_hot(ids.roll(-1, 1), len(drafter.token_bytes)).float()
+    )  # noqa: E731
     drafter.model = oracle
-    assert all(r["agreement"] in (None, 1.0) for r in agreement(drafter, None, tiny_target.token_bytes, t2d, traces, PROMPTS))
+    assert all(
+        r["agreement"] in (None, 1.0)
+        for r in agreement(drafter, None, tiny_target.token_bytes, t2d, traces, PROMPTS)
+    )
     assert agreement(SimpleNamespace(), None, tiny_target.token_bytes, t2d, traces, PROMPTS) is None
 
 
 def test_adapt_puts_adapters_on_the_projections_it_is_given(drafter, tiny_target, tmp_path):
     from benchmarks.adapt import run_adapt
 
-    result = run_adapt(drafter, tiny_target, train="gsm8k:train", evaluation="gsm8k:test", n_train=2, n_eval=1,
-                       max_new_tokens=8, steps=1, eval_every=1, variants=["hybrid"], rank=2, k=4, stop_confidence=0.0,
-                       config=TrainConfig(interval=2, batch_size=2), out=tmp_path, name="mlp", modules=("q_proj", "gate_proj"))
+    result = run_adapt(
+        drafter,
+        tiny_target,
+        train="gsm8k:train",
+        evaluation="gsm8k:test",
+        n_train=2,
+        n_eval=1,
+        max_new_tokens=8,
+        steps=1,
+        eval_every=1,
+        variants=["hybrid"],
+        rank=2,
+        k=4,
+        stop_confidence=0.0,
+        config=TrainConfig(interval=2, batch_size=2),
+        out=tmp_path,
+        name="mlp",
+        modules=("q_proj", "gate_proj"),
+    )
     assert result["modules"] == ["q_proj", "gate_proj"]
     adapted = {name.split(".")[-1] for name, m in drafter.trainable.named_modules() if hasattr(m, "lora_A")}
     assert adapted == {"q_proj", "gate_proj"}
@@ -400,16 +603,20 @@ def test_a_shorter_trace_recording_is_extended_not_recorded_again(tiny_target, t
     from omnidraft.distill.trace_store import record_many
 
     asked = []
-    monkeypatch.setattr(adapt, "record_many", lambda target, prompts, *a, **kw: asked.append(prompts) or
-                        record_many(target, prompts, *a, **kw))
+    monkeypatch.setattr(
+        adapt,
+        "record_many",
+        lambda target, prompts, *a, **kw: asked.append(prompts) or record_many(target, prompts, *a, **kw),
+    )
     first = adapt.traces_for(tiny_target, "gsm8k:train", 2, 6, tmp_path)
     more = adapt.traces_for(tiny_target, "gsm8k:train", 4, 6, tmp_path)
     prompts = adapt.load_prompts("gsm8k:train", 4)
     assert asked == [prompts[:2], prompts[2:]]  # only the prompts the shorter recording lacked
     assert [t.continuation for t in more[:2]] == [t.continuation for t in first]
     assert adapt.prompts_for(tiny_target, "gsm8k:train", more) == prompts
-    assert [t.continuation for t in adapt.traces_for(tiny_target, "gsm8k:train", 3, 6, tmp_path)] == \
-        [t.continuation for t in more[:3]] and len(asked) == 2  # a longer recording serves a shorter request
+    assert [t.continuation for t in adapt.traces_for(tiny_target, "gsm8k:train", 3, 6, tmp_path)] == [
+        t.continuation for t in more[:3]
+    ] and len(asked) == 2  # a longer recording serves a shorter request
 
 
 def test_cache_ablation_share_is_undefined_when_the_full_cache_gains_nothing():
@@ -434,7 +641,8 @@ def test_adapt_replays_the_dataset_prompts_even_when_the_tokenizer_adds_bos(text
 
     tokenizer = train_bpe(300, texts)
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tokenizer.eos_token_id)])
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tokenizer.eos_token_id)]
+    )
     target = SimpleNamespace(tokenizer=tokenizer, name="bos-target")
     trace = lambda ids: TargetTrace(ids, [], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1))  # noqa: E731
     prompts = load_prompts("gsm8k", 3)
@@ -446,35 +654,60 @@ def test_adapt_replays_the_dataset_prompts_even_when_the_tokenizer_adds_bos(text
 
 
 @pytest.mark.parametrize("through_int8", [True, False])
-def test_an_int8_drafter_learns_through_the_weights_it_drafts_with(draft_tokenizer, tiny_target, tmp_path, through_int8):
+def test_an_int8_drafter_learns_through_the_weights_it_drafts_with(
+    draft_tokenizer, tiny_target, tmp_path, through_int8
+):
     from omnidraft.int8 import FakeInt8Linear, quantize_int8
 
     fp32 = tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0)
     fp32.save_pretrained(tmp_path / "drafter")  # where training reloads the fp32 weights from
     draft_tokenizer.save_pretrained(tmp_path / "drafter")
-    drafter = Drafter(quantize_int8(fp32, draft_tokenizer), draft_tokenizer, "tiny-int8", spec=str(tmp_path / "drafter"),
-                      int8=True, train_through_int8=through_int8)
-    pair = drafter.pair(tiny_target, k=4, learn=True, adapter=SMALL, train=TrainConfig(interval=1, lr=1e-2),
-                        store=ProfileStore(tmp_path / "profiles"))
+    drafter = Drafter(
+        quantize_int8(fp32, draft_tokenizer),
+        draft_tokenizer,
+        "tiny-int8",
+        spec=str(tmp_path / "drafter"),
+        int8=True,
+        train_through_int8=through_int8,
+    )
+    pair = drafter.pair(
+        tiny_target,
+        k=4,
+        learn=True,
+        adapter=SMALL,
+        train=TrainConfig(interval=1, lr=1e-2),
+        store=ProfileStore(tmp_path / "profiles"),
+    )
     before = adapter_state(drafter.trainable, pair.adapter)
     for prompt in PROMPTS:
         assert pair.generate(prompt, max_new_tokens=16).token_ids == target_greedy(tiny_target, prompt, 16)
-    assert pair.steps == 3 and any(not torch.equal(v, adapter_state(drafter.trainable, pair.adapter)[k]) for k, v in before.items())
+    assert pair.steps == 3 and any(
+        not torch.equal(v, adapter_state(drafter.trainable, pair.adapter)[k]) for k, v in before.items()
+    )
     emulated = any(isinstance(m, FakeInt8Linear) for m in drafter.learner.modules())
     assert emulated == through_int8 and (drafter.learner is drafter.trainable) == (not through_int8)
     from benchmarks.adapt import agreement
     from omnidraft.distill.trace_store import record_many
 
-    t2d = build_vocab_map(drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer).t2d
+    t2d = build_vocab_map(
+        drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer
+    ).t2d
     traces = record_many(tiny_target, PROMPTS, 16, k=4)
     drafter.activate(None)
-    rows = agreement(drafter, pair.adapter, tiny_target.token_bytes, t2d, traces, PROMPTS)  # through the emulated int8 twin
+    rows = agreement(
+        drafter, pair.adapter, tiny_target.token_bytes, t2d, traces, PROMPTS
+    )  # through the emulated int8 twin
     assert rows[-1]["positions"] > 0 and drafter.active is None  # the adapter it was asked about, then back
-    if through_int8:  # the learner computes what the drafter drafts, with or without the adapter: switching reaches both
+    if (
+        through_int8
+    ):  # the learner computes what the drafter drafts, with or without the adapter: switching reaches both
         for adapter in (pair.adapter, None):
             drafter.activate(adapter)
             with torch.no_grad():
-                ref, got = drafter.model(torch.tensor([[7]])).logits, drafter.learner(torch.tensor([[7]])).logits
+                ref, got = (
+                    drafter.model(torch.tensor([[7]])).logits,
+                    drafter.learner(torch.tensor([[7]])).logits,
+                )
             assert torch.allclose(got, ref, atol=1e-4 * ref.abs().max())
 
 
@@ -483,7 +716,9 @@ def test_adapters_go_out_and_come_back_in_peft_format(drafter, tiny_target, draf
     directory into another drafter, which then computes what the saving pairing's drafter does."""
     from peft import PeftModel
 
-    pair = drafter.pair(tiny_target, k=4, learn=True, adapter=SMALL, train=TrainConfig(interval=1, batch_size=1, lr=1e-2))
+    pair = drafter.pair(
+        tiny_target, k=4, learn=True, adapter=SMALL, train=TrainConfig(interval=1, batch_size=1, lr=1e-2)
+    )
     for prompt in ("Question: how many apples", "def add(a, b):"):
         pair.generate(prompt, max_new_tokens=16)
     assert pair.steps > 0
@@ -491,18 +726,26 @@ def test_adapters_go_out_and_come_back_in_peft_format(drafter, tiny_target, draf
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     import json
 
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == drafter.name  # portable
+    assert (
+        json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == drafter.name
+    )  # portable
     ids = torch.tensor([draft_tokenizer("Question: how many apples")["input_ids"]])
     with torch.no_grad():
         drafter.activate(pair.adapter)
         ours = drafter.trainable(ids).logits
-        theirs = PeftModel.from_pretrained(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), str(out))(ids).logits
+        theirs = PeftModel.from_pretrained(
+            tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), str(out)
+        )(ids).logits
         assert torch.allclose(theirs, ours, atol=1e-5)
-        other = Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+        other = Drafter(
+            tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter"
+        )
         back = other.pair(tiny_target, adapter=str(out), k=4)
         other.activate(back.adapter)
         assert torch.allclose(other.trainable(ids).logits, ours, atol=1e-5)
-    assert back.generate("def add(a, b):", max_new_tokens=12).token_ids == target_greedy(tiny_target, "def add(a, b):", 12)
+    assert back.generate("def add(a, b):", max_new_tokens=12).token_ids == target_greedy(
+        tiny_target, "def add(a, b):", 12
+    )
     with pytest.raises(FileNotFoundError, match="not a peft adapter directory"):
         other.pair(tiny_target, adapter=str(tmp_path))
     with pytest.raises(ValueError, match="has no adapter"):

@@ -15,8 +15,8 @@ import torch
 import omnidraft as od
 from omnidraft.bench.datasets import load_prompts
 from omnidraft.errors import MissingDependencyError
-from omnidraft.llamacpp.engine import gguf_file, open_llama
 from omnidraft.llamacpp.hook import OmnidraftDraftModel
+from omnidraft.llamacpp.loading import gguf_file, open_llama
 from omnidraft.models import load_tokenizer
 from omnidraft.presets import gguf_path
 from omnidraft.remote.client import RemoteTarget
@@ -75,7 +75,9 @@ def test_every_drafts_kind_equals_the_engines_own_greedy_generation(drafter, tar
         alone = list(target.begin(target.tokenizer(prompt)["input_ids"]).decode(TOKENS))
         assert alone == reference
         for drafts in ("model", "retrieval", "hybrid"):  # (objective "compute": every request speculates)
-            out = drafter.pair(target, drafts=drafts, k=5, objective="compute").generate(prompt, max_new_tokens=TOKENS)
+            out = drafter.pair(target, drafts=drafts, k=5, objective="compute").generate(
+                prompt, max_new_tokens=TOKENS
+            )
             assert out.token_ids == reference, drafts
             if drafts == "model":
                 assert sum(r.accepted for r in out.rounds) > 0
@@ -116,7 +118,9 @@ def test_interleaved_sessions_on_their_own_slots_pay_only_for_their_new_tokens(t
     assert served.engine.decoded - before == 2 * 11
 
 
-def test_the_draft_model_hook_gives_llama_cpp_python_cross_vocabulary_drafts(drafter, target, prompts, references):
+def test_the_draft_model_hook_gives_llama_cpp_python_cross_vocabulary_drafts(
+    drafter, target, prompts, references
+):
     """`Llama(..., draft_model=OmnidraftDraftModel(...))`: llama-cpp-python verifies omnidraft's
     translated drafts itself; the output is the engine's own greedy output."""
     hook = OmnidraftDraftModel(drafter, target, drafts="hybrid", k=4)
@@ -126,8 +130,9 @@ def test_the_draft_model_hook_gives_llama_cpp_python_cross_vocabulary_drafts(dra
     assert hook.calls > 0 and hook.proposed > 0
 
 
-def test_the_server_backend_serves_the_engines_greedy_output_and_keeps_its_guarantees(drafter, target, prompts,
-                                                                                        references):
+def test_the_server_backend_serves_the_engines_greedy_output_and_keeps_its_guarantees(
+    drafter, target, prompts, references
+):
     from fastapi.testclient import TestClient
 
     from .test_server_hardening import BAD_BODIES, bad_body
@@ -141,14 +146,25 @@ def test_the_server_backend_serves_the_engines_greedy_output_and_keeps_its_guara
         ids = target.tokenizer(prompts[0])["input_ids"]
         sid = http.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).json()["session"]
         for body, reason in BAD_BODIES:
-            r = http.post(f"/v1/sessions/{sid}/verify", content=bad_body(len(ids), body),
-                          headers={**AUTH, "content-type": "application/json"})
+            r = http.post(
+                f"/v1/sessions/{sid}/verify",
+                content=bad_body(len(ids), body),
+                headers={**AUTH, "content-type": "application/json"},
+            )
             assert r.status_code == 422 and reason in r.text, (body, r.text)
-        ok = http.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": references[0][:3]}, headers=AUTH)
+        ok = http.post(
+            f"/v1/sessions/{sid}/verify",
+            json={"committed": len(ids), "proposal": references[0][:3]},
+            headers=AUTH,
+        )
         assert ok.status_code == 200 and ok.json()["accepted"] == 3
-        stale = http.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 1, "proposal": [5]}, headers=AUTH)
+        stale = http.post(
+            f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 1, "proposal": [5]}, headers=AUTH
+        )
         assert stale.status_code == 409 and "stale" in stale.text
-        outside = http.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 4, "proposal": [10**7]}, headers=AUTH)
+        outside = http.post(
+            f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 4, "proposal": [10**7]}, headers=AUTH
+        )
         assert outside.status_code == 422
         too_long = http.post("/v1/sessions", json={"prompt_ids": [ids[0]] * 3000}, headers=AUTH)
         assert too_long.status_code in (413, 422, 503), too_long.text
@@ -157,11 +173,24 @@ def test_the_server_backend_serves_the_engines_greedy_output_and_keeps_its_guara
         assert other.status_code == 200 and full.status_code == 503
         for s in (sid, other.json()["session"]):
             assert http.delete(f"/v1/sessions/{s}", headers=AUTH).status_code == 200
-        assert http.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 4, "proposal": []},
-                         headers=AUTH).status_code == 404
-        echoed = http.post("/v1/completions", headers=AUTH, json={"prompt": ids, "max_tokens": 8, "temperature": 0,
-                                                                  "echo": True, "logprobs": 2,
-                                                                  "return_tokens_as_token_ids": True}).json()
+        assert (
+            http.post(
+                f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 4, "proposal": []}, headers=AUTH
+            ).status_code
+            == 404
+        )
+        echoed = http.post(
+            "/v1/completions",
+            headers=AUTH,
+            json={
+                "prompt": ids,
+                "max_tokens": 8,
+                "temperature": 0,
+                "echo": True,
+                "logprobs": 2,
+                "return_tokens_as_token_ids": True,
+            },
+        ).json()
         tokens = echoed["choices"][0]["logprobs"]["tokens"]
         assert [int(t.split(":")[1]) for t in tokens] == ids + references[0][:8]
 
@@ -171,7 +200,9 @@ def test_auto_picks_the_faster_drafter_backend_once_per_machine(tmp_path, monkey
     from omnidraft.llamacpp import drafting as llama_drafter
 
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(llama_drafter, "drafting_weights", lambda path, engine, weights, **_: path)  # timed elsewhere
+    monkeypatch.setattr(
+        llama_drafter, "drafting_weights", lambda path, engine, weights, **_: path
+    )  # timed elsewhere
     times = {"TorchDrafter": 9.0, "LlamaCppDrafter": 4.0}
     monkeypatch.setattr(backends, "draft_ms", lambda d, **_: times[type(d).__name__])
     assert isinstance(od.Drafter.load("smollm2-135m", backend="auto"), od.LlamaCppDrafter)
@@ -187,7 +218,9 @@ def test_a_drafter_runs_the_weights_that_draft_a_request_faster_here(tmp_path, m
     and drafts stay lossless (the pairing's greedy output is the target's)."""
     from omnidraft.llamacpp import requant
 
-    machine = os.environ.get("OMNIDRAFT_CACHE")  # the target and its measured costs come from the machine's cache
+    machine = os.environ.get(
+        "OMNIDRAFT_CACHE"
+    )  # the target and its measured costs come from the machine's cache
     target, tok = od.LocalTarget.load("qwen2.5-coder-0.5b"), load_tokenizer("smollm2-135m")
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     shipped = gguf_path("smollm2-135m")
@@ -199,8 +232,14 @@ def test_a_drafter_runs_the_weights_that_draft_a_request_faster_here(tmp_path, m
     for faster, expect in (("q8_0", made), ("shipped", shipped)):
         monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path / faster))
         monkeypatch.setattr(requant, "requantized", lambda path, threads=None: made)
-        monkeypatch.setattr(requant, "request_ms", lambda engine, ids: {
-            "read_ms": 1.0 if (engine.path == made) == (faster == "q8_0") else 3.0, "draft_ms": 8.0})
+        monkeypatch.setattr(
+            requant,
+            "request_ms",
+            lambda engine, ids: {
+                "read_ms": 1.0 if (engine.path == made) == (faster == "q8_0") else 3.0,
+                "draft_ms": 8.0,
+            },
+        )
         assert od.LlamaCppDrafter("smollm2-135m", tokenizer=tok).engine.path == expect
         monkeypatch.setattr(requant, "request_ms", lambda *a: pytest.fail("timed twice"))
         assert od.LlamaCppDrafter("smollm2-135m", tokenizer=tok).engine.path == expect
@@ -211,7 +250,9 @@ def test_a_drafter_runs_the_weights_that_draft_a_request_faster_here(tmp_path, m
     else:
         monkeypatch.setenv("OMNIDRAFT_CACHE", machine)
     prompt = load_prompts("gsm8k", 1)[0]
-    assert q8.pair(target, k=5).generate(prompt, max_new_tokens=24).token_ids == target_greedy(target, prompt, 24)
+    assert q8.pair(target, k=5).generate(prompt, max_new_tokens=24).token_ids == target_greedy(
+        target, prompt, 24
+    )
 
 
 def test_the_llama_cpp_drafter_refuses_what_it_cannot_do(drafter, tmp_path):
@@ -248,9 +289,27 @@ def test_an_openai_target_on_llama_cpp_pythons_own_server_is_refused_or_identica
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     path = gguf_path("qwen2.5-coder-0.5b")
-    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--n_ctx", "2048",
-                               "--logits_all", "true", "--n_threads", "2", "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(path),
+            "--n_ctx",
+            "2048",
+            "--logits_all",
+            "true",
+            "--n_threads",
+            "2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "server.log", "w"),
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):

@@ -50,12 +50,18 @@ def test_ngram_losses_match_naive_formulas():
     naive = sum(-math.log(float(torch.softmax(logits[i].double(), 0)[subs[i]])) for i in range(4)) / 4
     assert float(ngram_nll(logits, subs)) == pytest.approx(naive, rel=1e-6)
     weights = torch.tensor([0.5, 0.1, 1.0, 0.2])
-    naive_w = sum(float(weights[i]) * -math.log(float(torch.softmax(logits[i].double(), 0)[subs[i]])) for i in range(4)) / float(weights.sum())
+    naive_w = sum(
+        float(weights[i]) * -math.log(float(torch.softmax(logits[i].double(), 0)[subs[i]])) for i in range(4)
+    ) / float(weights.sum())
     assert float(ngram_nll(logits, subs, weights)) == pytest.approx(naive_w, rel=1e-6)
     group, target_logp = torch.tensor([0, 0, 1, 1]), torch.tensor([-1.0, -2.0])
     terms = []
     for gidx in range(2):
-        lq = sum(math.log(float(torch.softmax(logits[i].double(), 0)[subs[i]])) for i in range(4) if int(group[i]) == gidx)
+        lq = sum(
+            math.log(float(torch.softmax(logits[i].double(), 0)[subs[i]]))
+            for i in range(4)
+            if int(group[i]) == gidx
+        )
         terms.append(math.exp(lq) * (lq - float(target_logp[gidx])))
     assert float(ngram_approx_kl(logits, subs, group, target_logp)) == pytest.approx(sum(terms) / 2, rel=1e-5)
 

@@ -14,8 +14,10 @@ from omnidraft.remote.server import ServerConfig, create_app
 from .conftest import target_greedy
 
 KEY = "open-sesame"
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +43,17 @@ def test_a_greedy_completion_is_the_targets_own_and_streams_the_same_text(served
     out = client.completions.create(model=target.name, prompt=prompt, max_tokens=12, temperature=0)
     want = target.tokenizer.decode(target_greedy(target, prompt, 12), skip_special_tokens=True)
     assert out.choices[0].text == want and out.usage.completion_tokens == 12
-    streamed = client.completions.create(model=target.name, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    streamed = client.completions.create(
+        model=target.name, prompt=prompt, max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in streamed) == want
 
 
 def test_sampled_completions_follow_the_seed_and_the_default_temperature_is_served(served):
     target, client = served
-    a = client.completions.create(model=target.name, prompt="Question:", max_tokens=8, seed=5)  # temperature 1
+    a = client.completions.create(
+        model=target.name, prompt="Question:", max_tokens=8, seed=5
+    )  # temperature 1
     b = client.completions.create(model=target.name, prompt="Question:", max_tokens=8, seed=5)
     assert a.choices[0].text == b.choices[0].text
 
@@ -58,12 +64,17 @@ def test_chat_completions_plain_and_streamed_with_a_stop_string(served):
     whole = client.chat.completions.create(model=target.name, messages=messages, max_tokens=16, temperature=0)
     text = whole.choices[0].message.content
     assert whole.choices[0].message.role == "assistant" and text
-    streamed = client.chat.completions.create(model=target.name, messages=messages, max_tokens=16, temperature=0,
-                                              stream=True)
+    streamed = client.chat.completions.create(
+        model=target.name, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
     stop = text[len(text) // 2 : len(text) // 2 + 2]
-    cut = client.chat.completions.create(model=target.name, messages=messages, max_tokens=16, temperature=0, stop=stop)
-    assert cut.choices[0].message.content == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    cut = client.chat.completions.create(
+        model=target.name, messages=messages, max_tokens=16, temperature=0, stop=stop
+    )
+    assert (
+        cut.choices[0].message.content == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    )
 
 
 def test_errors_come_in_openais_shape(served):
@@ -74,8 +85,9 @@ def test_errors_come_in_openais_shape(served):
         client.completions.create(model=target.name, prompt="x", max_tokens=4, top_p=5.0)
     assert "top_p" in str(bad.value)
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=client._client,
-                      max_retries=0).models.list()
+        openai.OpenAI(
+            base_url="http://testserver/v1", api_key="wrong", http_client=client._client, max_retries=0
+        ).models.list()
 
 
 def test_unknown_or_unimplemented_fields_are_refused_by_name(served):
@@ -86,6 +98,7 @@ def test_unknown_or_unimplemented_fields_are_refused_by_name(served):
         client.completions.create(model=target.name, prompt="x", max_tokens=2, extra_body={"best_guess": 1})
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model=target.name, prompt="x", max_tokens=2, presence_penalty=0.5)
-    ok = client.completions.create(model=target.name, prompt="x", max_tokens=2, temperature=0, user="u1",
-                                   presence_penalty=0.0)
+    ok = client.completions.create(
+        model=target.name, prompt="x", max_tokens=2, temperature=0, user="u1", presence_penalty=0.0
+    )
     assert ok.usage.completion_tokens == 2

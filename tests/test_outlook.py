@@ -20,7 +20,11 @@ class CostedTarget:
     """A target that reports verify costs, as LlamaCppTarget does (measured there)."""
 
     def __init__(self, inner, costs: dict[int, float], *, past: int | None = None) -> None:
-        self._inner, self._costs, self._past = inner, costs, past  # past `past` tokens verifying n costs n steps
+        self._inner, self._costs, self._past = (
+            inner,
+            costs,
+            past,
+        )  # past `past` tokens verifying n costs n steps
 
     def verify_costs(self, context: int | None = None) -> dict[int, float]:
         if self._past is not None and context is not None and context > self._past:
@@ -64,7 +68,9 @@ def test_where_drafting_cannot_pay_the_pairing_decodes_alone_and_says_why(tiny_d
         out = pairing.generate(PROMPT, max_new_tokens=24)
         assert out.token_ids == target_greedy(tiny_target, PROMPT, 24)
         assert sum(r.drafted + r.proposed for r in out.rounds) == 0
-    sampled = pairing.generate(PROMPT, max_new_tokens=8, temperature=0.8, seed=1)  # sampling: one token a round
+    sampled = pairing.generate(
+        PROMPT, max_new_tokens=8, temperature=0.8, seed=1
+    )  # sampling: one token a round
     assert all(r.proposed == 0 for r in sampled.rounds)
 
 
@@ -120,8 +126,9 @@ def test_machine_figures_are_measured_once_and_survive_a_corrupt_file(tmp_path, 
     assert len(calls) == 2
 
 
-def test_a_pairing_drafts_through_the_faster_llama_cpp_twin_unless_it_needs_pytorch(tiny_drafter, tiny_target,
-                                                                                 monkeypatch):
+def test_a_pairing_drafts_through_the_faster_llama_cpp_twin_unless_it_needs_pytorch(
+    tiny_drafter, tiny_target, monkeypatch
+):
     """A PyTorch drafter loaded from a preset (`twin_spec`) drafts through its llama.cpp twin where
     that is measured faster; learning, a user profile, a shortlisted head, an acceptance head or a
     slower twin keep it on PyTorch; `backend="torch"` (no twin_spec) always does."""
@@ -140,7 +147,11 @@ def test_a_pairing_drafts_through_the_faster_llama_cpp_twin_unless_it_needs_pyto
     monkeypatch.setattr(tiny_drafter, "twin_spec", "smollm2-135m")
     assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is twin
     assert tiny_drafter.pair(tiny_target).drafter is twin
-    for config, learn, user in [(plain, True, None), (plain, False, "alice"), (DecodeConfig(head=HeadConfig()), False, None)]:
+    for config, learn, user in [
+        (plain, True, None),
+        (plain, False, "alice"),
+        (DecodeConfig(head=HeadConfig()), False, None),
+    ]:
         assert choose(tiny_drafter, config, learn=learn, adapter=None, user=user) is tiny_drafter
     costs[id(twin)] = 0.05
     assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is tiny_drafter

@@ -30,7 +30,9 @@ def test_oracle_drafter_is_accepted_in_full(tiny_drafter, tiny_target):
     prompt = PROMPTS[0]
     ref = target_greedy(tiny_target, prompt, 40)
     oracle = OracleDrafter(tiny_target, ref)
-    out = od.Pairing(oracle, tiny_target, od.DecodeConfig(k=5, strategy="ngram", drafts="model")).generate(prompt, max_new_tokens=40)
+    out = od.Pairing(oracle, tiny_target, od.DecodeConfig(k=5, strategy="ngram", drafts="model")).generate(
+        prompt, max_new_tokens=40
+    )
     assert out.token_ids == ref
     assert out.stats.acceptance_rate == 1.0 and out.stats.mean_accepted_length == pytest.approx(40 / 7)
 
@@ -39,7 +41,9 @@ def test_forced_rejection_gives_partial_acceptance_and_same_output(tiny_drafter,
     prompt = PROMPTS[1]
     ref = target_greedy(tiny_target, prompt, 40)
     oracle = OracleDrafter(tiny_target, ref, wrong_at=2)
-    out = od.Pairing(oracle, tiny_target, od.DecodeConfig(k=5, strategy="ngram", drafts="model")).generate(prompt, max_new_tokens=40)
+    out = od.Pairing(oracle, tiny_target, od.DecodeConfig(k=5, strategy="ngram", drafts="model")).generate(
+        prompt, max_new_tokens=40
+    )
     assert out.token_ids == ref
     assert [r.accepted for r in out.rounds] == [2] * (len(out.rounds) - 1) + [out.rounds[-1].accepted]
 
@@ -63,7 +67,9 @@ def test_round_records_add_up(tiny_drafter, tiny_target):
     assert out.stats.mean_accepted_length == pytest.approx(20 / len(out.rounds))
 
 
-def test_pairings_of_one_tokenizer_pair_share_their_read_only_tables(tiny_drafter, tiny_target, draft_tokenizer):
+def test_pairings_of_one_tokenizer_pair_share_their_read_only_tables(
+    tiny_drafter, tiny_target, draft_tokenizer
+):
     """A second `pair()` with a target reuses the vocabulary map and healer (~0.4 s to build on a
     262k vocabulary) instead of rebuilding them; another tokenizer gets its own."""
     a, b = tiny_drafter.pair(tiny_target), tiny_drafter.pair(tiny_target, k=3)
@@ -72,7 +78,9 @@ def test_pairings_of_one_tokenizer_pair_share_their_read_only_tables(tiny_drafte
     same_vocabulary = od.LocalTarget(tiny_llama(len(draft_tokenizer), seed=9), draft_tokenizer, "echo")
     other = tiny_drafter.pair(same_vocabulary)
     assert other.translator.map is not a.translator.map and bool((other.translator.map.d2t >= 0).all())
-    assert other.generate(PROMPTS[0], max_new_tokens=8).token_ids == target_greedy(same_vocabulary, PROMPTS[0], 8)
+    assert other.generate(PROMPTS[0], max_new_tokens=8).token_ids == target_greedy(
+        same_vocabulary, PROMPTS[0], 8
+    )
 
 
 def _sample_pair(mode: str, n: int):
@@ -130,9 +138,13 @@ def test_stop_is_a_string_or_a_list_of_them(tiny_drafter, tiny_target):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(k=0), "draft length k must be None .chosen from measured costs. or an integer >= 1, got 0"), (dict(temperature=-0.5), "temperature must be >= 0, got -0.5"),
-     (dict(mode="beam"), "verification mode must be one of"), (dict(mode="match"), "sampling modes need temperature > 0"),
-     (dict(strategy="magic"), "strategy must be 'text' or 'ngram'")],
+    [
+        (dict(k=0), "draft length k must be None .chosen from measured costs. or an integer >= 1, got 0"),
+        (dict(temperature=-0.5), "temperature must be >= 0, got -0.5"),
+        (dict(mode="beam"), "verification mode must be one of"),
+        (dict(mode="match"), "sampling modes need temperature > 0"),
+        (dict(strategy="magic"), "strategy must be 'text' or 'ngram'"),
+    ],
 )
 def test_bad_config_names_the_value(tiny_drafter, tiny_target, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -172,15 +184,20 @@ def test_bookkeeping_never_touches_the_whole_context(tiny_drafter, tiny_target, 
     out = pair.generate(long_prompt, max_new_tokens=60)
     longest_token = max(len(b or b"") for b in tiny_target.token_bytes.table)
     assert len(long_prompt) > 1000 and seen
-    assert max(seen) <= (4 + 1) * max(longest_token, max(len(b or b"") for b in tiny_drafter.token_bytes.table))
+    assert max(seen) <= (4 + 1) * max(
+        longest_token, max(len(b or b"") for b in tiny_drafter.token_bytes.table)
+    )
     assert out.stats.rounds == len(out.rounds)
 
 
 def test_omnidraft_sampling_mode_runs_with_ngram_merges(tiny_drafter, tiny_target):
     """The approximate mode (eq. 1-2 rows): runs, respects limits, same seed gives the same text."""
+
     def run() -> list[int]:  # a fresh pairing each time: the n-gram cache learns as it goes
         pair = tiny_drafter.pair(tiny_target, k=4, mode="omnidraft", temperature=0.8, strategy="ngram")
-        return pair.generate(PROMPTS[0], max_new_tokens=16, generator=torch.Generator().manual_seed(3)).token_ids
+        return pair.generate(
+            PROMPTS[0], max_new_tokens=16, generator=torch.Generator().manual_seed(3)
+        ).token_ids
 
     runs = [run(), run()]
     assert runs[0] == runs[1] and len(runs[0]) == 16
@@ -208,7 +225,9 @@ def test_a_healing_drafter_replaces_its_last_token_only_when_it_prefers_a_longer
     longer = torch.tensor([bool(d) and d.startswith(held) and d != held for d in table])
     assert longer.any()
     plain = tiny_drafter.begin(ids).propose(4, stop_confidence=0)
-    kept = tiny_drafter.begin(ids).propose(4, stop_confidence=0, heal=torch.tensor([i == ids[-1] for i in range(len(table))]))
+    kept = tiny_drafter.begin(ids).propose(
+        4, stop_confidence=0, heal=torch.tensor([i == ids[-1] for i in range(len(table))])
+    )
     assert not kept.healed and kept.ids == plain.ids  # the drafter keeps its token: the usual draft
     session = tiny_drafter.begin(ids)
     healed = session.propose(4, stop_confidence=0, heal=longer)  # only longer tokens allowed: it must replace
@@ -222,7 +241,12 @@ class _SpyDrafter:
 
     def __init__(self, inner):
         self.inner, self.calls = inner, []
-        self.tokenizer, self.token_bytes, self.codec, self.name = inner.tokenizer, inner.token_bytes, inner.codec, "spy"
+        self.tokenizer, self.token_bytes, self.codec, self.name = (
+            inner.tokenizer,
+            inner.token_bytes,
+            inner.codec,
+            "spy",
+        )
 
     def begin(self, ids):
         session, calls = self.inner.begin(ids), self.calls
@@ -241,18 +265,23 @@ class _SpyDrafter:
 
 
 @pytest.mark.parametrize("prompt", [p + " " for p in PROMPTS[:3]] + ["def add(a, b):\n    return "])
-def test_healed_drafts_keep_greedy_output_and_the_drafter_context_spells_the_committed_text(tiny_drafter, tiny_target,
-                                                                                            prompt):
+def test_healed_drafts_keep_greedy_output_and_the_drafter_context_spells_the_committed_text(
+    tiny_drafter, tiny_target, prompt
+):
     spy = _SpyDrafter(tiny_drafter)
     pair = od.Pairing(spy, tiny_target, od.DecodeConfig(k=4, drafts="model"))
     table = tiny_drafter.token_bytes.table
     # every longer token may replace the last one (no filter by the target's last token): heals often
-    pair.healer.candidates = lambda token, last: torch.tensor([bool(d) and bool(table[token]) and d.startswith(table[token]) for d in table])
+    pair.healer.candidates = lambda token, last: torch.tensor(
+        [bool(d) and bool(table[token]) and d.startswith(table[token]) for d in table]
+    )
     out = pair.generate(prompt, max_new_tokens=30)
     assert out.token_ids == target_greedy(tiny_target, prompt, 30)
     committed, done = prompt.encode(), 0
     for (context, draft), record in zip(spy.calls, out.rounds):
-        assert tiny_drafter.token_bytes.join(context) == committed  # context spells exactly what was committed
+        assert (
+            tiny_drafter.token_bytes.join(context) == committed
+        )  # context spells exactly what was committed
         if draft.healed:
             assert table[draft.ids[0]].startswith(table[context[-1]])
         committed += tiny_target.token_bytes.join(out.token_ids[done : done + record.emitted])
@@ -275,9 +304,17 @@ def test_a_sliding_window_drafter_crops_back_past_its_window():
     from omnidraft.runner import CausalRunner
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
-                              layer_types=["sliding_attention", "full_attention"])
+    config = Gemma3TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     model = Gemma3ForCausalLM(config).eval()
     ids = torch.randint(0, 64, (20,)).tolist()
     with torch.inference_mode():
@@ -287,4 +324,6 @@ def test_a_sliding_window_drafter_crops_back_past_its_window():
     runner.crop(6)  # back past the window of 4
     runner.extend(ids[6:20])
     torch.testing.assert_close(runner.forward(keep=3), full[-3:], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(runner.forward(keep=5), full[-5:], atol=1e-4, rtol=1e-4)  # re-feeds cached tokens
+    torch.testing.assert_close(
+        runner.forward(keep=5), full[-5:], atol=1e-4, rtol=1e-4
+    )  # re-feeds cached tokens

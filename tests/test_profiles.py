@@ -21,9 +21,16 @@ def _profile(steps: int = 3) -> PairingProfile:
         cache.save(Path(tmp) / "c.json")
         doc = json.loads((Path(tmp) / "c.json").read_text())
     g = torch.Generator().manual_seed(steps)
-    return PairingProfile(drafter="smollm2-135m", target="qwen2.5-coder-0.5b", user="alice", fingerprint="d:t",
-                          steps=steps, metrics=[{"step": steps, "acceptance_rate": 0.5}], ngram=doc,
-                          tensors={"adapter": {"lora_A": torch.randn(4, 8, generator=g), "lora_B": torch.zeros(8, 4)}})
+    return PairingProfile(
+        drafter="smollm2-135m",
+        target="qwen2.5-coder-0.5b",
+        user="alice",
+        fingerprint="d:t",
+        steps=steps,
+        metrics=[{"step": steps, "acceptance_rate": 0.5}],
+        ngram=doc,
+        tensors={"adapter": {"lora_A": torch.randn(4, 8, generator=g), "lora_B": torch.zeros(8, 4)}},
+    )
 
 
 def test_save_load_round_trip(tmp_path):
@@ -86,10 +93,21 @@ def test_any_user_id_maps_injectively_to_a_safe_directory(tmp_path):
     """E-mail addresses and ids with separators or newlines are user ids too: each gets its own
     directory inside the store, never one another id has."""
     store = ProfileStore(tmp_path)
-    users = ["alice@example.com", "alice_example.com", "../etc", "a/b", "x" * 101, "alice\n", "alice", "a-h-b"]
+    users = [
+        "alice@example.com",
+        "alice_example.com",
+        "../etc",
+        "a/b",
+        "x" * 101,
+        "alice\n",
+        "alice",
+        "a-h-b",
+    ]
     paths = [store.path("d", "t", u) for u in users]
     assert len(set(paths)) == len(users)
-    assert all(p.parent == tmp_path / "d" / "t" and "/" not in p.name and p.name not in ("..", ".") for p in paths)
+    assert all(
+        p.parent == tmp_path / "d" / "t" and "/" not in p.name and p.name not in ("..", ".") for p in paths
+    )
     profile = _profile()
     profile.user = "alice@example.com"
     store.save(profile)
@@ -101,8 +119,16 @@ def test_hf_ids_and_paths_as_model_names_get_their_own_profile_directories(tmp_p
     from omnidraft.profiles import model_dir_name
 
     store = ProfileStore(tmp_path)
-    specs = ["Qwen/Qwen2.5-0.5B", "Qwen_Qwen2.5-0.5B", "./my-drafter", "../my-drafter", "/abs/path/m.gguf", "smollm2-135m",
-             "x" * 150, "x" * 151]
+    specs = [
+        "Qwen/Qwen2.5-0.5B",
+        "Qwen_Qwen2.5-0.5B",
+        "./my-drafter",
+        "../my-drafter",
+        "/abs/path/m.gguf",
+        "smollm2-135m",
+        "x" * 150,
+        "x" * 151,
+    ]
     dirs = [model_dir_name(s) for s in specs]
     assert len(set(dirs)) == len(specs) and dirs[-3] == "smollm2-135m"
     for d in dirs:
@@ -202,8 +228,10 @@ def test_adapter_names_are_injective():
     from omnidraft import TorchDrafter as Drafter
 
     users = ["a.b", "a_b", "a-b", "a__b", None, "default"]
-    names = {Drafter.adapter_name("qwen", u) for u in users} | {Drafter.adapter_name("qwen_x", "y"),
-                                                                  Drafter.adapter_name("qwen", "x_y")}
+    names = {Drafter.adapter_name("qwen", u) for u in users} | {
+        Drafter.adapter_name("qwen_x", "y"),
+        Drafter.adapter_name("qwen", "x_y"),
+    }
     assert len(names) == len(users) + 2  # the anonymous pairing (None) shares with no named user
     assert all(n.replace("_", "").isalnum() for n in names)
 
@@ -216,7 +244,9 @@ def test_users_on_one_drafter_never_share_adapter_weights(draft_tokenizer, tiny_
 
     from .conftest import tiny_llama
 
-    drafter = Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    drafter = Drafter(
+        tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter"
+    )
     store = ProfileStore(tmp_path)
     a, b = (drafter.pair(tiny_target, user=u, learn=True, store=store) for u in ("a.b", "a_b"))
     assert a.adapter != b.adapter
@@ -229,8 +259,11 @@ def test_users_on_one_drafter_never_share_adapter_weights(draft_tokenizer, tiny_
     assert moved and all(bool((v == 0.5).all()) for v in moved.values())
     assert kept and all(float(v.abs().sum()) == 0.0 for v in kept.values())
     b.save()
-    assert all(float(v.abs().sum()) == 0.0 for k, v in store.load("tiny-drafter", tiny_target.name, "a_b")
-               .tensors["adapter"].items() if "lora_B" in k)
+    assert all(
+        float(v.abs().sum()) == 0.0
+        for k, v in store.load("tiny-drafter", tiny_target.name, "a_b").tensors["adapter"].items()
+        if "lora_B" in k
+    )
 
 
 def test_a_profile_keeps_none_of_a_users_text_when_asked(tiny_drafter, tiny_target, tmp_path):
@@ -240,8 +273,9 @@ def test_a_profile_keeps_none_of_a_users_text_when_asked(tiny_drafter, tiny_targ
 
     store = ProfileStore(tmp_path)
     for kept, expect in ((0, None), (8, 8)):
-        pair = tiny_drafter.pair(tiny_target, user=f"u{kept}", store=store, k=3,
-                                 retrieval=RetrievalConfig(history_tokens=kept))
+        pair = tiny_drafter.pair(
+            tiny_target, user=f"u{kept}", store=store, k=3, retrieval=RetrievalConfig(history_tokens=kept)
+        )
         pair.generate("Question: Tom has 3 apples", max_new_tokens=16)
         version = pair.save()
         has = (version / "history.json").exists()

@@ -19,8 +19,14 @@ from .test_translate import SAMPLES
 
 pytestmark = pytest.mark.real
 
-TOKENIZERS = ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m",
-              str(DATA / "tokenizers" / "ggml-vocab-llama-spm.gguf"), str(DATA / "tokenizers" / "ggml-vocab-llama-bpe.gguf")]
+TOKENIZERS = [
+    "smollm2-135m",
+    "qwen2.5-coder-0.5b",
+    "qwen2.5-coder-1.5b",
+    "gemma3-270m",
+    str(DATA / "tokenizers" / "ggml-vocab-llama-spm.gguf"),
+    str(DATA / "tokenizers" / "ggml-vocab-llama-bpe.gguf"),
+]
 
 
 @pytest.fixture(scope="module", params=TOKENIZERS, ids=lambda s: s.rsplit("/", 1)[-1])
@@ -59,9 +65,11 @@ def drafter():
     return od.Drafter.load("smollm2-135m")
 
 
-PROMPTS = ['def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same backwards."""\n',
-           "Question: A baker makes 12 loaves a day for 5 days and sells 41. How many are left?\nAnswer:",
-           "The three primary colors are"]
+PROMPTS = [
+    'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same backwards."""\n',
+    "Question: A baker makes 12 loaves a day for 5 days and sells 41. How many are left?\nAnswer:",
+    "The three primary colors are",
+]
 
 
 @pytest.mark.parametrize("target_name", ["qwen2.5-coder-0.5b", "gemma3-270m", "qwen2.5-coder-1.5b"])
@@ -73,7 +81,9 @@ def test_real_pairs_are_token_identical_to_target_greedy(drafter, target_name):
     fixed, default = drafter.pair(target, k=5, stop_confidence=0.3), drafter.pair(target)
     accepted: list[float] = []
     default.policy.probe_every = default.policy.wait = 2  # visit both kinds of round within a short test
-    for prompt in PROMPTS if target_name.endswith(("0.5b", "270m")) else PROMPTS[:2]:  # the 1.5B: code and math
+    for prompt in (
+        PROMPTS if target_name.endswith(("0.5b", "270m")) else PROMPTS[:2]
+    ):  # the 1.5B: code and math
         reference = target_greedy(target, prompt, 40)
         out = fixed.generate(prompt, max_new_tokens=40)
         assert out.token_ids == reference, prompt
@@ -100,16 +110,27 @@ def test_smollm2_onnx_export_drafts_like_pytorch(tmp_path):
     from omnidraft.models import load_model
 
     loaded = load_model("smollm2-135m")
-    prompts = [loaded.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", 1) + load_prompts("humaneval", 1)]
+    prompts = [
+        loaded.tokenizer(p)["input_ids"] for p in load_prompts("gsm8k", 1) + load_prompts("humaneval", 1)
+    ]
     out = tmp_path / "smollm2.onnx"
-    sidecar = export_drafter(loaded.model, out, name=loaded.name, tokenizer=loaded.tokenizer,
-                             fingerprint=od.TorchDrafter(loaded.model, loaded.tokenizer).token_bytes.fingerprint,
-                             parity_prompts=prompts, parity_steps=16)
+    sidecar = export_drafter(
+        loaded.model,
+        out,
+        name=loaded.name,
+        tokenizer=loaded.tokenizer,
+        fingerprint=od.TorchDrafter(loaded.model, loaded.tokenizer).token_bytes.fingerprint,
+        parity_prompts=prompts,
+        parity_steps=16,
+    )
     assert sidecar["parity"]["greedy_identical"] == 2, sidecar["parity"]
     drafter = od.Drafter.load(str(out))
     fp32 = od.TorchDrafter(loaded.model, loaded.tokenizer, loaded.name)
     for ids in prompts:
-        assert drafter.begin(ids).propose(8, stop_confidence=0).ids == fp32.begin(ids).propose(8, stop_confidence=0).ids
+        assert (
+            drafter.begin(ids).propose(8, stop_confidence=0).ids
+            == fp32.begin(ids).propose(8, stop_confidence=0).ids
+        )
 
 
 def test_bench_cache_on_the_papers_vocabularies(tmp_path, capsys):
@@ -140,17 +161,29 @@ def test_one_learning_drafter_moves_between_real_targets_and_keeps_each_profile(
 
     targets = [od.LocalTarget.load("qwen2.5-coder-0.5b"), od.LocalTarget.load("gemma3-270m")]
     store = ProfileStore(tmp_path)
-    result = run_switch_bench(drafter, targets, prompts=PROMPTS[:2], max_new_tokens=12, user="alice", store=store,
-                              repeats=10)
-    assert all(r["identical"] and r["updates"] == 1 for r in result["rows"]) and result["alternating_identical"] == "2/2"
-    assert all(r["adapter_bytes"] <= 16 * 2**20 and r["profile_disk_bytes"] <= 16 * 2**20 for r in result["rows"])
+    result = run_switch_bench(
+        drafter, targets, prompts=PROMPTS[:2], max_new_tokens=12, user="alice", store=store, repeats=10
+    )
+    assert (
+        all(r["identical"] and r["updates"] == 1 for r in result["rows"])
+        and result["alternating_identical"] == "2/2"
+    )
+    assert all(
+        r["adapter_bytes"] <= 16 * 2**20 and r["profile_disk_bytes"] <= 16 * 2**20 for r in result["rows"]
+    )
     names = [od.Drafter.adapter_name(t.name, "alice") for t in targets]
     assert set(names) <= set(drafter.trainable.peft_config) and names[0] != names[1]
 
     fresh = od.Drafter.load("smollm2-135m")
     for target, name in zip(targets, names):
-        pair, profile = fresh.pair(target, user="alice", store=store), store.load(fresh.name, target.name, "alice")
-        assert pair.adapter == name and pair.translator.cache.items() == NgramCache.from_doc(profile.ngram).items()
+        pair, profile = (
+            fresh.pair(target, user="alice", store=store),
+            store.load(fresh.name, target.name, "alice"),
+        )
+        assert (
+            pair.adapter == name
+            and pair.translator.cache.items() == NgramCache.from_doc(profile.ngram).items()
+        )
         saved = {k: v for k, v in profile.tensors["adapter"].items() if not k.startswith("meta.")}
         got = adapter_state(fresh.trainable, name)
         assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
@@ -178,8 +211,12 @@ def test_retrieval_drafts_stay_identical_on_every_workload(drafter, target_name)
 
 
 # Gemma's turn format; the shipped Gemma 3 270M GGUF is the base model and carries no chat template
-GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-                  "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else "
+    "m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% "
+    "endif %}"
+)
 
 
 @pytest.mark.parametrize("target_name", ["qwen2.5-coder-0.5b", "gemma3-270m"])
@@ -197,9 +234,14 @@ def test_chat_renders_the_template_once_with_one_bos(drafter, target_name, monke
     if bos is not None and text.startswith(target.tokenizer.bos_token):
         assert ids.count(bos) == 1 and ids[0] == bos  # the template's own BOS, not a second one
     out = pair.chat(messages, max_new_tokens=24)
-    ref = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=24, do_sample=False, eos_token_id=sorted(target.eos_ids),
-                                pad_token_id=sorted(target.eos_ids)[0])[0, len(ids):].tolist()
+    ref = target.model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=24,
+        do_sample=False,
+        eos_token_id=sorted(target.eos_ids),
+        pad_token_id=sorted(target.eos_ids)[0],
+    )[0, len(ids) :].tolist()
     assert out.token_ids == ref
 
 

@@ -46,7 +46,9 @@ def _open(http, ids) -> str:
 
 def test_remote_greedy_is_token_identical_to_local(http, tiny_drafter, tiny_target):
     remote, held = _remote(http), _sessions(http)
-    assert remote.token_bytes.fingerprint == tiny_target.token_bytes.fingerprint  # tokenizer came from the server
+    assert (
+        remote.token_bytes.fingerprint == tiny_target.token_bytes.fingerprint
+    )  # tokenizer came from the server
     pair = tiny_drafter.pair(remote, k=4)
     for prompt in PROMPTS:
         assert pair.generate(prompt, max_new_tokens=24).token_ids == target_greedy(tiny_target, prompt, 24)
@@ -60,8 +62,10 @@ def _sessions(http) -> int:
 def test_remote_sampling_modes_are_reproducible_by_seed(http, tiny_drafter):
     for mode in ("match", "exact"):
         pair = tiny_drafter.pair(_remote(http), k=3, mode=mode, temperature=0.8)
-        runs = [pair.generate(PROMPTS[0], max_new_tokens=12, generator=torch.Generator().manual_seed(7)).token_ids
-                for _ in range(2)]
+        runs = [
+            pair.generate(PROMPTS[0], max_new_tokens=12, generator=torch.Generator().manual_seed(7)).token_ids
+            for _ in range(2)
+        ]
         assert runs[0] == runs[1] and len(runs[0]) == 12
 
 
@@ -73,9 +77,18 @@ def test_remote_verdicts_carry_topk_rows_for_learning(http, draft_tokenizer, tin
 
     from .conftest import tiny_llama
 
-    drafter = Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
-    pair = drafter.pair(_remote(http), k=4, user="alice", learn=True, adapter=AdapterConfig(rank=4, alpha=8),
-                        train=TrainConfig(interval=1, lr=1e-2), store=ProfileStore(tmp_path))
+    drafter = Drafter(
+        tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter"
+    )
+    pair = drafter.pair(
+        _remote(http),
+        k=4,
+        user="alice",
+        learn=True,
+        adapter=AdapterConfig(rank=4, alpha=8),
+        train=TrainConfig(interval=1, lr=1e-2),
+        store=ProfileStore(tmp_path),
+    )
     out = pair.generate(PROMPTS[1], max_new_tokens=16)
     assert out.token_ids == target_greedy(tiny_target, PROMPTS[1], 16) and pair.steps == 1
 
@@ -84,7 +97,10 @@ def test_bad_requests_get_4xx_with_a_reason(http, tiny_target):
     auth = {"authorization": f"Bearer {KEY}"}
     assert http.get("/v1/info").status_code == 401
     assert http.get("/v1/info", headers={"authorization": "Bearer wrong"}).status_code == 401
-    assert http.post("/v1/sessions/nope/verify", json={"committed": 1, "proposal": []}, headers=auth).status_code == 404
+    assert (
+        http.post("/v1/sessions/nope/verify", json={"committed": 1, "proposal": []}, headers=auth).status_code
+        == 404
+    )
     big = http.post("/v1/sessions", content=b"[" + b"1," * 40000 + b"1]", headers=auth)
     assert big.status_code == 413 and "limit" in big.json()["error"]
     assert http.post("/v1/sessions", json={"prompt_ids": [10**6]}, headers=auth).status_code == 422
@@ -97,8 +113,14 @@ def test_bad_requests_get_4xx_with_a_reason(http, tiny_target):
     assert again.json() == ok.json()  # a retried request is answered, not applied twice
     stale = http.post(f"/v1/sessions/{sid}/verify", json={"committed": 3, "proposal": [8]}, headers=auth)
     assert stale.status_code == 409 and "stale" in stale.json()["error"]
-    assert http.post(f"/v1/sessions/{sid}/verify", json={"committed": ok.json()["committed"], "proposal": [1],
-                                                          "mode": "greedy", "temperature": 0.5}, headers=auth).status_code == 422
+    assert (
+        http.post(
+            f"/v1/sessions/{sid}/verify",
+            json={"committed": ok.json()["committed"], "proposal": [1], "mode": "greedy", "temperature": 0.5},
+            headers=auth,
+        ).status_code
+        == 422
+    )
     assert http.delete(f"/v1/sessions/{sid}", headers=auth).status_code == 200
     with pytest.raises(RemoteRequestError, match="401"):
         RemoteTarget("http://testserver", api_key="wrong", client=http)
@@ -109,8 +131,19 @@ def test_the_server_keeps_serving_after_hundreds_of_malformed_bodies(http, tiny_
     sid = _open(http, [5, 6, 7])
     rng = random.Random(0)
     bodies = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))) for _ in range(150)]
-    bodies += [json.dumps(x).encode() for x in ([], {}, {"committed": "x"}, {"proposal": [-1], "committed": 3},
-                                                 {"committed": 3, "proposal": [1] * 500}, {"version": 9}, None, 3.5)] * 19
+    bodies += [
+        json.dumps(x).encode()
+        for x in (
+            [],
+            {},
+            {"committed": "x"},
+            {"proposal": [-1], "committed": 3},
+            {"committed": 3, "proposal": [1] * 500},
+            {"version": 9},
+            None,
+            3.5,
+        )
+    ] * 19
     for i, body in enumerate(bodies):
         path = "/v1/sessions" if i % 2 else f"/v1/sessions/{sid}/verify"
         status = http.post(path, content=body, headers=auth).status_code
@@ -120,7 +153,9 @@ def test_the_server_keeps_serving_after_hundreds_of_malformed_bodies(http, tiny_
     assert http.get("/metrics").status_code == 401  # counters stay behind the key
     assert "omnidraft_rejected_requests_total" in metrics and "omnidraft_verify_seconds_bucket" in metrics
     pair = tiny_drafter.pair(_remote(http), k=4)
-    assert pair.generate(PROMPTS[0], max_new_tokens=10).token_ids == target_greedy(tiny_target, PROMPTS[0], 10)
+    assert pair.generate(PROMPTS[0], max_new_tokens=10).token_ids == target_greedy(
+        tiny_target, PROMPTS[0], 10
+    )
 
 
 class _Flaky:
@@ -201,12 +236,20 @@ def test_32_concurrent_sessions_over_loopback(app, tiny_target):
 
 # -- OpenAI-compatible path (remote/openai.py) against our own server's /v1/completions -------------
 
+
 def _openai(http, tiny_target, **kw):
     from omnidraft.remote.openai import OpenAICompletionsTarget
 
-    return OpenAICompletionsTarget("http://testserver", model="tiny", api_key=KEY, tokenizer=tiny_target.tokenizer,
-                                   vocab_size=len(tiny_target.token_bytes), eos_ids=set(tiny_target.eos_ids),
-                                   client=http, **kw)
+    return OpenAICompletionsTarget(
+        "http://testserver",
+        model="tiny",
+        api_key=KEY,
+        tokenizer=tiny_target.tokenizer,
+        vocab_size=len(tiny_target.token_bytes),
+        eos_ids=set(tiny_target.eos_ids),
+        client=http,
+        **kw,
+    )
 
 
 def test_openai_completions_target_is_token_identical_to_local(http, tiny_drafter, tiny_target):
@@ -218,12 +261,27 @@ def test_openai_completions_target_is_token_identical_to_local(http, tiny_drafte
         tiny_drafter.pair(target, k=3, mode="match", temperature=0.8).generate(PROMPTS[0], max_new_tokens=4)
 
 
-@pytest.mark.parametrize("reply, reason", [
-    ((400, {"error": "echo is not supported with logprobs"}), "cannot verify drafts"),  # OpenAI's API
-    ((200, {"choices": [{"text": "x", "logprobs": {"tokens": ["token_id:5"], "top_logprobs": [{"token_id:5": -0.1}]}}]}),
-     "cannot verify drafts"),  # llama-server: log-probabilities of generated tokens only
-    ((200, "ECHO_OTHER_IDS"), "echoed other token ids"),  # a server that re-tokenized the prompt
-])
+@pytest.mark.parametrize(
+    "reply, reason",
+    [
+        ((400, {"error": "echo is not supported with logprobs"}), "cannot verify drafts"),  # OpenAI's API
+        (
+            (
+                200,
+                {
+                    "choices": [
+                        {
+                            "text": "x",
+                            "logprobs": {"tokens": ["token_id:5"], "top_logprobs": [{"token_id:5": -0.1}]},
+                        }
+                    ]
+                },
+            ),
+            "cannot verify drafts",
+        ),  # llama-server: log-probabilities of generated tokens only
+        ((200, "ECHO_OTHER_IDS"), "echoed other token ids"),  # a server that re-tokenized the prompt
+    ],
+)
 def test_an_openai_server_that_cannot_verify_is_refused_at_construction(tiny_target, reply, reason):
     """The probe: one scoring request at construction; a server without prompt log-probabilities or
     with another vocabulary is refused with an error that names what is missing."""
@@ -233,8 +291,17 @@ def test_an_openai_server_that_cannot_verify_is_refused_at_construction(tiny_tar
         status, body = reply
         if body == "ECHO_OTHER_IDS":
             n = len(json.loads(request.content)["prompt"])
-            body = {"choices": [{"text": "", "logprobs": {"tokens": ["token_id:7"] * (n + 1),
-                                                          "top_logprobs": [None] + [{"token_id:7": -0.1}] * n}}]}
+            body = {
+                "choices": [
+                    {
+                        "text": "",
+                        "logprobs": {
+                            "tokens": ["token_id:7"] * (n + 1),
+                            "top_logprobs": [None] + [{"token_id:7": -0.1}] * n,
+                        },
+                    }
+                ]
+            }
         return httpx.Response(status, json=body)
 
     client = httpx.Client(base_url="http://fake", transport=httpx.MockTransport(answer))
@@ -245,20 +312,43 @@ def test_an_openai_server_that_cannot_verify_is_refused_at_construction(tiny_tar
 def test_openai_endpoint_speaks_the_completions_shape(http, tiny_target):
     auth = {"authorization": f"Bearer {KEY}"}
     ids = tiny_target.tokenizer(PROMPTS[0])["input_ids"]
-    r = http.post("/v1/completions", headers=auth, json={"model": "tiny", "prompt": ids, "max_tokens": 3, "echo": True,
-                                                         "logprobs": 2, "temperature": 0, "user": "ignored-field"})
+    r = http.post(
+        "/v1/completions",
+        headers=auth,
+        json={
+            "model": "tiny",
+            "prompt": ids,
+            "max_tokens": 3,
+            "echo": True,
+            "logprobs": 2,
+            "temperature": 0,
+            "user": "ignored-field",
+        },
+    )
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
-    assert len(lp["tokens"]) == len(ids) + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert (
+        len(lp["tokens"]) == len(ids) + 3
+        and lp["token_logprobs"][0] is None
+        and lp["top_logprobs"][0] is None
+    )
     assert all(len(row) == 2 for row in lp["top_logprobs"][1:])
     greedy = target_greedy(tiny_target, PROMPTS[0], 3)
-    assert [tiny_target.token_bytes.id_of(t.encode()) for t in lp["tokens"][len(ids):]] == greedy
+    assert [tiny_target.token_bytes.id_of(t.encode()) for t in lp["tokens"][len(ids) :]] == greedy
     for body in ({"prompt": ids, "temperature": 0.7}, {"prompt": ids, "temperature": 0, "stream": True}):
-        assert http.post("/v1/completions", headers=auth, json=body).status_code == 200  # sampled, streamed: served
-    for body, reason in [({"prompt": [10**9], "temperature": 0}, "token ids"), ({"prompt": ids, "logprobs": 99}, "logprobs"),
-                         ({"prompt": ids, "echo": True, "logprobs": 1, "temperature": 0.7}, "greedy")]:
+        assert (
+            http.post("/v1/completions", headers=auth, json=body).status_code == 200
+        )  # sampled, streamed: served
+    for body, reason in [
+        ({"prompt": [10**9], "temperature": 0}, "token ids"),
+        ({"prompt": ids, "logprobs": 99}, "logprobs"),
+        ({"prompt": ids, "echo": True, "logprobs": 1, "temperature": 0.7}, "greedy"),
+    ]:
         r = http.post("/v1/completions", headers=auth, json=body)
-        assert r.status_code == 400 and reason in r.json()["error"]["message"], (body, r.text)  # OpenAI's shape
+        assert r.status_code == 400 and reason in r.json()["error"]["message"], (
+            body,
+            r.text,
+        )  # OpenAI's shape
 
 
 def test_openai_target_feeds_learning_with_top_rows(http, draft_tokenizer, tiny_target, tmp_path):
@@ -269,9 +359,18 @@ def test_openai_target_feeds_learning_with_top_rows(http, draft_tokenizer, tiny_
 
     from .conftest import tiny_llama
 
-    drafter = Drafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
-    pair = drafter.pair(_openai(http, tiny_target), k=4, user="bob", learn=True, adapter=AdapterConfig(rank=4, alpha=8),
-                        train=TrainConfig(interval=1, lr=1e-2), store=ProfileStore(tmp_path))
+    drafter = Drafter(
+        tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter"
+    )
+    pair = drafter.pair(
+        _openai(http, tiny_target),
+        k=4,
+        user="bob",
+        learn=True,
+        adapter=AdapterConfig(rank=4, alpha=8),
+        train=TrainConfig(interval=1, lr=1e-2),
+        store=ProfileStore(tmp_path),
+    )
     out = pair.generate(PROMPTS[1], max_new_tokens=16)
     assert out.token_ids == target_greedy(tiny_target, PROMPTS[1], 16) and pair.steps == 1
 
@@ -285,11 +384,17 @@ def test_a_session_hands_the_rest_of_a_completion_to_the_server(http, tiny_targe
     rest = list(session.decode(15))
     assert [first, *rest] == target_greedy(tiny_target, PROMPTS[0], 16)[: 1 + len(rest)]
     assert session.ids == ids + [first, *rest] and session.forwards == 1 + len(rest)
-    stale = http.post(f"/v1/sessions/{session.sid}/generate", json={"committed": len(ids), "max_tokens": 4},
-                      headers={"authorization": f"Bearer {KEY}"})
+    stale = http.post(
+        f"/v1/sessions/{session.sid}/generate",
+        json={"committed": len(ids), "max_tokens": 4},
+        headers={"authorization": f"Bearer {KEY}"},
+    )
     assert stale.status_code == 409 and "stale request" in stale.json()["error"]
-    bad = http.post(f"/v1/sessions/{session.sid}/generate", json={"committed": len(session.ids), "max_tokens": 0},
-                    headers={"authorization": f"Bearer {KEY}"})
+    bad = http.post(
+        f"/v1/sessions/{session.sid}/generate",
+        json={"committed": len(session.ids), "max_tokens": 0},
+        headers={"authorization": f"Bearer {KEY}"},
+    )
     assert bad.status_code == 422
     session.close()
 
@@ -321,12 +426,20 @@ def test_decoding_alone_is_one_exchange_and_keeps_no_session(app, http, tiny_tar
     assert out == target_greedy(tiny_target, PROMPTS[0], 16) and session.ids == ids + out
     assert counting.calls == [("POST", "/v1/generate")] and session.sid is None
     assert _sessions(http) == held and sum(app.state.service.inflight.values()) == 0
-    first = session.verify(torch.zeros(0, dtype=torch.long), Rule()).token  # a verify after it opens on every id
+    first = session.verify(
+        torch.zeros(0, dtype=torch.long), Rule()
+    ).token  # a verify after it opens on every id
     first_sid = session.sid
-    assert [*out, first] == target_greedy(tiny_target, PROMPTS[0], 17) and counting.calls[1][1] == "/v1/sessions"
+    assert [*out, first] == target_greedy(tiny_target, PROMPTS[0], 17) and counting.calls[1][
+        1
+    ] == "/v1/sessions"
     session.close()
     assert _sessions(http) == held and counting.calls[-1] == ("DELETE", f"/v1/sessions/{first_sid}")
-    past = http.post("/v1/generate", json={"prompt_ids": ids, "max_tokens": 10**6}, headers={"authorization": f"Bearer {KEY}"})
+    past = http.post(
+        "/v1/generate",
+        json={"prompt_ids": ids, "max_tokens": 10**6},
+        headers={"authorization": f"Bearer {KEY}"},
+    )
     assert past.status_code == 422
 
 
@@ -340,7 +453,9 @@ def test_the_latency_objective_measures_both_modes_and_stays_identical(http, tin
     assert all(r.drafted == 0 and r.emitted == 1 for r in outs[1].rounds)  # second: the server alone
     assert all(rate is not None for rate in pair.modes.rates.values())
     compute = tiny_drafter.pair(_remote(http), objective="compute")
-    assert compute.modes is None and tiny_drafter.pair(tiny_target, mode="match", temperature=1.0).modes is None
+    assert (
+        compute.modes is None and tiny_drafter.pair(tiny_target, mode="match", temperature=1.0).modes is None
+    )
     with pytest.raises(ValueError, match="objective must be 'latency' or 'compute'"):
         tiny_drafter.pair(tiny_target, objective="fast")
 
@@ -359,7 +474,9 @@ def test_mode_chooser_takes_the_faster_mode_and_probes_the_other():
         picks.append(mode)
         chooser.observe(mode, 100, 10.0 if mode == "speculate" else 5.0)
     assert picks[3] == "speculate" and picks.count("speculate") == 2 and not chooser.speculating
-    assert picks.index("speculate", 4) == 11  # the first probe confirmed "alone": the next waits twice as long
+    assert (
+        picks.index("speculate", 4) == 11
+    )  # the first probe confirmed "alone": the next waits twice as long
 
 
 def test_mode_chooser_probes_a_far_slower_mode_rarely():
@@ -376,6 +493,8 @@ def test_mode_chooser_probes_a_far_slower_mode_rarely():
         return None
 
     assert first_probe(9.5) == 8  # 5% apart: probe_every decides
-    assert first_probe(6.25) == 19  # the server alone measured 37.5% slower: a probe costs that much of a request
+    assert (
+        first_probe(6.25) == 19
+    )  # the server alone measured 37.5% slower: a probe costs that much of a request
     with pytest.raises(ValueError, match="probe_cost > 0"):
         ModeChooser(probe_cost=0)

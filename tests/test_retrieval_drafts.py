@@ -15,9 +15,11 @@ from omnidraft.retrieve.planner import NO_RENT, ReadDeferral
 
 from .conftest import assert_first_tokens_follow, gsm8k_texts, target_greedy, tiny_llama, train_bpe
 
-COPY = ["The cat sat on the mat. The dog sat on the log. The cat sat on the",
-        "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return",
-        gsm8k_texts("test", 1)[0][:120] * 2]
+COPY = [
+    "The cat sat on the mat. The dog sat on the log. The cat sat on the",
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return",
+    gsm8k_texts("test", 1)[0][:120] * 2,
+]
 
 
 @pytest.mark.parametrize("drafts", ["hybrid", "retrieval", "model"])
@@ -67,7 +69,9 @@ def test_the_drafters_read_is_rented_until_the_rounds_without_it_have_lost_what_
     rent = deferral.begin(100)
     assert not rent.defer({}, 0)  # the cost policy has no rates yet
     assert rent.defer(rates, 0)
-    rent.settle(True, committed=1, seconds=None, drafted=0, draft_s=0.0, step=0.01, produced=0)  # the prefill round
+    rent.settle(
+        True, committed=1, seconds=None, drafted=0, draft_s=0.0, step=0.01, produced=0
+    )  # the prefill round
     assert rent.regret == 0
     for _ in range(2):  # two plain rounds lose 0.05 s each: the read is paid for after them
         assert rent.defer(rates, 0)
@@ -75,12 +79,20 @@ def test_the_drafters_read_is_rented_until_the_rounds_without_it_have_lost_what_
     assert rent.regret == pytest.approx(0.1) and not rent.defer(rates, 0)
     again = deferral.begin(100)
     assert again.defer(rates, 0)
-    again.settle(True, committed=5, seconds=0.1, drafted=0, draft_s=0.0, step=0.01, produced=0)  # a copy beat the model
+    again.settle(
+        True, committed=5, seconds=0.1, drafted=0, draft_s=0.0, step=0.01, produced=0
+    )  # a copy beat the model
     assert again.regret == 0 and again.defer(rates, 20)  # no credit below zero; the read grows with the text
-    again.settle(True, committed=2, seconds=0.2, drafted=0, draft_s=0.0, step=0.01, produced=20)  # a poor copy loses too
+    again.settle(
+        True, committed=2, seconds=0.2, drafted=0, draft_s=0.0, step=0.01, produced=20
+    )  # a poor copy loses too
     assert again.regret == pytest.approx(0.1)
-    again.settle(False, committed=4, seconds=0.5, drafted=4, draft_s=0.44, step=0.01, produced=20)  # 120 tokens read
-    assert deferral.per_token == pytest.approx(0.7 * 0.001 + 0.3 * 0.4 / 120)  # slower than measured: slowly up
+    again.settle(
+        False, committed=4, seconds=0.5, drafted=4, draft_s=0.44, step=0.01, produced=20
+    )  # 120 tokens read
+    assert deferral.per_token == pytest.approx(
+        0.7 * 0.001 + 0.3 * 0.4 / 120
+    )  # slower than measured: slowly up
     cheap = deferral.begin(100)
     cheap.settle(False, committed=4, seconds=0.2, drafted=4, draft_s=0.14, step=0.01, produced=0)
     assert deferral.per_token == pytest.approx(0.001)  # faster: at once
@@ -108,7 +120,9 @@ class _CountingDrafter(_NoForward):
 def test_a_request_whose_read_is_deferred_never_drafts_and_stays_identical(tiny_drafter, tiny_target):
     drafter = _CountingDrafter(tiny_drafter)
     drafter.proposals = 0
-    pair = od.Pairing(drafter, tiny_target, od.DecodeConfig(drafts="hybrid", retrieval=RetrievalConfig(defer_read=True)))
+    pair = od.Pairing(
+        drafter, tiny_target, od.DecodeConfig(drafts="hybrid", retrieval=RetrievalConfig(defer_read=True))
+    )
     for prompt in COPY:  # the costs and the read are measured
         pair.generate(prompt, max_new_tokens=30)
     assert pair.retriever.deferral.per_token is not None and drafter.proposals > 0
@@ -142,8 +156,9 @@ def test_sampling_with_retrieved_drafts_keeps_the_target_distribution(mode, draf
     tok_d, tok_t = train_bpe(300, gsm8k_texts(n=300)), train_bpe(330, gsm8k_texts(n=300))
     target = od.LocalTarget(tiny_llama(len(tok_t), seed=5, logit_scale=8.0), tok_t, "t")
     drafter = od.TorchDrafter(tiny_llama(len(tok_d), seed=5, logit_scale=8.0), tok_d, "d")
-    pair = drafter.pair(target, k=3, mode=mode, temperature=1.0, drafts=drafts,
-                        retrieval=RetrievalConfig(min_match=2))
+    pair = drafter.pair(
+        target, k=3, mode=mode, temperature=1.0, drafts=drafts, retrieval=RetrievalConfig(min_match=2)
+    )
     gen = torch.Generator().manual_seed(13)
     prompt = "Question: how many apples are there? Question: how many"
     n, counts, retrieved_first = 1200, Counter(), 0
@@ -211,7 +226,9 @@ def test_relaxed_rule_accepts_a_near_miss_copy_only_when_the_target_carries_it_o
     assert greedy(logits, proposal).accepted == 0
     v = relaxed(logits, proposal, retrieved, top_r=2)
     assert (v.accepted, v.token) == (2, 7)  # 2 (near miss, carried on), 3 (argmax); 4 is not in the top 2
-    assert relaxed(logits, proposal, torch.tensor([False, True, True]), top_r=2).accepted == 0  # a model token: strict
+    assert (
+        relaxed(logits, proposal, torch.tensor([False, True, True]), top_r=2).accepted == 0
+    )  # a model token: strict
     assert relaxed(logits, proposal, retrieved, top_r=1).accepted == 0
     off = logits.clone()
     off[1, 3], off[1, 5] = -5.0, 3.0  # the target does not carry the copy on: rejected

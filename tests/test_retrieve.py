@@ -9,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnidraft.errors import CorruptFileError, IncompatibleError
-from omnidraft.retrieve import Candidate, ContextIndex, Datastore, Matcher, RetrievalConfig, RetrievalStats, SuffixAutomaton
+from omnidraft.retrieve import (
+    Candidate,
+    ContextIndex,
+    Datastore,
+    Matcher,
+    RetrievalConfig,
+    RetrievalStats,
+    SuffixAutomaton,
+)
 
 
 def naive_match(text: list[int], stream: list[int]) -> int:
@@ -150,8 +158,10 @@ def test_beside_model_drafts_a_short_match_is_left_to_the_model():
     config = RetrievalConfig(min_match=3)
     index = ContextIndex([1, 2, 9, 1, 2, 7, 5, 1])  # the context ends in 1: match of one token
     assert Retriever(config).plan(index, Cost(), {1: 0.1}, room=8) is None
-    for used in (Retriever(config, model=False).plan(index, Cost(), {}, room=8),
-                 Retriever(config).plan(index, Cost(), {0: 0.1, 1: 0.1}, room=8, drafting=False)):  # a round without a model draft
+    for used in (
+        Retriever(config, model=False).plan(index, Cost(), {}, room=8),
+        Retriever(config).plan(index, Cost(), {0: 0.1, 1: 0.1}, room=8, drafting=False),
+    ):  # a round without a model draft
         assert used is not None and used.candidate.match == 1
 
 

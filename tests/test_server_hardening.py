@@ -43,9 +43,18 @@ BAD_BODIES = [
     ({"committed": "COMMITTED_STR"}, "valid integer"),  # "12" is not a committed length
     ({"seed": 2**64}, "less than or equal"),  # outside int64, even in greedy mode
     ({"mode": "match", "temperature": 1e-320}, "temperature must be 0"),
-    ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [float("nan")]}]}, "finite"),
-    ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [-0.5]}]}, "in [0, 1]"),
-    ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [0.0]}]}, "probability mass"),
+    (
+        {"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [float("nan")]}]},
+        "finite",
+    ),
+    (
+        {"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [-0.5]}]},
+        "in [0, 1]",
+    ),
+    (
+        {"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [0.0]}]},
+        "probability mass",
+    ),
 ]
 
 
@@ -60,8 +69,11 @@ def bad_body(committed: int, body: dict) -> str:
 @pytest.mark.parametrize("body, reason", BAD_BODIES)
 def test_values_that_used_to_reach_a_500_get_a_422_naming_the_field(client, tiny_target, body, reason):
     sid, ids = _open(client, tiny_target)
-    r = client.post(f"/v1/sessions/{sid}/verify", content=bad_body(len(ids), body),
-                    headers={**AUTH, "content-type": "application/json"})
+    r = client.post(
+        f"/v1/sessions/{sid}/verify",
+        content=bad_body(len(ids), body),
+        headers={**AUTH, "content-type": "application/json"},
+    )
     assert r.status_code == 422 and reason in r.json()["error"], r.text
     ok = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=AUTH)
     assert ok.status_code == 200  # the session and the connection still serve
@@ -70,8 +82,11 @@ def test_values_that_used_to_reach_a_500_get_a_422_naming_the_field(client, tiny
 def test_q_rows_that_sum_above_one_are_renormalised_not_a_500(client, tiny_target):
     sid, ids = _open(client, tiny_target)
     q = [{"ids": list(range(50)), "probs": [1.0] * 50}]
-    r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": [7], "mode": "exact",
-                                                        "temperature": 1.0, "q": q, "seed": 3}, headers=AUTH)
+    r = client.post(
+        f"/v1/sessions/{sid}/verify",
+        json={"committed": len(ids), "proposal": [7], "mode": "exact", "temperature": 1.0, "q": q, "seed": 3},
+        headers=AUTH,
+    )
     assert r.status_code == 200, r.text
 
 
@@ -104,7 +119,9 @@ def test_an_echoed_prompt_holds_at_most_one_chunk_of_logits(tiny_target, monkeyp
 
     rows = []
     real = CausalRunner.forward
-    monkeypatch.setattr(CausalRunner, "forward", lambda self, keep=1, **kw: rows.append(keep) or real(self, keep, **kw))
+    monkeypatch.setattr(
+        CausalRunner, "forward", lambda self, keep=1, **kw: rows.append(keep) or real(self, keep, **kw)
+    )
     ids = (tiny_target.tokenizer(PROMPT)["input_ids"] * 20)[:300]
     request = oai.CompletionRequest(prompt=ids, max_tokens=3, echo=True, logprobs=2, temperature=0.0)
     reply = oai.complete(tiny_target, request, 10_000)
@@ -125,7 +142,9 @@ def test_a_long_completion_does_not_stall_other_sessions(client, tiny_target):
     done = {}
 
     def long_completion():
-        client.post("/v1/completions", json={"prompt": ids, "max_tokens": 400, "temperature": 0.0}, headers=AUTH)
+        client.post(
+            "/v1/completions", json={"prompt": ids, "max_tokens": 400, "temperature": 0.0}, headers=AUTH
+        )
         done["completion"] = time.perf_counter()
 
     thread = threading.Thread(target=long_completion)
@@ -137,30 +156,59 @@ def test_a_long_completion_does_not_stall_other_sessions(client, tiny_target):
     assert r.status_code == 200 and done["verify"] < done["completion"]
 
 
-_ID = st.one_of(st.integers(-5, 800), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True), st.none())
-_BODY = st.fixed_dictionaries({}, optional={
-    "committed": st.one_of(st.integers(-3, 60), st.text(max_size=3), st.booleans(), st.floats()),
-    "proposal": st.one_of(st.lists(_ID, max_size=70), st.text(max_size=5), st.none()),
-    "mode": st.one_of(st.sampled_from(["greedy", "match", "exact", "omnidraft", "nope"]), st.integers()),
-    "temperature": st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 5), st.text(max_size=2)),
-    "q": st.one_of(st.none(), st.lists(st.fixed_dictionaries({"ids": st.lists(_ID, max_size=4),
-                                                              "probs": st.lists(st.floats(allow_nan=True), max_size=4)}),
-                                       max_size=4)),
-    "seed": st.one_of(st.none(), st.integers(-2**70, 2**70), st.floats(allow_nan=True)),
-    "topk": st.one_of(st.integers(-3, 100), st.booleans()),
-    "version": st.one_of(st.just(1), st.integers(-2, 3)),
-    "extra": st.integers(),
-})
-_VALID = st.fixed_dictionaries({"committed": st.just(1), "proposal": st.lists(st.integers(0, 699), max_size=8)},
-                               optional={"topk": st.integers(0, 8)})  # committed 1 becomes the session's length
-_ROW = st.fixed_dictionaries({"ids": st.lists(st.sampled_from([0, 5, 6, 7, 699]), max_size=4),
-                              "probs": st.lists(st.sampled_from([0.0, 1e-300, 0.3, 1.0]), max_size=4)})
-_SAMPLING = st.fixed_dictionaries({  # valid-typed sampling bodies: empty, repeated and zero q entries, extreme filters
-    "committed": st.just(1), "proposal": st.lists(st.sampled_from([5, 6, 7]), min_size=1, max_size=3),
-    "mode": st.sampled_from(["match", "exact", "omnidraft"]), "temperature": st.sampled_from([1e-3, 0.7, 100.0]),
-    "q": st.lists(_ROW, min_size=1, max_size=3), "seed": st.integers(0, 5),
-    "top_p": st.sampled_from([1e-300, 1e-9, 0.5, 1.0]), "top_k": st.sampled_from([0, 1, 5, 10**6]),
-    "min_p": st.sampled_from([0.0, 0.5, 0.999999])})
+_ID = st.one_of(
+    st.integers(-5, 800), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True), st.none()
+)
+_BODY = st.fixed_dictionaries(
+    {},
+    optional={
+        "committed": st.one_of(st.integers(-3, 60), st.text(max_size=3), st.booleans(), st.floats()),
+        "proposal": st.one_of(st.lists(_ID, max_size=70), st.text(max_size=5), st.none()),
+        "mode": st.one_of(st.sampled_from(["greedy", "match", "exact", "omnidraft", "nope"]), st.integers()),
+        "temperature": st.one_of(
+            st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 5), st.text(max_size=2)
+        ),
+        "q": st.one_of(
+            st.none(),
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "ids": st.lists(_ID, max_size=4),
+                        "probs": st.lists(st.floats(allow_nan=True), max_size=4),
+                    }
+                ),
+                max_size=4,
+            ),
+        ),
+        "seed": st.one_of(st.none(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True)),
+        "topk": st.one_of(st.integers(-3, 100), st.booleans()),
+        "version": st.one_of(st.just(1), st.integers(-2, 3)),
+        "extra": st.integers(),
+    },
+)
+_VALID = st.fixed_dictionaries(
+    {"committed": st.just(1), "proposal": st.lists(st.integers(0, 699), max_size=8)},
+    optional={"topk": st.integers(0, 8)},
+)  # committed 1 becomes the session's length
+_ROW = st.fixed_dictionaries(
+    {
+        "ids": st.lists(st.sampled_from([0, 5, 6, 7, 699]), max_size=4),
+        "probs": st.lists(st.sampled_from([0.0, 1e-300, 0.3, 1.0]), max_size=4),
+    }
+)
+_SAMPLING = st.fixed_dictionaries(
+    {  # valid-typed sampling bodies: empty, repeated and zero q entries, extreme filters
+        "committed": st.just(1),
+        "proposal": st.lists(st.sampled_from([5, 6, 7]), min_size=1, max_size=3),
+        "mode": st.sampled_from(["match", "exact", "omnidraft"]),
+        "temperature": st.sampled_from([1e-3, 0.7, 100.0]),
+        "q": st.lists(_ROW, min_size=1, max_size=3),
+        "seed": st.integers(0, 5),
+        "top_p": st.sampled_from([1e-300, 1e-9, 0.5, 1.0]),
+        "top_k": st.sampled_from([0, 1, 5, 10**6]),
+        "min_p": st.sampled_from([0.0, 0.5, 0.999999]),
+    }
+)
 
 
 def test_fuzzed_verify_bodies_never_get_a_5xx(client, tiny_target, tiny_drafter):
@@ -171,17 +219,29 @@ def test_fuzzed_verify_bodies_never_get_a_5xx(client, tiny_target, tiny_drafter)
     sid, ids = _open(client, tiny_target)
     statuses, committed, live = [], [len(ids)], [sid]
 
-    @settings(max_examples=5000, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=5000,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(body=st.one_of(_BODY, _VALID, _SAMPLING))
     def fuzz(body):
         if committed[0] > 900:  # near the tiny target's context: go on in a new session
             live[0], opened = _open(client, tiny_target)
             committed[0] = len(opened)
-        if isinstance(body.get("committed"), int) and not isinstance(body["committed"], bool) and body["committed"] >= 0:
+        if (
+            isinstance(body.get("committed"), int)
+            and not isinstance(body["committed"], bool)
+            and body["committed"] >= 0
+        ):
             body["committed"] = committed[0] + body["committed"] % 3 - 1  # near the session's real length
-        r = client.post(f"/v1/sessions/{live[0]}/verify", content=json.dumps(body, allow_nan=True),
-                        headers={**AUTH, "content-type": "application/json"})
+        r = client.post(
+            f"/v1/sessions/{live[0]}/verify",
+            content=json.dumps(body, allow_nan=True),
+            headers={**AUTH, "content-type": "application/json"},
+        )
         statuses.append(r.status_code)
         if r.status_code == 200:
             committed[0] = r.json()["committed"]
@@ -192,11 +252,23 @@ def test_fuzzed_verify_bodies_never_get_a_5xx(client, tiny_target, tiny_drafter)
     sid = live[0]
     committed_ids = list(client.app.state.service.sessions[sid].inner.ids)
     text = tiny_target.tokenizer.decode(committed_ids)
-    out = [client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(committed_ids) + i, "proposal": []},
-                       headers=AUTH).json()["token"] for i in range(4)]
+    out = [
+        client.post(
+            f"/v1/sessions/{sid}/verify",
+            json={"committed": len(committed_ids) + i, "proposal": []},
+            headers=AUTH,
+        ).json()["token"]
+        for i in range(4)
+    ]
     ids = torch.tensor([committed_ids])
-    want = tiny_target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, len(committed_ids):].tolist()
+    want = tiny_target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=4,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(committed_ids) :].tolist()
     assert out == want, text
     from omnidraft.remote.client import RemoteTarget
 
@@ -223,7 +295,12 @@ def test_each_key_holds_its_own_sessions_within_its_quota(tiny_target):
         assert c.post(f"/v1/sessions/{sid}/verify", json=body, headers=a).status_code == 200
         assert c.delete(f"/v1/sessions/{sid}", headers=a).status_code == 200
         assert c.post("/v1/sessions", json={"prompt_ids": ids}, headers=a).status_code == 200  # room again
-        assert c.post("/v1/sessions", json={"prompt_ids": ids}, headers={"authorization": "Bearer nope"}).status_code == 401
+        assert (
+            c.post(
+                "/v1/sessions", json={"prompt_ids": ids}, headers={"authorization": "Bearer nope"}
+            ).status_code
+            == 401
+        )
 
 
 def test_a_slow_body_times_out_and_a_client_gone_mid_body_is_not_a_crash(tiny_target, caplog):
@@ -239,8 +316,10 @@ def test_a_slow_body_times_out_and_a_client_gone_mid_body_is_not_a_crash(tiny_ta
 
     url, stop = serve_in_thread(create_app(tiny_target, ServerConfig(api_key=KEY, body_timeout_s=0.5)))
     host, port = url.removeprefix("http://").split(":")
-    head = (f"POST /v1/sessions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n").encode()
+    head = (
+        f"POST /v1/sessions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    ).encode()
     try:
         with caplog.at_level(logging.ERROR, logger="omnidraft"):
             with socket.create_connection((host, int(port)), timeout=10) as s:
@@ -270,7 +349,13 @@ ALL_OR_NOTHING = [
     {"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [], "probs": []}]},
     {"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5, 5], "probs": [0.5, 0.0]}]},
     {"mode": "match", "temperature": 1.0, "proposal": [5], "top_p": 1e-300},
-    {"mode": "exact", "temperature": 1.0, "proposal": [5], "top_p": 1e-300, "q": [{"ids": [5], "probs": [1.0]}]},
+    {
+        "mode": "exact",
+        "temperature": 1.0,
+        "proposal": [5],
+        "top_p": 1e-300,
+        "q": [{"ids": [5], "probs": [1.0]}],
+    },
 ]
 
 
@@ -279,19 +364,27 @@ def test_a_failed_or_refused_verify_leaves_the_session_as_it_was(client, tiny_ta
     """Each body gets a 4xx or a 200, never a 500; after a refusal the session has its tokens of
     before, and the same session then yields the target's own greedy continuation."""
     sid, ids = _open(client, tiny_target)
-    r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "seed": 1, **body}, headers=AUTH)
+    r = client.post(
+        f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "seed": 1, **body}, headers=AUTH
+    )
     assert r.status_code in (200, 422), r.text
     committed = r.json()["committed"] if r.status_code == 200 else len(ids)
     session = client.app.state.service.sessions[sid].inner
     assert len(session.ids) == committed
     if r.status_code == 200:
         return
-    out = [client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + i, "proposal": []},
-                       headers=AUTH).json()["token"] for i in range(4)]
+    out = [
+        client.post(
+            f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + i, "proposal": []}, headers=AUTH
+        ).json()["token"]
+        for i in range(4)
+    ]
     assert out == target_greedy(tiny_target, PROMPT, 4)
 
 
-def test_an_exception_after_the_forward_leaves_the_session_and_a_retry_works(client, tiny_target, monkeypatch):
+def test_an_exception_after_the_forward_leaves_the_session_and_a_retry_works(
+    client, tiny_target, monkeypatch
+):
     """A failure injected after the target's forward (in the acceptance rule) is a 500 that
     mutates nothing: the session keeps its tokens and the client's retry is applied, once."""
     from omnidraft import target as target_module
@@ -321,7 +414,9 @@ def test_a_tiny_top_p_keeps_the_most_probable_token():
 
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
     for top_p in (1e-300, 1e-9, 0.01):
-        assert torch.equal(probabilities(logits, 1.0, top_p=top_p), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]))
+        assert torch.equal(
+            probabilities(logits, 1.0, top_p=top_p), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+        )
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_that_let_other_sessions_verify(tiny_target, monkeypatch):
@@ -346,7 +441,11 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_let_other_sessions_verify(tin
     with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as c:
         long_sid = c.post("/v1/sessions", json={"prompt_ids": long_ids}, headers=AUTH).json()["session"]
         short_sid = c.post("/v1/sessions", json={"prompt_ids": short_ids}, headers=AUTH).json()["session"]
-        c.post(f"/v1/sessions/{short_sid}/verify", json={"committed": len(short_ids), "proposal": []}, headers=AUTH)
+        c.post(
+            f"/v1/sessions/{short_sid}/verify",
+            json={"committed": len(short_ids), "proposal": []},
+            headers=AUTH,
+        )
         calls.clear()
         service = c.app.state.service
         chunked = service.sessions[long_sid].inner.prefill
@@ -355,19 +454,31 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_let_other_sessions_verify(tin
             left = chunked(most)
             if left and not order:
                 order.append("other")
-                threading.Thread(target=lambda: order.append(c.post(
-                    f"/v1/sessions/{short_sid}/verify", json={"committed": len(short_ids) + 1, "proposal": []},
-                    headers=AUTH).status_code)).start()
+                threading.Thread(
+                    target=lambda: order.append(
+                        c.post(
+                            f"/v1/sessions/{short_sid}/verify",
+                            json={"committed": len(short_ids) + 1, "proposal": []},
+                            headers=AUTH,
+                        ).status_code
+                    )
+                ).start()
                 time.sleep(0.5)
             return left
 
         service.sessions[long_sid].inner.prefill = prefill_then_let_another_in
-        r = c.post(f"/v1/sessions/{long_sid}/verify", json={"committed": len(long_ids), "proposal": [5, 6]},
-                   headers=AUTH)
+        r = c.post(
+            f"/v1/sessions/{long_sid}/verify",
+            json={"committed": len(long_ids), "proposal": [5, 6]},
+            headers=AUTH,
+        )
         served_meanwhile = list(order)
         assert r.status_code == 200, r.text
     assert max(calls) <= 64 + 3 and sum(calls) >= len(long_ids)
-    assert served_meanwhile == ["other", 200]  # served between two chunks, before the long prompt's verify ended
+    assert served_meanwhile == [
+        "other",
+        200,
+    ]  # served between two chunks, before the long prompt's verify ended
 
 
 def test_the_anonymous_pairing_never_shares_an_adapter_with_a_named_user():
@@ -388,7 +499,9 @@ def test_one_key_holding_its_whole_kv_share_never_makes_another_keys_open_fail(t
     with TestClient(create_app(tiny_target, config)) as c:
         mine = [c.post("/v1/sessions", json={"prompt_ids": ids}, headers=a).status_code for _ in range(30)]
         assert 429 in mine and mine.count(200) <= 20
-        assert all(c.post("/v1/sessions", json={"prompt_ids": ids}, headers=b).status_code == 200 for _ in range(5))
+        assert all(
+            c.post("/v1/sessions", json={"prompt_ids": ids}, headers=b).status_code == 200 for _ in range(5)
+        )
         sid = c.post("/v1/sessions", json={"prompt_ids": ids}, headers=b).json()["session"]
         for _ in range(4):
             time.sleep(0.2)
@@ -418,8 +531,11 @@ def test_an_abandoned_completion_stops_when_its_client_goes(tiny_target, monkeyp
     body = json.dumps({"prompt": tiny_target.tokenizer(PROMPT)["input_ids"], "max_tokens": 2000}).encode()
     try:
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            s.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
             time.sleep(0.5)
         time.sleep(1.0)
         seen = len(calls)
@@ -447,13 +563,21 @@ def test_a_request_during_a_running_stream_is_refused_and_the_client_follows_com
 
     sid, ids = _open(client, tiny_target)
     service = client.app.state.service
-    stream = service.generate(sid, __import__("omnidraft.remote.protocol", fromlist=["x"]).GenerateRequest(
-        committed=len(ids), max_tokens=5))
+    stream = service.generate(
+        sid,
+        __import__("omnidraft.remote.protocol", fromlist=["x"]).GenerateRequest(
+            committed=len(ids), max_tokens=5
+        ),
+    )
     next(stream)  # the stream is running
-    r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 1, "proposal": []}, headers=AUTH)
+    r = client.post(
+        f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 1, "proposal": []}, headers=AUTH
+    )
     assert r.status_code == 409 and "streaming" in r.text
     list(stream)  # it ends
-    r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 5, "proposal": []}, headers=AUTH)
+    r = client.post(
+        f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + 5, "proposal": []}, headers=AUTH
+    )
     assert r.status_code == 200
 
     class Skipping:  # a server whose chunks say more was committed than was sent

@@ -30,7 +30,11 @@ def _policies(head, vocab: int) -> dict[str, object]:
     router = torch.nn.Linear(head.in_features, 8)
     evo = Evo(head, core, capacity=16)
     evo.begin(torch.randperm(vocab, generator=g)[:40].tolist())
-    return {"static": Static(head, core), "evo": evo, "dyna": Dyna(head, core[:10], clusters, router, budget=(3, 2))}
+    return {
+        "static": Static(head, core),
+        "evo": evo,
+        "dyna": Dyna(head, core[:10], clusters, router, budget=(3, 2)),
+    }
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
@@ -53,7 +57,9 @@ def test_shortlisted_logits_equal_the_full_heads_on_the_support(draft_tokenizer,
 
 @pytest.mark.parametrize("kind", ["static", "evo", "dyna"])
 def test_greedy_output_stays_the_targets_with_every_policy(draft_tokenizer, tiny_target, kind):
-    drafter = od.TorchDrafter(tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter")
+    drafter = od.TorchDrafter(
+        tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter"
+    )
     drafter.use_shortlist(kind, size=120, clusters=8, budget=(3, 2))
     assert isinstance(drafter.model.get_output_embeddings(), ShortlistHead)
     pair = drafter.pair(tiny_target, k=4)
@@ -119,7 +125,9 @@ def test_a_bad_shortlist_kind_names_the_choices(tiny_drafter):
         tiny_drafter.use_shortlist("tiny")
 
 
-def test_shortlist_files_are_versioned_and_refused_when_they_do_not_fit(tiny_drafter, target_tokenizer, tmp_path):
+def test_shortlist_files_are_versioned_and_refused_when_they_do_not_fit(
+    tiny_drafter, target_tokenizer, tmp_path
+):
     """A shortlist kept beside the drafter is read back; one for another tokenizer, of another
     format or with a router of another width is refused with the reason; a bad cached one is rebuilt."""
     import io
@@ -134,8 +142,11 @@ def test_shortlist_files_are_versioned_and_refused_when_they_do_not_fit(tiny_dra
     with pytest.raises(ValueError, match="another tokenizer"):
         shortlist(other, "static", size=256, clusters=8, path=path)
     saved = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
-    for change, reason in [({"format": 0}, "format"), ({"router": {"weight": torch.zeros(8, 3)}}, "router"),
-                           ({"core": torch.tensor([10**7])}, "vocabulary")]:
+    for change, reason in [
+        ({"format": 0}, "format"),
+        ({"router": {"weight": torch.zeros(8, 3)}}, "router"),
+        ({"core": torch.tensor([10**7])}, "vocabulary"),
+    ]:
         bad = tmp_path / f"bad-{reason}.pt"
         torch.save({**saved, **change}, bad)
         with pytest.raises(ValueError, match=reason):
@@ -144,7 +155,9 @@ def test_shortlist_files_are_versioned_and_refused_when_they_do_not_fit(tiny_dra
     torch.save({**saved, "format": 2}, older)
     with pytest.raises(ValueError, match="format"):
         shortlist(tiny_drafter, "dyna", size=256, clusters=8, path=older)
-    assert torch.equal(shortlist(tiny_drafter, "static", size=256, path=older).core.ids, saved["core"].unique())
+    assert torch.equal(
+        shortlist(tiny_drafter, "static", size=256, path=older).core.ids, saved["core"].unique()
+    )
     bad.write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match="unreadable"):
         shortlist(tiny_drafter, "static", size=256, path=bad)
@@ -192,7 +205,11 @@ def test_healing_keeps_a_context_token_the_support_leaves_out(tiny_drafter):
         draft = tiny_drafter.begin(ids).propose(3, stop_confidence=0, heal=longer)
         assert not draft.healed
         for i in longer.nonzero().flatten().tolist():  # nothing to compare with, whatever the candidates
-            assert not tiny_drafter.begin(ids).propose(1, stop_confidence=0, heal=longer & (torch.arange(len(table)) != i)).healed
+            assert (
+                not tiny_drafter.begin(ids)
+                .propose(1, stop_confidence=0, heal=longer & (torch.arange(len(table)) != i))
+                .healed
+            )
     finally:
         tiny_drafter.model.set_output_embeddings(tiny_drafter.model.get_output_embeddings().full)
 
@@ -205,7 +222,9 @@ def test_the_shipped_corpus_is_the_checkouts_training_text():
 
     from omnidraft.shortlist.build import CORPUS, corpus
 
-    spec = importlib.util.spec_from_file_location("shortlist_corpus", Path(__file__).parents[1] / "tools" / "shortlist_corpus.py")
+    spec = importlib.util.spec_from_file_location(
+        "shortlist_corpus", Path(__file__).parents[1] / "tools" / "shortlist_corpus.py"
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     assert corpus() == tool.texts()

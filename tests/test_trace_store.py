@@ -22,7 +22,9 @@ def test_replay_gives_the_live_tokens_and_acceptance(tiny_drafter, tiny_target, 
         live = tiny_drafter.pair(tiny_target, k=4).generate(prompt, max_new_tokens=30)
         again = tiny_drafter.pair(replay, k=4).generate(prompt, max_new_tokens=30)
         assert again.token_ids == live.token_ids
-        assert [(r.proposed, r.accepted) for r in again.rounds] == [(r.proposed, r.accepted) for r in live.rounds]
+        assert [(r.proposed, r.accepted) for r in again.rounds] == [
+            (r.proposed, r.accepted) for r in live.rounds
+        ]
 
 
 def test_topk_rows_are_the_targets_distribution(tiny_target):
@@ -42,7 +44,9 @@ def test_foreign_or_corrupt_trace_files_are_refused(tiny_target, tmp_path):
 
 
 def test_batched_recording_matches_one_prompt_at_a_time(tiny_target):
-    prompts = [t[: 40 + 15 * i] for i, t in enumerate(gsm8k_texts("test", 5))]  # unequal lengths: left padding
+    prompts = [
+        t[: 40 + 15 * i] for i, t in enumerate(gsm8k_texts("test", 5))
+    ]  # unequal lengths: left padding
     single = [record(tiny_target, p, 12, k=4) for p in prompts]
     batched = record_many(tiny_target, prompts, 12, k=4, batch_size=3)
     for a, b in zip(single, batched):

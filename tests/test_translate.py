@@ -59,8 +59,12 @@ def test_codec_spells_invalid_utf8_with_byte_tokens(draft_codec):
     assert draft_codec.token_bytes.join(draft_codec.encode(data)) == data
 
 
-def test_vocab_map_is_byte_equality_and_specials_by_role(draft_tokenizer, target_tokenizer, draft_codec, target_codec):
-    vmap = build_vocab_map(draft_codec.token_bytes, target_codec.token_bytes, draft_tokenizer, target_tokenizer)
+def test_vocab_map_is_byte_equality_and_specials_by_role(
+    draft_tokenizer, target_tokenizer, draft_codec, target_codec
+):
+    vmap = build_vocab_map(
+        draft_codec.token_bytes, target_codec.token_bytes, draft_tokenizer, target_tokenizer
+    )
     for i in range(len(vmap.d2t)):
         j = int(vmap.d2t[i])
         if j >= 0 and i not in draft_codec.token_bytes.special:
@@ -172,7 +176,9 @@ def test_truncated_or_foreign_cache_is_refused_and_previous_file_survives(tmp_pa
     assert path.read_bytes() == good and list(tmp_path.glob(".c.json.*")) == []
 
 
-@pytest.mark.parametrize("bad", [dict(policy="fifo"), dict(max_entries=-1), dict(max_bytes=0), dict(max_len=1)])
+@pytest.mark.parametrize(
+    "bad", [dict(policy="fifo"), dict(max_entries=-1), dict(max_bytes=0), dict(max_len=1)]
+)
 def test_cache_config_names_bad_values(bad):
     with pytest.raises(ValueError, match=list(bad)[0]):
         NgramCacheConfig(**bad)
@@ -180,12 +186,16 @@ def test_cache_config_names_bad_values(bad):
 
 # ----- translator ---------------------------------------------------------------------------
 def _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, strategy):
-    vmap = build_vocab_map(draft_codec.token_bytes, target_codec.token_bytes, draft_tokenizer, target_tokenizer)
+    vmap = build_vocab_map(
+        draft_codec.token_bytes, target_codec.token_bytes, draft_tokenizer, target_tokenizer
+    )
     return Translator(draft_codec, target_codec, vmap, NgramCache(), strategy=strategy)
 
 
 @pytest.mark.parametrize("strategy", ["text", "ngram"])
-def test_translation_spells_the_draft_bytes(draft_tokenizer, target_tokenizer, draft_codec, target_codec, strategy):
+def test_translation_spells_the_draft_bytes(
+    draft_tokenizer, target_tokenizer, draft_codec, target_codec, strategy
+):
     tr = _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, strategy)
     for text in SAMPLES:
         draft = draft_codec.encode(text.encode())
@@ -222,7 +232,9 @@ def test_draft_probs_follow_eq1_and_eq2(draft_tokenizer, target_tokenizer, draft
         assert torch.allclose(rows[0, prefix], (q[a, draft[a]] - prod).clamp_min(0))
 
 
-def test_resync_keeps_matching_prefix_and_encodes_only_the_tail(draft_tokenizer, target_tokenizer, draft_codec, target_codec):
+def test_resync_keeps_matching_prefix_and_encodes_only_the_tail(
+    draft_tokenizer, target_tokenizer, draft_codec, target_codec
+):
     tr = _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, "text")
     draft = draft_codec.encode(b" sold 48 clips")
     committed = draft_codec.token_bytes.join(draft[:2]) + b" apples"
@@ -230,7 +242,9 @@ def test_resync_keeps_matching_prefix_and_encodes_only_the_tail(draft_tokenizer,
     assert keep == 2 and draft_codec.token_bytes.join(draft[:keep] + tail) == committed
 
 
-def test_direct_translation_depends_on_nothing_but_each_token(draft_tokenizer, target_tokenizer, draft_codec, target_codec):
+def test_direct_translation_depends_on_nothing_but_each_token(
+    draft_tokenizer, target_tokenizer, draft_codec, target_codec
+):
     """`exact` sampling: token i of the proposal is d2t[d_i], whatever follows it."""
     tr = _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, "text")
     draft = draft_codec.encode(b" Natalia sold clips")
@@ -247,31 +261,47 @@ def test_healing_candidates_match_a_naive_scan_of_both_vocabularies(draft_codec,
 
     d_table, t_table = draft_codec.token_bytes.table, target_codec.token_bytes.table
     healer = Healer(draft_codec.token_bytes, target_codec.token_bytes)
-    some = [i for i, d in enumerate(d_table) if d and any(o and o != d and o.startswith(d) for o in d_table)][:40]
+    some = [i for i, d in enumerate(d_table) if d and any(o and o != d and o.startswith(d) for o in d_table)][
+        :40
+    ]
     for token in some + [draft_codec.encode(b" ")[0], draft_codec.encode(b"\n")[0]]:
         held = d_table[token]
         for last in (None, held, b"\n", b" the"):
-            naive = torch.tensor([bool(d) and d.startswith(held) and (
-                len(d) == len(held) or last is None or not any(t and t.startswith(last + d[len(held):len(held) + 1]) for t in t_table))
-                for d in d_table])
+            naive = torch.tensor(
+                [
+                    bool(d)
+                    and d.startswith(held)
+                    and (
+                        len(d) == len(held)
+                        or last is None
+                        or not any(t and t.startswith(last + d[len(held) : len(held) + 1]) for t in t_table)
+                    )
+                    for d in d_table
+                ]
+            )
             got = healer.candidates(token, last)
             if not any(len(d_table[i]) > len(held) for i in naive.nonzero().flatten().tolist()):
                 assert got is None, (held, last)
             else:
                 assert torch.equal(got, naive), (held, last)
-    assert healer.candidates(next(i for i, d in enumerate(d_table) if d is None), None) is None  # a special token
+    assert (
+        healer.candidates(next(i for i, d in enumerate(d_table) if d is None), None) is None
+    )  # a special token
 
 
 @pytest.mark.parametrize("text", [" the answer is 48/2 = 24 clips", " and then:\n    return x\n"])
-def test_a_healed_draft_proposes_only_the_bytes_after_the_held_ones(draft_tokenizer, target_tokenizer, draft_codec,
-                                                                    target_codec, text):
+def test_a_healed_draft_proposes_only_the_bytes_after_the_held_ones(
+    draft_tokenizer, target_tokenizer, draft_codec, target_codec, text
+):
     tr = _translator(draft_tokenizer, target_tokenizer, draft_codec, target_codec, "text")
     draft = draft_codec.encode(text.encode())
     held = len(draft_codec.token_bytes.table[draft[0]]) - 1  # all but the first token's last byte committed
     assert held >= 1, "pick a text whose first drafter token has several bytes"
     proposal = tr.translate(draft, skip=held)
     assert target_codec.token_bytes.join(proposal.ids.tolist()) == text.encode()[held:]
-    assert proposal.spans[0] is None or proposal.spans[0][0] >= 1  # the first token does not line up with the draft's start
+    assert (
+        proposal.spans[0] is None or proposal.spans[0][0] >= 1
+    )  # the first token does not line up with the draft's start
     with pytest.raises(ValueError, match="only='any'"):
         tr.translate(draft, skip=1, only="direct")
 
@@ -297,9 +327,14 @@ def test_a_reloaded_cache_evicts_what_the_saved_one_would_have(policy, tmp_path)
 
 
 def test_a_version_1_cache_file_still_loads_and_a_malformed_entry_is_refused(tmp_path):
-    old = {"format": "omnidraft.ngram_cache", "version": 1, "fingerprint": "d:t", "stats": {},
-           "config": {"max_entries": 10, "max_bytes": 4096, "policy": "lfu", "max_len": 8},
-           "entries": [[[1, 2], 5], [[3, 4], 6]]}
+    old = {
+        "format": "omnidraft.ngram_cache",
+        "version": 1,
+        "fingerprint": "d:t",
+        "stats": {},
+        "config": {"max_entries": 10, "max_bytes": 4096, "policy": "lfu", "max_len": 8},
+        "entries": [[[1, 2], 5], [[3, 4], 6]],
+    }
     (tmp_path / "v1.json").write_text(json.dumps(old))
     assert sorted(NgramCache.load(tmp_path / "v1.json").items()) == [((1, 2), 5), ((3, 4), 6)]
     (tmp_path / "bad.json").write_text(json.dumps({**old, "version": 2, "entries": [[[1, 2], "x"]]}))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from omnidraft import verify as V
+
 from .conftest import chi_square_p
 
 
@@ -17,7 +18,12 @@ def _logits_choosing(tokens: list[int], vocab: int = 10) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "target_says, proposal, accepted, token",
-    [([1, 2, 3, 4], [1, 2, 3], 3, 4), ([1, 2, 3, 4], [9, 2, 3], 0, 1), ([1, 2, 3, 4], [1, 2, 9], 2, 3), ([5], [], 0, 5)],
+    [
+        ([1, 2, 3, 4], [1, 2, 3], 3, 4),
+        ([1, 2, 3, 4], [9, 2, 3], 0, 1),
+        ([1, 2, 3, 4], [1, 2, 9], 2, 3),
+        ([5], [], 0, 5),
+    ],
 )
 def test_greedy_accepts_the_agreeing_prefix(target_says, proposal, accepted, token):
     verdict = V.greedy(_logits_choosing(target_says), torch.tensor(proposal, dtype=torch.long))

@@ -23,9 +23,20 @@ def tiny_vllm_model(tmp_path_factory, target_tokenizer):
     for), saved as safetensors with the target tokenizer; and the HF model itself."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=len(target_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
-                         tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=len(target_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(7)
     model = LlamaForCausalLM(config).eval().requires_grad_(False)
     with torch.no_grad():
@@ -40,8 +51,13 @@ def tiny_vllm_model(tmp_path_factory, target_tokenizer):
 def vllm_target(tiny_vllm_model):
     from omnidraft import VLLMTarget
 
-    target = VLLMTarget.load(str(tiny_vllm_model[0]), dtype="float32", enforce_eager=True, max_model_len=1024,
-                             kv_cache_memory_bytes=64 << 20)
+    target = VLLMTarget.load(
+        str(tiny_vllm_model[0]),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        kv_cache_memory_bytes=64 << 20,
+    )
     yield target
     target.close()
 
@@ -64,7 +80,9 @@ def test_verifies_with_accepts_and_rejections_give_vllms_own_greedy_output(vllm_
         done = len(session.ids) - len(ids)
         proposal = want[done : done + 4]
         if rounds % 2:  # every other round, a wrong third token: accepted 2, then the correction
-            proposal = proposal[:2] + [(proposal[2] + 1) % vllm_target.vocab] if len(proposal) > 2 else proposal
+            proposal = (
+                proposal[:2] + [(proposal[2] + 1) % vllm_target.vocab] if len(proposal) > 2 else proposal
+            )
         verdict = session.verify(torch.tensor(proposal), Rule(), topk=3)
         assert verdict.topk[0].shape == (verdict.accepted + 1, 3)
         rounds += 1
@@ -76,7 +94,9 @@ def test_a_verify_whose_rows_the_cache_served_is_recomputed(vllm_target):
     """A block-aligned context (64 tokens, blocks of 32) that another request with the same salt
     computed: the cache covers position 63, whose logits the verify needs. The rule sees it and
     computes them again; reading the cached rows would give garbage instead of these verdicts."""
-    ids = [int(i) for i in torch.randint(1, vllm_target.vocab, (64,), generator=torch.Generator().manual_seed(3))]
+    ids = [
+        int(i) for i in torch.randint(1, vllm_target.vocab, (64,), generator=torch.Generator().manual_seed(3))
+    ]
     want = vllm_target.generate(ids, 3)
     first = vllm_target.begin(ids)
     first.verify(torch.tensor(want[:2]), Rule())
@@ -131,7 +151,9 @@ def test_a_failed_request_leaves_the_session_as_it_was(vllm_target, monkeypatch)
 def test_rules_it_cannot_verify_losslessly_are_refused_with_the_reason(vllm_target):
     session = vllm_target.begin(_ids(vllm_target, PROMPTS[0]))
     with pytest.raises(ValueError, match="rejection modes"):
-        session.verify(torch.tensor([5]), Rule(mode="exact", temperature=1.0), torch.ones(1, vllm_target.vocab))
+        session.verify(
+            torch.tensor([5]), Rule(mode="exact", temperature=1.0), torch.ones(1, vllm_target.vocab)
+        )
     with pytest.raises(ValueError, match="top_k"):
         session.verify(torch.tensor([5]), Rule(mode="match", temperature=1.0))
     with pytest.raises(ValueError, match="prompt ids"):
@@ -146,7 +168,9 @@ def test_match_sampling_with_top_k_follows_the_targets_distribution(vllm_target,
     rule, generator = Rule(mode="match", temperature=1.5, top_k=5), torch.Generator().manual_seed(0)
     counts: dict[int, int] = {}
     for _ in range(400):
-        token = vllm_target.begin(ids).verify(torch.tensor([], dtype=torch.long), rule, generator=generator).token
+        token = (
+            vllm_target.begin(ids).verify(torch.tensor([], dtype=torch.long), rule, generator=generator).token
+        )
         counts[token] = counts.get(token, 0) + 1
     with torch.no_grad():
         logits = tiny_vllm_model[1](torch.tensor([ids])).logits[0, -1]
@@ -178,38 +202,55 @@ def test_the_vllm_server_serves_sessions_with_a_draft_budget(vllm_client, vllm_t
     ids = _ids(vllm_target, PROMPTS[0])
     want = vllm_target.generate(ids, 16)
     sid = vllm_client.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).json()["session"]
-    reply = vllm_client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": want[:3]},
-                             headers=AUTH).json()
+    reply = vllm_client.post(
+        f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": want[:3]}, headers=AUTH
+    ).json()
     assert (reply["accepted"], reply["token"]) == (3, want[3]) and isinstance(reply["budget"], int)
-    stream = vllm_client.post(f"/v1/sessions/{sid}/generate", json={"committed": len(ids) + 4, "max_tokens": 5},
-                              headers=AUTH)
-    assert [t for line in stream.text.splitlines() for t in __import__("json").loads(line)["tokens"]] == want[4:9]
+    stream = vllm_client.post(
+        f"/v1/sessions/{sid}/generate", json={"committed": len(ids) + 4, "max_tokens": 5}, headers=AUTH
+    )
+    assert [t for line in stream.text.splitlines() for t in __import__("json").loads(line)["tokens"]] == want[
+        4:9
+    ]
     assert vllm_client.delete(f"/v1/sessions/{sid}", headers=AUTH).status_code == 200
     pair = tiny_drafter.pair(RemoteTarget("http://testserver", api_key="k", client=vllm_client), k=3)
     assert pair.generate(PROMPTS[0], max_new_tokens=16).token_ids == want
 
 
-@pytest.mark.parametrize("body, status", [
-    ({"proposal": [10**6]}, 422),  # outside the vocabulary
-    ({"proposal": [True]}, 422),
-    ({"committed": 1}, 409),  # stale
-    ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [1.0]}]}, 422),
-    ({"mode": "match", "temperature": 1.0, "proposal": [5]}, 422),  # top_k needed on this engine
-])
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        ({"proposal": [10**6]}, 422),  # outside the vocabulary
+        ({"proposal": [True]}, 422),
+        ({"committed": 1}, 409),  # stale
+        ({"mode": "exact", "temperature": 1.0, "proposal": [5], "q": [{"ids": [5], "probs": [1.0]}]}, 422),
+        ({"mode": "match", "temperature": 1.0, "proposal": [5]}, 422),  # top_k needed on this engine
+    ],
+)
 def test_bad_input_to_the_vllm_server_gets_the_torch_engines_4xx(vllm_client, vllm_target, body, status):
     ids = _ids(vllm_target, PROMPTS[1])
     sid = vllm_client.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).json()["session"]
-    r = vllm_client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": [], **body},
-                         headers=AUTH)
+    r = vllm_client.post(
+        f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": [], **body}, headers=AUTH
+    )
     assert r.status_code == status, r.text
-    ok = vllm_client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=AUTH)
+    ok = vllm_client.post(
+        f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=AUTH
+    )
     assert ok.status_code == 200  # the session and the engine still serve
-    plain = vllm_client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0}, headers=AUTH)
+    plain = vllm_client.post(
+        "/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0}, headers=AUTH
+    )
     assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 2  # vLLM's own decoding
     sampled = vllm_client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2}, headers=AUTH)
-    assert sampled.status_code == 400 and "top_k" in sampled.json()["error"]["message"]  # temperature 1, no top_k
-    echo = vllm_client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "echo": True, "logprobs": 1,
-                                                     "temperature": 0}, headers=AUTH)
+    assert (
+        sampled.status_code == 400 and "top_k" in sampled.json()["error"]["message"]
+    )  # temperature 1, no top_k
+    echo = vllm_client.post(
+        "/v1/completions",
+        json={"prompt": ids, "max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 0},
+        headers=AUTH,
+    )
     assert echo.status_code == 501
 
 

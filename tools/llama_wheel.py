@@ -31,7 +31,9 @@ def patch(root: Path, version: str, tag: str) -> None:
     ops = root / "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp"
     text = ops.read_text()
     if text.count(SPLIT) != 1:
-        raise SystemExit(f"{ops}: the split-KV condition is not where this patch expects it; update tools/llama_wheel.py")
+        raise SystemExit(
+            f"{ops}: the split-KV condition is not where this patch expects it; update tools/llama_wheel.py"
+        )
     ops.write_text(text.replace(SPLIT, UNSPLIT))
     init = root / "llama_cpp/__init__.py"
     line = f'__version__ = "{version}"'
@@ -45,8 +47,20 @@ def main(version: str, tag: str, wheels: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip"]
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([*pip, "download", "-q", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={version}",
-                        "-d", tmp], check=True)
+        subprocess.run(
+            [
+                *pip,
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={version}",
+                "-d",
+                tmp,
+            ],
+            check=True,
+        )
         (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
         with tarfile.open(sdist) as archive:
             archive.extractall(tmp, filter="data")
@@ -57,9 +71,17 @@ def main(version: str, tag: str, wheels: str) -> None:
 
 
 # ggml's CMake options for the x86 features it can use, by the /proc/cpuinfo flag that offers each
-FEATURES = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "avx512f": "GGML_AVX512",
-            "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
-            "avx_vnni": "GGML_AVX_VNNI"}
+FEATURES = {
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "fma": "GGML_FMA",
+    "f16c": "GGML_F16C",
+    "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+    "avx_vnni": "GGML_AVX_VNNI",
+}
 
 
 def cpu_flags() -> list[str]:
@@ -67,14 +89,21 @@ def cpu_flags() -> list[str]:
     whose kernel does not grant the AMX tile state (a VM can list amx_tile and still refuse it), so
     the build names this CPU's other features itself. Elsewhere than x86 Linux: native, as stock."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
     except (OSError, StopIteration):
         return []
     have = set(flags.split(":", 1)[1].split())
     if "avx" not in have:
         return []
-    return ["-DGGML_NATIVE=OFF", *(f"-D{option}={'ON' if flag in have else 'OFF'}" for flag, option in FEATURES.items()),
-            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return [
+        "-DGGML_NATIVE=OFF",
+        *(f"-D{option}={'ON' if flag in have else 'OFF'}" for flag, option in FEATURES.items()),
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+        "-DGGML_AMX_BF16=OFF",
+    ]
 
 
 if __name__ == "__main__":

@@ -21,10 +21,20 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CONFIDENCE_FEATURES", "EXTRA_FEATURES", "AcceptanceHead", "CostModel", "HeadConfig", "Stopper", "confidence_features",
-           "token_features"]
+__all__ = [
+    "CONFIDENCE_FEATURES",
+    "EXTRA_FEATURES",
+    "AcceptanceHead",
+    "CostModel",
+    "HeadConfig",
+    "Stopper",
+    "confidence_features",
+    "token_features",
+]
 
-EXTRA_FEATURES = 4  # position / k_max, entropy (nats) / 10, drafter probability of the token, direct-mapped flag
+EXTRA_FEATURES = (
+    4  # position / k_max, entropy (nats) / 10, drafter probability of the token, direct-mapped flag
+)
 CONFIDENCE_FEATURES = 5  # what the calibration path reads (see `confidence_features`)
 
 
@@ -148,8 +158,9 @@ def _linear(fan_in: int, fan_out: int, generator: torch.Generator | None) -> nn.
     return linear
 
 
-def token_features(hidden: torch.Tensor, logits: torch.Tensor, token: int, position: int, k_max: int,
-                   direct: bool) -> torch.Tensor:
+def token_features(
+    hidden: torch.Tensor, logits: torch.Tensor, token: int, position: int, k_max: int, direct: bool
+) -> torch.Tensor:
     """Feature row of drafted token `token` (the `position`-th of its draft, from 0) produced from
     `hidden` (d,) and `logits` (Vd,)."""
     logp = torch.log_softmax(logits.float(), -1)
@@ -182,9 +193,13 @@ class CostModel:
     `verify`: a target's measured verify costs to start from (`seed`).
     """
 
-    def __init__(self, decay: float = 0.9, fade: float = 0.95, *, verify: dict[int, float] | None = None) -> None:
+    def __init__(
+        self, decay: float = 0.9, fade: float = 0.95, *, verify: dict[int, float] | None = None
+    ) -> None:
         if not (0.0 <= decay < 1.0 and 0.0 < fade <= 1.0):
-            raise ValueError(f"CostModel needs 0 <= decay < 1 and 0 < fade <= 1, got decay={decay}, fade={fade}")
+            raise ValueError(
+                f"CostModel needs 0 <= decay < 1 and 0 < fade <= 1, got decay={decay}, fade={fade}"
+            )
         self.decay, self.fade = decay, fade
         self.drafting: dict[int, float] = {}
         self.verify: dict[int, float] = {}
@@ -201,7 +216,9 @@ class CostModel:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def observe(self, drafted: int, t_draft: float, verified: int, t_verify: float, t_other: float = 0.0) -> None:
+    def observe(
+        self, drafted: int, t_draft: float, verified: int, t_verify: float, t_other: float = 0.0
+    ) -> None:
         if drafted > 0:
             self.drafting[drafted] = self._ema(self.drafting.get(drafted), t_draft)
             self._count(self.drafting_weight, drafted)
@@ -304,7 +321,9 @@ class Stopper:
     So stop when P_n < R(n) * c / p_n, i.e. gamma_n = 1 - R(n) * c / p_n.
     """
 
-    def __init__(self, head: AcceptanceHead, config: HeadConfig, direct: torch.Tensor, cost: CostModel | None = None) -> None:
+    def __init__(
+        self, head: AcceptanceHead, config: HeadConfig, direct: torch.Tensor, cost: CostModel | None = None
+    ) -> None:
         self.head, self.config, self.direct, self.cost = head, config, direct, cost
         self.reset()
 

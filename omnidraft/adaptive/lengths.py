@@ -39,8 +39,12 @@ class DraftingPlan:
         tokens a call, so a verify of n costs more steps than where the outlook was measured)."""
         if self.outlook is None or not (self.model or self.free):
             return self.model, self.free
-        seen = outlook(target.verify_costs(context), self.outlook.draft, acceptance=self.outlook.acceptance,
-                       need=self.outlook.need)
+        seen = outlook(
+            target.verify_costs(context),
+            self.outlook.draft,
+            acceptance=self.outlook.acceptance,
+            need=self.outlook.need,
+        )
         return self.model and seen.model_pays, self.free and seen.free_pays
 
 
@@ -57,12 +61,24 @@ def plan_drafting(drafter: Any, target: Any, config: Any, learn: bool) -> Drafti
     model = config.drafts != "retrieval" and (seen is None or seen.model_pays)
     free = config.drafts != "model" and (seen is None or seen.free_pays)
     if seen is not None and not (model or free):
-        log.info("%s -> %s: drafting cannot pay on this machine; the target decodes alone (%s)", drafter.name,
-                 target.name, seen.reason())
+        log.info(
+            "%s -> %s: drafting cannot pay on this machine; the target decodes alone (%s)",
+            drafter.name,
+            target.name,
+            seen.reason(),
+        )
     per_round = config.drafts != "model" and getattr(target, "in_process", False)
-    modes = (ModeChooser() if config.objective == "latency" and config.mode == "greedy" and config.k is None
-             and not learn and getattr(target, "generates_alone", False) and (model or free) and not per_round
-             else None)
+    modes = (
+        ModeChooser()
+        if config.objective == "latency"
+        and config.mode == "greedy"
+        and config.k is None
+        and not learn
+        and getattr(target, "generates_alone", False)
+        and (model or free)
+        and not per_round
+        else None
+    )
     return DraftingPlan(seen, model, free, modes, modes is None)
 
 
@@ -72,11 +88,23 @@ class DraftLengths:
     acceptance head reads its hidden states); `saved_head`: the head's tensors from the profile.
     `label` names the pairing in log lines."""
 
-    def __init__(self, config: Any, cost: CostModel, *, may_idle: bool, hidden_size: int | None,
-                 saved_head: dict[str, torch.Tensor] | None, shared: torch.Tensor, label: str) -> None:
+    def __init__(
+        self,
+        config: Any,
+        cost: CostModel,
+        *,
+        may_idle: bool,
+        hidden_size: int | None,
+        saved_head: dict[str, torch.Tensor] | None,
+        shared: torch.Tensor,
+        label: str,
+    ) -> None:
         self.config, self.cost, self.label, self.shared = config, cost, label, shared
-        self.policy = (CostPolicy(cost, k_max=config.k_max, start=config.start_k, may_idle=may_idle)
-                       if config.cost_driven else None)
+        self.policy = (
+            CostPolicy(cost, k_max=config.k_max, start=config.start_k, may_idle=may_idle)
+            if config.cost_driven
+            else None
+        )
         self.head: AcceptanceHead | None = None
         self.trainer: Any = None
         self.fallback: Hysteresis | None = None
@@ -87,7 +115,9 @@ class DraftLengths:
         from .trainer import HeadTrainer
 
         if hidden_size is None:
-            raise ValueError(f"an acceptance head needs a drafter that exposes hidden states; {self.label} has none")
+            raise ValueError(
+                f"an acceptance head needs a drafter that exposes hidden states; {self.label} has none"
+            )
         self.head = AcceptanceHead(hidden_size, hc.width, hc.depth, seed=hc.seed).eval()
         self.trainer = HeadTrainer(self.head, hc)
         if saved is not None:
@@ -96,7 +126,9 @@ class DraftLengths:
             try:
                 self.head.load_state_dict(saved)
             except RuntimeError as exc:
-                raise ValueError(f"the saved acceptance head does not fit this drafter or head config: {exc}") from None
+                raise ValueError(
+                    f"the saved acceptance head does not fit this drafter or head config: {exc}"
+                ) from None
         self.fallback = self.config.adaptive or Hysteresis(k_min=max(2, hc.k_min), k_max=hc.k_max)
 
     @property
@@ -127,7 +159,9 @@ class DraftLengths:
             return self.config.head.k_max, 0.0, {"stopper": stopper}
         return k, self.config.stop_confidence, {"stopper": stopper}
 
-    def next(self, k: int, stopper: Stopper | None, drafted: int, proposed: int, accepted: int, kept: int) -> int:
+    def next(
+        self, k: int, stopper: Stopper | None, drafted: int, proposed: int, accepted: int, kept: int
+    ) -> int:
         """The next round's draft length: the cost policy's, or the fallback's (or `adaptive`'s);
         with a head, the round's features and the `kept` drafted tokens go to its trainer first."""
         if self.policy is not None:
@@ -137,11 +171,21 @@ class DraftLengths:
             if self.policy.speculating != was:
                 rates = self.policy.last_rates
                 best = max((key for key in rates if key > 0), key=rates.__getitem__)
-                log.info("%s: %s (measured: %.1f tok/s drafting %d a round, %.1f tok/s alone)", self.label,
-                         ("drafting pays again" if rates[best] >= rates[0] else "drafting again: within the cost "
-                          "policy's margin of the target alone") if self.policy.speculating else
-                         "drafting costs more than it saves; the target decodes alone, with a probe draft now and then",
-                         rates[best], best, rates[0])
+                log.info(
+                    "%s: %s (measured: %.1f tok/s drafting %d a round, %.1f tok/s alone)",
+                    self.label,
+                    (
+                        "drafting pays again"
+                        if rates[best] >= rates[0]
+                        else "drafting again: within the cost policy's margin of the target alone"
+                    )
+                    if self.policy.speculating
+                    else "drafting costs more than it saves; the target decodes alone, with a probe draft "
+                    "now and then",
+                    rates[best],
+                    best,
+                    rates[0],
+                )
             return k
         if stopper is not None:
             if self.config.head.train is not None:

@@ -71,9 +71,12 @@ class Outlook:
 
     def reason(self) -> str:
         curve = ", ".join(f"{n}: {s:.2f}" for n, s in sorted(self.steps.items()))
-        return (f"verifying n tokens costs [{curve}] decoding steps and a drafted token {self.draft_steps:.2f}; "
-                f"at {self.acceptance:.0%} acceptance the best draft would give {self.model:.2f}x (model drafts), "
-                f"{self.free:.2f}x (free retrieved drafts); drafting needs {self.need:.2f}x")
+        return (
+            f"verifying n tokens costs [{curve}] decoding steps and a drafted token {self.draft_steps:.2f}; "
+            f"at {self.acceptance:.0%} acceptance the best draft would give {self.model:.2f}x (model "
+            "drafts), "
+            f"{self.free:.2f}x (free retrieved drafts); drafting needs {self.need:.2f}x"
+        )
 
 
 def outlook(verify: dict[int, float], draft: float, *, acceptance: float = 0.9, need: float = 1.2) -> Outlook:
@@ -89,7 +92,9 @@ def outlook(verify: dict[int, float], draft: float, *, acceptance: float = 0.9, 
     def best(c: float) -> float:
         return max(((1 - a**n) / (1 - a)) * one / (v + (n - 1) * c) for n, v in verify.items() if n > 1)
 
-    return Outlook(free=best(0.0), model=best(draft), verify=dict(verify), draft=draft, acceptance=a, need=need)
+    return Outlook(
+        free=best(0.0), model=best(draft), verify=dict(verify), draft=draft, acceptance=a, need=need
+    )
 
 
 def ema(old: float | None, new: float, decay: float) -> float:
@@ -115,14 +120,33 @@ class CostPolicy:
     V(1). Mutable: one per pairing.
     """
 
-    def __init__(self, cost: object, *, k_max: int = 12, start: int = 6, probe_every: int = 8,
-                 decay: float = 0.8, margin: float = 0.2, max_wait: int = 256, fresh: int = 2,
-                 may_idle: bool = True) -> None:
+    def __init__(
+        self,
+        cost: object,
+        *,
+        k_max: int = 12,
+        start: int = 6,
+        probe_every: int = 8,
+        decay: float = 0.8,
+        margin: float = 0.2,
+        max_wait: int = 256,
+        fresh: int = 2,
+        may_idle: bool = True,
+    ) -> None:
         if not 1 <= start <= k_max:
             raise ValueError(f"need 1 <= start <= k_max, got start={start}, k_max={k_max}")
         if probe_every < 1 or not 0.0 <= decay < 1.0 or margin < 0:
-            raise ValueError(f"need probe_every >= 1, 0 <= decay < 1 and margin >= 0, got {probe_every}, {decay} and {margin}")
-        self.cost, self.k_max, self.start, self.probe_every, self.decay = cost, k_max, start, probe_every, decay
+            raise ValueError(
+                f"need probe_every >= 1, 0 <= decay < 1 and margin >= 0, got {probe_every}, {decay} and "
+                f"{margin}"
+            )
+        self.cost, self.k_max, self.start, self.probe_every, self.decay = (
+            cost,
+            k_max,
+            start,
+            probe_every,
+            decay,
+        )
         self.margin, self.max_wait = margin, max(max_wait, probe_every)
         self.wait = probe_every  # idle rounds before the next probe
         self.fresh, self.fresh_left = fresh, 0  # rounds each request drafts before the policy may idle
@@ -174,7 +198,9 @@ class CostPolicy:
     def next_k(self) -> int:
         if self.trials is None or not self.cost.ready or self.cost.draft is None:
             return self.start
-        if self.may_idle and 1 not in self.cost.verify:  # one round alone measures V(1); extrapolated, it runs high
+        if (
+            self.may_idle and 1 not in self.cost.verify
+        ):  # one round alone measures V(1); extrapolated, it runs high
             return 0
         self.last_rates = self.rates()
         best = max(range(1, self.k_max + 1), key=self.last_rates.__getitem__)
@@ -207,11 +233,14 @@ class ModeChooser:
 
     MODES = ("speculate", "alone")
 
-    def __init__(self, *, probe_every: int = 8, decay: float = 0.7, max_interval: int = 64,
-                 probe_cost: float = 0.02) -> None:
+    def __init__(
+        self, *, probe_every: int = 8, decay: float = 0.7, max_interval: int = 64, probe_cost: float = 0.02
+    ) -> None:
         if probe_every < 2 or not 0.0 <= decay < 1.0 or probe_cost <= 0:
-            raise ValueError(f"need probe_every >= 2, 0 <= decay < 1 and probe_cost > 0, got {probe_every}, {decay} "
-                             f"and {probe_cost}")
+            raise ValueError(
+                f"need probe_every >= 2, 0 <= decay < 1 and probe_cost > 0, got {probe_every}, {decay} "
+                f"and {probe_cost}"
+            )
         self.probe_every, self.decay, self.max_interval = probe_every, decay, max(max_interval, probe_every)
         self.probe_cost = probe_cost  # the share of throughput probing may cost
         self.rates: dict[str, float | None] = {m: None for m in self.MODES}
@@ -222,7 +251,9 @@ class ModeChooser:
         return max(self.MODES, key=lambda m: self.rates[m])
 
     def __repr__(self) -> str:
-        rates = ", ".join(f"{m} {'untried' if r is None else f'{r:.2f} tok/s'}" for m, r in self.rates.items())
+        rates = ", ".join(
+            f"{m} {'untried' if r is None else f'{r:.2f} tok/s'}" for m, r in self.rates.items()
+        )
         return f"ModeChooser({rates})"
 
     def choose(self) -> str:
@@ -230,7 +261,9 @@ class ModeChooser:
             if self.rates[mode] is None:
                 return mode
         self.since_probe += 1
-        gap = 1.0 - min(self.rates.values()) / max(self.rates.values())  # how much slower the other mode measured
+        gap = 1.0 - min(self.rates.values()) / max(
+            self.rates.values()
+        )  # how much slower the other mode measured
         if self.since_probe >= max(self.interval, math.ceil(gap / self.probe_cost)):
             self.since_probe = 0
             self.probing = self.MODES[1 - self.MODES.index(self.best())]
@@ -250,12 +283,19 @@ class ModeChooser:
         self.rates[mode] = ema(old, rate, self.decay)
         if self.probing == mode:  # a probe: confirmed, probe half as often; overturned, probe soon again
             self.probing = None
-            self.interval = min(2 * self.interval, self.max_interval) if self.best() == before else self.probe_every
+            self.interval = (
+                min(2 * self.interval, self.max_interval) if self.best() == before else self.probe_every
+            )
         if label is not None and self.speculating != was:
             logging.getLogger("omnidraft.pairing").info(
-                "%s: %s (measured %s)", label, "speculating is faster again" if self.speculating else
-                "the target alone is faster here; requests decode without drafts (re-measured now and then)",
-                ", ".join(f"{m} {r:.1f} tok/s" for m, r in self.rates.items() if r is not None))
+                "%s: %s (measured %s)",
+                label,
+                "speculating is faster again"
+                if self.speculating
+                else "the target alone is faster here; requests decode without drafts (re-measured now and "
+                "then)",
+                ", ".join(f"{m} {r:.1f} tok/s" for m, r in self.rates.items() if r is not None),
+            )
 
     @property
     def speculating(self) -> bool:

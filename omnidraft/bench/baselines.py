@@ -28,13 +28,22 @@ class Timed:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
 
 
-def _generate(model: Any, encode: Any, prompt: str, max_new_tokens: int, eos: list[int], **extra: Any) -> Timed:
+def _generate(
+    model: Any, encode: Any, prompt: str, max_new_tokens: int, eos: list[int], **extra: Any
+) -> Timed:
     ids = encode(prompt, return_tensors="pt")["input_ids"]
     started = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **extra)
-    return Timed(out[0, ids.shape[1]:].tolist(), time.perf_counter() - started)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            **extra,
+        )
+    return Timed(out[0, ids.shape[1] :].tolist(), time.perf_counter() - started)
 
 
 def target_alone(target: Any, prompt: str, max_new_tokens: int) -> Timed:
@@ -57,13 +66,27 @@ def stock_generate(target: Any, prompt: str, max_new_tokens: int) -> Timed:
 
 def prompt_lookup(target: Any, prompt: str, max_new_tokens: int) -> Timed:
     """HF prompt-lookup decoding: drafts copied from the prompt's n-grams, no drafter model."""
-    return _generate(target.model, target.tokenizer, prompt, max_new_tokens, sorted(target.eos_ids),
-                     prompt_lookup_num_tokens=LOOKUP_TOKENS)
+    return _generate(
+        target.model,
+        target.tokenizer,
+        prompt,
+        max_new_tokens,
+        sorted(target.eos_ids),
+        prompt_lookup_num_tokens=LOOKUP_TOKENS,
+    )
 
 
 def hf_assisted(target: Any, drafter: Any, prompt: str, max_new_tokens: int) -> Timed:
     """HF assisted generation with a drafter of another tokenizer (universal assisted decoding), on
     the PyTorch drafter (the one a llama.cpp twin stands in for, backends.drafting_twin)."""
     drafter = getattr(drafter, "pytorch", drafter)
-    return _generate(target.model, target.tokenizer, prompt, max_new_tokens, sorted(target.eos_ids),
-                     assistant_model=drafter.model, tokenizer=target.tokenizer, assistant_tokenizer=drafter.tokenizer)
+    return _generate(
+        target.model,
+        target.tokenizer,
+        prompt,
+        max_new_tokens,
+        sorted(target.eos_ids),
+        assistant_model=drafter.model,
+        tokenizer=target.tokenizer,
+        assistant_tokenizer=drafter.tokenizer,
+    )

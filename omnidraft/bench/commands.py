@@ -14,30 +14,56 @@ from .pairs import loaded_pairs
 __all__ = ["bench", "run_pair"]
 
 
-def run_pair(pair_spec: str, datasets: list[str], args: argparse.Namespace, peers: tuple[str, ...], trace: str | None,
-         partial: Callable[[list, dict], None] = lambda *_: None) -> tuple[list, dict]:
+def run_pair(
+    pair_spec: str,
+    datasets: list[str],
+    args: argparse.Namespace,
+    peers: tuple[str, ...],
+    trace: str | None,
+    partial: Callable[[list, dict], None] = lambda *_: None,
+) -> tuple[list, dict]:
     from tqdm import tqdm
 
+    from ..stats import write_trace
     from .datasets import load_prompts
     from .runner import pairing_costs, run_prompts, summarize
-    from ..stats import write_trace
 
     pair = load_pair(*split_pair(pair_spec), args)
     summaries, per_prompt = [], {}
     for dataset in datasets:
         prompts = load_prompts(dataset, args.n)
         bar = tqdm(total=len(prompts), desc=f"{pair_spec} {dataset}", file=sys.stderr)
-        record = (lambda i, out: write_trace(trace, out.rounds, {"pair": pair_spec, "dataset": dataset, "prompt": i})) if trace else None
-        head = {"pair": pair_spec, "dataset": dataset, "k": pair.config.k, "stop_confidence": pair.config.stop_confidence,
-                "adaptive_k_max": pair.config.adaptive.k_max if pair.config.adaptive else None,
-                "max_new_tokens": args.max_new_tokens}
+        record = (
+            (
+                lambda i, out: write_trace(
+                    trace, out.rounds, {"pair": pair_spec, "dataset": dataset, "prompt": i}
+                )
+            )
+            if trace
+            else None
+        )
+        head = {
+            "pair": pair_spec,
+            "dataset": dataset,
+            "k": pair.config.k,
+            "stop_confidence": pair.config.stop_confidence,
+            "adaptive_k_max": pair.config.adaptive.k_max if pair.config.adaptive else None,
+            "max_new_tokens": args.max_new_tokens,
+        }
 
         def done(results: list, head: dict = head, key: str = f"{pair_spec}/{dataset}") -> None:
             per_prompt[key] = [r.as_dict() for r in results]
             partial([*summaries, {**head, **summarize(results)}], per_prompt)
 
-        results = run_prompts(pair, prompts, args.max_new_tokens, peers=peers, trace=record, done=done,
-                              progress=lambda msg: (bar.set_postfix_str(msg), bar.update(msg.endswith("omnidraft"))))
+        results = run_prompts(
+            pair,
+            prompts,
+            args.max_new_tokens,
+            peers=peers,
+            trace=record,
+            done=done,
+            progress=lambda msg: (bar.set_postfix_str(msg), bar.update(msg.endswith("omnidraft"))),
+        )
         bar.close()
         summary = summarize(results)
         step = sum(r.target_s for r in results) / sum(r.new_tokens for r in results)
@@ -51,32 +77,55 @@ def _bench_remote(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from ..atomic import atomic_write_bytes
+    from ..stats import write_trace
     from .datasets import load_prompts
     from .remote import run_remote
-    from ..stats import write_trace
 
     rows = []
     for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}", args.target_backend):
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
             bar = tqdm(desc=f"{pair_spec} {dataset} remote", file=sys.stderr)
-            record = (lambda rtt, i, out, dataset=dataset, pair_spec=pair_spec: write_trace(
-                args.trace, out.rounds, {"pair": pair_spec, "dataset": dataset, "prompt": i, "rtt_ms": rtt * 1000})) \
-                if args.trace else None
-            for row in run_remote(drafter, target, load_prompts(dataset, args.n), args.max_new_tokens,
-                                  [ms / 1000 for ms in args.rtt or [20, 50, 100]], k=args.k,
-                                  progress=bar.set_postfix_str, trace=record):
+            record = (
+                (
+                    lambda rtt, i, out, dataset=dataset, pair_spec=pair_spec: write_trace(
+                        args.trace,
+                        out.rounds,
+                        {"pair": pair_spec, "dataset": dataset, "prompt": i, "rtt_ms": rtt * 1000},
+                    )
+                )
+                if args.trace
+                else None
+            )
+            for row in run_remote(
+                drafter,
+                target,
+                load_prompts(dataset, args.n),
+                args.max_new_tokens,
+                [ms / 1000 for ms in args.rtt or [20, 50, 100]],
+                k=args.k,
+                progress=bar.set_postfix_str,
+                trace=record,
+            ):
                 rows.append({"pair": pair_spec, "dataset": dataset, **row})
             bar.close()
     out = Path(args.out)
-    table = ("Speedup is over the server alone: one completion request, the whole completion generated on the server, "
-             "at the same injected RTT. fwd/token: target forwards per committed token (what speculating saves a "
-             "server). speculated: requests the latency objective chose to speculate on.\n\n"
-             "| pair | dataset | RTT ms | row | s/request | tok/s | speedup | fwd/token | bytes sent/token | identical | "
-             "speculated |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    table = (
+        "Speedup is over the server alone: one completion request, the whole completion generated on the "
+        "server, "
+        "at the same injected RTT. fwd/token: target forwards per committed token (what speculating saves a "
+        "server). speculated: requests the latency objective chose to speculate on.\n\n"
+        "| pair | dataset | RTT ms | row | s/request | tok/s | speedup | fwd/token | bytes sent/token | "
+        "identical | "
+        "speculated |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     for r in rows:
-        table += (f"| {r['pair']} | {r['dataset']} | {r['rtt_ms']:.0f} | {r['row']} | {r['seconds_per_request']:.2f} | "
-                  f"{r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['forwards_per_token']:.2f} | {r['bytes_sent_per_token']:.0f} | "
-                  f"{r['identical']}/{r['prompts']} | {r['speculated']}/{r['prompts']} |\n")
+        table += (
+            f"| {r['pair']} | {r['dataset']} | {r['rtt_ms']:.0f} | {r['row']} | "
+            f"{r['seconds_per_request']:.2f} | "
+            f"{r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['forwards_per_token']:.2f} | "
+            f"{r['bytes_sent_per_token']:.0f} | "
+            f"{r['identical']}/{r['prompts']} | {r['speculated']}/{r['prompts']} |\n"
+        )
     atomic_write_bytes(out / f"{args.name}.json", json.dumps(rows, indent=1).encode())
     atomic_write_bytes(out / f"{args.name}.md", table.encode())
     print(table)
@@ -96,17 +145,30 @@ def _bench_k_grid(args: argparse.Namespace) -> None:
     for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:qwen2.5-coder-0.5b"):
         for dataset in args.dataset or ["gsm8k", "humaneval"]:
             bar = tqdm(desc=f"{pair_spec} {dataset} k-grid", file=sys.stderr)
-            res = default_against_fixed_k(drafter, target, load_prompts(dataset, args.n), args.max_new_tokens,
-                                          args.k_grid, progress=bar.set_postfix_str)
+            res = default_against_fixed_k(
+                drafter,
+                target,
+                load_prompts(dataset, args.n),
+                args.max_new_tokens,
+                args.k_grid,
+                progress=bar.set_postfix_str,
+            )
             bar.close()
             results.append({"pair": pair_spec, "dataset": dataset, **res})
             r = res["default_vs_best"]
-            table += (f"\n{pair_spec} {dataset}: target alone {res['target_tok_s']:.2f} tok/s; default vs best fixed "
-                      f"{res['best_fixed']}: {r['ratio']:.3f} (95% {r['low']:.3f}-{r['high']:.3f}), faster on "
-                      f"{r['wins']}/{r['prompts']} prompts\n\n| variant | tok/s | speedup | τ | drafted/round | identical |\n"
-                      "|---|---|---|---|---|---|\n")
-            table += "".join(f"| {row['variant']} | {row['tok_s']:.2f} | {row['speedup']:.2f}× | {row['tau']:.2f} | "
-                             f"{row['drafted_per_round']:.2f} | {row['identical']}/{row['prompts']} |\n" for row in res["rows"])
+            table += (
+                f"\n{pair_spec} {dataset}: target alone {res['target_tok_s']:.2f} tok/s; default vs best "
+                "fixed "
+                f"{res['best_fixed']}: {r['ratio']:.3f} (95% {r['low']:.3f}-{r['high']:.3f}), faster on "
+                f"{r['wins']}/{r['prompts']} prompts\n\n| variant | tok/s | speedup | τ | drafted/round | "
+                "identical |\n"
+                "|---|---|---|---|---|---|\n"
+            )
+            table += "".join(
+                f"| {row['variant']} | {row['tok_s']:.2f} | {row['speedup']:.2f}× | {row['tau']:.2f} | "
+                f"{row['drafted_per_round']:.2f} | {row['identical']}/{row['prompts']} |\n"
+                for row in res["rows"]
+            )
             atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
             atomic_write_bytes(out / f"{args.name}.md", table.encode())
     print(table)
@@ -125,9 +187,19 @@ def _bench_sources(args: argparse.Namespace) -> None:
     for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}"):
         bar = tqdm(desc=f"{pair_spec} drafts", file=sys.stderr)
         results[pair_spec] = run_sources(
-            drafter, target, args.dataset or ["summarize", "rag", "code-edit", "chat", "gsm8k", "humaneval"], args.n,
-            args.max_new_tokens, drafts=tuple(args.drafts), peers=() if args.no_peers else tuple(args.peer or ("lookup", "assisted")),
-            relaxed=args.relaxed, progress=bar.set_postfix_str, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy)
+            drafter,
+            target,
+            args.dataset or ["summarize", "rag", "code-edit", "chat", "gsm8k", "humaneval"],
+            args.n,
+            args.max_new_tokens,
+            drafts=tuple(args.drafts),
+            peers=() if args.no_peers else tuple(args.peer or ("lookup", "assisted")),
+            relaxed=args.relaxed,
+            progress=bar.set_postfix_str,
+            k=args.k,
+            stop_confidence=args.stop_confidence,
+            strategy=args.strategy,
+        )
         bar.close()
         text = "".join(f"## {spec}\n\n{markdown(r)}\n" for spec, r in results.items())
         atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
@@ -160,17 +232,37 @@ def _bench_engine(args: argparse.Namespace) -> None:
             notes: list[str] = []
             prompts = load_prompts(dataset, args.n)
             if engine == "llama.cpp":
-                rows = run_llama(drafter_spec, target_spec, prompts, args.max_new_tokens, same_vocab_draft=same,
-                                 fp32=not args.no_peers, notes=notes, progress=bar.set_postfix_str)
+                rows = run_llama(
+                    drafter_spec,
+                    target_spec,
+                    prompts,
+                    args.max_new_tokens,
+                    same_vocab_draft=same,
+                    fp32=not args.no_peers,
+                    notes=notes,
+                    progress=bar.set_postfix_str,
+                )
             else:
-                rows = run_vllm(drafter_spec, target_spec, prompts, args.max_new_tokens, ngram=not args.no_peers,
-                                notes=notes, progress=bar.set_postfix_str)
+                rows = run_vllm(
+                    drafter_spec,
+                    target_spec,
+                    prompts,
+                    args.max_new_tokens,
+                    ngram=not args.no_peers,
+                    notes=notes,
+                    progress=bar.set_postfix_str,
+                )
             bar.close()
             results[f"{pair_spec}/{dataset}"] = rows
-            text += (f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens; speedup over {base} "
-                     "(total time)\n\n| row | tok/s | speedup | identical |\n|---|---|---|---|\n")
-            text += "".join(f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n"
-                            for r in summarize_llama(rows, base=base))
+            text += (
+                f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens; speedup over "
+                f"{base} "
+                "(total time)\n\n| row | tok/s | speedup | identical |\n|---|---|---|---|\n"
+            )
+            text += "".join(
+                f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n"
+                for r in summarize_llama(rows, base=base)
+            )
             text += "".join(f"\n- {note}" for note in notes) + "\n"
             atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
             atomic_write_bytes(out / f"{args.name}.md", text.encode())
@@ -193,9 +285,16 @@ def bench(args: argparse.Namespace) -> None:
     pairs = args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]
     summaries, per_prompt = [], {}
     for pair_spec in pairs:
-        s, p = run_pair(pair_spec, args.dataset or ["gsm8k", "humaneval"], args, trace=args.trace,
-                    peers=() if args.no_peers else tuple(args.peer or ("stock", "lookup", "assisted")),
-                    partial=lambda rows, prompts: write_report(args.out, args.name, [*summaries, *rows], {**per_prompt, **prompts}))
+        s, p = run_pair(
+            pair_spec,
+            args.dataset or ["gsm8k", "humaneval"],
+            args,
+            trace=args.trace,
+            peers=() if args.no_peers else tuple(args.peer or ("stock", "lookup", "assisted")),
+            partial=lambda rows, prompts: write_report(
+                args.out, args.name, [*summaries, *rows], {**per_prompt, **prompts}
+            ),
+        )
         summaries += s
         per_prompt.update(p)
         paths = write_report(args.out, args.name, summaries, per_prompt)  # rewritten after each pair

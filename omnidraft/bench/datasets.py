@@ -24,8 +24,10 @@ def data_dir() -> Path:
     """The data directory: $OMNIDRAFT_DATA, else the repository's `data/`."""
     path = Path(os.environ["OMNIDRAFT_DATA"]) if os.environ.get("OMNIDRAFT_DATA") else REPO_DATA
     if not (path / "gsm8k").is_dir():
-        raise FileNotFoundError(f"no gsm8k/ under the data directory {path}; run from a checkout of the repository "
-                                "or set OMNIDRAFT_DATA to a directory laid out like its data/")
+        raise FileNotFoundError(
+            f"no gsm8k/ under the data directory {path}; run from a checkout of the repository "
+            "or set OMNIDRAFT_DATA to a directory laid out like its data/"
+        )
     return path
 
 
@@ -61,8 +63,11 @@ def _words(text: str, n: int) -> str:
 
 def _summarize(n: int) -> list[str]:
     """An article (its first 350 words), then a request for a summary in its own words."""
-    return [f"Article: {_words(r['article'], 350)}\n\nSummarize the article above in three sentences, "
-            "keeping its own wording.\nSummary:" for r in _cnndm()[:n]]
+    return [
+        f"Article: {_words(r['article'], 350)}\n\nSummarize the article above in three sentences, "
+        "keeping its own wording.\nSummary:"
+        for r in _cnndm()[:n]
+    ]
 
 
 def _rag(n: int) -> list[str]:
@@ -74,12 +79,14 @@ def _rag(n: int) -> list[str]:
         answer = docs[i % 3]
         fact = answer["highlights"].split("\n")[0].strip().rstrip(".")
         context = "\n".join(f"[{j + 1}] {_words(d['article'], 150)}" for j, d in enumerate(docs))
-        out.append(f"Documents:\n{context}\n\nQuestion: Which document reports that {fact}? Name it and quote the "
-                   "sentences of that document that say so.\nAnswer:")
+        out.append(
+            f"Documents:\n{context}\n\nQuestion: Which document reports that {fact}? Name it and quote the "
+            "sentences of that document that say so.\nAnswer:"
+        )
     return out
 
 
-_DOCSTRING = re.compile(r'\n\s*(\"\"\"|\'\'\')[\s\S]*?\1\n', re.M)
+_DOCSTRING = re.compile(r"\n\s*(\"\"\"|\'\'\')[\s\S]*?\1\n", re.M)
 
 
 def _code_edit(n: int) -> list[str]:
@@ -88,8 +95,10 @@ def _code_edit(n: int) -> list[str]:
     out = []
     for r in _humaneval("")[:n]:
         code = _DOCSTRING.sub("\n", r["prompt"], count=1).rstrip() + "\n" + r["canonical_solution"].rstrip()
-        out.append(f"# Original code:\n{code}\n\n# The same code, rewritten with type hints on every function and a "
-                   "docstring for the entry point; the logic is unchanged:\n")
+        out.append(
+            f"# Original code:\n{code}\n\n# The same code, rewritten with type hints on every function and a "
+            "docstring for the entry point; the logic is unchanged:\n"
+        )
     return out
 
 
@@ -100,8 +109,11 @@ def _chat(n: int) -> list[str]:
         answer = _CALCULATOR.sub("", r["answer"]).replace("####", "The answer is")
         lines = [ln for ln in answer.split("\n") if ln.strip()]
         quoted = lines[len(lines) // 2 - 1] if len(lines) > 1 else lines[0]
-        out.append(f"User: {r['question']}\nAssistant: {answer}\nUser: You wrote \"{quoted}\" Explain that step again, "
-                   "repeating your calculation.\nAssistant:")
+        out.append(
+            f'User: {r["question"]}\nAssistant: {answer}\nUser: You wrote "{quoted}" Explain that step '
+            "again, "
+            "repeating your calculation.\nAssistant:"
+        )
     return out
 
 
@@ -126,13 +138,17 @@ def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:
     if path.suffix in (".jsonl", ".gz") and path.is_file():
         rows = _jsonl(path)
         if not rows or any("prompt" not in r for r in rows):
-            raise ValueError(f"{path}: every line needs a \"prompt\" field")
+            raise ValueError(f'{path}: every line needs a "prompt" field')
         return [r["prompt"] for r in rows[:n]]
-    raise ValueError(f"unknown dataset {dataset!r}: use gsm8k, gsm8k:train, humaneval, humaneval:train, "
-                     f"{', '.join(WORKLOADS)} or a path to a .jsonl file")
+    raise ValueError(
+        f"unknown dataset {dataset!r}: use gsm8k, gsm8k:train, humaneval, humaneval:train, "
+        f"{', '.join(WORKLOADS)} or a path to a .jsonl file"
+    )
 
 
-_CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations, "<<48/2=24>>", which no model writes
+_CALCULATOR = re.compile(
+    r"<<[^<>]*>>"
+)  # GSM8K's calculator annotations, "<<48/2=24>>", which no model writes
 
 
 def load_references(dataset: str, n: int) -> list[tuple[str, str]]:
@@ -143,7 +159,11 @@ def load_references(dataset: str, n: int) -> list[tuple[str, str]]:
         raise ValueError(f"number of prompts n must be >= 1, got {n}")
     name, _, part = dataset.partition(":")
     if name == "gsm8k":
-        return [(_gsm8k_prompt(r), " " + _CALCULATOR.sub("", r["answer"])) for r in _gsm8k(part or "test")[:n]]
+        return [
+            (_gsm8k_prompt(r), " " + _CALCULATOR.sub("", r["answer"])) for r in _gsm8k(part or "test")[:n]
+        ]
     if name == "humaneval":
         return [(r["prompt"], r["canonical_solution"]) for r in _humaneval(part)[:n]]
-    raise ValueError(f"no reference answers for dataset {dataset!r}: use gsm8k, gsm8k:train, humaneval or humaneval:train")
+    raise ValueError(
+        f"no reference answers for dataset {dataset!r}: use gsm8k, gsm8k:train, humaneval or humaneval:train"
+    )

@@ -69,41 +69,63 @@ def _pairing(pair: Any, prompt: str, n: int) -> Timed:
     return Timed(out.token_ids, time.perf_counter() - started)
 
 
-def run_llama(drafter_spec: str, target_spec: str, prompts: list[str], max_new_tokens: int, *,
-              same_vocab_draft: str | None, fp32: bool = True, n_ctx: int = 4096, notes: list[str] | None = None,
-              progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+def run_llama(
+    drafter_spec: str,
+    target_spec: str,
+    prompts: list[str],
+    max_new_tokens: int,
+    *,
+    same_vocab_draft: str | None,
+    fp32: bool = True,
+    n_ctx: int = 4096,
+    notes: list[str] | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[dict[str, Any]]:
     """Per prompt, per row: {"row", "prompt", "tokens", "seconds", "identical"} (identical: the
     same ids as llama.cpp alone). `notes` receives each pairing's outlook (why it drafts or not)."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     import omnidraft as od
 
-    from ..llamacpp.engine import LlamaEngine, gguf_file, open_llama
+    from ..llamacpp.engine import LlamaEngine
     from ..llamacpp.hook import OmnidraftDraftModel
+    from ..llamacpp.loading import gguf_file, open_llama
 
     target = od.LlamaCppTarget(target_spec, n_ctx=n_ctx)
     path = target.engine.path
     plain = open_llama(path, n_ctx=n_ctx)
     spec = open_llama(path, n_ctx=n_ctx, logits_all=True)  # what llama-cpp-python sets with a draft model
-    drafters = {"llama.cpp": od.Drafter.load(drafter_spec, backend="llama.cpp"),
-                "torch int8": od.Drafter.load(drafter_spec, backend="torch")}
-    rows: dict[str, Callable[[str, list[int]], Timed]] = {"llama.cpp alone": lambda p, ids: _own(plain, ids, max_new_tokens, target.eos_ids)}
+    drafters = {
+        "llama.cpp": od.Drafter.load(drafter_spec, backend="llama.cpp"),
+        "torch int8": od.Drafter.load(drafter_spec, backend="torch"),
+    }
+    rows: dict[str, Callable[[str, list[int]], Timed]] = {
+        "llama.cpp alone": lambda p, ids: _own(plain, ids, max_new_tokens, target.eos_ids)
+    }
     drafts: dict[str, Any] = {}
     if same_vocab_draft:
-        drafts[f"llama.cpp speculative ({same_vocab_draft} draft)"] = GgufDraft(LlamaEngine(gguf_file(same_vocab_draft)[0], n_ctx=n_ctx))
+        drafts[f"llama.cpp speculative ({same_vocab_draft} draft)"] = GgufDraft(
+            LlamaEngine(gguf_file(same_vocab_draft)[0], n_ctx=n_ctx)
+        )
     drafts["llama.cpp prompt lookup"] = LlamaPromptLookupDecoding()
     drafts["omnidraft via draft_model"] = OmnidraftDraftModel(drafters["llama.cpp"], target)
     for name, draft in drafts.items():
-        rows[name] = lambda p, ids, draft=draft: (setattr(spec, "draft_model", draft),
-                                                  _own(spec, ids, max_new_tokens, target.eos_ids))[1]
+        rows[name] = lambda p, ids, draft=draft: (
+            setattr(spec, "draft_model", draft),
+            _own(spec, ids, max_new_tokens, target.eos_ids),
+        )[1]
     pairs = {f"omnidraft ({backend} drafter)": drafter.pair(target) for backend, drafter in drafters.items()}
-    pairs["omnidraft (llama.cpp drafter, compute objective)"] = drafters["llama.cpp"].pair(target, objective="compute")
+    pairs["omnidraft (llama.cpp drafter, compute objective)"] = drafters["llama.cpp"].pair(
+        target, objective="compute"
+    )
     for name, pair in pairs.items():
         rows[name] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
         if notes is not None and pair.outlook is not None:
-            notes.append(f"{name}: {'drafts' if pair.drafting else 'decodes alone'} "
-                         f"(model drafts {'on' if pair.model_drafts else 'off'}, retrieved drafts "
-                         f"{'on' if pair.free_drafts else 'off'}): {pair.outlook.reason()}")
+            notes.append(
+                f"{name}: {'drafts' if pair.drafting else 'decodes alone'} "
+                f"(model drafts {'on' if pair.model_drafts else 'off'}, retrieved drafts "
+                f"{'on' if pair.free_drafts else 'off'}): {pair.outlook.reason()}"
+            )
     if fp32:
         from .baselines import target_alone
 
@@ -112,8 +134,13 @@ def run_llama(drafter_spec: str, target_spec: str, prompts: list[str], max_new_t
     return time_rows(rows, prompts, target.tokenizer, progress)
 
 
-def time_rows(rows: dict[str, Callable[[str, list[int]], Timed]], prompts: list[str], tokenizer: Any,
-              progress: Callable[[str], None], references: list[list[int]] | None = None) -> list[dict[str, Any]]:
+def time_rows(
+    rows: dict[str, Callable[[str, list[int]], Timed]],
+    prompts: list[str],
+    tokenizer: Any,
+    progress: Callable[[str], None],
+    references: list[list[int]] | None = None,
+) -> list[dict[str, Any]]:
     """Every row on every prompt, in order per prompt; the first row's output is the reference
     each other row's is compared with (a shorter output compares as far as it goes: it stopped),
     unless `references` gives each prompt's (then every row is compared with it, and the outputs
@@ -130,8 +157,15 @@ def time_rows(rows: dict[str, Callable[[str, list[int]], Timed]], prompts: list[
                 reference = timed.token_ids
                 if references is not None:
                     references.append(reference)
-            results.append({"row": name, "prompt": i, "tokens": len(timed.token_ids), "seconds": timed.seconds,
-                            "identical": timed.token_ids == reference[: len(timed.token_ids)]})
+            results.append(
+                {
+                    "row": name,
+                    "prompt": i,
+                    "tokens": len(timed.token_ids),
+                    "seconds": timed.seconds,
+                    "identical": timed.token_ids == reference[: len(timed.token_ids)],
+                }
+            )
     return results
 
 
@@ -143,6 +177,13 @@ def summarize_llama(results: list[dict[str, Any]], base: str = "llama.cpp alone"
     for name in dict.fromkeys(r["row"] for r in results):
         mine = [r for r in results if r["row"] == name]
         rate = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
-        out.append({"row": name, "tok_s": rate, "speedup": rate / base_rate, "identical": sum(r["identical"] for r in mine),
-                    "prompts": len(mine)})
+        out.append(
+            {
+                "row": name,
+                "tok_s": rate,
+                "speedup": rate / base_rate,
+                "identical": sum(r["identical"] for r in mine),
+                "prompts": len(mine),
+            }
+        )
     return out

@@ -9,13 +9,20 @@ from ..cli_options import split_pair
 __all__ = ["loaded_pairs"]
 
 
-def loaded_pairs(specs: list[str] | None, default: str, target_backend: str = "torch") -> Iterator[tuple[str, Any, Any]]:
+def loaded_pairs(
+    specs: list[str] | None, default: str, target_backend: str = "torch"
+) -> Iterator[tuple[str, Any, Any]]:
     """(spec, drafter, target) for each DRAFTER:TARGET spec, loaded one pair at a time; the target
     on PyTorch, or (`target_backend`) on "llama.cpp" or "vllm"."""
     import omnidraft as od
 
     for pair_spec in specs or [default]:
         drafter_spec, target_spec = split_pair(pair_spec)
-        target = (od.LlamaCppTarget(target_spec) if target_backend == "llama.cpp" else
-                  od.VLLMTarget.load(target_spec) if target_backend == "vllm" else od.LocalTarget.load(target_spec))
+        target = (
+            od.LlamaCppTarget(target_spec)
+            if target_backend == "llama.cpp"
+            else od.VLLMTarget.load(target_spec)
+            if target_backend == "vllm"
+            else od.LocalTarget.load(target_spec)
+        )
         yield pair_spec, od.Drafter.load(drafter_spec), target

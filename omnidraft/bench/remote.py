@@ -60,7 +60,9 @@ def serve_in_thread(app: Any) -> tuple[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=http_protocol()))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=http_protocol())
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60
@@ -78,10 +80,16 @@ def serve_in_thread(app: Any) -> tuple[str, Any]:
 
 def _server_alone(client: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """One greedy /v1/completions request for the whole completion; the generated ids."""
-    body = {"prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0.0, "logprobs": 0,
-            "return_tokens_as_token_ids": True}
-    reply = client.request("POST", "/v1/completions", content=json.dumps(body),
-                           headers={"content-type": "application/json"})
+    body = {
+        "prompt": prompt_ids,
+        "max_tokens": max_new_tokens,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
+    reply = client.request(
+        "POST", "/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
     reply.raise_for_status()
     return [int(t.removeprefix("token_id:")) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
 
@@ -89,8 +97,17 @@ def _server_alone(client: Any, prompt_ids: list[int], max_new_tokens: int) -> li
 ROWS = ("server alone", "omnidraft (latency)", "omnidraft (compute)")
 
 
-def run_remote(drafter: Any, target: Any, prompts: list[str], max_new_tokens: int, rtts: list[float], *,
-               k: int | None = None, progress: Any = lambda msg: None, trace: Any = None) -> list[dict[str, Any]]:
+def run_remote(
+    drafter: Any,
+    target: Any,
+    prompts: list[str],
+    max_new_tokens: int,
+    rtts: list[float],
+    *,
+    k: int | None = None,
+    progress: Any = lambda msg: None,
+    trace: Any = None,
+) -> list[dict[str, Any]]:
     """Per round-trip time and row of ROWS: seconds per request, tok/s, speedup over the server
     alone, target forwards and bytes sent per committed token, outputs identical to the server's.
 
@@ -102,41 +119,78 @@ def run_remote(drafter: Any, target: Any, prompts: list[str], max_new_tokens: in
         for rtt in rtts:
             client = LatencyClient(url, rtt)
             remote = RemoteTarget(url, tokenizer=target.tokenizer, client=client)
-            pairs = {ROWS[1]: drafter.pair(remote, k=k), ROWS[2]: drafter.pair(remote, k=k, objective="compute")}
+            pairs = {
+                ROWS[1]: drafter.pair(remote, k=k),
+                ROWS[2]: drafter.pair(remote, k=k, objective="compute"),
+            }
             for pair in pairs.values():  # untimed: the latency pairing measures both of its modes here
                 for _ in range(2):
                     pair.generate(prompts[0], max_new_tokens=max_new_tokens)
-            stats = {name: {"seconds": 0.0, "tokens": 0, "forwards": 0, "sent": 0, "identical": 0, "speculated": 0}
-                     for name in ROWS}
+            stats = {
+                name: {"seconds": 0.0, "tokens": 0, "forwards": 0, "sent": 0, "identical": 0, "speculated": 0}
+                for name in ROWS
+            }
             for i, prompt in enumerate(prompts):
                 progress(f"rtt {rtt * 1000:.0f} ms, prompt {i}: server alone")
                 ids = target.tokenizer(prompt)["input_ids"]
                 before, started = client.sent, time.perf_counter()
                 reference = _server_alone(client, ids, max_new_tokens)
-                _add(stats[ROWS[0]], time.perf_counter() - started, len(reference), len(reference), client.sent - before, True, 0)
+                _add(
+                    stats[ROWS[0]],
+                    time.perf_counter() - started,
+                    len(reference),
+                    len(reference),
+                    client.sent - before,
+                    True,
+                    0,
+                )
                 for name, pair in pairs.items():
                     progress(f"rtt {rtt * 1000:.0f} ms, prompt {i}: {name}")
                     before, started = client.sent, time.perf_counter()
                     out = pair.generate(prompt, max_new_tokens=max_new_tokens)
                     speculated = any(r.proposed for r in out.rounds)  # model or retrieved drafts
-                    _add(stats[name], time.perf_counter() - started, len(out.token_ids), len(out.rounds), client.sent - before,
-                         out.token_ids == reference, speculated)
+                    _add(
+                        stats[name],
+                        time.perf_counter() - started,
+                        len(out.token_ids),
+                        len(out.rounds),
+                        client.sent - before,
+                        out.token_ids == reference,
+                        speculated,
+                    )
                     if trace is not None and speculated:
                         trace(rtt, i, out)
             alone_s = stats[ROWS[0]]["seconds"]
             for name, st in stats.items():
-                rows.append({"rtt_ms": rtt * 1000, "row": name, "prompts": len(prompts),
-                             "seconds_per_request": st["seconds"] / len(prompts), "tok_s": st["tokens"] / st["seconds"],
-                             "speedup": alone_s / st["seconds"], "forwards_per_token": st["forwards"] / max(1, st["tokens"]),
-                             "bytes_sent_per_token": st["sent"] / max(1, st["tokens"]), "identical": st["identical"],
-                             "speculated": st["speculated"]})
+                rows.append(
+                    {
+                        "rtt_ms": rtt * 1000,
+                        "row": name,
+                        "prompts": len(prompts),
+                        "seconds_per_request": st["seconds"] / len(prompts),
+                        "tok_s": st["tokens"] / st["seconds"],
+                        "speedup": alone_s / st["seconds"],
+                        "forwards_per_token": st["forwards"] / max(1, st["tokens"]),
+                        "bytes_sent_per_token": st["sent"] / max(1, st["tokens"]),
+                        "identical": st["identical"],
+                        "speculated": st["speculated"],
+                    }
+                )
             client.close()
     finally:
         stop()
     return rows
 
 
-def _add(row: dict[str, Any], seconds: float, tokens: int, forwards: int, sent: int, identical: bool, speculated: bool) -> None:
+def _add(
+    row: dict[str, Any],
+    seconds: float,
+    tokens: int,
+    forwards: int,
+    sent: int,
+    identical: bool,
+    speculated: bool,
+) -> None:
     row["seconds"] += seconds
     row["tokens"] += tokens
     row["forwards"] += forwards

@@ -11,18 +11,30 @@ from ..atomic import atomic_write_bytes
 __all__ = ["gap_table", "markdown_table", "write_report"]
 
 COLUMNS = [
-    ("pair", "pair", "{}"), ("dataset", "dataset", "{}"), ("n", "prompts", "{}"),
-    ("accept", "acceptance_rate", "{:.2f}"), ("τ", "mean_accepted_length", "{:.2f}"),
-    ("drafted/round", "drafted_per_round", "{:.2f}"), ("rounds drafting", "speculating", "{:.0%}"),
-    ("n-gram/round", "ngram_hits_per_round", "{:.2f}"), ("omnidraft tok/s", "omnidraft_tok_s", "{:.2f}"),
-    ("target alone tok/s", "target_tok_s", "{:.2f}"), ("omnidraft speedup", "speedup", "{:.2f}×"),
-    ("stock-kernel HF", "stock_speedup", "{:.2f}×"), ("prompt lookup", "lookup_speedup", "{:.2f}×"),
-    ("HF assisted", "assisted_speedup", "{:.2f}×"), ("HF assisted τ", "assisted_tau", "{:.2f}"),
-    ("identical", "identical_rate", "{:.0%}"), ("translate+resync", "bookkeeping", "{:.2%}"),
+    ("pair", "pair", "{}"),
+    ("dataset", "dataset", "{}"),
+    ("n", "prompts", "{}"),
+    ("accept", "acceptance_rate", "{:.2f}"),
+    ("τ", "mean_accepted_length", "{:.2f}"),
+    ("drafted/round", "drafted_per_round", "{:.2f}"),
+    ("rounds drafting", "speculating", "{:.0%}"),
+    ("n-gram/round", "ngram_hits_per_round", "{:.2f}"),
+    ("omnidraft tok/s", "omnidraft_tok_s", "{:.2f}"),
+    ("target alone tok/s", "target_tok_s", "{:.2f}"),
+    ("omnidraft speedup", "speedup", "{:.2f}×"),
+    ("stock-kernel HF", "stock_speedup", "{:.2f}×"),
+    ("prompt lookup", "lookup_speedup", "{:.2f}×"),
+    ("HF assisted", "assisted_speedup", "{:.2f}×"),
+    ("HF assisted τ", "assisted_tau", "{:.2f}"),
+    ("identical", "identical_rate", "{:.0%}"),
+    ("translate+resync", "bookkeeping", "{:.2%}"),
 ]
-NOTE = ("Speedups are over the target alone: the same model object on the kernels measured fastest on this machine "
-        "(`omnidraft doctor`), HF generate, greedy, in the same run. Peer rows run on that same model object: "
-        "stock-kernel HF is it on stock F.linear; prompt lookup is HF's `prompt_lookup_num_tokens=10`.\n")
+NOTE = (
+    "Speedups are over the target alone: the same model object on the kernels measured fastest on this "
+    "machine "
+    "(`omnidraft doctor`), HF generate, greedy, in the same run. Peer rows run on that same model object: "
+    "stock-kernel HF is it on stock F.linear; prompt lookup is HF's `prompt_lookup_num_tokens=10`.\n"
+)
 
 
 def _cell(fmt: str, value: Any) -> str:
@@ -43,21 +55,31 @@ def gap_table(rows: list[dict[str, Any]]) -> str:
     """Where each pairing's time per committed token goes, and the speedup at its τ if one part
     cost nothing more: drafting free (the drafter's step is the lever), or each verify as cheap as
     one target step (the target's multi-token verify is). docs/benchmarks.md reads it."""
-    head = ("| pair | dataset | target step ms | τ | ms/token | drafting | verifying | other | speedup | "
-            "free drafts | 1-step verify |\n|" + "---|" * 11 + "\n")
+    head = (
+        "| pair | dataset | target step ms | τ | ms/token | drafting | verifying | other | speedup | "
+        "free drafts | 1-step verify |\n|" + "---|" * 11 + "\n"
+    )
     body = ""
     for row in rows:
-        step, per_token, tau = 1000 / row["target_tok_s"], 1000 / row["omnidraft_tok_s"], row["mean_accepted_length"]
+        step, per_token, tau = (
+            1000 / row["target_tok_s"],
+            1000 / row["omnidraft_tok_s"],
+            row["mean_accepted_length"],
+        )
         split = row["time_split"]
         draft, verify = split["draft"] * per_token, split["verify"] * per_token
         other = per_token - draft - verify
-        body += (f"| {row['pair']} | {row['dataset']} | {step:.0f} | {tau:.2f} | {per_token:.0f} | {draft:.0f} | "
-                 f"{verify:.0f} | {other:.0f} | {step / per_token:.2f}× | {step / (per_token - draft):.2f}× | "
-                 f"{step / (draft + other + step / tau):.2f}× |\n")
+        body += (
+            f"| {row['pair']} | {row['dataset']} | {step:.0f} | {tau:.2f} | {per_token:.0f} | {draft:.0f} | "
+            f"{verify:.0f} | {other:.0f} | {step / per_token:.2f}× | {step / (per_token - draft):.2f}× | "
+            f"{step / (draft + other + step / tau):.2f}× |\n"
+        )
     return head + body
 
 
-def write_report(out_dir: str | Path, name: str, summaries: list[dict[str, Any]], per_prompt: dict[str, Any]) -> dict[str, Path]:
+def write_report(
+    out_dir: str | Path, name: str, summaries: list[dict[str, Any]], per_prompt: dict[str, Any]
+) -> dict[str, Path]:
     """Write `name`.json, `name`.md and `name`.png under `out_dir`; return their paths."""
     out = Path(out_dir)
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
@@ -80,11 +102,23 @@ def _plot(summaries: list[dict[str, Any]], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(summaries)), 4))
     width = 0.38
     ax1.bar([i - width / 2 for i in x], [s["speedup"] for s in summaries], width, label="omnidraft")
-    ax1.bar([i + width / 2 for i in x], [s.get("assisted_speedup") or 0 for s in summaries], width, label="HF assisted")
+    ax1.bar(
+        [i + width / 2 for i in x],
+        [s.get("assisted_speedup") or 0 for s in summaries],
+        width,
+        label="HF assisted",
+    )
     ax1.axhline(1.0, color="gray", lw=0.8)
     ax1.set_ylabel("speedup vs target alone (wall clock)")
-    ax2.bar([i - width / 2 for i in x], [s["mean_accepted_length"] for s in summaries], width, label="omnidraft")
-    ax2.bar([i + width / 2 for i in x], [s.get("assisted_tau") or 0 for s in summaries], width, label="HF assisted")
+    ax2.bar(
+        [i - width / 2 for i in x], [s["mean_accepted_length"] for s in summaries], width, label="omnidraft"
+    )
+    ax2.bar(
+        [i + width / 2 for i in x],
+        [s.get("assisted_tau") or 0 for s in summaries],
+        width,
+        label="HF assisted",
+    )
     ax2.set_ylabel("τ: tokens per target forward")
     for ax in (ax1, ax2):
         ax.set_xticks(list(x), labels, fontsize=8)

@@ -16,14 +16,26 @@ from typing import Any, Callable
 from ..pairing import Pairing
 from .baselines import Timed, hf_assisted, prompt_lookup, stock_generate, target_alone
 
-__all__ = ["PEERS", "PromptResult", "compare_pairings", "rouge_l", "default_against_fixed_k", "pairing_costs", "paired_ratio",
-           "run_prompts", "summarize"]
+__all__ = [
+    "PEERS",
+    "PromptResult",
+    "compare_pairings",
+    "rouge_l",
+    "default_against_fixed_k",
+    "pairing_costs",
+    "paired_ratio",
+    "run_prompts",
+    "summarize",
+]
 
 # peer rows: name -> (label in reports, runner(pair, prompt, n) -> Timed)
 PEERS: dict[str, tuple[str, Callable[[Pairing, str, int], Timed]]] = {
     "stock": ("HF generate, stock kernels", lambda pair, prompt, n: stock_generate(pair.target, prompt, n)),
     "lookup": ("HF prompt lookup (10)", lambda pair, prompt, n: prompt_lookup(pair.target, prompt, n)),
-    "assisted": ("HF assisted generation", lambda pair, prompt, n: hf_assisted(pair.target, pair.drafter, prompt, n)),
+    "assisted": (
+        "HF assisted generation",
+        lambda pair, prompt, n: hf_assisted(pair.target, pair.drafter, prompt, n),
+    ),
 }
 
 
@@ -47,14 +59,23 @@ class PromptResult:
         return self.target_s / self.omnidraft_s
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "speedup": self.speedup,
-                **{f"{name}_speedup": self.target_s / row["seconds"] for name, row in self.peers.items()}}
+        return {
+            **asdict(self),
+            "speedup": self.speedup,
+            **{f"{name}_speedup": self.target_s / row["seconds"] for name, row in self.peers.items()},
+        }
 
 
-def run_prompts(pair: Pairing, prompts: list[str], max_new_tokens: int, *, peers: tuple[str, ...] = tuple(PEERS),
-                trace: Callable[[int, Any], None] | None = None,
-                progress: Callable[[str], None] = lambda _: None,
-                done: Callable[[list[PromptResult]], None] = lambda _: None) -> list[PromptResult]:
+def run_prompts(
+    pair: Pairing,
+    prompts: list[str],
+    max_new_tokens: int,
+    *,
+    peers: tuple[str, ...] = tuple(PEERS),
+    trace: Callable[[int, Any], None] | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+    done: Callable[[list[PromptResult]], None] = lambda _: None,
+) -> list[PromptResult]:
     """Time omnidraft, the target alone and every row of `peers` (keys of PEERS) on every prompt;
     `done` sees the results so far after each prompt (for partial reports of long runs)."""
     unknown = set(peers) - set(PEERS)
@@ -72,21 +93,34 @@ def run_prompts(pair: Pairing, prompts: list[str], max_new_tokens: int, *, peers
         rows = {}
         for name in peers:
             progress(f"prompt {i}: {name}")
-            run, forwards = _counting_forwards(pair.target.model, lambda name=name: PEERS[name][1](pair, prompt, max_new_tokens))
-            rows[name] = {"seconds": run.seconds, "identical": run.token_ids == ref.token_ids,
-                          "tau": len(run.token_ids) / max(1, forwards - 1)}  # the prefill forward also emits a token
+            run, forwards = _counting_forwards(
+                pair.target.model, lambda name=name: PEERS[name][1](pair, prompt, max_new_tokens)
+            )
+            rows[name] = {
+                "seconds": run.seconds,
+                "identical": run.token_ids == ref.token_ids,
+                "tau": len(run.token_ids) / max(1, forwards - 1),
+            }  # the prefill forward also emits a token
         progress(f"prompt {i}: omnidraft")
         out = pair.generate(prompt, max_new_tokens=max_new_tokens)
         if trace is not None:
             trace(i, out)
-        results.append(PromptResult(
-            index=i, new_tokens=len(out.token_ids), identical=out.token_ids == ref.token_ids,
-            acceptance_rate=out.stats.acceptance_rate, mean_accepted_length=out.stats.mean_accepted_length,
-            ngram_hits_per_round=out.stats.ngram_hits_per_round, omnidraft_s=out.stats.seconds,
-            target_s=ref.seconds, time_split=out.stats.time_split, peers=rows,
-            drafted_per_round=sum(r.drafted for r in out.rounds) / max(1, len(out.rounds)),
-            speculating=out.stats.speculating,
-        ))
+        results.append(
+            PromptResult(
+                index=i,
+                new_tokens=len(out.token_ids),
+                identical=out.token_ids == ref.token_ids,
+                acceptance_rate=out.stats.acceptance_rate,
+                mean_accepted_length=out.stats.mean_accepted_length,
+                ngram_hits_per_round=out.stats.ngram_hits_per_round,
+                omnidraft_s=out.stats.seconds,
+                target_s=ref.seconds,
+                time_split=out.stats.time_split,
+                peers=rows,
+                drafted_per_round=sum(r.drafted for r in out.rounds) / max(1, len(out.rounds)),
+                speculating=out.stats.speculating,
+            )
+        )
         done(results)
     return results
 
@@ -97,13 +131,18 @@ def pairing_costs(pair: Pairing, target_step_s: float) -> dict[str, Any]:
     a round of k drafted tokens costs k * step + verify(k + 1) + overhead for tau tokens, which
     beats the target alone only while that is below tau * target step."""
     cost, policy = pair.cost, pair.policy
-    out: dict[str, Any] = {"target_step_ms": 1000 * target_step_s,
-                           "draft_ms": 1000 * cost.draft if cost.draft is not None else None,
-                           "overhead_ms": 1000 * cost.overhead,
-                           "verify_ms": {m: 1000 * v for m, v in sorted(cost.verify.items())}}
+    out: dict[str, Any] = {
+        "target_step_ms": 1000 * target_step_s,
+        "draft_ms": 1000 * cost.draft if cost.draft is not None else None,
+        "overhead_ms": 1000 * cost.overhead,
+        "verify_ms": {m: 1000 * v for m, v in sorted(cost.verify.items())},
+    }
     if policy is not None and policy.trials:
-        out.update(acceptance=policy.acceptance, target_per_drafted=policy.ratio,
-                   rates_tok_s={k: round(v, 2) for k, v in policy.rates().items()})
+        out.update(
+            acceptance=policy.acceptance,
+            target_per_drafted=policy.ratio,
+            rates_tok_s={k: round(v, 2) for k, v in policy.rates().items()},
+        )
     return out
 
 
@@ -147,8 +186,14 @@ def summarize(results: list[PromptResult]) -> dict[str, Any]:
     return out
 
 
-def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_tokens: int,
-                     progress: Callable[[str], None] = lambda _: None, *, peers: tuple[str, ...] = ()) -> dict[str, Any]:
+def compare_pairings(
+    pairs: dict[str, Pairing],
+    prompts: list[str],
+    max_new_tokens: int,
+    progress: Callable[[str], None] = lambda _: None,
+    *,
+    peers: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """Several pairings of one target (and `peers`, keys of PEERS, run on the first pairing's
     target), side by side: per prompt the target alone once, then each row, all timed in one
     process. The rows' order rotates from prompt to prompt, so none always runs first after the
@@ -176,33 +221,48 @@ def compare_pairings(pairs: dict[str, Pairing], prompts: list[str], max_new_toke
         progress(f"prompt {i + 1}/{len(prompts)}: target alone")
         ref = target_alone(target, prompt, max_new_tokens)
         alone_s, alone_tokens = alone_s + ref.seconds, alone_tokens + len(ref.token_ids)
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             progress(f"prompt {i + 1}/{len(prompts)}: {name}")
             if name in pairs:
                 out = pairs[name].generate(prompt, max_new_tokens=max_new_tokens)
                 ids = out.token_ids
             else:
-                out = _counting_forwards(target.model, lambda name=name: PEERS[name][1](first, prompt, max_new_tokens))
+                out = _counting_forwards(
+                    target.model, lambda name=name: PEERS[name][1](first, prompt, max_new_tokens)
+                )
                 ids = out[0].token_ids
             runs[name].append(out)
             identical[name] += ids == ref.token_ids
             rouge[name] += rouge_l(ids, ref.token_ids) / len(prompts)
     rows = []
     for name, outs in runs.items():
-        row: dict[str, Any] = {"variant": name, "identical": identical[name], "prompts": len(prompts),
-                               "rouge_l": rouge[name]}
+        row: dict[str, Any] = {
+            "variant": name,
+            "identical": identical[name],
+            "prompts": len(prompts),
+            "rouge_l": rouge[name],
+        }
         if name in pairs:
             rounds = [r for o in outs for r in o.rounds]
             tokens, seconds = sum(len(o.token_ids) for o in outs), sum(o.stats.seconds for o in outs)
             s = GenerationStats.from_rounds(rounds, tokens, seconds)
-            row.update(acceptance_rate=s.acceptance_rate, tau=s.mean_accepted_length, retrieved_share=s.retrieved_share,
-                       drafted_per_round=sum(r.drafted for r in rounds) / len(rounds),
-                       draft_ms_per_token=1000 * sum(r.t_draft for r in rounds) / max(1, sum(r.drafted for r in rounds)),
-                       prompt_s=[o.stats.seconds for o in outs])
+            row.update(
+                acceptance_rate=s.acceptance_rate,
+                tau=s.mean_accepted_length,
+                retrieved_share=s.retrieved_share,
+                drafted_per_round=sum(r.drafted for r in rounds) / len(rounds),
+                draft_ms_per_token=1000
+                * sum(r.t_draft for r in rounds)
+                / max(1, sum(r.drafted for r in rounds)),
+                prompt_s=[o.stats.seconds for o in outs],
+            )
         else:
             tokens, seconds = sum(len(t.token_ids) for t, _ in outs), sum(t.seconds for t, _ in outs)
-            row.update(label=PEERS[name][0], tau=tokens / max(1, sum(f - 1 for _, f in outs)),
-                       prompt_s=[t.seconds for t, _ in outs])
+            row.update(
+                label=PEERS[name][0],
+                tau=tokens / max(1, sum(f - 1 for _, f in outs)),
+                prompt_s=[t.seconds for t, _ in outs],
+            )
         row.update(tok_s=tokens / seconds, speedup=(tokens / seconds) / (alone_tokens / alone_s))
         rows.append(row)
     return {"target_tok_s": alone_tokens / alone_s, "rows": rows}
@@ -228,23 +288,58 @@ def paired_ratio(faster: list[float], slower: list[float]) -> dict[str, float]:
     t-interval, and on how many prompts it was faster. An interval above 1 is a win the run-to-run
     drift of this machine does not explain."""
     if len(faster) != len(slower) or not faster:
-        raise ValueError(f"paired_ratio needs the same non-empty prompts for both, got {len(faster)} and {len(slower)}")
+        raise ValueError(
+            f"paired_ratio needs the same non-empty prompts for both, got {len(faster)} and {len(slower)}"
+        )
     logs = [math.log(b / a) for a, b in zip(faster, slower)]
     n, mean = len(logs), sum(logs) / len(logs)
     spread = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1)) / math.sqrt(n) if n > 1 else math.inf
     half = _T95[max(df for df in _T95 if df <= max(n - 1, 1))] * spread
-    return {"ratio": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half),
-            "wins": sum(x > 0 for x in logs), "prompts": n}
+    return {
+        "ratio": math.exp(mean),
+        "low": math.exp(mean - half),
+        "high": math.exp(mean + half),
+        "wins": sum(x > 0 for x in logs),
+        "prompts": n,
+    }
 
 
 # two-sided 95% Student t quantiles by degrees of freedom; a df between two keys takes the lower
 # key's (larger, so conservative) quantile, and beyond 30 the quantile at 30 (the normal's is 1.96)
-_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20,
-        12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09, 25: 2.06, 30: 2.04}
+_T95 = {
+    1: 12.71,
+    2: 4.30,
+    3: 3.18,
+    4: 2.78,
+    5: 2.57,
+    6: 2.45,
+    7: 2.36,
+    8: 2.31,
+    9: 2.26,
+    10: 2.23,
+    11: 2.20,
+    12: 2.18,
+    13: 2.16,
+    14: 2.14,
+    15: 2.13,
+    16: 2.12,
+    17: 2.11,
+    18: 2.10,
+    19: 2.09,
+    20: 2.09,
+    25: 2.06,
+    30: 2.04,
+}
 
 
-def default_against_fixed_k(drafter: Any, target: Any, prompts: list[str], max_new_tokens: int, ks: list[int],
-                            progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def default_against_fixed_k(
+    drafter: Any,
+    target: Any,
+    prompts: list[str],
+    max_new_tokens: int,
+    ks: list[int],
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
     """The default pairing (draft length from measured costs) beside each fixed k, same prompts,
     same run (`compare_pairings`), and how the default compares with the best fixed k per prompt
     (`paired_ratio`: above 1, the default is faster)."""

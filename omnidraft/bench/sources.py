@@ -17,9 +17,19 @@ __all__ = ["RELAXED_ROW", "hybrid_against", "markdown", "run_sources"]
 RELAXED_ROW = "omnidraft hybrid, relaxed (LOSSY)"
 
 
-def run_sources(drafter: Any, target: Any, datasets: list[str], n: int, max_new_tokens: int, *,
-                drafts: tuple[str, ...] = ("model", "retrieval", "hybrid"), peers: tuple[str, ...] = ("lookup", "assisted"),
-                relaxed: bool = False, progress: Callable[[str], None] = lambda _: None, **config: Any) -> dict[str, Any]:
+def run_sources(
+    drafter: Any,
+    target: Any,
+    datasets: list[str],
+    n: int,
+    max_new_tokens: int,
+    *,
+    drafts: tuple[str, ...] = ("model", "retrieval", "hybrid"),
+    peers: tuple[str, ...] = ("lookup", "assisted"),
+    relaxed: bool = False,
+    progress: Callable[[str], None] = lambda _: None,
+    **config: Any,
+) -> dict[str, Any]:
     """Per dataset, fresh pairings (one per `drafts` value, `config` passed on) so that each
     workload's costs and acceptance are measured on it alone, and the hybrid's paired ratios
     (`hybrid_against`)."""
@@ -28,8 +38,13 @@ def run_sources(drafter: Any, target: Any, datasets: list[str], n: int, max_new_
         pairs = {f"omnidraft {d}": drafter.pair(target, drafts=d, **config) for d in drafts}
         if relaxed:
             pairs[RELAXED_ROW] = drafter.pair(target, drafts="hybrid", mode="relaxed-lossy", **config)
-        result = compare_pairings(pairs, load_prompts(dataset, n), max_new_tokens,
-                                  progress=lambda msg, d=dataset: progress(f"{d} {msg}"), peers=peers)
+        result = compare_pairings(
+            pairs,
+            load_prompts(dataset, n),
+            max_new_tokens,
+            progress=lambda msg, d=dataset: progress(f"{d} {msg}"),
+            peers=peers,
+        )
         result.update(hybrid_against(result["rows"]))
         out["datasets"][dataset] = result
     return out
@@ -58,16 +73,31 @@ def markdown(result: dict[str, Any]) -> str:
     """One table per dataset: speedup over the target alone, τ, retrieved share, identical outputs."""
     lines = []
     for dataset, res in result["datasets"].items():
-        lines += [f"### {dataset} (target alone {res['target_tok_s']:.2f} tok/s)", "",
-                  "| row | speedup | tok/s | τ | retrieved | identical | ROUGE-L vs target |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {dataset} (target alone {res['target_tok_s']:.2f} tok/s)",
+            "",
+            "| row | speedup | tok/s | τ | retrieved | identical | ROUGE-L vs target |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in res["rows"]:
             retrieved = f"{r['retrieved_share']:.0%}" if "retrieved_share" in r else "-"
-            lines.append(f"| {r.get('label', r['variant'])} | {r['speedup']:.2f}× | {r['tok_s']:.2f} | {r['tau']:.2f} | "
-                         f"{retrieved} | {r['identical']}/{r['prompts']} | {r.get('rouge_l', float('nan')):.3f} |")
-        paired = [(f"hybrid vs {what}", res[key]) for key, what in
-                  (("hybrid_vs_model", "model drafts"), ("hybrid_vs_best", f"the fastest other row ({res.get('best_other')})"))
-                  if key in res]
-        lines += [""] * bool(paired) + [f"{name}, paired: {h['ratio']:.3f}× [{h['low']:.3f}, {h['high']:.3f}], "
-                                        f"faster on {h['wins']}/{h['prompts']} prompts" for name, h in paired]
+            lines.append(
+                f"| {r.get('label', r['variant'])} | {r['speedup']:.2f}× | {r['tok_s']:.2f} | {r['tau']:.2f} "
+                "| "
+                f"{retrieved} | {r['identical']}/{r['prompts']} | {r.get('rouge_l', float('nan')):.3f} |"
+            )
+        paired = [
+            (f"hybrid vs {what}", res[key])
+            for key, what in (
+                ("hybrid_vs_model", "model drafts"),
+                ("hybrid_vs_best", f"the fastest other row ({res.get('best_other')})"),
+            )
+            if key in res
+        ]
+        lines += [""] * bool(paired) + [
+            f"{name}, paired: {h['ratio']:.3f}× [{h['low']:.3f}, {h['high']:.3f}], "
+            f"faster on {h['wins']}/{h['prompts']} prompts"
+            for name, h in paired
+        ]
         lines.append("")
     return "\n".join(lines)

@@ -24,8 +24,18 @@ import torch
 
 from ..atomic import atomic_path, recover
 
-__all__ = ["AdapterConfig", "add_adapter", "adapter_state", "covers", "int8_learner", "int8_twin", "load_adapter_state",
-           "load_peft", "save_peft", "set_active"]
+__all__ = [
+    "AdapterConfig",
+    "add_adapter",
+    "adapter_state",
+    "covers",
+    "int8_learner",
+    "int8_twin",
+    "load_adapter_state",
+    "load_peft",
+    "save_peft",
+    "set_active",
+]
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 
@@ -52,8 +62,13 @@ def add_adapter(model: Any, name: str, config: AdapterConfig = AdapterConfig()) 
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=list(config.modules), lora_dropout=0.0,
-                      bias="none")
+    lora = LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        target_modules=list(config.modules),
+        lora_dropout=0.0,
+        bias="none",
+    )
     if isinstance(model, PeftModel):
         model.add_adapter(name, lora)
     else:
@@ -171,8 +186,21 @@ def covers(copy_: Any, source: Any) -> bool:
 
 
 # What a LoRA layer keeps per adapter name (peft's LoraLayer; names absent in a peft version are skipped)
-_PER_ADAPTER = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "r", "lora_alpha",
-                "scaling", "lora_dropout", "use_dora", "use_rslora", "lora_bias", "lora_variant")
+_PER_ADAPTER = (
+    "lora_A",
+    "lora_B",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+    "r",
+    "lora_alpha",
+    "scaling",
+    "lora_dropout",
+    "use_dora",
+    "use_rslora",
+    "lora_bias",
+    "lora_variant",
+)
 
 
 def _lora_layers(model: Any) -> dict[str, Any]:

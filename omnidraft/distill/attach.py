@@ -11,8 +11,9 @@ from ..draft.picking import Adaptable
 __all__ = ["attach_adapter"]
 
 
-def attach_adapter(drafter: Any, target: str, user: str | None, *, learn: bool, adapter: Any,
-                   saved: dict[str, Any] | None) -> str | None:
+def attach_adapter(
+    drafter: Any, target: str, user: str | None, *, learn: bool, adapter: Any, saved: dict[str, Any] | None
+) -> str | None:
     """Add the pairing's adapter to `drafter` and return its name (None: the base drafter).
     `adapter`: an AdapterConfig for a fresh adapter, or a peft LoRA directory; `saved`: the
     profile's adapter tensors."""

@@ -43,9 +43,16 @@ class VerifiedRequest:
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
-        if self.topk_ids.shape[0] != n or self.topk_logp.shape != self.topk_ids.shape or len(self.positions) != n:
-            raise ValueError(f"a verified request needs one top-k row and one position per token: {n} tokens, "
-                             f"rows {tuple(self.topk_ids.shape)}/{tuple(self.topk_logp.shape)}, {len(self.positions)} positions")
+        if (
+            self.topk_ids.shape[0] != n
+            or self.topk_logp.shape != self.topk_ids.shape
+            or len(self.positions) != n
+        ):
+            raise ValueError(
+                f"a verified request needs one top-k row and one position per token: {n} tokens, "
+                f"rows {tuple(self.topk_ids.shape)}/{tuple(self.topk_logp.shape)}, {len(self.positions)} "
+                "positions"
+            )
 
 
 @dataclass(frozen=True)
@@ -72,19 +79,35 @@ class Example:
         return int(self.kl_rows.numel() + self.ng_logp.numel())
 
 
-def build_example(request: VerifiedRequest, drafter: Any, target_bytes: Any, t2d: torch.Tensor,
-                  max_len: int = 1024, *, spans: bool = False) -> Example:
+def build_example(
+    request: VerifiedRequest,
+    drafter: Any,
+    target_bytes: Any,
+    t2d: torch.Tensor,
+    max_len: int = 1024,
+    *,
+    spans: bool = False,
+) -> Example:
     """Label `request` for the drafter (see module doc). `max_len` caps L, cutting from the end;
     `spans` also labels misaligned runs of target tokens."""
     prompt = drafter.tokenizer(request.prompt)["input_ids"]
     pieces = [target_bytes.table[t] or b"" for t in request.tokens]
     cont = drafter.codec.encode(b"".join(pieces)) if any(pieces) else []
     ids = list(prompt) + cont
-    starts = {s: i for i, s in enumerate(accumulate((len(drafter.token_bytes.table[d] or b"") for d in cont), initial=0))}
+    starts = {
+        s: i
+        for i, s in enumerate(accumulate((len(drafter.token_bytes.table[d] or b"") for d in cont), initial=0))
+    }
     base = len(prompt) - 1  # logit row that predicts continuation token 0
     kl, ng, ng_logp = [], [], []
     opened: tuple[int, int] | None = None  # (first byte, first token) of a span not yet closed
-    for j, (t, a, b) in enumerate(zip(request.tokens, accumulate((len(p) for p in pieces), initial=0), accumulate(len(p) for p in pieces))):
+    for j, (t, a, b) in enumerate(
+        zip(
+            request.tokens,
+            accumulate((len(p) for p in pieces), initial=0),
+            accumulate(len(p) for p in pieces),
+        )
+    ):
         if a == b:  # special token: only a trailing one the drafter can name (EOS) is learnt
             opened = None
             if j == len(request.tokens) - 1 and int(t2d[t]) >= 0:
@@ -114,7 +137,9 @@ def build_example(request: VerifiedRequest, drafter: Any, target_bytes: Any, t2d
     return Example(
         ids=torch.tensor(ids[:max_len], dtype=torch.long),
         kl_rows=torch.tensor([r for r, _ in kl], dtype=torch.long),
-        kl_ids=request.topk_ids[kl_j], kl_logp=request.topk_logp[kl_j].float(), kl_pos=pos[kl_j],
+        kl_ids=request.topk_ids[kl_j],
+        kl_logp=request.topk_logp[kl_j].float(),
+        kl_pos=pos[kl_j],
         ng_rows=torch.tensor([x[0] for x in keep], dtype=torch.long),
         ng_tokens=torch.tensor([x[1] for x in keep], dtype=torch.long),
         ng_group=torch.tensor([regroup[x[2]] for x in keep], dtype=torch.long),

@@ -31,19 +31,38 @@ log = logging.getLogger("omnidraft")
 
 
 class Learner:
-    def __init__(self, drafter: Any, adapter: str, t2d: torch.Tensor, target_bytes: Any,
-                 config: TrainConfig = TrainConfig(), start_step: int = 0) -> None:
-        self.drafter, self.adapter, self.t2d, self.target_bytes, self.config = drafter, adapter, t2d, target_bytes, config
+    def __init__(
+        self,
+        drafter: Any,
+        adapter: str,
+        t2d: torch.Tensor,
+        target_bytes: Any,
+        config: TrainConfig = TrainConfig(),
+        start_step: int = 0,
+    ) -> None:
+        self.drafter, self.adapter, self.t2d, self.target_bytes, self.config = (
+            drafter,
+            adapter,
+            t2d,
+            target_bytes,
+            config,
+        )
         drafter.activate(adapter)
-        self.trainer = OnlineTrainer(drafter.learner, t2d, config, step_lock=drafter.lock, start_step=start_step)
+        self.trainer = OnlineTrainer(
+            drafter.learner, t2d, config, step_lock=drafter.lock, start_step=start_step
+        )
         self.metrics: list[dict[str, float]] = []  # one entry per update
-        self._recent: list[tuple[float, float]] = []  # (acceptance rate, tau) of requests since the last update
+        self._recent: list[
+            tuple[float, float]
+        ] = []  # (acceptance rate, tau) of requests since the last update
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._saved: list[torch.Tensor] | None = None  # the adapter as it was before this request (TTS)
         self._fast: torch.optim.Optimizer | None = None
         self.fast_steps = 0  # Test-Time Speculation steps taken, over all requests
-        self.fast_seconds = 0.0  # and the wall time they took (each holds the drafter: nothing drafts meanwhile)
+        self.fast_seconds = (
+            0.0  # and the wall time they took (each holds the drafter: nothing drafts meanwhile)
+        )
 
     @property
     def steps(self) -> int:
@@ -52,11 +71,15 @@ class Learner:
     def observe(self, request: VerifiedRequest, acceptance_rate: float, tau: float) -> None:
         """Buffer one verified request; train when the interval is complete."""
         self._recent.append((acceptance_rate, tau))
-        if not self.trainer.add(build_example(request, self.drafter, self.target_bytes, self.t2d, spans=self.config.spans)):
+        if not self.trainer.add(
+            build_example(request, self.drafter, self.target_bytes, self.t2d, spans=self.config.spans)
+        ):
             return
         self.wait()
         if self.config.background:
-            self._thread = threading.Thread(target=self._update, name=f"omnidraft-learn-{self.adapter}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._update, name=f"omnidraft-learn-{self.adapter}", daemon=True
+            )
             self._thread.start()
         else:
             self._update()
@@ -121,9 +144,12 @@ class Learner:
             self.error = exc
             return
         recent, self._recent = self._recent, []
-        entry = {"requests": self.trainer.requests, "steps": self.trainer.steps,
-                 "loss": sum(x["loss"] for x in logs) / max(1, len(logs)),
-                 "acceptance_rate": sum(a for a, _ in recent) / max(1, len(recent)),
-                 "tau": sum(t for _, t in recent) / max(1, len(recent))}
+        entry = {
+            "requests": self.trainer.requests,
+            "steps": self.trainer.steps,
+            "loss": sum(x["loss"] for x in logs) / max(1, len(logs)),
+            "acceptance_rate": sum(a for a, _ in recent) / max(1, len(recent)),
+            "tau": sum(t for _, t in recent) / max(1, len(recent)),
+        }
         self.metrics.append(entry)
         log.info("adapter %s updated: %s", self.adapter, entry)

@@ -16,8 +16,13 @@ __all__ = ["direct_kl", "ngram_approx_kl", "ngram_nll", "position_weights"]
 _EPS = 1e-12
 
 
-def direct_kl(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
-              t2d: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+def direct_kl(
+    draft_logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logp: torch.Tensor,
+    t2d: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Mean reverse KL D_KL(q' || p) over N direct-mapped positions (OmniDraft eq. 3).
 
     draft_logits (N, Vd); topk_ids (N, K) target ids and topk_logp (N, K) their target
@@ -37,7 +42,9 @@ def direct_kl(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: tor
     return _mean(kl, weights)
 
 
-def ngram_nll(draft_logits: torch.Tensor, sub_tokens: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+def ngram_nll(
+    draft_logits: torch.Tensor, sub_tokens: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean NLL of the drafter sub-tokens of accepted n-gram tokens (OmniDraft eq. 4).
 
     draft_logits (N, Vd) at each sub-token's position; sub_tokens (N,) drafter ids; weights (N,):
@@ -47,8 +54,9 @@ def ngram_nll(draft_logits: torch.Tensor, sub_tokens: torch.Tensor, weights: tor
     return _mean(nll, weights)
 
 
-def ngram_approx_kl(draft_logits: torch.Tensor, sub_tokens: torch.Tensor, group: torch.Tensor,
-                    target_logp: torch.Tensor) -> torch.Tensor:
+def ngram_approx_kl(
+    draft_logits: torch.Tensor, sub_tokens: torch.Tensor, group: torch.Tensor, target_logp: torch.Tensor
+) -> torch.Tensor:
     """Approximate-KL variant for n-gram tokens: q'(t) (log q'(t) - log p(t)) with
     log q'(t) = sum_j log q(d_j) (eq. 1), averaged over G n-gram tokens.
 

@@ -43,17 +43,31 @@ def record(target: Any, prompt: str, max_new_tokens: int, k: int = 32) -> Target
     """Greedy continuation of `prompt` by a LocalTarget, and its top-k log-probabilities."""
     ids = target.tokenizer(prompt)["input_ids"]
     x = torch.tensor([ids])
-    out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                                eos_token_id=sorted(target.eos_ids), pad_token_id=min(target.eos_ids))
-    continuation = out[0, len(ids):].tolist()
-    logits = target.model(out).logits[0, len(ids) - 1 : -1]  # one teacher-forced pass: row i predicts position i
+    out = target.model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=sorted(target.eos_ids),
+        pad_token_id=min(target.eos_ids),
+    )
+    continuation = out[0, len(ids) :].tolist()
+    logits = target.model(out).logits[
+        0, len(ids) - 1 : -1
+    ]  # one teacher-forced pass: row i predicts position i
     logp, top = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
     return TargetTrace(ids, continuation, top, logp)
 
 
 @torch.inference_mode()
-def record_many(target: Any, prompts: list[str], max_new_tokens: int, k: int = 32, batch_size: int = 8,
-                progress: Any = None) -> list[TargetTrace]:
+def record_many(
+    target: Any,
+    prompts: list[str],
+    max_new_tokens: int,
+    k: int = 32,
+    batch_size: int = 8,
+    progress: Any = None,
+) -> list[TargetTrace]:
     """`record` for many prompts, `batch_size` at a time (left-padded): several times the
     throughput on CPU. Batched matmuls round differently from single-row ones, so a continuation
     may rarely part from the unbatched greedy one after a near tie; it is still the target's
@@ -73,9 +87,16 @@ def record_many(target: Any, prompts: list[str], max_new_tokens: int, k: int = 3
         width = max(map(len, batch))
         x = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
-        out = target.model.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                    eos_token_id=eos, pad_token_id=pad, output_logits=True,
-                                    return_dict_in_generate=True)
+        out = target.model.generate(
+            x,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         steps = torch.stack(out.logits, 1).float()  # (B, N, Vt): row i predicted generated token i
         for b, ids in enumerate(batch):
             continuation = out.sequences[b, width:].tolist()
@@ -99,7 +120,10 @@ def save_traces(path: str | os.PathLike[str], traces: list[TargetTrace], fingerp
     for i, t in enumerate(traces):
         tensors[f"{i}.prompt"] = torch.tensor(t.prompt_ids, dtype=torch.long)
         tensors[f"{i}.continuation"] = torch.tensor(t.continuation, dtype=torch.long)
-        tensors[f"{i}.topk_ids"], tensors[f"{i}.topk_logp"] = t.topk_ids.contiguous(), t.topk_logp.contiguous()
+        tensors[f"{i}.topk_ids"], tensors[f"{i}.topk_logp"] = (
+            t.topk_ids.contiguous(),
+            t.topk_logp.contiguous(),
+        )
     atomic_write_bytes(Path(path), save(tensors, metadata={"omnidraft.traces": json.dumps(meta)}))
 
 
@@ -111,12 +135,21 @@ def load_traces(path: str | os.PathLike[str], fingerprint: str | None = None) ->
         with safe_open(str(path), framework="pt") as fh:
             meta = json.loads((fh.metadata() or {})["omnidraft.traces"])
             get = fh.get_tensor
-            traces = [TargetTrace(get(f"{i}.prompt").tolist(), get(f"{i}.continuation").tolist(),
-                                  get(f"{i}.topk_ids"), get(f"{i}.topk_logp")) for i in range(meta["count"])]
+            traces = [
+                TargetTrace(
+                    get(f"{i}.prompt").tolist(),
+                    get(f"{i}.continuation").tolist(),
+                    get(f"{i}.topk_ids"),
+                    get(f"{i}.topk_logp"),
+                )
+                for i in range(meta["count"])
+            ]
     except Exception as exc:  # safetensors raises its own errors on truncated or foreign files
         raise CorruptFileError(f"{path} is not a readable omnidraft trace file: {exc}") from exc
     if fingerprint is not None and meta["fingerprint"] != fingerprint:
-        raise IncompatibleError(f"{path} was recorded for target tokenizer {meta['fingerprint']!r}, not {fingerprint!r}")
+        raise IncompatibleError(
+            f"{path} was recorded for target tokenizer {meta['fingerprint']!r}, not {fingerprint!r}"
+        )
     return traces
 
 
@@ -125,21 +158,35 @@ class _ReplaySession:
         self.trace, self.ids, self._n = trace, list(trace.prompt_ids), 0
         self.forwards = 0
 
-    def verify(self, proposal: torch.Tensor, rule: Any, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, *, topk: int = 0) -> Verdict:
+    def verify(
+        self,
+        proposal: torch.Tensor,
+        rule: Any,
+        q: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        topk: int = 0,
+    ) -> Verdict:
         if rule.mode != "greedy":
             raise ValueError(f"a replayed target verifies greedy drafts only, not mode {rule.mode!r}")
         truth = self.trace.continuation[self._n : self._n + len(proposal) + 1]
         if len(truth) <= len(proposal):
-            raise ValueError(f"the recorded continuation has {len(self.trace.continuation)} tokens; "
-                             "generate at most that many from a ReplayTarget")
+            raise ValueError(
+                f"the recorded continuation has {len(self.trace.continuation)} tokens; "
+                "generate at most that many from a ReplayTarget"
+            )
         agree = torch.tensor(truth[: len(proposal)]) == proposal
         n = int(agree.long().cumprod(0).sum())
         rows = None
         if topk > 0:
             if topk > self.trace.topk_ids.shape[1]:
-                raise ValueError(f"asked for top-{topk} rows; this trace recorded top-{self.trace.topk_ids.shape[1]}")
-            rows = (self.trace.topk_ids[self._n : self._n + n + 1, :topk], self.trace.topk_logp[self._n : self._n + n + 1, :topk])
+                raise ValueError(
+                    f"asked for top-{topk} rows; this trace recorded top-{self.trace.topk_ids.shape[1]}"
+                )
+            rows = (
+                self.trace.topk_ids[self._n : self._n + n + 1, :topk],
+                self.trace.topk_logp[self._n : self._n + n + 1, :topk],
+            )
         self.ids += truth[: n + 1]
         self._n += n + 1
         self.forwards += 1
@@ -149,8 +196,14 @@ class _ReplaySession:
 class ReplayTarget:
     """A `Target` that answers from recorded traces: same tokens and acceptance as the live one."""
 
-    def __init__(self, tokenizer: Any, token_bytes: TokenBytes, eos_ids: frozenset[int], traces: list[TargetTrace],
-                 name: str = "replay") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        token_bytes: TokenBytes,
+        eos_ids: frozenset[int],
+        traces: list[TargetTrace],
+        name: str = "replay",
+    ) -> None:
         self.tokenizer, self.token_bytes, self.eos_ids, self.name = tokenizer, token_bytes, eos_ids, name
         self.codec = ByteCodec(tokenizer, token_bytes)
         self._by_prompt = {tuple(t.prompt_ids): t for t in traces}

@@ -74,20 +74,29 @@ class TrainConfig:
         if not self.decay_steps:
             return self.lr
         done = min(step, self.decay_steps) / self.decay_steps
-        return self.lr * (self.final_lr_ratio + (1 - self.final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
+        return self.lr * (
+            self.final_lr_ratio + (1 - self.final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done))
+        )
 
     def __post_init__(self) -> None:
         for name in ("interval", "batch_size", "epochs", "topk", "capacity", "draft_len"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not self.lr > 0 or self.weight_decay < 0 or self.beta < 0 or self.direct_nll < 0:
-            raise ValueError(f"need lr > 0, weight_decay >= 0, beta >= 0, direct_nll >= 0; "
-                             f"got {self.lr}, {self.weight_decay}, {self.beta}, {self.direct_nll}")
+            raise ValueError(
+                f"need lr > 0, weight_decay >= 0, beta >= 0, direct_nll >= 0; "
+                f"got {self.lr}, {self.weight_decay}, {self.beta}, {self.direct_nll}"
+            )
         if not isinstance(self.decay_steps, int) or self.decay_steps < 0 or not 0 <= self.final_lr_ratio <= 1:
-            raise ValueError(f"need an integer decay_steps >= 0 (0: constant lr) and 0 <= final_lr_ratio <= 1; "
-                             f"got {self.decay_steps!r}, {self.final_lr_ratio!r}")
+            raise ValueError(
+                f"need an integer decay_steps >= 0 (0: constant lr) and 0 <= final_lr_ratio <= 1; "
+                f"got {self.decay_steps!r}, {self.final_lr_ratio!r}"
+            )
         if not isinstance(self.tts_every, int) or self.tts_every < 0 or not self.tts_lr > 0:
-            raise ValueError(f"need an integer tts_every >= 0 (0: off) and tts_lr > 0; got {self.tts_every!r}, {self.tts_lr!r}")
+            raise ValueError(
+                f"need an integer tts_every >= 0 (0: off) and tts_lr > 0; got {self.tts_every!r}, "
+                f"{self.tts_lr!r}"
+            )
         if self.lam != "dynamic" and not (isinstance(self.lam, (int, float)) and self.lam >= 0):
             raise ValueError(f"lam must be a number >= 0 or 'dynamic', got {self.lam!r}")
         if self.ngram_loss not in ("nll", "approx_kl", "none"):
@@ -101,12 +110,20 @@ class OnlineTrainer:
     drafter ids (-1 where none). `model` is a peft model or a plain HF causal LM. `start_step`: the
     optimizer steps the adapter had before this trainer (a reloaded profile's), for the lr schedule."""
 
-    def __init__(self, model: Any, t2d: torch.Tensor, config: TrainConfig = TrainConfig(),
-                 step_lock: threading.RLock | None = None, start_step: int = 0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        t2d: torch.Tensor,
+        config: TrainConfig = TrainConfig(),
+        step_lock: threading.RLock | None = None,
+        start_step: int = 0,
+    ) -> None:
         self.model, self.t2d, self.config = model, t2d, config
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
-            raise ValueError("this model has no parameters that require gradients: add an adapter or unfreeze it")
+            raise ValueError(
+                "this model has no parameters that require gradients: add an adapter or unfreeze it"
+            )
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.buffer = Buffer(config.capacity)
         self.step_lock = step_lock or threading.RLock()
@@ -184,7 +201,9 @@ class OnlineTrainer:
         if cfg.lam == "dynamic":
             weights = torch.cat([e.ng_logp[e.ng_group].exp() for e in batch])
         if cfg.beta > 0:
-            weights = weights * position_weights(torch.cat([e.ng_pos for e in batch]), cfg.beta, cfg.draft_len)
+            weights = weights * position_weights(
+                torch.cat([e.ng_pos for e in batch]), cfg.beta, cfg.draft_len
+            )
         return ngram_nll(logits, tokens, weights)
 
     def _logits(self, batch: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,5 +12,17 @@ from .picking import NO_DRAFT, Adaptable, Draft, confidence, heal_pick, pick, re
 from .session import DraftSession, Stream
 from .torch_drafter import TorchDrafter
 
-__all__ = ["Adaptable", "BACKENDS", "Draft", "DraftSession", "Drafter", "NO_DRAFT", "Stream", "TorchDrafter",
-           "confidence", "heal_pick", "pick", "restrict"]
+__all__ = [
+    "Adaptable",
+    "BACKENDS",
+    "Draft",
+    "DraftSession",
+    "Drafter",
+    "NO_DRAFT",
+    "Stream",
+    "TorchDrafter",
+    "confidence",
+    "heal_pick",
+    "pick",
+    "restrict",
+]

@@ -29,8 +29,11 @@ __all__ = ["BACKENDS", "Drafter"]
 
 BACKENDS = ("torch", "llama.cpp", "onnx", "auto")
 # where each backend is defined: imported on first use (a plugin table, so this module imports none)
-BACKEND_MODULES = {"torch": "omnidraft.draft.torch_drafter", "llama.cpp": "omnidraft.llamacpp.drafting",
-                   "onnx": "omnidraft.export.ort_drafter"}
+BACKEND_MODULES = {
+    "torch": "omnidraft.draft.torch_drafter",
+    "llama.cpp": "omnidraft.llamacpp.drafting",
+    "onnx": "omnidraft.export.ort_drafter",
+}
 _REGISTERED: dict[str, type[Drafter]] = {}  # backend name -> class, filled as each backend's module loads
 
 
@@ -70,7 +73,9 @@ class Drafter:
 
     def begin(self, ids: list[int]) -> DraftSession:
         """A draft session over the drafter's view of the committed text `ids`."""
-        return DraftSession(self.stream(list(ids)), self.stop_ids, self.lock, self.head, backend=f"the {self.backend} drafter")
+        return DraftSession(
+            self.stream(list(ids)), self.stop_ids, self.lock, self.head, backend=f"the {self.backend} drafter"
+        )
 
     @property
     def cost_key(self) -> str:
@@ -85,9 +90,17 @@ class Drafter:
         return pair(self, target, config, **options)
 
     @staticmethod
-    def load(spec: str | os.PathLike[str], *, backend: str | None = None, quantize: str | None = "int8",
-             train_through_int8: bool = True, threads: int | None = None, shortlist: str | None = None,
-             device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> Drafter:
+    def load(
+        spec: str | os.PathLike[str],
+        *,
+        backend: str | None = None,
+        quantize: str | None = "int8",
+        train_through_int8: bool = True,
+        threads: int | None = None,
+        shortlist: str | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> Drafter:
         """Load a drafter by preset name, .gguf path, local dir, HF id, or exported .onnx graph.
 
         `backend`: "torch" (the only one that learns adapters), "llama.cpp" (the GGUF file itself
@@ -113,8 +126,16 @@ class Drafter:
         if backend == "auto":
             from ..backends import fastest_drafter
 
-            return fastest_drafter(os.fspath(spec), lambda name: Drafter.load(
-                spec, backend=name, quantize=quantize, train_through_int8=train_through_int8, threads=threads))
+            return fastest_drafter(
+                os.fspath(spec),
+                lambda name: Drafter.load(
+                    spec,
+                    backend=name,
+                    quantize=quantize,
+                    train_through_int8=train_through_int8,
+                    threads=threads,
+                ),
+            )
         if backend is None:
             backend = "onnx" if os.fspath(spec).endswith(".onnx") else "torch"
             twin = True  # (a PyTorch drafter may draft through its llama.cpp twin)
@@ -123,8 +144,15 @@ class Drafter:
         if backend not in _REGISTERED:
             importlib.import_module(BACKEND_MODULES[backend])
         return _REGISTERED[backend].from_spec(
-            os.fspath(spec), threads=threads, quantize=quantize, train_through_int8=train_through_int8,
-            shortlist=shortlist, device=where, dtype=kind, twin=twin)
+            os.fspath(spec),
+            threads=threads,
+            quantize=quantize,
+            train_through_int8=train_through_int8,
+            shortlist=shortlist,
+            device=where,
+            dtype=kind,
+            twin=twin,
+        )
 
     @classmethod
     def from_spec(cls, spec: str, **options: Any) -> Drafter:

@@ -36,7 +36,9 @@ class Adaptable(Protocol):
 
     def adapter_name(self, target: str, user: str | None) -> str: ...
 
-    def add_adapter(self, name: str, config: Any = None, state: dict[str, torch.Tensor] | None = None) -> None: ...
+    def add_adapter(
+        self, name: str, config: Any = None, state: dict[str, torch.Tensor] | None = None
+    ) -> None: ...
 
     def activate(self, name: str | None) -> None: ...
 
@@ -51,8 +53,9 @@ def confidence(logits: torch.Tensor, token: int, probs: torch.Tensor | None) -> 
     return float(probs[token] if probs is not None else torch.softmax(logits.float(), -1)[token])
 
 
-def pick(logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None,
-          generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+def pick(
+    logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
     """One token from logits (Vd,): argmax at temperature 0, else a sample and its distribution."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
@@ -62,8 +65,14 @@ def pick(logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None,
     return int(torch.multinomial(probs, 1, generator=generator)), probs
 
 
-def heal_pick(logits: torch.Tensor, heal: torch.Tensor, held: int, temperature: float, allowed: torch.Tensor | None,
-              generator: torch.Generator | None) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+def heal_pick(
+    logits: torch.Tensor,
+    heal: torch.Tensor,
+    held: int,
+    temperature: float,
+    allowed: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
     """Token healing's choice at the position of the context's last token `held`, from the logits
     (Vd,) one position back: (those logits restricted to `heal`, token, probs) when a longer token
     replaces `held`, None when the drafter keeps it. Also None when `held` has no logit there (-inf:

@@ -44,8 +44,15 @@ class DraftSession:
     """One generation on a drafter: `propose(k)` drafts up to k tokens after the committed text,
     `commit(keep, tail)` rolls back to what the target accepted and appends what it added."""
 
-    def __init__(self, stream: Stream, stop_ids: frozenset[int], lock: threading.RLock, head: Any = None,
-                 *, backend: str = "this drafter") -> None:
+    def __init__(
+        self,
+        stream: Stream,
+        stop_ids: frozenset[int],
+        lock: threading.RLock,
+        head: Any = None,
+        *,
+        backend: str = "this drafter",
+    ) -> None:
         self.stream, self.stop_ids, self.lock = stream, stop_ids, lock
         self.head = head  # a shortlisted LM head: told the draft position, and what the context holds
         self.backend = backend
@@ -57,9 +64,17 @@ class DraftSession:
     def ids(self) -> list[int]:
         return self.stream.ids
 
-    def propose(self, k: int, *, temperature: float = 0.0, allowed: torch.Tensor | None = None,
-                generator: torch.Generator | None = None, stop_confidence: float = 0.0,
-                stopper: Stopper | None = None, heal: torch.Tensor | None = None) -> Draft:
+    def propose(
+        self,
+        k: int,
+        *,
+        temperature: float = 0.0,
+        allowed: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        stop_confidence: float = 0.0,
+        stopper: Stopper | None = None,
+        heal: torch.Tensor | None = None,
+    ) -> Draft:
         """Draft up to k tokens; `allowed` (Vd,) bool restricts sampling to those tokens. `heal`
         (Vd,) bool: the tokens that may replace the context's last token (token healing): when the
         drafter prefers another of them at that position, the draft starts with it (`Draft.healed`).
@@ -69,12 +84,22 @@ class DraftSession:
         if k < 1:
             raise ValueError(f"draft length k must be >= 1, got {k}")
         if stopper is not None and not self.stream.gives_hidden:
-            raise ValueError(f"{self.backend} gives no hidden states: an acceptance head needs the PyTorch drafter")
+            raise ValueError(
+                f"{self.backend} gives no hidden states: an acceptance head needs the PyTorch drafter"
+            )
         with self.lock:  # an optimizer step in another thread waits for the draft, and vice versa
             return self._propose(k, temperature, allowed, generator, stop_confidence, stopper, heal)
 
-    def _propose(self, k: int, temperature: float, allowed: torch.Tensor | None, generator: torch.Generator | None,
-                 stop_confidence: float, stopper: Stopper | None, heal: torch.Tensor | None) -> Draft:
+    def _propose(
+        self,
+        k: int,
+        temperature: float,
+        allowed: torch.Tensor | None,
+        generator: torch.Generator | None,
+        stop_confidence: float,
+        stopper: Stopper | None,
+        heal: torch.Tensor | None,
+    ) -> Draft:
         stream, hidden = self.stream, stopper is not None
         self._base = len(stream.ids)
         ids, rows, healed = [], [], False
@@ -82,7 +107,9 @@ class DraftSession:
             if self.head is not None:
                 self.head.step = step
             if step == 0 and heal is not None and len(stream.ids) > 1:
-                logits, state, token, probs, healed = self._heal_step(heal, temperature, allowed, generator, hidden)
+                logits, state, token, probs, healed = self._heal_step(
+                    heal, temperature, allowed, generator, hidden
+                )
             else:
                 last, states = stream.logits(1, hidden=hidden)
                 logits, state = last[0], states[0] if states is not None else None
@@ -92,12 +119,22 @@ class DraftSession:
                 rows.append(probs)
             stream.extend([token])
             halt = stopper is not None and stopper.stop_after(step, token, logits, state)
-            if halt or token in self.stop_ids or (stop_confidence > 0 and confidence(logits, token, probs) < stop_confidence):
+            if (
+                halt
+                or token in self.stop_ids
+                or (stop_confidence > 0 and confidence(logits, token, probs) < stop_confidence)
+            ):
                 break
         return Draft(ids, torch.stack(rows) if rows else None, healed)
 
-    def _heal_step(self, heal: torch.Tensor, temperature: float, allowed: torch.Tensor | None,
-                   generator: torch.Generator | None, hidden: bool) -> tuple[torch.Tensor, Any, int, torch.Tensor | None, bool]:
+    def _heal_step(
+        self,
+        heal: torch.Tensor,
+        temperature: float,
+        allowed: torch.Tensor | None,
+        generator: torch.Generator | None,
+        hidden: bool,
+    ) -> tuple[torch.Tensor, Any, int, torch.Tensor | None, bool]:
         """Step 0 under token healing, from the logits at the context's last two positions:
         (logits, hidden state, token, probs, healed) of the first drafted token."""
         both, states = self.stream.logits(2, hidden=hidden)

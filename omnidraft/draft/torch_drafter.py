@@ -64,8 +64,16 @@ class TorchDrafter(Drafter, name="torch"):
     learns = True
     backend = "PyTorch"
 
-    def __init__(self, model: Any, tokenizer: Any, name: str = "drafter", *, spec: str | None = None,
-                 int8: bool = False, train_through_int8: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        name: str = "drafter",
+        *,
+        spec: str | None = None,
+        int8: bool = False,
+        train_through_int8: bool = True,
+    ) -> None:
         """`model` drafts. With `int8`, it is a quantized copy and training reloads fp32 weights
         from `spec`; otherwise `model` itself is trained when adapters are added.
         `train_through_int8` (int8 only): adapters learn through the int8 weights the drafter
@@ -82,9 +90,18 @@ class TorchDrafter(Drafter, name="torch"):
         self.head: ShortlistHead | None = None  # the shortlisted LM head, when one is in use
 
     @classmethod
-    def from_spec(cls, spec: str, *, quantize: str | None = "int8", train_through_int8: bool = True,
-                  shortlist: str | None = None, device: torch.device = torch.device("cpu"),
-                  dtype: torch.dtype = torch.float32, twin: bool = True, **_: Any) -> TorchDrafter:
+    def from_spec(
+        cls,
+        spec: str,
+        *,
+        quantize: str | None = "int8",
+        train_through_int8: bool = True,
+        shortlist: str | None = None,
+        device: torch.device = torch.device("cpu"),
+        dtype: torch.dtype = torch.float32,
+        twin: bool = True,
+        **_: Any,
+    ) -> TorchDrafter:
         """See `Drafter.load`; `twin`: pairings may draft through the GGUF file's llama.cpp twin.
         int8 applies to a CPU fp32 drafter only."""
         if quantize not in (None, "int8"):
@@ -93,9 +110,19 @@ class TorchDrafter(Drafter, name="torch"):
         quantize = quantize if plain else None
         loaded = load_model(spec, dtype=dtype)
         loaded.model.to(device)
-        model = quantize_int8(loaded.model, loaded.tokenizer, inplace=True) if quantize == "int8" else loaded.model
-        drafter = cls(model, loaded.tokenizer, loaded.name, spec=spec, int8=quantize == "int8",
-                      train_through_int8=train_through_int8)
+        model = (
+            quantize_int8(loaded.model, loaded.tokenizer, inplace=True)
+            if quantize == "int8"
+            else loaded.model
+        )
+        drafter = cls(
+            model,
+            loaded.tokenizer,
+            loaded.name,
+            spec=spec,
+            int8=quantize == "int8",
+            train_through_int8=train_through_int8,
+        )
         if twin and plain and (spec in PRESETS or str(spec).endswith(".gguf")):
             drafter.twin_spec = spec
         if shortlist not in (None, "full"):
@@ -115,7 +142,9 @@ class TorchDrafter(Drafter, name="torch"):
             from ..llamacpp.drafting import LlamaCppDrafter
 
             try:
-                self._twin = LlamaCppDrafter(self.twin_spec, tokenizer=self.tokenizer) if self.twin_spec else None
+                self._twin = (
+                    LlamaCppDrafter(self.twin_spec, tokenizer=self.tokenizer) if self.twin_spec else None
+                )
                 if self._twin is not None:
                     self._twin.pytorch = self  # the drafter it stands in for (HF peers need its model)
             except Exception as exc:  # noqa: BLE001 - a file llama.cpp cannot run leaves this drafter
@@ -160,10 +189,18 @@ class TorchDrafter(Drafter, name="torch"):
         readable = re.sub(r"[^A-Za-z0-9]", "_", f"{target}__{'anonymous' if user is None else user}")[:48]
         return f"{readable}_{hashlib.sha256(exact).hexdigest()[:16]}"
 
-    def add_adapter(self, name: str, config: AdapterConfig | None = None,
-                    state: dict[str, torch.Tensor] | None = None) -> None:
+    def add_adapter(
+        self, name: str, config: AdapterConfig | None = None, state: dict[str, torch.Tensor] | None = None
+    ) -> None:
         """Create adapter `name` (fresh, or loaded from `state`) if it does not exist yet."""
-        from ..distill.adapters import AdapterConfig, add_adapter, covers, int8_learner, int8_twin, load_adapter_state
+        from ..distill.adapters import (
+            AdapterConfig,
+            add_adapter,
+            covers,
+            int8_learner,
+            int8_twin,
+            load_adapter_state,
+        )
 
         with self.lock:
             if self.trainable is not None and name in self.trainable.peft_config:
@@ -206,7 +243,11 @@ class TorchDrafter(Drafter, name="torch"):
                 if name is None:
                     model.base_model.disable_adapter_layers()
                     continue
-                if self.active is None:  # (from one adapter to another the layers are on already: a walk saved)
+                if (
+                    self.active is None
+                ):  # (from one adapter to another the layers are on already: a walk saved)
                     model.base_model.enable_adapter_layers()
-                set_active(model, name, grads=model is self.trainable)  # (the others share its LoRA parameters)
+                set_active(
+                    model, name, grads=model is self.trainable
+                )  # (the others share its LoRA parameters)
             self.active = name

@@ -53,14 +53,18 @@ class OrtGraph:
         inputs = self.session.get_inputs()
         self.past_names = [i.name for i in inputs if i.name.startswith("past_")]
         if not self.past_names or inputs[0].name != "input_ids":
-            raise CorruptFileError(f"{path}: not an omnidraft drafter graph (inputs {[i.name for i in inputs]})")
+            raise CorruptFileError(
+                f"{path}: not an omnidraft drafter graph (inputs {[i.name for i in inputs]})"
+            )
         self.gathers = any(i.name == "support" for i in inputs)  # the head's rows named per call
         shape = next(i for i in inputs if i.name.startswith("past_")).shape
         self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def start(self) -> _State:
-        return _State([np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32) for _ in self.past_names])
+        return _State(
+            [np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32) for _ in self.past_names]
+        )
 
     def feed(self, state: _State, ids: list[int], support: np.ndarray | None = None) -> np.ndarray:
         """Feed `ids` after the state's cache; returns the last position's logits (V',), or its
@@ -109,7 +113,11 @@ class OrtStream:
         self.graph.crop(self.state, min(self.state.length, n - rows))  # re-feed positions read again
         out, states = [], []
         for end in range(n - rows + 1, n + 1):
-            out.append(self.owner.full_logits(self.owner.run(self.state, self.ids[self.state.length : end]), self.owner.support))
+            out.append(
+                self.owner.full_logits(
+                    self.owner.run(self.state, self.ids[self.state.length : end]), self.owner.support
+                )
+            )
             states.append(torch.from_numpy(self.state.hidden))
         return torch.stack(out), torch.stack(states) if hidden else None
 
@@ -128,7 +136,9 @@ class OrtDrafter(Drafter, name="onnx"):
         self.hidden_size = int(sidecar["hidden_size"])
         self.lm_head: torch.nn.Module | None = None  # the LM head, when the graph ends at the hidden state
         self.head: Any = None  # its shortlisted form (shortlist/head.py ShortlistHead), when one is in use
-        self.gathers = graph.gathers  # the graph evaluates the head rows of `support` (a shortlist's, else all)
+        self.gathers = (
+            graph.gathers
+        )  # the graph evaluates the head rows of `support` (a shortlist's, else all)
         self._every = torch.arange(self.vocab_size)  # a gathering graph's support without a shortlist
         self.support = self._every  # the rows of the last gathering call
         self._blocks: tuple[Any, ...] = ()  # the blocks `support` was joined from, held so no id is reused
@@ -150,18 +160,28 @@ class OrtDrafter(Drafter, name="onnx"):
         try:
             sidecar = json.loads(meta.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise CorruptFileError(f"{meta}: missing or unreadable sidecar ({exc}); export the drafter again") from None
+            raise CorruptFileError(
+                f"{meta}: missing or unreadable sidecar ({exc}); export the drafter again"
+            ) from None
         if sidecar.get("format") != SIDECAR_FORMAT or sidecar.get("version") != 1:
-            raise CorruptFileError(f"{meta}: not an omnidraft ONNX drafter sidecar (format {sidecar.get('format')!r})")
+            raise CorruptFileError(
+                f"{meta}: not an omnidraft ONNX drafter sidecar (format {sidecar.get('format')!r})"
+            )
         if file_sha256(path) != sidecar.get("onnx_sha256"):
-            raise CorruptFileError(f"{path}: the file's SHA-256 differs from its sidecar's: truncated or modified; export again")
+            raise CorruptFileError(
+                f"{path}: the file's SHA-256 differs from its sidecar's: truncated or modified; export again"
+            )
         tokenizer = AutoTokenizer.from_pretrained(str(path.with_suffix(".tokenizer")))
-        drafter = cls(OrtGraph(path, threads), tokenizer, sidecar, Path(sidecar.get("drafter") or path.stem).name)
+        drafter = cls(
+            OrtGraph(path, threads), tokenizer, sidecar, Path(sidecar.get("drafter") or path.stem).name
+        )
         if sidecar.get("head") == "outside":
             drafter.lm_head = _load_head(path.with_suffix(".head.pt"), sidecar)
         if drafter.token_bytes.fingerprint != sidecar.get("tokenizer_fingerprint"):
-            raise IncompatibleError(f"{path}: the tokenizer beside the graph is not the one it was exported with "
-                                    f"(fingerprint {drafter.token_bytes.fingerprint} vs {sidecar.get('tokenizer_fingerprint')})")
+            raise IncompatibleError(
+                f"{path}: the tokenizer beside the graph is not the one it was exported with "
+                f"(fingerprint {drafter.token_bytes.fingerprint} vs {sidecar.get('tokenizer_fingerprint')})"
+            )
         return drafter
 
     def run(self, state: _State, ids: list[int]) -> np.ndarray:
@@ -203,17 +223,27 @@ class OrtDrafter(Drafter, name="onnx"):
         from ..shortlist.head import ShortlistHead
 
         if self.lm_head is None and not self.gathers:
-            raise ValueError(f"{self.name}: a shortlist needs a graph exported with its LM head outside or gathered "
-                             "(--head outside | gather)")
+            raise ValueError(
+                f"{self.name}: a shortlist needs a graph exported with its LM head outside or gathered "
+                "(--head outside | gather)"
+            )
         if self.gathers and kind == "dyna":
-            raise ValueError(f"{self.name}: a DynaSpec router reads the hidden state of the position it drafts, so its "
-                             "support is known only after the graph ran: export with --head outside for it")
+            raise ValueError(
+                f"{self.name}: a DynaSpec router reads the hidden state of the position it drafts, so its "
+                "support is known only after the graph ran: export with --head outside for it"
+            )
         with self.lock:
-            self.head = None if kind in (None, "full") else ShortlistHead(
-                self.lm_head, self.vocab_size, shortlist(self, kind, head=self.lm_head, **options))
+            self.head = (
+                None
+                if kind in (None, "full")
+                else ShortlistHead(
+                    self.lm_head, self.vocab_size, shortlist(self, kind, head=self.lm_head, **options)
+                )
+            )
 
     def __repr__(self) -> str:
-        return f"OrtDrafter({self.name!r}, vocab {self.vocab_size}, {self.sidecar.get('quantization') or 'fp32'})"
+        quantization = self.sidecar.get("quantization") or "fp32"
+        return f"OrtDrafter({self.name!r}, vocab {self.vocab_size}, {quantization})"
 
 
 def _load_head(path: Path, sidecar: dict[str, Any]) -> torch.nn.Module:
@@ -222,11 +252,15 @@ def _load_head(path: Path, sidecar: dict[str, Any]) -> torch.nn.Module:
     import io
 
     if not path.is_file() or file_sha256(path) != sidecar.get("head_sha256"):
-        raise CorruptFileError(f"{path}: the LM head beside the graph is missing or differs from its sidecar's; export again")
+        raise CorruptFileError(
+            f"{path}: the LM head beside the graph is missing or differs from its sidecar's; export again"
+        )
     weight = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)["weight"]
     if tuple(weight.shape) != (int(sidecar["vocab_size"]), int(sidecar["hidden_size"])):
-        raise CorruptFileError(f"{path}: an LM head of shape {tuple(weight.shape)} does not fit the sidecar's vocabulary "
-                               f"and hidden size")
+        raise CorruptFileError(
+            f"{path}: an LM head of shape {tuple(weight.shape)} does not fit the sidecar's vocabulary "
+            f"and hidden size"
+        )
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     head.weight = torch.nn.Parameter(weight, requires_grad=False)
     if sidecar.get("quantization") == "int8":

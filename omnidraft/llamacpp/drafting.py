@@ -16,7 +16,8 @@ import torch
 
 from ..draft.base import Drafter
 from ..models import load_tokenizer
-from .engine import LlamaEngine, gguf_file
+from .engine import LlamaEngine
+from .loading import gguf_file
 from .requant import drafting_weights
 
 __all__ = ["LlamaCppDrafter", "LlamaStream"]
@@ -49,15 +50,24 @@ class LlamaCppDrafter(Drafter, name="llama.cpp"):
 
     backend = "llama.cpp"
 
-    def __init__(self, model: str | os.PathLike[str], *, tokenizer: Any = None, n_ctx: int = 4096,
-                 threads: int | None = None, weights: str = "auto") -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        tokenizer: Any = None,
+        n_ctx: int = 4096,
+        threads: int | None = None,
+        weights: str = "auto",
+    ) -> None:
         path, self.name = gguf_file(model)
         # a drafter's steps need not be bit-exact with one token a call: no exactness probe
         self.engine = LlamaEngine(path, n_ctx=n_ctx, threads=threads, exact_rows=1)
         run = drafting_weights(path, self.engine, weights, threads=threads)
         if run != path:
             self.engine = LlamaEngine(run, n_ctx=n_ctx, threads=threads, exact_rows=1)
-        self._init_vocabulary(tokenizer if tokenizer is not None else load_tokenizer(os.fspath(model)), self.engine.n_vocab)
+        self._init_vocabulary(
+            tokenizer if tokenizer is not None else load_tokenizer(os.fspath(model)), self.engine.n_vocab
+        )
 
     @classmethod
     def from_spec(cls, spec: str, *, threads: int | None = None, **_: Any) -> LlamaCppDrafter:

@@ -22,87 +22,24 @@ allows longer exact calls at short contexts but slows every call), here and in e
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from ..errors import MissingDependencyError
 from ..measured import remembered
+from .loading import open_llama, require_llama_cpp
 
-__all__ = ["LlamaEngine", "gguf_file", "open_llama", "require_llama_cpp"]
+__all__ = ["LlamaEngine"]
 
 PROBE_ROWS = 16  # the most rows the batch-exactness probe tries
 COST_CONTEXT = 200  # tokens of context before the tokens whose costs `row_costs` measures
 # where it tries them: 248 / 256 straddle a stock build's limit (docs/llamacpp.md, tools/llama_wheel.py)
 PROBE_CONTEXTS = (24, 128, 248, 256, 512, 1024, 2048)
-
-INSTALL_HINT = ("llama-cpp-python is not installed; `make install` builds it once per machine "
-                "(pip install llama-cpp-python==0.3.36 compiles llama.cpp for several minutes)")
-
-
-def require_llama_cpp() -> Any:
-    """The `llama_cpp` module, or a MissingDependencyError that says how to install it."""
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise MissingDependencyError(INSTALL_HINT) from exc
-    return llama_cpp
-
-
-def gguf_file(spec: str | os.PathLike[str]) -> tuple[Path, str]:
-    """(path, name) of a preset name or a .gguf path."""
-    from ..presets import PRESETS, gguf_path
-
-    spec = os.fspath(spec)
-    if spec in PRESETS:
-        return gguf_path(spec), spec
-    path = Path(spec).expanduser()
-    if path.suffix != ".gguf":
-        raise ValueError(f"llama.cpp runs a preset ({', '.join(sorted(PRESETS))}) or a .gguf file, got {spec!r}")
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
-    return path, path.stem
-
-
-@contextlib.contextmanager
-def _no_repack(lc: Any) -> Iterator[None]:
-    """llama-cpp-python's `Llama` takes no model-parameter for weight repacking: default it off
-    while one is built (loading is rare and serialised by the import lock of whoever calls)."""
-    module = lc.llama_cpp
-    default = module.llama_model_default_params
-
-    def params() -> Any:
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    module.llama_model_default_params = params
-    try:
-        yield
-    finally:
-        module.llama_model_default_params = default
-
-
-_LOAD_LOCK = threading.Lock()
-
-
-def open_llama(path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None, n_batch: int = 512,
-               flash_attn: bool = True, repack: bool = True, **extra: Any) -> Any:
-    """A `llama_cpp.Llama` with the settings every engine here uses, so that a baseline (the
-    engine's own `generate`, its own speculative decoding) runs exactly as our sessions do: flash
-    attention (faster on CPU here), weights repacked unless `repack=False`. swa_full: a
-    sliding-window model (Gemma 3) keeps every position, so any suffix can be removed."""
-    lc = require_llama_cpp()
-    threads = threads or os.cpu_count() or 1
-    with _LOAD_LOCK, (contextlib.nullcontext() if repack else _no_repack(lc)):
-        return lc.Llama(model_path=os.fspath(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
-                        n_threads_batch=threads, swa_full=True, flash_attn=flash_attn, verbose=False, **extra)
 
 
 class _Slot:
@@ -124,16 +61,33 @@ class LlamaEngine:
     owners, the least recently used slot is taken over and its owner evaluates afresh next time.
     `repack`: llama.cpp's weight repacking (its default, and its fastest decoding here)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, threads: int | None = None,
-                 n_batch: int = 512, flash_attn: bool = True, exact_rows: int | None = None, slots: int = 1,
-                 repack: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_ctx: int = 4096,
+        threads: int | None = None,
+        n_batch: int = 512,
+        flash_attn: bool = True,
+        exact_rows: int | None = None,
+        slots: int = 1,
+        repack: bool = True,
+    ) -> None:
         if n_ctx < 16 or n_batch < 16 or slots < 1:
-            raise ValueError(f"n_ctx and n_batch must be >= 16 and slots >= 1, got {n_ctx}, {n_batch}, {slots}")
+            raise ValueError(
+                f"n_ctx and n_batch must be >= 16 and slots >= 1, got {n_ctx}, {n_batch}, {slots}"
+            )
         lc = self._lc = require_llama_cpp()
         self.path = Path(path)
         self.threads, self.flash_attn, self.repack = threads or os.cpu_count() or 1, flash_attn, repack
-        self.llm = open_llama(self.path, n_ctx=n_ctx if slots == 1 else 64, threads=self.threads, n_batch=n_batch,
-                              flash_attn=flash_attn, repack=repack)
+        self.llm = open_llama(
+            self.path,
+            n_ctx=n_ctx if slots == 1 else 64,
+            threads=self.threads,
+            n_batch=n_batch,
+            flash_attn=flash_attn,
+            repack=repack,
+        )
         self._context = self.llm._ctx
         if slots > 1:  # llama-cpp-python's Llama keeps one sequence: a context of our own holds `slots`
             from llama_cpp import _internals
@@ -156,7 +110,9 @@ class LlamaEngine:
         self.lock = threading.RLock()
         self.decoded = 0  # tokens evaluated so far (a counter for benchmarks)
         # [(context, rows)]: at a cache of up to `context` tokens, calls of up to `rows` tokens are bit-exact
-        self.exact_limits: list[tuple[int, int]] = [(self.n_ctx, exact_rows)] if exact_rows else self._exact_limits()
+        self.exact_limits: list[tuple[int, int]] = (
+            [(self.n_ctx, exact_rows)] if exact_rows else self._exact_limits()
+        )
         self.exact_rows = self.exact_limits[0][1]  # at the shortest context probed (the most)
         self._row_costs: dict[int, dict[int, float]] = {}
 
@@ -169,7 +125,9 @@ class LlamaEngine:
         """llama.cpp's own tokenization of `text` (no BOS, special tokens parsed)."""
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
 
-    def logits(self, ids: Sequence[int], rows: int, *, prompt: int | None = None, owner: object = None) -> np.ndarray:
+    def logits(
+        self, ids: Sequence[int], rows: int, *, prompt: int | None = None, owner: object = None
+    ) -> np.ndarray:
         """(rows, V) float32: the logits after each of the last `rows` tokens of `ids`.
 
         `prompt`: how many leading tokens are a prompt, evaluated as llama.cpp's `generate` does
@@ -182,7 +140,9 @@ class LlamaEngine:
         if not 1 <= rows <= n:
             raise ValueError(f"rows must be in [1, len(ids)], got {rows} for {n} ids")
         if n > self.n_ctx:
-            raise ValueError(f"the sequence has {n} tokens; this llama.cpp context holds {self.n_ctx} (n_ctx)")
+            raise ValueError(
+                f"the sequence has {n} tokens; this llama.cpp context holds {self.n_ctx} (n_ctx)"
+            )
         first = n - rows  # the first position whose logits are asked for
         prompt = first + 1 if prompt is None else prompt
         with self.lock:
@@ -191,7 +151,11 @@ class LlamaEngine:
             out = np.empty((rows, self.n_vocab), dtype=np.float32)
             while len(self.cached) < n:
                 start = len(self.cached)
-                end = min(start + self.n_batch, prompt) if start < prompt else min(start + self.rows_at(start), n)
+                end = (
+                    min(start + self.n_batch, prompt)
+                    if start < prompt
+                    else min(start + self.rows_at(start), n)
+                )
                 keep = max(0, end - max(start, first))  # the batch's last `keep` tokens have asked-for rows
                 self._decode(ids[start:end], keep)
                 for i in range(keep):
@@ -207,7 +171,9 @@ class LlamaEngine:
         """Work on `owner`'s slot; a new owner takes a free or the least recently used one, cleared.
         Callers without an owner (drafters) share the first slot and reuse whatever prefix it holds."""
         self._clock += 1
-        slot = next((s for s in self._slots if s.owner is owner), None) if owner is not None else self._slots[0]
+        slot = (
+            next((s for s in self._slots if s.owner is owner), None) if owner is not None else self._slots[0]
+        )
         if slot is None:
             slot = min(self._slots, key=lambda s: (s.owner is not None, s.used))
             self._slot = slot
@@ -230,8 +196,10 @@ class LlamaEngine:
 
     def _key(self) -> str:
         """What this engine's numbers and costs are a function of besides the machine."""
-        return (f"{self.path.name}|{self.path.stat().st_size}|{self._lc.__version__}|{self.threads}|"
-                f"{self.flash_attn}|repack {self.repack}")
+        return (
+            f"{self.path.name}|{self.path.stat().st_size}|{self._lc.__version__}|{self.threads}|"
+            f"{self.flash_attn}|repack {self.repack}"
+        )
 
     def rows_at(self, context: int) -> int:
         """The most tokens one call may evaluate bit-exactly after a cache of `context` tokens."""
@@ -244,13 +212,18 @@ class LlamaEngine:
         """How many tokens one call may evaluate and give, bit for bit, the logits one token a call
         gives, by context length (attention kernels change with the cache's length too): measured
         once per machine, llama.cpp build, model file and settings, then remembered."""
-        found = remembered("llama-exact-rows", f"{self._key()}|n_ctx {self.n_ctx}|by context", self._probe_limits)
+        found = remembered(
+            "llama-exact-rows", f"{self._key()}|n_ctx {self.n_ctx}|by context", self._probe_limits
+        )
         return [(int(c), int(r)) for c, r in found]
 
     def _probe_limits(self) -> list[list[int]]:
         """[[context, rows]] ascending: `rows` is exact at every probed context up to the next
         entry's (conservative between probes: the lower of the two ends); past the last, 1."""
-        text = "def area(radius):\n    return 3.14159 * radius ** 2\n\n# The area of a circle with radius r\n" * 200
+        text = (
+            "def area(radius):\n    return 3.14159 * radius ** 2\n\n# The area of a circle with radius r\n"
+            * 200
+        )
         ids = self.tokenize(text)
         grid = [c for c in PROBE_CONTEXTS if c + PROBE_ROWS < min(self.n_ctx, len(ids))]
         rows: list[int] = []
@@ -260,7 +233,9 @@ class LlamaEngine:
             if rows[-1] == 1:
                 break
         self.reset()
-        limits = [[grid[i + 1] if i + 1 < len(rows) else grid[i], min(rows[i : i + 2])] for i in range(len(rows))]
+        limits = [
+            [grid[i + 1] if i + 1 < len(rows) else grid[i], min(rows[i : i + 2])] for i in range(len(rows))
+        ]
         return [limit for limit in limits if limit[1] > 1] or [[grid[0] if grid else 1, 1]]
 
     def row_costs(self, most: int = 8) -> dict[int, float]:
@@ -273,7 +248,7 @@ class LlamaEngine:
         return dict(self._row_costs[most])
 
     def _time_rows(self, most: int, reps: int = 5) -> dict[str, float]:
-        text = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n" * 12
+        text = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n' * 12
         ids = self.tokenize(text)[: min(COST_CONTEXT, self.n_ctx - most - 1)]
         times: dict[int, list[float]] = {n: [] for n in range(1, most + 1)}
         with self.lock:
@@ -342,10 +317,15 @@ class LlamaEngine:
             b.logits[i] = i >= n - with_logits
         status = self._lc.llama_decode(self._ctx, b)
         if status != 0:
-            self._lc.llama_memory_seq_rm(self._memory, self._slot.seq, start, -1)  # nothing half-fed stays behind
+            self._lc.llama_memory_seq_rm(
+                self._memory, self._slot.seq, start, -1
+            )  # nothing half-fed stays behind
             raise RuntimeError(f"llama_decode failed with status {status} at position {start} ({n} tokens)")
         self.cached.extend(int(t) for t in tokens)
         self.decoded += n
 
     def __repr__(self) -> str:
-        return f"LlamaEngine({self.path.name}, n_ctx {self.n_ctx}, {self.threads} threads, exact rows {self.exact_rows})"
+        return (
+            f"LlamaEngine({self.path.name}, n_ctx {self.n_ctx}, {self.threads} threads, "
+            f"exact rows {self.exact_rows})"
+        )

@@ -10,7 +10,8 @@ next call (the ids after the last call's context: the accepted prefix of its pro
 target's token), settles it with the pairing's own round functions (round_loop.py: drafter rolled
 back and re-synced, n-gram cache, retrieval index and statistics, costs, next draft length), and
 proposes again: model drafts translated into the target's ids, retrieved continuations, or both
-(`drafts=`). A call whose ids do not extend the last call's starts a new request. Where the measured costs say drafting cannot pay,
+(`drafts=`). A call whose ids do not extend the last call's starts a new request. Where the measured costs
+say drafting cannot pay,
 it returns no draft and llama.cpp decodes alone. One generation at a time per hook.
 """
 
@@ -42,7 +43,7 @@ class OmnidraftDraftModel(LlamaDraftModel):
     llama.cpp runs (its tokenizer and byte view: a `LlamaCppTarget` on the same GGUF file, whose
     `rows_at` also caps a draft so that llama.cpp's one-call verification stays bit-exact);
     `options` go to `DecodeConfig` (drafts="hybrid" | "model" | "retrieval", k, ...). Build the
-    `Llama` with `engine.open_llama(path, draft_model=hook)` so it runs as the target does."""
+    `Llama` with `loading.open_llama(path, draft_model=hook)` so it runs as the target does."""
 
     def __init__(self, drafter: Any, target: Any, *, max_draft: int = 16, **options: Any) -> None:
         from ..pairing import pair
@@ -62,7 +63,12 @@ class OmnidraftDraftModel(LlamaDraftModel):
         now = time.perf_counter()
         ids = [int(t) for t in input_ids]
         p = self.pairing
-        if self.request is None or self._ids is None or len(ids) <= len(self._ids) or ids[: len(self._ids)] != self._ids:
+        if (
+            self.request is None
+            or self._ids is None
+            or len(ids) <= len(self._ids)
+            or ids[: len(self._ids)] != self._ids
+        ):
             self._open(ids)
         else:
             self._settle(ids[len(self._ids) :], now)
@@ -73,8 +79,14 @@ class OmnidraftDraftModel(LlamaDraftModel):
         started = time.perf_counter()
         round_loop.begin_round(p, req, started)
         model, free = p.plan.at(p.target, len(ids))  # what can pay at this context
-        room = self.max_draft if self.engine is None else min(self.max_draft, self.engine.rows_at(len(ids) - 1) - 1)
-        self._round = round_loop.propose(p, req, req.k if room > 0 and model else 0, max(0, room), free, started)
+        room = (
+            self.max_draft
+            if self.engine is None
+            else min(self.max_draft, self.engine.rows_at(len(ids) - 1) - 1)
+        )
+        self._round = round_loop.propose(
+            p, req, req.k if room > 0 and model else 0, max(0, room), free, started
+        )
         self.calls += 1
         self.proposed += len(self._round.proposal)
         self._returned = time.perf_counter()
@@ -88,7 +100,8 @@ class OmnidraftDraftModel(LlamaDraftModel):
         self._round = None
 
     def _settle(self, new: list[int], now: float) -> None:
-        """The last round's verdict, inferred: the accepted prefix of its proposal, then the target's token."""
+        """The last round's verdict, inferred: the accepted prefix of its proposal, then the target's
+        token."""
         rnd, req = self._round, self.request
         if rnd is None or req is None:
             return

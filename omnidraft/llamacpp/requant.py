@@ -27,15 +27,18 @@ __all__ = ["WEIGHTS", "drafting_weights", "requantized"]
 WEIGHTS = ("auto", "shipped", "q8_0")
 WIDE = frozenset({0, 1, 7, 32})  # llama_ftype: all F32, mostly F16, Q8_0, BF16: nothing to gain
 REFERENCE = (512, 128)  # the request a choice is timed for: prompt tokens read, tokens drafted
-TEXT = ("Summarize the article above in three sentences. def total(items):\n    return sum(i.price for i in items)\n"
-        "The committee met on Tuesday and agreed to publish its findings before the end of the month. ")
+TEXT = (
+    "Summarize the article above in three sentences. def total(items):\n    return sum(i.price for i in "
+    "items)\n"
+    "The committee met on Tuesday and agreed to publish its findings before the end of the month. "
+)
 
 
 def requantized(path: str | os.PathLike[str], threads: int | None = None) -> Path:
     """`path` with its sub-8-bit tensors rewritten as Q8_0: made once under the cache directory
     (atomically: a crash leaves no partial file behind) and reused."""
     from ..presets import cache_dir
-    from .engine import require_llama_cpp
+    from .loading import require_llama_cpp
 
     path = Path(path)
     out = cache_dir() / "gguf" / f"{path.stem}.{path.stat().st_size}.q8_0.gguf"
@@ -45,7 +48,11 @@ def requantized(path: str | os.PathLike[str], threads: int | None = None) -> Pat
     from llama_cpp._utils import suppress_stdout_stderr
 
     params = lc.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = lc.LLAMA_FTYPE_MOSTLY_Q8_0, True, threads or os.cpu_count() or 1
+    params.ftype, params.allow_requantize, params.nthread = (
+        lc.LLAMA_FTYPE_MOSTLY_Q8_0,
+        True,
+        threads or os.cpu_count() or 1,
+    )
     with atomic_path(out) as tmp:
         with suppress_stdout_stderr(disable=False):
             failed = lc.llama_model_quantize(os.fsencode(path), os.fsencode(tmp), ctypes.byref(params))
@@ -72,7 +79,10 @@ def request_ms(engine: Any, ids: list[int], *, drafted: int = 16) -> dict[str, f
     for _ in range(drafted):
         tokens.append(int(engine.logits(tokens, 1)[0].argmax()))
     engine.reset()
-    return {"read_ms": round(min(read), 4), "draft_ms": round((time.perf_counter() - started) * 1e3 / drafted, 3)}
+    return {
+        "read_ms": round(min(read), 4),
+        "draft_ms": round((time.perf_counter() - started) * 1e3 / drafted, 3),
+    }
 
 
 def reference_ms(timed: dict[str, float]) -> float:

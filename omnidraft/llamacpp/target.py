@@ -20,7 +20,8 @@ from ..target import Rule, judge
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
-from .engine import COST_CONTEXT, LlamaEngine, gguf_file
+from .engine import COST_CONTEXT, LlamaEngine
+from .loading import gguf_file
 
 __all__ = ["LlamaCppTarget"]
 
@@ -37,9 +38,16 @@ class _LlamaSession:
     def _logits(self, ids: list[int], rows: int) -> torch.Tensor:
         return torch.from_numpy(self.owner.engine.logits(ids, rows, prompt=self.prompt, owner=self))
 
-    def verify(self, proposal: torch.Tensor, rule: Rule, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, *, topk: int = 0,
-               relax: tuple[torch.Tensor, int] | None = None) -> Verdict:
+    def verify(
+        self,
+        proposal: torch.Tensor,
+        rule: Rule,
+        q: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        topk: int = 0,
+        relax: tuple[torch.Tensor, int] | None = None,
+    ) -> Verdict:
         draft = [int(t) for t in proposal.tolist()]
         base = len(self.ids)
         logits = self._logits(self.ids + draft, len(draft) + 1)
@@ -84,8 +92,16 @@ class LlamaCppTarget:
     generates_alone = True
     in_process = True
 
-    def __init__(self, model: str | os.PathLike[str] | LlamaEngine, *, tokenizer: Any = None, n_ctx: int = 4096,
-                 threads: int | None = None, slots: int = 1, name: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | LlamaEngine,
+        *,
+        tokenizer: Any = None,
+        n_ctx: int = 4096,
+        threads: int | None = None,
+        slots: int = 1,
+        name: str | None = None,
+    ) -> None:
         if isinstance(model, LlamaEngine):
             self.engine, spec = model, str(model.path)
             default_name = model.path.stem
@@ -101,8 +117,10 @@ class LlamaCppTarget:
         ours = self.tokenizer(PROBE, add_special_tokens=False)["input_ids"]
         theirs = self.engine.tokenize(PROBE)
         if ours != theirs:
-            raise IncompatibleError(f"{self.name}: the tokenizer given tokenizes unlike llama.cpp's own vocabulary "
-                                    f"(probe string: {len(ours)} vs {len(theirs)} tokens); pass the model's tokenizer")
+            raise IncompatibleError(
+                f"{self.name}: the tokenizer given tokenizes unlike llama.cpp's own vocabulary "
+                f"(probe string: {len(ours)} vs {len(theirs)} tokens); pass the model's tokenizer"
+            )
         self.context_length = self.engine.n_ctx
         eos = self.tokenizer.eos_token_id
         self.eos_ids = self.engine.eog_ids() | ({eos} if isinstance(eos, int) else set())

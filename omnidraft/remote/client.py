@@ -27,8 +27,17 @@ from ..optional import require
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
-from .protocol import (GenerateChunk, GenerateRequest, InfoReply, OpenReply, OpenRequest, PromptGenerateRequest,
-                       SparseRow, VerifyReply, VerifyRequest)
+from .protocol import (
+    GenerateChunk,
+    GenerateRequest,
+    InfoReply,
+    OpenReply,
+    OpenRequest,
+    PromptGenerateRequest,
+    SparseRow,
+    VerifyReply,
+    VerifyRequest,
+)
 
 __all__ = ["RemoteTarget", "call_json"]
 
@@ -42,8 +51,16 @@ class RemoteTarget:
 
     generates_alone = True
 
-    def __init__(self, url: str, *, api_key: str | None = None, tokenizer: Any = None, timeout: float = 30.0,
-                 retries: int = 2, client: Any = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        tokenizer: Any = None,
+        timeout: float = 30.0,
+        retries: int = 2,
+        client: Any = None,
+    ) -> None:
         httpx = require("httpx", "RemoteTarget")
         if retries < 0 or timeout <= 0:
             raise ValueError(f"need retries >= 0 and timeout > 0, got {retries} and {timeout}")
@@ -56,8 +73,10 @@ class RemoteTarget:
         self.tokenizer = tokenizer if tokenizer is not None else self._fetch_tokenizer()
         self.token_bytes = build_token_bytes(self.tokenizer, info.vocab_size)
         if self.token_bytes.fingerprint != info.fingerprint:
-            raise IncompatibleError(f"the tokenizer used here ({self.token_bytes.fingerprint}) is not the server's "
-                                    f"({info.fingerprint}) for target {info.name!r}")
+            raise IncompatibleError(
+                f"the tokenizer used here ({self.token_bytes.fingerprint}) is not the server's "
+                f"({info.fingerprint}) for target {info.name!r}"
+            )
         self.codec = ByteCodec(self.tokenizer, self.token_bytes)
 
     def begin(self, prompt_ids: list[int]) -> _RemoteSession:
@@ -94,8 +113,12 @@ def call_json(http: Any, url: str, method: str, path: str, content: str | None, 
         if attempt:
             time.sleep(min(2.0, 0.1 * 2**attempt))
         try:
-            response = http.request(method, path, content=content,
-                                    headers={"content-type": "application/json"} if content else None)
+            response = http.request(
+                method,
+                path,
+                content=content,
+                headers={"content-type": "application/json"} if content else None,
+            )
         except httpx.TransportError as exc:
             last = f"{type(exc).__name__}: {exc}"
             continue
@@ -103,7 +126,9 @@ def call_json(http: Any, url: str, method: str, path: str, content: str | None, 
             last = f"HTTP {response.status_code}: {_reason(response)}"
             continue
         if response.status_code >= 400:
-            raise RemoteRequestError(f"{url}{path} refused the request: HTTP {response.status_code}: {_reason(response)}")
+            raise RemoteRequestError(
+                f"{url}{path} refused the request: HTTP {response.status_code}: {_reason(response)}"
+            )
         return response.json()
     raise TargetUnavailableError(f"{url}{path} unreachable after {retries + 1} attempts ({last})")
 
@@ -128,22 +153,47 @@ class _RemoteSession:
             self.sid = OpenReply.model_validate(self.owner._call("POST", "/v1/sessions", request)).session
         return self.sid
 
-    def verify(self, proposal: torch.Tensor, rule: Any, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, *, topk: int = 0) -> Verdict:
+    def verify(
+        self,
+        proposal: torch.Tensor,
+        rule: Any,
+        q: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        topk: int = 0,
+    ) -> Verdict:
         ids = [int(t) for t in proposal.tolist()]
         seed = None if rule.mode == "greedy" else int(torch.randint(0, 2**62, (1,), generator=generator))
         rows = None
         if q is not None and rule.mode in ("exact", "omnidraft"):
-            rows = [SparseRow(ids=nz.tolist(), probs=row[nz].tolist()) for row in q for nz in [row.nonzero().flatten()]]
-        request = VerifyRequest(committed=len(self.ids), proposal=ids, mode=rule.mode, temperature=rule.temperature,
-                                q=rows, seed=seed, topk=topk, top_k=rule.top_k, top_p=rule.top_p, min_p=rule.min_p)
-        reply = VerifyReply.model_validate(self.owner._call("POST", f"/v1/sessions/{self._open()}/verify", request))
+            rows = [
+                SparseRow(ids=nz.tolist(), probs=row[nz].tolist())
+                for row in q
+                for nz in [row.nonzero().flatten()]
+            ]
+        request = VerifyRequest(
+            committed=len(self.ids),
+            proposal=ids,
+            mode=rule.mode,
+            temperature=rule.temperature,
+            q=rows,
+            seed=seed,
+            topk=topk,
+            top_k=rule.top_k,
+            top_p=rule.top_p,
+            min_p=rule.min_p,
+        )
+        reply = VerifyReply.model_validate(
+            self.owner._call("POST", f"/v1/sessions/{self._open()}/verify", request)
+        )
         self.ids += ids[: reply.accepted] + [reply.token]
         self.forwards += 1
         self.budget = reply.budget
         if reply.committed != len(self.ids):
-            raise TargetUnavailableError(f"session {self.sid} is out of step: the server has {reply.committed} "
-                                         f"committed tokens, this device {len(self.ids)}")
+            raise TargetUnavailableError(
+                f"session {self.sid} is out of step: the server has {reply.committed} "
+                f"committed tokens, this device {len(self.ids)}"
+            )
         top = None
         if reply.topk_ids is not None and reply.topk_logp is not None:
             top = (torch.tensor(reply.topk_ids, dtype=torch.long), torch.tensor(reply.topk_logp))
@@ -158,16 +208,25 @@ class _RemoteSession:
 
         owner = self.owner
         if self.sid is None:
-            path, message = "/v1/generate", PromptGenerateRequest(prompt_ids=list(self.ids), max_tokens=max_tokens)
+            path, message = (
+                "/v1/generate",
+                PromptGenerateRequest(prompt_ids=list(self.ids), max_tokens=max_tokens),
+            )
         else:
-            path, message = f"/v1/sessions/{self.sid}/generate", GenerateRequest(committed=len(self.ids), max_tokens=max_tokens)
+            path, message = (
+                f"/v1/sessions/{self.sid}/generate",
+                GenerateRequest(committed=len(self.ids), max_tokens=max_tokens),
+            )
         content = message.model_dump_json()
         try:
-            with owner.http.stream("POST", path, content=content, headers={"content-type": "application/json"}) as reply:
+            with owner.http.stream(
+                "POST", path, content=content, headers={"content-type": "application/json"}
+            ) as reply:
                 if reply.status_code >= 400:
                     reply.read()
-                    raise RemoteRequestError(f"{owner.url}{path} refused the request: HTTP {reply.status_code}: "
-                                             f"{_reason(reply)}")
+                    raise RemoteRequestError(
+                        f"{owner.url}{path} refused the request: HTTP {reply.status_code}: {_reason(reply)}"
+                    )
                 for line in reply.iter_lines():
                     if not line.strip():
                         continue
@@ -175,13 +234,17 @@ class _RemoteSession:
                     self.ids += chunk.tokens
                     self.forwards += len(chunk.tokens)
                     if chunk.committed != len(self.ids):
-                        raise TargetUnavailableError(f"session {self.sid} is out of step: the server has "
-                                                     f"{chunk.committed} committed tokens, this device {len(self.ids)}")
+                        raise TargetUnavailableError(
+                            f"session {self.sid} is out of step: the server has "
+                            f"{chunk.committed} committed tokens, this device {len(self.ids)}"
+                        )
                     yield from chunk.tokens
                     if chunk.done:
                         return
         except httpx.TransportError as exc:
-            raise TargetUnavailableError(f"{owner.url}{path}: the stream broke ({type(exc).__name__}: {exc})") from exc
+            raise TargetUnavailableError(
+                f"{owner.url}{path}: the stream broke ({type(exc).__name__}: {exc})"
+            ) from exc
 
     def close(self) -> None:
         """Free the server's KV cache for this session now (it would expire anyway); nothing to do

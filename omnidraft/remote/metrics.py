@@ -26,16 +26,25 @@ class Metrics:
         self.latency_sum += seconds
 
     def text(self, sessions: int) -> str:
-        lines = ["# TYPE omnidraft_sessions gauge", f"omnidraft_sessions {sessions}",
-                 "# TYPE omnidraft_sessions_opened_total counter", f"omnidraft_sessions_opened_total {self.opened}",
-                 "# TYPE omnidraft_rounds_total counter", f"omnidraft_rounds_total {self.rounds}",
-                 "# TYPE omnidraft_accepted_tokens_total counter", f"omnidraft_accepted_tokens_total {self.accepted}",
-                 "# TYPE omnidraft_rejected_requests_total counter",
-                 f"omnidraft_rejected_requests_total {self.rejected_requests}",
-                 "# TYPE omnidraft_verify_seconds histogram"]
+        lines = [
+            "# TYPE omnidraft_sessions gauge",
+            f"omnidraft_sessions {sessions}",
+            "# TYPE omnidraft_sessions_opened_total counter",
+            f"omnidraft_sessions_opened_total {self.opened}",
+            "# TYPE omnidraft_rounds_total counter",
+            f"omnidraft_rounds_total {self.rounds}",
+            "# TYPE omnidraft_accepted_tokens_total counter",
+            f"omnidraft_accepted_tokens_total {self.accepted}",
+            "# TYPE omnidraft_rejected_requests_total counter",
+            f"omnidraft_rejected_requests_total {self.rejected_requests}",
+            "# TYPE omnidraft_verify_seconds histogram",
+        ]
         running = 0
         for bound, count in zip((*map(str, _BUCKETS), "+Inf"), self.latency):
             running += count
             lines.append(f'omnidraft_verify_seconds_bucket{{le="{bound}"}} {running}')
-        lines += [f"omnidraft_verify_seconds_sum {self.latency_sum:.6f}", f"omnidraft_verify_seconds_count {running}"]
+        lines += [
+            f"omnidraft_verify_seconds_sum {self.latency_sum:.6f}",
+            f"omnidraft_verify_seconds_count {running}",
+        ]
         return "\n".join(lines) + "\n"

@@ -34,7 +34,14 @@ from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
 from .client import call_json
 
-__all__ = ["Cancelled", "CompletionRequest", "SamplingFields", "OpenAICompletionsTarget", "complete", "token_string"]
+__all__ = [
+    "Cancelled",
+    "CompletionRequest",
+    "SamplingFields",
+    "OpenAICompletionsTarget",
+    "complete",
+    "token_string",
+]
 
 MAX_LOGPROBS = 20
 
@@ -92,8 +99,16 @@ ECHO_CHUNK = 64  # prompt positions scored per forward when echoing: bounds a re
 MAX_PROMPT_CHARS = 1 << 19  # a text prompt longer than this is refused before it is tokenized
 
 
-def complete(target: Any, request: CompletionRequest, max_tokens_total: int, *, max_prompt: int = 32_768,
-             context: int | None = None, lock: Any = None, cancel: Any = None) -> dict[str, Any]:
+def complete(
+    target: Any,
+    request: CompletionRequest,
+    max_tokens_total: int,
+    *,
+    max_prompt: int = 32_768,
+    context: int | None = None,
+    lock: Any = None,
+    cancel: Any = None,
+) -> dict[str, Any]:
     """Run one greedy completion on LocalTarget `target` and shape the OpenAI reply.
 
     Memory is bounded whatever the request: an echoed prompt is scored ECHO_CHUNK positions per
@@ -105,8 +120,14 @@ def complete(target: Any, request: CompletionRequest, max_tokens_total: int, *, 
     if request.temperature != 0:
         raise ValueError("only greedy completions (temperature 0) are served on this endpoint")
     if isinstance(request.prompt, str) and len(request.prompt) > MAX_PROMPT_CHARS:
-        raise ValueError(f"a text prompt may have at most {MAX_PROMPT_CHARS} characters, got {len(request.prompt)}")
-    ids = list(request.prompt) if isinstance(request.prompt, list) else target.tokenizer(request.prompt)["input_ids"]
+        raise ValueError(
+            f"a text prompt may have at most {MAX_PROMPT_CHARS} characters, got {len(request.prompt)}"
+        )
+    ids = (
+        list(request.prompt)
+        if isinstance(request.prompt, list)
+        else target.tokenizer(request.prompt)["input_ids"]
+    )
     vocab = len(target.token_bytes)
     if not ids or any(not 0 <= i < vocab for i in ids):
         raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
@@ -115,19 +136,28 @@ def complete(target: Any, request: CompletionRequest, max_tokens_total: int, *, 
     if len(ids) + request.max_tokens > max_tokens_total:
         raise ValueError(f"prompt plus max_tokens exceeds this server's limit of {max_tokens_total} tokens")
     if context is not None and len(ids) + request.max_tokens > context:
-        raise ValueError(f"prompt plus max_tokens ({len(ids) + request.max_tokens}) is past the target's context of {context}")
+        raise ValueError(
+            f"prompt plus max_tokens ({len(ids) + request.max_tokens}) is past the target's context of "
+            f"{context}"
+        )
     k, lock = request.logprobs, lock or contextlib.nullcontext()
     session = target.begin(ids[:1] if request.echo else ids)
     scored: list[tuple[float, torch.Tensor, torch.Tensor] | None] = [None] if request.echo else []
-    if request.echo:  # position i's row scores token i + 1: feed the prompt in chunks, reduce each row at once
+    if (
+        request.echo
+    ):  # position i's row scores token i + 1: feed the prompt in chunks, reduce each row at once
         for start in range(0, len(ids), ECHO_CHUNK):
             chunk = ids[start : start + ECHO_CHUNK]
             with lock:
                 rows = session.scores(chunk[1:] if start == 0 else chunk, len(chunk)).float()
             last = rows[-1]
-            scored += [_score(rows[j], ids[start + j + 1], k) for j in range(len(rows)) if start + j + 1 < len(ids)]
+            scored += [
+                _score(rows[j], ids[start + j + 1], k) for j in range(len(rows)) if start + j + 1 < len(ids)
+            ]
     else:
-        while getattr(session, "prefill", None) is not None:  # a long prompt holds the model one chunk at a time
+        while (
+            getattr(session, "prefill", None) is not None
+        ):  # a long prompt holds the model one chunk at a time
             with lock:
                 if session.prefill(ECHO_CHUNK) == 0:
                     break
@@ -145,18 +175,27 @@ def complete(target: Any, request: CompletionRequest, max_tokens_total: int, *, 
         with lock:
             last = session.scores([token], 1).float()[-1]
     shown = (ids if request.echo else []) + generated
-    choice: dict[str, Any] = {"index": 0, "text": target.tokenizer.decode(shown), "finish_reason":
-                              "stop" if generated and generated[-1] in target.eos_ids else "length"}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": target.tokenizer.decode(shown),
+        "finish_reason": "stop" if generated and generated[-1] in target.eos_ids else "length",
+    }
     if k is not None:
         name = lambda t: token_string(target.token_bytes, t, request.return_tokens_as_token_ids)  # noqa: E731
         choice["logprobs"] = {
             "tokens": [name(t) for t in shown],
             "token_logprobs": [None if p is None else p[0] for p in scored],
-            "top_logprobs": [None if p is None or k == 0 else
-                             {name(int(i)): float(v) for v, i in zip(p[1], p[2])} for p in scored],
+            "top_logprobs": [
+                None if p is None or k == 0 else {name(int(i)): float(v) for v, i in zip(p[1], p[2])}
+                for p in scored
+            ],
         }
-    return {"object": "text_completion", "model": request.model or target.name, "choices": [choice],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(generated)}}
+    return {
+        "object": "text_completion",
+        "model": request.model or target.name,
+        "choices": [choice],
+        "usage": {"prompt_tokens": len(ids), "completion_tokens": len(generated)},
+    }
 
 
 def _score(row: torch.Tensor, token: int, k: int | None) -> tuple[float, torch.Tensor, torch.Tensor]:
@@ -175,14 +214,30 @@ class OpenAICompletionsTarget:
     checks that the server can verify at all, with this tokenizer (`probe()`).
     """
 
-    def __init__(self, url: str, *, model: str, tokenizer: Any, api_key: str | None = None, vocab_size: int | None = None,
-                 eos_ids: set[int] | None = None, timeout: float = 60.0, retries: int = 2, topk: int = 5,
-                 client: Any = None, name: str | None = None, probe: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str,
+        tokenizer: Any,
+        api_key: str | None = None,
+        vocab_size: int | None = None,
+        eos_ids: set[int] | None = None,
+        timeout: float = 60.0,
+        retries: int = 2,
+        topk: int = 5,
+        client: Any = None,
+        name: str | None = None,
+        probe: bool = True,
+    ) -> None:
         if not 1 <= topk <= MAX_LOGPROBS:
             raise ValueError(f"topk must be in [1, {MAX_LOGPROBS}], got {topk}")
         self.url, self.model, self.retries, self.topk = url, model, retries, topk
-        self.http = client if client is not None else require("httpx", "OpenAICompletionsTarget").Client(
-            base_url=url, timeout=timeout)
+        self.http = (
+            client
+            if client is not None
+            else require("httpx", "OpenAICompletionsTarget").Client(base_url=url, timeout=timeout)
+        )
         if api_key:
             self.http.headers.update({"authorization": f"Bearer {api_key}"})
         self.tokenizer, self.name = tokenizer, name or model
@@ -196,17 +251,35 @@ class OpenAICompletionsTarget:
     def score(self, ids: list[int], k: int) -> tuple[list[Any], list[str]]:
         """One scoring request: (top-k alternatives per position, the echoed token names) for the
         prompt `ids` and one generated token after it."""
-        body = CompletionRequest(model=self.model, prompt=ids, max_tokens=1, echo=True, logprobs=k, temperature=0.0,
-                                 return_tokens_as_token_ids=True)
-        reply = call_json(self.http, self.url, "POST", "/v1/completions", body.model_dump_json(), self.retries)
+        body = CompletionRequest(
+            model=self.model,
+            prompt=ids,
+            max_tokens=1,
+            echo=True,
+            logprobs=k,
+            temperature=0.0,
+            return_tokens_as_token_ids=True,
+        )
+        reply = call_json(
+            self.http, self.url, "POST", "/v1/completions", body.model_dump_json(), self.retries
+        )
         try:
             top = reply["choices"][0]["logprobs"]["top_logprobs"]
             tokens = reply["choices"][0]["logprobs"]["tokens"]
         except (KeyError, IndexError, TypeError) as exc:
-            raise RemoteRequestError(f"{self.url}/v1/completions reply lacks echoed logprobs ({exc!r})") from None
-        if not isinstance(top, list) or not isinstance(tokens, list) or len(top) < len(ids) + 1 or len(tokens) < len(ids) + 1:
-            raise RemoteRequestError(f"{self.url}/v1/completions echoed {len(tokens or [])} tokens with "
-                                     f"{len(top or [])} log-probability rows, expected {len(ids) + 1} of each")
+            raise RemoteRequestError(
+                f"{self.url}/v1/completions reply lacks echoed logprobs ({exc!r})"
+            ) from None
+        if (
+            not isinstance(top, list)
+            or not isinstance(tokens, list)
+            or len(top) < len(ids) + 1
+            or len(tokens) < len(ids) + 1
+        ):
+            raise RemoteRequestError(
+                f"{self.url}/v1/completions echoed {len(tokens or [])} tokens with "
+                f"{len(top or [])} log-probability rows, expected {len(ids) + 1} of each"
+            )
         return top, tokens
 
     def probe(self) -> None:
@@ -217,20 +290,29 @@ class OpenAICompletionsTarget:
             top, tokens = self.score(ids, 1)
         except RemoteRequestError as exc:
             raise IncompatibleError(
-                f"{self.url} cannot verify drafts: a completion of token ids with echo and logprobs (the prompt's own "
-                f"log-probabilities) failed: {exc}. Servers that do not return prompt log-probabilities (llama.cpp's "
+                f"{self.url} cannot verify drafts: a completion of token ids with echo and logprobs (the "
+                "prompt's own "
+                f"log-probabilities) failed: {exc}. Servers that do not return prompt log-probabilities "
+                "(llama.cpp's "
                 "llama-server, OpenAI's API) cannot be targets; use `omnidraft serve` in front of the model "
-                "(docs/llamacpp.md#support-matrix)") from None
+                "(docs/llamacpp.md#support-matrix)"
+            ) from None
         if any(row is None or not row for row in top[1 : len(ids) + 1]):
-            raise IncompatibleError(f"{self.url} echoed the prompt without log-probability rows: it cannot verify drafts")
+            raise IncompatibleError(
+                f"{self.url} echoed the prompt without log-probability rows: it cannot verify drafts"
+            )
         try:
             echoed = [self.token_id(name) for name in tokens[: len(ids)]]
         except RemoteRequestError as exc:
-            raise IncompatibleError(f"{self.url} names tokens this tokenizer does not have ({exc}); pass the served "
-                                    "model's tokenizer") from None
+            raise IncompatibleError(
+                f"{self.url} names tokens this tokenizer does not have ({exc}); pass the served "
+                "model's tokenizer"
+            ) from None
         if echoed != ids:
-            raise IncompatibleError(f"{self.url} echoed other token ids than it was sent ({echoed[:8]}... vs {ids[:8]}...): "
-                                    "the server re-tokenized the prompt or serves another vocabulary")
+            raise IncompatibleError(
+                f"{self.url} echoed other token ids than it was sent ({echoed[:8]}... vs {ids[:8]}...): "
+                "the server re-tokenized the prompt or serves another vocabulary"
+            )
 
     def begin(self, prompt_ids: list[int]) -> _CompletionSession:
         if not prompt_ids:
@@ -241,11 +323,15 @@ class OpenAICompletionsTarget:
         """The id a reply's token string names."""
         if name.startswith("token_id:"):
             return int(name[9:])
-        data = (bytes.fromhex(name[6:].replace("\\x", "")) if name.startswith("bytes:") else name.encode("utf-8"))
+        data = (
+            bytes.fromhex(name[6:].replace("\\x", "")) if name.startswith("bytes:") else name.encode("utf-8")
+        )
         token = self.token_bytes.id_of(data)
         if token is None:
-            raise RemoteRequestError(f"{self.url} named a token {name!r} that is no single token of this tokenizer; "
-                                     "serve with return_tokens_as_token_ids support (vLLM) or check the tokenizer")
+            raise RemoteRequestError(
+                f"{self.url} named a token {name!r} that is no single token of this tokenizer; "
+                "serve with return_tokens_as_token_ids support (vLLM) or check the tokenizer"
+            )
         return token
 
     def close(self) -> None:
@@ -260,10 +346,19 @@ class _CompletionSession:
         self.owner, self.ids = owner, ids
         self.forwards = 0
 
-    def verify(self, proposal: torch.Tensor, rule: Any, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, *, topk: int = 0) -> Verdict:
+    def verify(
+        self,
+        proposal: torch.Tensor,
+        rule: Any,
+        q: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        topk: int = 0,
+    ) -> Verdict:
         if rule.mode != "greedy":
-            raise ValueError(f"an OpenAI-compatible target verifies greedy drafts only, not mode {rule.mode!r}")
+            raise ValueError(
+                f"an OpenAI-compatible target verifies greedy drafts only, not mode {rule.mode!r}"
+            )
         o, base, draft = self.owner, len(self.ids), [int(t) for t in proposal.tolist()]
         top, tokens = o.score(self.ids + draft, max(1, min(topk, o.topk)))
         rows = [{o.token_id(name): lp for name, lp in top[base + j].items()} for j in range(len(draft) + 1)]
@@ -277,6 +372,8 @@ class _CompletionSession:
             kept = rows[: accepted + 1]
             width = min(len(r) for r in kept)
             ids = [sorted(r, key=r.get, reverse=True)[:width] for r in kept]
-            top_rows = (torch.tensor(ids, dtype=torch.long),
-                        torch.tensor([[r[t] for t in row] for r, row in zip(kept, ids)]))
+            top_rows = (
+                torch.tensor(ids, dtype=torch.long),
+                torch.tensor([[r[t] for t in row] for r, row in zip(kept, ids)]),
+            )
         return Verdict(accepted, token, top_rows)

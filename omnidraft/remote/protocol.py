@@ -18,15 +18,29 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["MIN_TEMPERATURE", "VERSION", "ErrorReply", "GenerateChunk", "GenerateRequest", "InfoReply", "OpenReply", "OpenRequest", "PromptGenerateRequest",
-           "SparseRow", "VerifyReply", "VerifyRequest"]
+__all__ = [
+    "MIN_TEMPERATURE",
+    "VERSION",
+    "ErrorReply",
+    "GenerateChunk",
+    "GenerateRequest",
+    "InfoReply",
+    "OpenReply",
+    "OpenRequest",
+    "PromptGenerateRequest",
+    "SparseRow",
+    "VerifyReply",
+    "VerifyRequest",
+]
 
 VERSION = 1
 MAX_PROMPT = 32_768
 MAX_PROPOSAL = 64
 MAX_TOPK = 64
 MAX_GENERATE = 4096
-MIN_TEMPERATURE = 1e-3  # sampling temperatures are 0 (greedy) or at least this: smaller ones overflow the softmax
+MIN_TEMPERATURE = (
+    1e-3  # sampling temperatures are 0 (greedy) or at least this: smaller ones overflow the softmax
+)
 MAX_SEED = 2**63 - 1
 
 
@@ -38,7 +52,9 @@ class _Message(BaseModel):
     @model_validator(mode="after")
     def _version(self) -> _Message:
         if self.version != VERSION:
-            raise ValueError(f"protocol version {self.version} is not supported; this server speaks {VERSION}")
+            raise ValueError(
+                f"protocol version {self.version} is not supported; this server speaks {VERSION}"
+            )
         return self
 
 
@@ -69,7 +85,9 @@ class SparseRow(_Message):
     @model_validator(mode="after")
     def _same_length(self) -> SparseRow:
         if len(self.ids) != len(self.probs):
-            raise ValueError(f"a sparse row needs as many probs as ids, got {len(self.ids)} and {len(self.probs)}")
+            raise ValueError(
+                f"a sparse row needs as many probs as ids, got {len(self.ids)} and {len(self.probs)}"
+            )
         if not self.ids:
             raise ValueError("a draft row needs at least one id with its probability (the row is empty)")
         if len(set(self.ids)) != len(self.ids):
@@ -90,7 +108,9 @@ class VerifyRequest(_Message):
     q: list[SparseRow] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     topk: int = Field(default=0, ge=0, le=MAX_TOPK)
-    top_k: int = Field(default=0, ge=0, le=1_000_000)  # sampling filters of the target distribution (target.Rule)
+    top_k: int = Field(
+        default=0, ge=0, le=1_000_000
+    )  # sampling filters of the target distribution (target.Rule)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
 

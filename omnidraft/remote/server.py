@@ -136,13 +136,17 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         try:
             return model.model_validate_json(data)
         except ValidationError as exc:
-            reasons = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+            reasons = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5]
+            )
             raise HTTPError(422, f"invalid {model.__name__}: {reasons}") from exc
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Any:
         """Auth, and the one place a refusal (`HTTPError`, raised anywhere below) becomes its reply."""
-        guarded = request.url.path.startswith("/v1/") or (request.url.path == "/metrics" and not config.open_metrics)
+        guarded = request.url.path.startswith("/v1/") or (
+            request.url.path == "/metrics" and not config.open_metrics
+        )
         request.state.key = key_of(request)
         if guarded and request.state.key is None:
             return fail(401, "missing or wrong API key (send Authorization: Bearer <key>)", request.url.path)
@@ -165,7 +169,9 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(service.metrics.text(len(service.sessions)), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            service.metrics.text(len(service.sessions)), media_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/v1/info")
     async def info() -> dict:
@@ -182,17 +188,23 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.post("/v1/sessions/{sid}/verify")
     async def verify(sid: str, request: Request) -> Any:
-        reply = await run_in_threadpool(service.verify, sid, await body(request, VerifyRequest), request.state.key)
+        reply = await run_in_threadpool(
+            service.verify, sid, await body(request, VerifyRequest), request.state.key
+        )
         return reply.model_dump(exclude_none=True)
 
     @app.post("/v1/sessions/{sid}/generate")
     async def generate(sid: str, request: Request) -> Any:
-        stream = await run_in_threadpool(service.generate, sid, await body(request, GenerateRequest), request.state.key)
+        stream = await run_in_threadpool(
+            service.generate, sid, await body(request, GenerateRequest), request.state.key
+        )
         return StreamingResponse(stream, media_type="application/x-ndjson")
 
     @app.post("/v1/generate")
     async def generate_alone(request: Request) -> Any:
-        stream = await run_in_threadpool(service.generate_alone, await body(request, PromptGenerateRequest), request.state.key)
+        stream = await run_in_threadpool(
+            service.generate_alone, await body(request, PromptGenerateRequest), request.state.key
+        )
         return StreamingResponse(stream, media_type="application/x-ndjson")
 
     @app.get("/v1/models")
@@ -224,8 +236,16 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     async def openai_reply(request: Request, parsed: Any, ids: list[int], limit: int) -> Any:
         """Decode alone for a plain OpenAI client: a JSON reply, or SSE when it streams."""
-        rule = Rule() if parsed.temperature == 0 else Rule(mode="match", temperature=max(parsed.temperature, 1e-3),
-                                                           top_k=parsed.top_k, top_p=parsed.top_p)
+        rule = (
+            Rule()
+            if parsed.temperature == 0
+            else Rule(
+                mode="match",
+                temperature=max(parsed.temperature, 1e-3),
+                top_k=parsed.top_k,
+                top_p=parsed.top_p,
+            )
+        )
         target, key = service.target, request.state.key
         if parsed.stream:  # a stream decodes as it is read: a client gone stops the reading
             tokens = await run_in_threadpool(service.sample, ids, rule, limit, parsed.seed, key)
@@ -245,7 +265,11 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         parsed = await body(request, CompletionRequest)
         if parsed.echo or parsed.logprobs is not None:  # scoring (what OpenAICompletionsTarget reads): greedy
             return await until_disconnect(request, service.complete, parsed, request.state.key)
-        ids = list(parsed.prompt) if isinstance(parsed.prompt, list) else service.target.tokenizer(parsed.prompt)["input_ids"]
+        ids = (
+            list(parsed.prompt)
+            if isinstance(parsed.prompt, list)
+            else service.target.tokenizer(parsed.prompt)["input_ids"]
+        )
         return await openai_reply(request, parsed, ids, parsed.max_tokens)
 
     @app.delete("/v1/sessions/{sid}")

@@ -15,8 +15,6 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -26,8 +24,19 @@ from ..target import Rule
 from .budget import draft_budget
 from .config import HTTPError, ServerConfig
 from .metrics import Metrics
-from .protocol import (MAX_PROMPT, MAX_PROPOSAL, GenerateChunk, GenerateRequest, InfoReply, OpenReply,
-                       OpenRequest, PromptGenerateRequest, VerifyReply, VerifyRequest)
+from .protocol import (
+    MAX_PROPOSAL,
+    GenerateChunk,
+    GenerateRequest,
+    InfoReply,
+    OpenReply,
+    OpenRequest,
+    PromptGenerateRequest,
+    VerifyReply,
+    VerifyRequest,
+)
+from .sessions import FairLock, Session, release
+from .text_routes import TextRoutes
 
 __all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service"]  # the last three re-exported
 
@@ -38,67 +47,41 @@ PREFILL_WORK = 256 * 2048  # chunk x context: past 2,048 tokens of context a chu
 ACTIVE_S = 1.0  # a session that verified within this many seconds counts in the load a draft budget serves
 
 
-@dataclass
-class _Session:
-    inner: Any
-    used: float
-    key: int = 0  # which API key opened it: only that key may use it
-    last: tuple[VerifyRequest, VerifyReply] | None = None  # the request applied last and its reply
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one request of this session at a time
-    verified: bool = False  # a session that never verifies expires after `fresh_ttl_s`, not `ttl_s`
-    streaming: bool = False  # a generate stream is running: other requests are refused until it ends
-
-
-class FairLock:
-    """A lock granted in the order it was asked for: a session feeding a long prompt chunk by chunk
-    queues behind the verifies that arrived meanwhile instead of taking the lock straight back."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._queue: deque[object] = deque()
-        self._held = False
-
-    def __enter__(self) -> None:
-        me = object()
-        with self._cond:
-            self._queue.append(me)
-            while self._held or self._queue[0] is not me:
-                self._cond.wait()
-            self._queue.popleft()
-            self._held = True
-
-    def __exit__(self, *exc: object) -> None:
-        with self._cond:
-            self._held = False
-            self._cond.notify_all()
-
-
-class Service:
+class Service(TextRoutes):
     """The server's state, independent of the web framework (so it can be tested directly)."""
 
     def __init__(self, target: Any, config: ServerConfig) -> None:
         self.target, self.config = target, config
         self.vocab = len(target.token_bytes)
-        self.sessions: dict[str, _Session] = {}
+        self.sessions: dict[str, Session] = {}
         self.metrics = Metrics()
         self.table_lock = threading.Lock()
         # one model forward at a time on an engine that runs one (PyTorch, llama.cpp); an engine that
         # batches sessions (vLLM) schedules concurrent requests itself, so only a session's own lock holds
         self.batches = bool(getattr(target, "batches_sessions", False))
         self.model_lock: Any = contextlib.nullcontext() if self.batches else FairLock()
-        self.inflight: dict[int, int] = {}  # per key: tokens of completions and /v1/generate being served (KV budget)
+        self.inflight: dict[
+            int, int
+        ] = {}  # per key: tokens of completions and /v1/generate being served (KV budget)
         costs = getattr(target, "verify_costs", None) if self.batches else None
         self.costs: dict[int, float] | None = costs() if costs is not None else None
         model = getattr(target, "model", None)  # None: unbounded
-        self.context = getattr(target, "context_length", None) or getattr(getattr(model, "config", None),
-                                                                            "max_position_embeddings", None)
+        self.context = getattr(target, "context_length", None) or getattr(
+            getattr(model, "config", None), "max_position_embeddings", None
+        )
         with tempfile.TemporaryDirectory() as tmp:
             target.tokenizer.save_pretrained(tmp)
-            self.tokenizer_files = {p.name: p.read_text(encoding="utf-8") for p in Path(tmp).iterdir() if p.is_file()}
+            self.tokenizer_files = {
+                p.name: p.read_text(encoding="utf-8") for p in Path(tmp).iterdir() if p.is_file()
+            }
 
     def info(self) -> InfoReply:
-        return InfoReply(name=self.target.name, vocab_size=self.vocab, fingerprint=self.target.token_bytes.fingerprint,
-                         eos_ids=sorted(self.target.eos_ids))
+        return InfoReply(
+            name=self.target.name,
+            vocab_size=self.vocab,
+            fingerprint=self.target.token_bytes.fingerprint,
+            eos_ids=sorted(self.target.eos_ids),
+        )
 
     def open(self, request: OpenRequest, key: int = 0) -> OpenReply:
         self._check_ids(request.prompt_ids, "prompt")
@@ -106,13 +89,17 @@ class Service:
         with self.table_lock:
             self._expire()
             if len(self.sessions) >= self.config.max_sessions:
-                raise HTTPError(503, f"the server holds its maximum of {self.config.max_sessions} sessions; retry later")
+                raise HTTPError(
+                    503, f"the server holds its maximum of {self.config.max_sessions} sessions; retry later"
+                )
             quota = self.config.max_sessions_per_key
             if quota is not None and sum(1 for v in self.sessions.values() if v.key == key) >= quota:
-                raise HTTPError(429, f"this API key holds its quota of {quota} sessions; close one or retry later")
+                raise HTTPError(
+                    429, f"this API key holds its quota of {quota} sessions; close one or retry later"
+                )
             self._reserve(len(request.prompt_ids), key)
             sid = uuid.uuid4().hex
-            self.sessions[sid] = _Session(self.target.begin(list(request.prompt_ids)), time.monotonic(), key)
+            self.sessions[sid] = Session(self.target.begin(list(request.prompt_ids)), time.monotonic(), key)
             self.metrics.opened += 1
         return OpenReply(session=sid, committed=len(request.prompt_ids))
 
@@ -120,8 +107,13 @@ class Service:
         session = self._session(sid, key)
         self._check_ids(request.proposal, "proposal")
         try:
-            rule = Rule(mode=request.mode, temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                        min_p=request.min_p)
+            rule = Rule(
+                mode=request.mode,
+                temperature=request.temperature,
+                top_k=request.top_k,
+                top_p=request.top_p,
+                min_p=request.min_p,
+            )
         except ValueError as exc:
             raise HTTPError(422, str(exc)) from exc
         proposal = tuple(request.proposal)
@@ -131,14 +123,21 @@ class Service:
             with self.model_lock:  # one request of a session at a time: the committed check is race-free
                 return self._verify(session, request, rule, proposal)
 
-    def _verify(self, session: _Session, request: VerifyRequest, rule: Rule, proposal: tuple[int, ...]) -> VerifyReply:
+    def _verify(
+        self, session: Session, request: VerifyRequest, rule: Rule, proposal: tuple[int, ...]
+    ) -> VerifyReply:
         """The verify itself, under the session's lock and the model lock."""
         committed = len(session.inner.ids)
         if request.committed != committed:
             if session.last is not None and session.last[0] == request:
-                return session.last[1]  # a retry of the request applied last (all of it): same answer, applied once
-            raise HTTPError(409, f"stale request: it builds on {request.committed} committed tokens, "
-                                  f"the session has {committed}")
+                return session.last[
+                    1
+                ]  # a retry of the request applied last (all of it): same answer, applied once
+            raise HTTPError(
+                409,
+                f"stale request: it builds on {request.committed} committed tokens, "
+                f"the session has {committed}",
+            )
         self._check_context(committed + len(proposal) + 1, "the session")
         with self.table_lock:
             self._reserve(len(proposal) + 1, session.key)
@@ -146,18 +145,23 @@ class Service:
         generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         started = time.perf_counter()
         try:
-            verdict = session.inner.verify(torch.tensor(proposal, dtype=torch.long), rule, q, generator,
-                                           topk=request.topk)
+            verdict = session.inner.verify(
+                torch.tensor(proposal, dtype=torch.long), rule, q, generator, topk=request.topk
+            )
         except ValueError as exc:  # a rule this engine refuses (it names why); the session is unchanged
             raise HTTPError(422, str(exc)) from exc
         self.metrics.observe(time.perf_counter() - started)
         self.metrics.rounds += 1
         self.metrics.accepted += verdict.accepted
         self.metrics.proposed += len(proposal)
-        reply = VerifyReply(committed=len(session.inner.ids), accepted=verdict.accepted, token=verdict.token,
-                            budget=self._budget(),
-                            topk_ids=verdict.topk[0].tolist() if verdict.topk else None,
-                            topk_logp=verdict.topk[1].tolist() if verdict.topk else None)
+        reply = VerifyReply(
+            committed=len(session.inner.ids),
+            accepted=verdict.accepted,
+            token=verdict.token,
+            budget=self._budget(),
+            topk_ids=verdict.topk[0].tolist() if verdict.topk else None,
+            topk_logp=verdict.topk[1].tolist() if verdict.topk else None,
+        )
         session.last, session.used, session.verified = (request, reply), time.monotonic(), True
         return reply
 
@@ -169,8 +173,11 @@ class Service:
         with session.lock:
             self._check_idle(session)
             if request.committed != len(session.inner.ids):
-                raise HTTPError(409, f"stale request: it builds on {request.committed} committed tokens, "
-                                      f"the session has {len(session.inner.ids)}")
+                raise HTTPError(
+                    409,
+                    f"stale request: it builds on {request.committed} committed tokens, "
+                    f"the session has {len(session.inner.ids)}",
+                )
             self._check_context(request.committed + request.max_tokens, "the session")
             with self.table_lock:
                 self._reserve(request.max_tokens, session.key)
@@ -184,26 +191,29 @@ class Service:
         budget = len(request.prompt_ids) + request.max_tokens
         self._check_context(budget, "the completion")
         release = self._hold(budget, key)
-        session = _Session(self.target.begin(list(request.prompt_ids)), time.monotonic(), key)
+        session = Session(self.target.begin(list(request.prompt_ids)), time.monotonic(), key)
 
         def stream() -> Iterator[bytes]:
             try:
                 yield from self._decode(session, request.max_tokens)
             finally:
                 release()
+
         chunks = stream()
         weakref.finalize(chunks, release)
         return chunks
 
-    def _stream(self, session: _Session, max_tokens: int) -> Iterator[bytes]:
+    def _stream(self, session: Session, max_tokens: int) -> Iterator[bytes]:
         """The session's stream; while it runs the session refuses other requests (409)."""
         try:
             yield from self._decode(session, max_tokens)
         finally:
             session.streaming = False
 
-    def _decode(self, session: _Session, max_tokens: int) -> Iterator[bytes]:
-        tokens = self._engine_decode(session, max_tokens) if self.batches else self._stepwise(session, max_tokens)
+    def _decode(self, session: Session, max_tokens: int) -> Iterator[bytes]:
+        tokens = (
+            self._engine_decode(session, max_tokens) if self.batches else self._stepwise(session, max_tokens)
+        )
         for step, token in enumerate(tokens):
             self.metrics.rounds += 1
             session.last, session.used = None, time.monotonic()
@@ -213,7 +223,7 @@ class Service:
             if done:
                 return
 
-    def _prefill(self, session: _Session) -> None:
+    def _prefill(self, session: Session) -> None:
         """Feed a session's uncached prompt at most PREFILL_CHUNK tokens per model call (fewer past
         2,048 tokens of context, PREFILL_WORK), taking the model lock per call, so other sessions'
         verifies interleave with a long prompt's prefill (an engine that batches sessions chunks
@@ -224,8 +234,9 @@ class Service:
                 if step(max(32, min(PREFILL_CHUNK, PREFILL_WORK // max(1, session.inner.cached)))) == 0:
                     return
 
-    def _stepwise(self, session: _Session, max_tokens: int, rule: Rule = Rule(),
-                  generator: torch.Generator | None = None) -> Iterator[int]:
+    def _stepwise(
+        self, session: Session, max_tokens: int, rule: Rule = Rule(), generator: torch.Generator | None = None
+    ) -> Iterator[int]:
         """One token a step under `rule` (greedy by default), the model lock held per step only:
         other sessions' verifies interleave."""
         empty = torch.zeros(0, dtype=torch.long)
@@ -237,7 +248,7 @@ class Service:
                 self.metrics.observe(time.perf_counter() - started)
             yield token
 
-    def _engine_decode(self, session: _Session, max_tokens: int) -> Iterator[int]:
+    def _engine_decode(self, session: Session, max_tokens: int) -> Iterator[int]:
         """The engine's own decoding loop (one request, batched with other sessions' work); closing
         this iterator (the client went away) aborts the request."""
         tokens = session.inner.decode(max_tokens)
@@ -246,77 +257,12 @@ class Service:
         finally:
             tokens.close()
 
-    def complete(self, request: Any, key: int = 0, cancel: threading.Event | None = None) -> dict[str, Any]:
-        """The OpenAI-compatible /v1/completions (greedy, stateless; see remote/openai.py)."""
-        from .openai import MAX_PROMPT_CHARS, complete
-
-        if self.batches:
-            raise HTTPError(501, "/v1/completions is not served on the vllm engine: use /v1/generate, or "
-                                  "vLLM's own OpenAI server for plain completions")
-        if isinstance(request.prompt, str):  # reserved by its tokens, not its characters
-            if len(request.prompt) > MAX_PROMPT_CHARS:
-                raise HTTPError(422, f"a text prompt may have at most {MAX_PROMPT_CHARS} characters")
-            prompt_tokens = len(self.target.tokenizer(request.prompt)["input_ids"])
-        else:
-            prompt_tokens = len(request.prompt)
-        budget = min(prompt_tokens, MAX_PROMPT) + request.max_tokens
-        self._check_context(budget, "the completion")
-        release = self._hold(budget, key)
-        started = time.perf_counter()
-        try:
-            reply = complete(self.target, request, self.config.max_tokens, max_prompt=MAX_PROMPT, context=self.context,
-                             lock=self.model_lock, cancel=cancel)
-        except ValueError as exc:
-            raise HTTPError(422, str(exc)) from None
-        finally:
-            release()
-        self.metrics.observe(time.perf_counter() - started)
-        self.metrics.rounds += 1
-        return reply
-
-    def sample(self, ids: list[int], rule: Rule, max_tokens: int, seed: int | None, key: int = 0,
-               cancel: threading.Event | None = None) -> Iterator[int]:
-        """The target alone on `ids` (the OpenAI routes): up to `max_tokens` tokens under `rule`,
-        one step at a time (other sessions' verifies interleave), stopping after an EOS; the KV
-        budget is held while it runs. Checked now, decoded as the iterator is read; `cancel` set
-        (the client went away) stops it at its next token with `Cancelled`."""
-        from .openai import Cancelled
-
-        self._check_ids(ids, "prompt")
-        budget = len(ids) + max_tokens
-        self._check_context(budget, "the completion")
-        if (check := getattr(self.target, "check_rule", None)) is not None:
-            try:
-                check(rule)
-            except ValueError as exc:
-                raise HTTPError(422, str(exc)) from None
-        release = self._hold(budget, key)
-        session = _Session(self.target.begin(list(ids)), time.monotonic(), key)
-        generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
-
-        def tokens() -> Iterator[int]:
-            try:
-                if rule.mode == "greedy" and self.batches:  # the engine's own loop, batched with the rest
-                    yield from self._engine_decode(session, max_tokens)
-                    return
-                for token in self._stepwise(session, max_tokens, rule, generator):
-                    yield token
-                    if token in self.target.eos_ids:
-                        return
-                    if cancel is not None and cancel.is_set():
-                        raise Cancelled("the client went away")
-            finally:
-                release()
-                _release(session)
-
-        return tokens()
-
     def close(self, sid: str, key: int = 0) -> None:
         self._session(sid, key)  # 404 unless it is there for this key
         with self.table_lock:
-            _release(self.sessions.pop(sid, None))
+            release(self.sessions.pop(sid, None))
 
-    def _session(self, sid: str, key: int = 0) -> _Session:
+    def _session(self, sid: str, key: int = 0) -> Session:
         with self.table_lock:
             self._expire()
             session = self.sessions.get(sid)
@@ -348,34 +294,51 @@ class Service:
             active = sum(1 for v in self.sessions.values() if now - v.used < ACTIVE_S)
         m = self.metrics
         acceptance = m.accepted / m.proposed if m.proposed >= 64 else 0.8
-        return draft_budget(self.costs, acceptance, max(1, active), MAX_PROPOSAL - 1,
-                            tail=int(getattr(self.target, "verify_tail", 0)))
+        return draft_budget(
+            self.costs,
+            acceptance,
+            max(1, active),
+            MAX_PROPOSAL - 1,
+            tail=int(getattr(self.target, "verify_tail", 0)),
+        )
 
     @staticmethod
-    def _check_idle(session: _Session) -> None:
+    def _check_idle(session: Session) -> None:
         if session.streaming:
             raise HTTPError(409, "the session is streaming a generate reply; wait for its last chunk")
 
     def _expire(self) -> None:
         now = time.monotonic()
         ttl = self.config.ttl_s
-        for sid in [s for s, v in self.sessions.items()
-                    if now - v.used > (ttl if v.verified else min(ttl, self.config.fresh_ttl_s))]:
-            _release(self.sessions.pop(sid))
+        for sid in [
+            s
+            for s, v in self.sessions.items()
+            if now - v.used > (ttl if v.verified else min(ttl, self.config.fresh_ttl_s))
+        ]:
+            release(self.sessions.pop(sid))
 
     def _reserve(self, extra: int, key: int) -> None:
         """Refuse `extra` KV tokens past the server's budget (503) or past the key's share (429)."""
-        mine = sum(len(s.inner.ids) for s in self.sessions.values() if s.key == key) + self.inflight.get(key, 0)
+        mine = sum(len(s.inner.ids) for s in self.sessions.values() if s.key == key) + self.inflight.get(
+            key, 0
+        )
         if mine + extra > self.config.key_tokens:
-            raise HTTPError(429, f"this API key holds its KV quota of {self.config.key_tokens} tokens; "
-                                 "close a session or retry later")
+            raise HTTPError(
+                429,
+                f"this API key holds its KV quota of {self.config.key_tokens} tokens; "
+                "close a session or retry later",
+            )
         held = sum(len(s.inner.ids) for s in self.sessions.values()) + sum(self.inflight.values())
         if held + extra > self.config.max_tokens:
-            raise HTTPError(503, f"the server's KV budget of {self.config.max_tokens} tokens is in use; retry later")
+            raise HTTPError(
+                503, f"the server's KV budget of {self.config.max_tokens} tokens is in use; retry later"
+            )
 
     def _check_context(self, tokens: int, what: str) -> None:
         if self.context is not None and tokens > self.context:
-            raise HTTPError(422, f"{what} would hold {tokens} tokens, past the target's context of {self.context}")
+            raise HTTPError(
+                422, f"{what} would hold {tokens} tokens, past the target's context of {self.context}"
+            )
 
     def _check_ids(self, ids: Any, what: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab]
@@ -390,9 +353,3 @@ class Service:
             self._check_ids(row.ids, "q")
             q[i, torch.tensor(row.ids, dtype=torch.long)] = torch.tensor(row.probs, dtype=torch.float64)
         return (q / q.sum(-1, keepdim=True)).float()  # a distribution, whatever the rows summed to
-
-
-def _release(session: _Session | None) -> None:
-    """Give a dropped session's engine resources back (a llama.cpp slot; nothing on vLLM)."""
-    if session is not None and (close := getattr(session.inner, "close", None)) is not None:
-        close()

@@ -5,5 +5,14 @@ from .automaton import Matcher, SuffixAutomaton
 from .datastore import DATASTORE_CAP, Datastore
 from .retriever import DRAFT_SOURCES, Candidate, ContextIndex, RetrievalConfig, RetrievalStats
 
-__all__ = ["DATASTORE_CAP", "DRAFT_SOURCES", "Candidate", "ContextIndex", "Datastore", "Matcher", "RetrievalConfig",
-           "RetrievalStats", "SuffixAutomaton"]
+__all__ = [
+    "DATASTORE_CAP",
+    "DRAFT_SOURCES",
+    "Candidate",
+    "ContextIndex",
+    "Datastore",
+    "Matcher",
+    "RetrievalConfig",
+    "RetrievalStats",
+    "SuffixAutomaton",
+]

@@ -61,8 +61,13 @@ class Datastore:
             self.sam.extend(token)
 
     def to_doc(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint, "cap": self.cap,
-                "docs": [list(d) for d in self.docs]}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "fingerprint": self.fingerprint,
+            "cap": self.cap,
+            "docs": [list(d) for d in self.docs],
+        }
 
     @classmethod
     def from_doc(cls, doc: Any, *, where: str, fingerprint: str, cap: int | None = None) -> Datastore:
@@ -70,10 +75,14 @@ class Datastore:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise CorruptFileError(f"{where}: not an omnidraft datastore")
         if doc.get("version") != VERSION:
-            raise IncompatibleError(f"{where}: datastore version {doc.get('version')!r}, this library reads {VERSION}")
+            raise IncompatibleError(
+                f"{where}: datastore version {doc.get('version')!r}, this library reads {VERSION}"
+            )
         if doc.get("fingerprint") != fingerprint:
-            raise IncompatibleError(f"{where}: the datastore was built for another target tokenizer "
-                                    f"({doc.get('fingerprint')!r}, this pairing has {fingerprint!r})")
+            raise IncompatibleError(
+                f"{where}: the datastore was built for another target tokenizer "
+                f"({doc.get('fingerprint')!r}, this pairing has {fingerprint!r})"
+            )
         docs = doc.get("docs")
         if not isinstance(docs, list) or any(not isinstance(d, list) for d in docs):
             raise CorruptFileError(f"{where}: datastore documents are not lists of token ids")

@@ -73,8 +73,16 @@ class Rent:
         self.rates = rates
         return self.regret < self.owner.per_token * (self.unread + produced)
 
-    def settle(self, deferred: bool, committed: int, seconds: float | None, drafted: int, draft_s: float,
-               step: float | None, produced: int) -> None:
+    def settle(
+        self,
+        deferred: bool,
+        committed: int,
+        seconds: float | None,
+        drafted: int,
+        draft_s: float,
+        step: float | None,
+        produced: int,
+    ) -> None:
         """A finished round that committed `committed` tokens in `seconds` (None: the request's first
         round, which also reads the prompt into the target): deferred, or one that `drafted`
         tokens in `draft_s` at a measured `step` per drafted token, after `produced` tokens."""
@@ -98,21 +106,32 @@ class Retriever:
     (`history`, None without a user profile). `model=False`: no model drafts to compare against
     (retrieval only); a round either retrieves or lets the target decode one token."""
 
-    def __init__(self, config: RetrievalConfig, history: Datastore | None = None, *, model: bool = True) -> None:
+    def __init__(
+        self, config: RetrievalConfig, history: Datastore | None = None, *, model: bool = True
+    ) -> None:
         self.config, self.history, self.model = config, history, model
         self.stats = RetrievalStats(config)
         self.deferral = ReadDeferral() if model and config.defer_read else None
 
     @classmethod
-    def for_user(cls, config: RetrievalConfig, user: str | None, saved: dict[str, Any] | None, fingerprint: str, *,
-                 model: bool = True) -> Retriever:
+    def for_user(
+        cls,
+        config: RetrievalConfig,
+        user: str | None,
+        saved: dict[str, Any] | None,
+        fingerprint: str,
+        *,
+        model: bool = True,
+    ) -> Retriever:
         """A pairing's retriever: with a `user`, their past outputs are drafts too, kept in their
         profile (`saved`: its datastore document; `fingerprint`: the target tokenizer's)."""
         history = None
         if user is not None and config.history_tokens > 0:  # 0: the user's outputs are never kept
             history = Datastore(config.history_tokens, fingerprint=fingerprint)
             if saved is not None:  # what the profile kept, within this config's retention
-                for doc in Datastore.from_doc(saved, where=f"profile of {user!r}", fingerprint=fingerprint).docs:
+                for doc in Datastore.from_doc(
+                    saved, where=f"profile of {user!r}", fingerprint=fingerprint
+                ).docs:
                     history.add(list(doc))
         return cls(config, history, model=model)
 
@@ -121,8 +140,9 @@ class Retriever:
         self.stats.refresh()
         return ContextIndex(prompt_ids, self.history)
 
-    def plan(self, index: ContextIndex, cost: Any, rates: dict[int, float], room: int, *,
-             drafting: bool = True) -> Used | None:
+    def plan(
+        self, index: ContextIndex, cost: Any, rates: dict[int, float], room: int, *, drafting: bool = True
+    ) -> Used | None:
         """Whether this round retrieves (and what), given the model policy's `rates` (tokens per
         second by draft length, 0 = target alone; empty before they are measured) and `room`
         tokens the request may still propose. `drafting=False`: no model draft this round (the cost
@@ -140,8 +160,12 @@ class Retriever:
         candidate, m, rate = best
         if measured:
             alone = rates.get(0) or 1.0 / (cost.other + cost.verify_cost(1))  # a round without a draft
-            rival = max(rates.values()) if rates and drafting else alone  # no model draft this round: a plain one
-            if rate <= rival and not (candidate.match >= self.config.min_match and self.stats.turned_down(candidate)):
+            rival = (
+                max(rates.values()) if rates and drafting else alone
+            )  # no model draft this round: a plain one
+            if rate <= rival and not (
+                candidate.match >= self.config.min_match and self.stats.turned_down(candidate)
+            ):
                 return None
         return Used(candidate, m)
 
@@ -155,7 +179,9 @@ class Retriever:
         if not candidates or candidates[0].match < self.config.min_match:
             return proposal, None
         top = candidates[0]
-        if self.stats.acceptance(top.source, top.match)[0] < self.config.prior / 2:  # this kind of match keeps failing
+        if (
+            self.stats.acceptance(top.source, top.match)[0] < self.config.prior / 2
+        ):  # this kind of match keeps failing
             return proposal, None
         return proposal.then(top.ids), Used(top, len(top.ids), after=len(proposal))
 

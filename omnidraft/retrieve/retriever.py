@@ -52,8 +52,15 @@ class RetrievalConfig:
     history_tokens: int = 32_768
 
     def __post_init__(self) -> None:
-        if not isinstance(self.history_tokens, int) or isinstance(self.history_tokens, bool) or self.history_tokens < 0:
-            raise ValueError(f"retrieval history_tokens must be an integer >= 0 (0: keep none), got {self.history_tokens!r}")
+        if (
+            not isinstance(self.history_tokens, int)
+            or isinstance(self.history_tokens, bool)
+            or self.history_tokens < 0
+        ):
+            raise ValueError(
+                "retrieval history_tokens must be an integer >= 0 (0: keep none), got "
+                f"{self.history_tokens!r}"
+            )
         if not isinstance(self.max_len, int) or self.max_len < 1:
             raise ValueError(f"retrieval max_len must be an integer >= 1, got {self.max_len!r}")
         if not isinstance(self.min_match, int) or self.min_match < 1:
@@ -61,7 +68,9 @@ class RetrievalConfig:
         if not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"retrieval probe_every must be an integer >= 1, got {self.probe_every!r}")
         if not 0.0 <= self.prior < 1.0 or not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"retrieval prior and decay must be in [0, 1), got {self.prior} and {self.decay}")
+            raise ValueError(
+                f"retrieval prior and decay must be in [0, 1), got {self.prior} and {self.decay}"
+            )
 
 
 @dataclass(frozen=True)

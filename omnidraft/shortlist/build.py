@@ -46,7 +46,9 @@ def corpus() -> list[str]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def frequent_ids(tokenizer: Any, token_bytes: Any, texts: list[str], size: int, keep: set[int]) -> torch.Tensor:
+def frequent_ids(
+    tokenizer: Any, token_bytes: Any, texts: list[str], size: int, keep: set[int]
+) -> torch.Tensor:
     """The `size` most frequent ids of `texts` in this tokenizer that spell bytes (tokens a target
     can be given), most frequent first, then `keep` (the drafter's stop ids)."""
     counts: Counter[int] = Counter()
@@ -56,7 +58,9 @@ def frequent_ids(tokenizer: Any, token_bytes: Any, texts: list[str], size: int, 
     return torch.tensor(usable + sorted(keep - set(usable)), dtype=torch.long)
 
 
-def cluster_rows(weight: torch.Tensor, m: int, *, iters: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def cluster_rows(
+    weight: torch.Tensor, m: int, *, iters: int = 12, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Spherical k-means of the head's rows (V, d) into `m` clusters: ((V,) cluster of each row,
     (m, d) unit centroids)."""
     if not 1 <= m <= len(weight):
@@ -73,7 +77,8 @@ def cluster_rows(weight: torch.Tensor, m: int, *, iters: int = 12, seed: int = 0
     return torch.cat([(chunk @ centres.T).argmax(-1) for chunk in rows.split(65536)]), centres
 
 
-FORMAT = 4  # the version of a shortlist file's layout (4: clusters of the rows outside the core, routed by centroid)
+# the version of a shortlist file's layout (4: clusters of the rows outside the core, routed by centroid)
+FORMAT = 4
 
 
 def _cache_path(name: str, fingerprint: str, kind: str, size: int, m: int) -> Any:
@@ -93,18 +98,31 @@ def check_fits(saved: Any, drafter: Any, kind: str, clusters: int, where: str) -
     if saved.get("tokenizer") != drafter.token_bytes.fingerprint:
         raise ValueError(f"{where}: built for another tokenizer than {drafter.name}'s")
     core = saved.get("core")
-    if not isinstance(core, torch.Tensor) or core.dtype != torch.long or core.numel() == 0 or int(core.max()) >= vocab \
-            or int(core.min()) < 0:
+    if (
+        not isinstance(core, torch.Tensor)
+        or core.dtype != torch.long
+        or core.numel() == 0
+        or int(core.max()) >= vocab
+        or int(core.min()) < 0
+    ):
         raise ValueError(f"{where}: its core ids do not fit {drafter.name}'s vocabulary of {vocab}")
     if kind != "dyna":
         return
     assign, router = saved.get("assign"), saved.get("router")
-    if not isinstance(assign, torch.Tensor) or assign.shape != (vocab,) or int(assign.max()) >= clusters \
-            or int(assign.min()) < -1:
-        raise ValueError(f"{where}: its clusters do not cover {drafter.name}'s {vocab} head rows in {clusters} clusters")
+    if (
+        not isinstance(assign, torch.Tensor)
+        or assign.shape != (vocab,)
+        or int(assign.max()) >= clusters
+        or int(assign.min()) < -1
+    ):
+        raise ValueError(
+            f"{where}: its clusters do not cover {drafter.name}'s {vocab} head rows in {clusters} clusters"
+        )
     width = drafter.hidden_size
     if not isinstance(router, dict) or tuple(router.get("weight", torch.empty(0)).shape) != (clusters, width):
-        raise ValueError(f"{where}: its router does not map {drafter.name}'s hidden size {width} to {clusters} clusters")
+        raise ValueError(
+            f"{where}: its router does not map {drafter.name}'s hidden size {width} to {clusters} clusters"
+        )
 
 
 def _dyna_core(core: torch.Tensor, size: int, stops: set[int]) -> torch.Tensor:
@@ -113,8 +131,11 @@ def _dyna_core(core: torch.Tensor, size: int, stops: set[int]) -> torch.Tensor:
 
 
 def _build(drafter: Any, head: nn.Module | None, kind: str, size: int, clusters: int) -> dict[str, Any]:
-    saved: dict[str, Any] = {"format": FORMAT, "tokenizer": drafter.token_bytes.fingerprint,
-                             "core": frequent_ids(drafter.tokenizer, drafter.token_bytes, corpus(), size, set(drafter.stop_ids))}
+    saved: dict[str, Any] = {
+        "format": FORMAT,
+        "tokenizer": drafter.token_bytes.fingerprint,
+        "core": frequent_ids(drafter.tokenizer, drafter.token_bytes, corpus(), size, set(drafter.stop_ids)),
+    }
     if kind == "dyna":
         weight = dense_weight(head)
         outside = torch.ones(len(weight), dtype=torch.bool)
@@ -126,9 +147,17 @@ def _build(drafter: Any, head: nn.Module | None, kind: str, size: int, clusters:
     return saved
 
 
-def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 1024, capacity: int = 2048,
-              budget: tuple[int, ...] = (8, 6, 4), path: str | os.PathLike[str] | None = None,
-              head: nn.Module | None = None) -> Any:
+def shortlist(
+    drafter: Any,
+    kind: str,
+    *,
+    size: int = 8192,
+    clusters: int = 1024,
+    capacity: int = 2048,
+    budget: tuple[int, ...] = (8, 6, 4),
+    path: str | os.PathLike[str] | None = None,
+    head: nn.Module | None = None,
+) -> Any:
     """The policy object of `kind` ("static", "evo", "dyna") for `drafter`'s head (or `head`, an
     LM head outside the drafter's model: an exported graph's; none for a graph that gathers its
     rows). Built once per drafter tokenizer and cached; a cached file that does not fit is
@@ -143,8 +172,17 @@ def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 1024
         head = drafter.model.get_output_embeddings()
     head = getattr(head, "full", head)  # None: blocks of ids only, for a graph that gathers its rows
     own = path is not None
-    file = Path(path) if own else _cache_path(drafter.name, drafter.token_bytes.fingerprint,
-                                               "dyna" if kind == "dyna" else "core", size, clusters)
+    file = (
+        Path(path)
+        if own
+        else _cache_path(
+            drafter.name,
+            drafter.token_bytes.fingerprint,
+            "dyna" if kind == "dyna" else "core",
+            size,
+            clusters,
+        )
+    )
     saved = None
     if file.exists():
         try:
@@ -152,25 +190,40 @@ def shortlist(drafter: Any, kind: str, *, size: int = 8192, clusters: int = 1024
             check_fits(saved, drafter, kind, clusters, str(file))
         except Exception as exc:  # torch's unpickler raises many kinds on a torn file
             if own:
-                raise ValueError(str(exc) if isinstance(exc, ValueError) else f"{file}: unreadable ({exc})") from None
+                raise ValueError(
+                    str(exc) if isinstance(exc, ValueError) else f"{file}: unreadable ({exc})"
+                ) from None
             log.warning("rebuilding the %s shortlist of %s: %s", kind, drafter.name, exc)
             saved = None
     if saved is None:
         if kind == "dyna" and head is None:
-            raise ValueError(f"{drafter.name}: DynaSpec clusters the LM head's rows; this drafter has none outside its graph")
+            raise ValueError(
+                f"{drafter.name}: DynaSpec clusters the LM head's rows; this drafter has none outside its "
+                "graph"
+            )
         saved = _build(drafter, head, kind, size, clusters)
         file.parent.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
         torch.save(saved, buffer)
         atomic_write_bytes(file, buffer.getvalue())
-        log.info("built the %s shortlist of %s (%d core tokens) into %s", kind, drafter.name, len(saved["core"]), file)
+        log.info(
+            "built the %s shortlist of %s (%d core tokens) into %s",
+            kind,
+            drafter.name,
+            len(saved["core"]),
+            file,
+        )
     if kind == "static":
         return Static(head, saved["core"])
     if kind == "evo":
         return Evo(head, saved["core"], capacity)
     assign = saved["assign"]
     rows = torch.nonzero(assign >= 0).flatten()  # one sort, not a pass over the vocabulary per cluster
-    groups = list(rows[assign[rows].argsort(stable=True)].split(torch.bincount(assign[rows], minlength=clusters).tolist()))
+    groups = list(
+        rows[assign[rows].argsort(stable=True)].split(
+            torch.bincount(assign[rows], minlength=clusters).tolist()
+        )
+    )
     router = nn.Linear(saved["router"]["weight"].shape[1], clusters)
     router.load_state_dict(saved["router"])
     router.requires_grad_(False)

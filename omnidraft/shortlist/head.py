@@ -29,7 +29,9 @@ def _int8(head: nn.Module) -> bool:
     if isinstance(head, DynamicLinear):
         return True
     if not isinstance(head, nn.Linear):
-        raise TypeError(f"a shortlisted head needs an nn.Linear or dynamic int8 LM head, got {type(head).__name__}")
+        raise TypeError(
+            f"a shortlisted head needs an nn.Linear or dynamic int8 LM head, got {type(head).__name__}"
+        )
     return False
 
 
@@ -62,7 +64,9 @@ def _unpacked(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if cached is None:
         q, bias = head._weight_bias()
         if q.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric):
-            raise TypeError("a shortlisted int8 head needs per-channel weights (int8.quantize_int8's default)")
+            raise TypeError(
+                "a shortlisted int8 head needs per-channel weights (int8.quantize_int8's default)"
+            )
         cached = (q.int_repr(), q.q_per_channel_scales(), q.q_per_channel_zero_points(), bias)
         head.__dict__["_shortlist_unpacked"] = cached
     return cached

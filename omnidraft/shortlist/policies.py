@@ -89,8 +89,14 @@ class Dyna:
     """The core plus the router's top clusters: `budget[step]` of them at draft position `step`
     (the last entry for every later step)."""
 
-    def __init__(self, head: nn.Module, core: torch.Tensor, clusters: list[torch.Tensor], router: nn.Linear,
-                 budget: tuple[int, ...] = (8, 6, 4)) -> None:
+    def __init__(
+        self,
+        head: nn.Module,
+        core: torch.Tensor,
+        clusters: list[torch.Tensor],
+        router: nn.Linear,
+        budget: tuple[int, ...] = (8, 6, 4),
+    ) -> None:
         if not budget or min(budget) < 1:
             raise ValueError(f"budget must list positive cluster counts, got {budget}")
         self.core = Block(head, core)
@@ -101,7 +107,9 @@ class Dyna:
 
     def blocks(self, hidden: torch.Tensor, step: int) -> list[Block]:
         scores = self.router(hidden.reshape(-1, hidden.shape[-1])[-1].float())
-        top = scores.topk(min(self.budget[min(step, len(self.budget) - 1)], len(self.clusters))).indices.tolist()
+        top = scores.topk(
+            min(self.budget[min(step, len(self.budget) - 1)], len(self.clusters))
+        ).indices.tolist()
         return [self.core] + [self.clusters[c] for c in top if self.clusters[c] is not None]
 
     def begin(self, ids: list[int]) -> None:

@@ -48,7 +48,9 @@ class NgramCacheConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"n-gram cache policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_entries < 0:
-            raise ValueError(f"n-gram cache max_entries must be >= 0 (0 keeps nothing), got {self.max_entries}")
+            raise ValueError(
+                f"n-gram cache max_entries must be >= 0 (0 keeps nothing), got {self.max_entries}"
+            )
         if self.max_bytes < 1:
             raise ValueError(f"n-gram cache max_bytes must be >= 1, got {self.max_bytes}")
         if self.max_len < 2:
@@ -170,7 +172,8 @@ class _Frequent(_Policy):
         return [self._uses[key], self._rank[key][0]]
 
     def restore(self, key, value, state: list) -> None:  # type: ignore[no-untyped-def]
-        """`state`: [uses, priority] as `state` gave them, or [] (an LRU's save, a version-1 file): one use."""
+        """`state`: [uses, priority] as `state` gave them, or [] (an LRU's save, a version-1 file):
+        one use."""
         cachetools.Cache.__setitem__(self, key, value)
         uses, priority = state if len(state) == 2 else (1, None)
         self._uses[key] = max(1, uses)
@@ -232,7 +235,8 @@ class NgramCache:
         self._trim()
 
     def admits(self, key: tuple[int, ...]) -> bool:
-        """Whether `add` would keep `key` at all: a run of 2..max_len drafter tokens, in a cache of >= 1 entry."""
+        """Whether `add` would keep `key` at all: a run of 2..max_len drafter tokens, in a cache of
+        >= 1 entry."""
         return 2 <= len(key) <= self.config.max_len and self.config.max_entries > 0
 
     def _trim(self) -> None:
@@ -244,14 +248,25 @@ class NgramCache:
         return [(k, self._read(k)[0]) for k in self._cache.order()]
 
     def stats(self) -> dict[str, int]:
-        return {"entries": len(self), "bytes": self.nbytes, "hits": self.hits, "misses": self.misses,
-                "evictions": self.evictions}
+        return {
+            "entries": len(self),
+            "bytes": self.nbytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+        }
 
     def to_doc(self) -> dict:
         """The cache as a JSON-ready document (what `save` writes and a profile embeds)."""
-        return {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
-                "config": asdict(self.config), "stats": self.stats(), "age": getattr(self._cache, "age", 0),
-                "entries": [[list(k), v, *self._cache.state(k)] for k, v in self.items()]}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "fingerprint": self.fingerprint,
+            "config": asdict(self.config),
+            "stats": self.stats(),
+            "age": getattr(self._cache, "age", 0),
+            "entries": [[list(k), v, *self._cache.state(k)] for k, v in self.items()],
+        }
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically: a crash mid-write leaves the previous file loadable."""
@@ -268,16 +283,27 @@ class NgramCache:
         return cls.from_doc(doc, where=str(path), fingerprint=fingerprint)
 
     @classmethod
-    def from_doc(cls, doc: object, *, where: str = "n-gram cache", fingerprint: str | None = None,
-                 config: NgramCacheConfig | None = None) -> NgramCache:
+    def from_doc(
+        cls,
+        doc: object,
+        *,
+        where: str = "n-gram cache",
+        fingerprint: str | None = None,
+        config: NgramCacheConfig | None = None,
+    ) -> NgramCache:
         """A cache from `to_doc` output, with its eviction order, use counts and counters as saved;
         `config` overrides the saved bounds and policy (entries beyond the bounds are evicted, next
         to be evicted first; under another policy every entry restarts at one use)."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise CorruptFileError(f"{where} is not an omnidraft n-gram cache (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+            raise CorruptFileError(
+                f"{where} is not an omnidraft n-gram cache (format "
+                f"{doc.get('format') if isinstance(doc, dict) else None!r})"
+            )
         if doc.get("version") not in (1, VERSION):
-            raise CorruptFileError(f"{where} has n-gram cache format version {doc.get('version')}, "
-                                   f"this omnidraft reads 1 to {VERSION}")
+            raise CorruptFileError(
+                f"{where} has n-gram cache format version {doc.get('version')}, "
+                f"this omnidraft reads 1 to {VERSION}"
+            )
         if fingerprint is not None and doc.get("fingerprint") != fingerprint:
             raise IncompatibleError(
                 f"{where} was built for tokenizers {doc.get('fingerprint')!r}, not {fingerprint!r}; "
@@ -302,4 +328,3 @@ class NgramCache:
         if self.admits(key):
             self._cache.restore(key, (target_id, len(key)), state)
             self._trim()
-

@@ -21,7 +21,11 @@ _tables_lock = threading.Lock()
 def _tokenizer_key(side: Any) -> tuple[Any, ...]:
     """What a vocabulary map and a healer are functions of: the token bytes and the special tokens."""
     tb = side.token_bytes
-    return tb.fingerprint, tuple(sorted(tb.special.items())), tuple(getattr(side.tokenizer, r, None) for r in ROLES)
+    return (
+        tb.fingerprint,
+        tuple(sorted(tb.special.items())),
+        tuple(getattr(side.tokenizer, r, None) for r in ROLES),
+    )
 
 
 def pair_tables(drafter: Any, target: Any, *, healing: bool = True) -> tuple[VocabMap, Healer | None]:
@@ -37,8 +41,11 @@ def pair_tables(drafter: Any, target: Any, *, healing: bool = True) -> tuple[Voc
         if hit is not None:
             _tables.move_to_end(key)
     if hit is None or (healing and hit[1] is None):
-        vmap = hit[0] if hit is not None else build_vocab_map(drafter.token_bytes, target.token_bytes,
-                                                              drafter.tokenizer, target.tokenizer)
+        vmap = (
+            hit[0]
+            if hit is not None
+            else build_vocab_map(drafter.token_bytes, target.token_bytes, drafter.tokenizer, target.tokenizer)
+        )
         hit = (vmap, Healer(drafter.token_bytes, target.token_bytes) if healing else None)
         with _tables_lock:
             _tables[key] = hit

@@ -22,7 +22,11 @@ _SPM_SPACE = "\u2581"
 @lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode table (printable bytes map to themselves)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     codes, extra = list(printable), 0
     for b in range(256):
         if b not in printable:
@@ -91,7 +95,8 @@ class TokenBytes:
         """Raise ValueError unless every byte of UTF-8 text can be spelled (a target must)."""
         if missing := self.missing_bytes:
             raise ValueError(
-                f"tokenizer of {name!r} lacks byte coverage: no single-byte token for {len(missing)} byte values "
+                f"tokenizer of {name!r} lacks byte coverage: no single-byte token for {len(missing)} byte "
+                "values "
                 f"(first: {missing[:8]}); a target needs byte-level BPE or SentencePiece with byte fallback"
             )
 
@@ -128,7 +133,9 @@ def build_token_bytes(tokenizer: Any, vocab_size: int | None = None) -> TokenByt
         if data is None:
             continue
         current = by_bytes.get(data)
-        if current is None or (_is_byte_fallback(pieces, current, scheme) and not _is_byte_fallback(pieces, i, scheme)):
+        if current is None or (
+            _is_byte_fallback(pieces, current, scheme) and not _is_byte_fallback(pieces, i, scheme)
+        ):
             by_bytes[data] = i
     byte_token = _byte_tokens(table, pieces, scheme)
     digest = hashlib.sha256(scheme.encode())
@@ -138,7 +145,9 @@ def build_token_bytes(tokenizer: Any, vocab_size: int | None = None) -> TokenByt
 
 
 def _is_byte_fallback(pieces: list[str], i: int, scheme: str) -> bool:
-    return scheme == "sentencepiece" and i < len(pieces) and pieces[i].startswith("<0x") and len(pieces[i]) == 6
+    return (
+        scheme == "sentencepiece" and i < len(pieces) and pieces[i].startswith("<0x") and len(pieces[i]) == 6
+    )
 
 
 # Bytes that never occur in UTF-8 text; a vocabulary may lack single-byte tokens for them.
@@ -150,6 +159,8 @@ def _byte_tokens(table: list[bytes | None], pieces: list[str], scheme: str) -> t
     for i, data in enumerate(table):
         if data is not None and len(data) == 1:
             b = data[0]  # prefer <0xNN> in SentencePiece: that is what its encoder emits for raw bytes
-            if b not in best or (_is_byte_fallback(pieces, i, scheme) and not _is_byte_fallback(pieces, best[b], scheme)):
+            if b not in best or (
+                _is_byte_fallback(pieces, i, scheme) and not _is_byte_fallback(pieces, best[b], scheme)
+            ):
                 best[b] = i
     return tuple(best.get(b) for b in range(256))

@@ -69,14 +69,23 @@ class Proposal:
         if not retrieved:
             return self
         ids = torch.cat([self.ids, torch.tensor(retrieved, dtype=torch.long)])
-        return Proposal(ids, self.sources + (Source.RETRIEVED,) * len(retrieved), self.spans + (None,) * len(retrieved))
+        return Proposal(
+            ids, self.sources + (Source.RETRIEVED,) * len(retrieved), self.spans + (None,) * len(retrieved)
+        )
 
 
 class Translator:
     """Holds both vocabularies' byte views, the direct map and the n-gram cache of one pairing."""
 
-    def __init__(self, draft_codec: ByteCodec, target_codec: ByteCodec, vocab_map: VocabMap,
-                 cache: NgramCache, *, strategy: str = "text") -> None:
+    def __init__(
+        self,
+        draft_codec: ByteCodec,
+        target_codec: ByteCodec,
+        vocab_map: VocabMap,
+        cache: NgramCache,
+        *,
+        strategy: str = "text",
+    ) -> None:
         if strategy not in ("ngram", "text"):
             raise ValueError(f"translation strategy must be 'ngram' or 'text', got {strategy!r}")
         self.draft, self.target = draft_codec, target_codec
@@ -98,11 +107,17 @@ class Translator:
             raise ValueError(f"translate(only=...) must be 'any', 'aligned' or 'direct', got {only!r}")
         if skip:
             if only != "any":
-                raise ValueError("a healed draft (skip > 0) translates only with only='any' (greedy or match)")
+                raise ValueError(
+                    "a healed draft (skip > 0) translates only with only='any' (greedy or match)"
+                )
             return self._by_text(draft, skip=skip)
         if only == "direct":
             return self._direct(draft)
-        out = self._by_ngram(draft, allow_text=only == "any") if self.strategy == "ngram" else self._by_text(draft)
+        out = (
+            self._by_ngram(draft, allow_text=only == "any")
+            if self.strategy == "ngram"
+            else self._by_text(draft)
+        )
         if only == "aligned":
             out = out.cut(next((i for i, s in enumerate(out.spans) if s is None), len(out)))
         return out
@@ -110,7 +125,9 @@ class Translator:
     def _direct(self, draft: list[int]) -> Proposal:
         ids = [self._d2t[d] for d in draft]
         m = next((i for i, t in enumerate(ids) if t < 0), len(ids))
-        return Proposal(torch.tensor(ids[:m], dtype=torch.long), (Source.DIRECT,) * m, tuple((i, i + 1) for i in range(m)))
+        return Proposal(
+            torch.tensor(ids[:m], dtype=torch.long), (Source.DIRECT,) * m, tuple((i, i + 1) for i in range(m))
+        )
 
     def _by_ngram(self, draft: list[int], *, allow_text: bool) -> Proposal:
         ids, sources, spans = [], [], []
@@ -143,7 +160,10 @@ class Translator:
         if stop < len(draft) and self._d2t[draft[stop]] >= 0:  # a drafted special (EOS) maps by role
             ids.append(self._d2t[draft[stop]])
         # byte offset (after the skipped bytes) where each drafter token ends -> tokens up to it
-        d_ends = {e - skip: j + 1 for j, e in enumerate(accumulate(len(draft_table[d] or b"") for d in draft[:stop]))}
+        d_ends = {
+            e - skip: j + 1
+            for j, e in enumerate(accumulate(len(draft_table[d] or b"") for d in draft[:stop]))
+        }
         if not skip:
             d_ends[0] = 0
         target_table = self.target.token_bytes.table
@@ -173,7 +193,9 @@ class Translator:
         rows = torch.zeros(len(proposal), len(self.map.t2d), dtype=q.dtype)
         for i, span in enumerate(proposal.spans):
             if span is None:
-                raise ValueError("rejection sampling needs aligned proposals; translate with only='aligned' or 'direct'")
+                raise ValueError(
+                    "rejection sampling needs aligned proposals; translate with only='aligned' or 'direct'"
+                )
             a, b = span
             rows[i].index_add_(0, d2t[mapped], q[a, mapped])
             if b - a > 1:
@@ -206,7 +228,10 @@ class Translator:
         `draft_ids` to the n-gram cache. Both spell the same bytes, the drafter's starting `skip`
         bytes earlier (the bytes token healing held back)."""
         d_table, t_table = self.draft.token_bytes.table, self.target.token_bytes.table
-        d_starts = {s - skip: j for j, s in enumerate(accumulate((len(d_table[d] or b"") for d in draft_ids), initial=0))}
+        d_starts = {
+            s - skip: j
+            for j, s in enumerate(accumulate((len(d_table[d] or b"") for d in draft_ids), initial=0))
+        }
         added, pos = 0, 0
         for t in target_ids:
             start, pos = pos, pos + len(t_table[t] or b"")

@@ -35,7 +35,10 @@ class VocabMap:
 
     def summary(self) -> str:
         vd, vt = len(self.d2t), len(self.t2d)
-        return f"shared {self.shared} tokens ({self.shared / vd:.1%} of drafter {vd}, {self.shared / vt:.1%} of target {vt})"
+        return (
+            f"shared {self.shared} tokens ({self.shared / vd:.1%} of drafter {vd}, "
+            f"{self.shared / vt:.1%} of target {vt})"
+        )
 
 
 def build_vocab_map(

@@ -1,0 +1,55 @@
+"""A verification server's sessions, the fair model lock, and giving a session's engine resources back."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol import VerifyReply, VerifyRequest
+
+__all__ = ["FairLock", "Session", "release"]
+
+
+@dataclass
+class Session:
+    """One device's session on the server: the target session and what guards it."""
+
+    inner: Any
+    used: float
+    key: int = 0  # which API key opened it: only that key may use it
+    last: tuple[VerifyRequest, VerifyReply] | None = None  # the request applied last and its reply
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one request of this session at a time
+    verified: bool = False  # a session that never verifies expires after `fresh_ttl_s`, not `ttl_s`
+    streaming: bool = False  # a generate stream is running: other requests are refused until it ends
+
+
+class FairLock:
+    """A lock granted in the order it was asked for: a session feeding a long prompt chunk by chunk
+    queues behind the verifies that arrived meanwhile instead of taking the lock straight back."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[object] = deque()
+        self._held = False
+
+    def __enter__(self) -> None:
+        me = object()
+        with self._cond:
+            self._queue.append(me)
+            while self._held or self._queue[0] is not me:
+                self._cond.wait()
+            self._queue.popleft()
+            self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+
+def release(session: Session | None) -> None:
+    """Give a dropped session's engine resources back (a llama.cpp slot; nothing on vLLM)."""
+    if session is not None and (close := getattr(session.inner, "close", None)) is not None:
+        close()
