@@ -1,15 +1,14 @@
 """Dynamic int8 for drafters: per-channel weights, with SmoothQuant-style smoothing of the MLPs.
 
-Dynamic int8 cuts a drafter's step on CPU to about a third (SmolLM2-135M: 56 -> 20 ms a token here)
-and costs acceptance, because each call scales its activations by one number and a few channels of
-the MLP activations are far larger than the rest. Two fixes, both measured on the 0.5B pair's
-held-out GSM8K traces (`python -m benchmarks replay`, k = 6): per-channel weight scales (tau 2.53 -> 2.65) and
-moving the activation outliers of each MLP into its weights before quantizing (SmoothQuant, Xiao
-et al. 2023): the down projection's input channel j is divided by s_j in the up projection's
-output and multiplied back in the down projection's weights, and likewise the gate/up input
-through the post-attention RMSNorm (tau 2.65 -> 2.83; fp32 drafts at 3.04). In fp32 both folds
-leave the model's function unchanged. Scales come from a forward over `CALIBRATION`, a few
-sentences of prose, arithmetic and code (a second or two at load time).
+Dynamic int8 cuts a drafter's step on CPU to about a third and costs acceptance, because each call
+scales its activations by one number and a few channels of the MLP activations are far larger
+than the rest. Two fixes: per-channel weight scales, and moving the activation outliers of each
+MLP into its weights before quantizing (SmoothQuant, Xiao et al. 2023): the down projection's
+input channel j is divided by s_j in the up projection's output and multiplied back in the down
+projection's weights, and likewise the gate/up input through the post-attention RMSNorm. In fp32
+both folds leave the model's function unchanged. Scales come from a forward over `CALIBRATION`, a
+few sentences of prose, arithmetic and code (at load time). What each fix is worth:
+docs/drafter-acceptance.md.
 
 `fake_int8` turns a quantized model into one that trains, sharing its weights: each int8 linear
 is read by a `FakeInt8Linear` that computes what the int8 kernel computes, in fp32 with gradients.

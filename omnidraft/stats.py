@@ -1,6 +1,6 @@
 """Per-round records of a speculative generation, the statistics made from them, and JSONL traces.
 
-One vocabulary everywhere (DESIGN.md "Metrics"): acceptance rate is accepted / proposed target
+One vocabulary everywhere: acceptance rate is accepted / proposed target
 tokens averaged over rounds; tau is committed tokens per target forward (bonus included).
 """
 

@@ -1,1 +1,3 @@
-"""Adaptive draft length: the fallback policy now; acceptance heads (OmniDraft §3.3) next."""
+"""How much to draft: the cost model (measured drafting and verify costs), the draft-length
+policies (cost policy, hysteresis), acceptance heads and their trainer (OmniDraft §3.3), and
+per request whether to speculate at all (policy.py's outlook and mode chooser)."""

@@ -47,9 +47,8 @@ class HeadConfig:
     `train`: "interleaved" (own replay buffer, OmniDraft Algorithm 4), "joint" (updated in step with
     the adapter on the newest rounds only, Algorithm 3) or None (frozen). `warmup`: labelled tokens
     seen before the head decides; until then the hysteresis fallback does. `steps` minibatches of
-    `batch_size` rows per update: on 60 GSM8K requests (3,300 rows) 30 x 256 overfit the interleaved
-    head (held-out BCE 0.98, worse than predicting the mean rate, 0.61); 10 x 64 gave 0.53-0.56
-    (both measured on the MLP alone, before the calibration path; with it 10 x 64 gives 0.44).
+    `batch_size` rows per update: larger updates overfit the interleaved head (the measurements:
+    docs/acceptance-heads.md).
     """
 
     gamma: float | str = "cost"
