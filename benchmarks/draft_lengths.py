@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from omnidraft.adaptive.head import HeadConfig
+from omnidraft.adaptive.acceptance_head import HeadConfig
 from omnidraft.adaptive.policy import Hysteresis
 from omnidraft.atomic import atomic_write_bytes
 from omnidraft.bench.datasets import load_prompts
@@ -50,8 +50,8 @@ def train_heads(
     """
     from safetensors.torch import load_file, save_file
 
-    from omnidraft.adaptive.head import AcceptanceHead
-    from omnidraft.adaptive.trainer import HeadTrainer
+    from omnidraft.adaptive.acceptance_head import AcceptanceHead
+    from omnidraft.adaptive.head_trainer import HeadTrainer
 
     # v2: heads with the confidence calibration path; a cache of older heads is not reused
     stem = f"head-v2-{drafter.name}-{target.name}-{train.replace(':', '-')}-{n_train}-{max_new_tokens}"

@@ -87,7 +87,7 @@ def run_shortlists(
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     from omnidraft.shortlist.build import corpus, frequent_ids, shortlist
-    from omnidraft.shortlist.policies import Evo
+    from omnidraft.shortlist.supports import Evo
 
     v = int(drafter.model.config.vocab_size)
     progress("corpus frequencies")

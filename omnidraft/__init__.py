@@ -44,7 +44,7 @@ _WHERE = {
     "TorchDrafter": "draft.torch_drafter",
     "OrtDrafter": "export.ort_drafter",
     "DraftSession": "draft",
-    "HeadConfig": "adaptive.head",
+    "HeadConfig": "adaptive.acceptance_head",
     "Generation": "pairing",
     "LlamaCppDrafter": "llamacpp",
     "LlamaCppTarget": "llamacpp",

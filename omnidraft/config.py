@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .adaptive.head import HeadConfig
+from .adaptive.acceptance_head import HeadConfig
 from .adaptive.policy import Hysteresis
 from .retrieve import DRAFT_SOURCES, RetrievalConfig
 from .target import Rule
@@ -37,7 +37,7 @@ class DecodeConfig:
     `stop_confidence`: end a draft early after a token the drafter gives less probability than this.
     `adaptive`: a Hysteresis policy that moves the draft length (starting at k) with acceptance;
     None keeps k fixed. `head`: an acceptance head per pairing decides each draft's length (see
-    adaptive/head.py); until it has seen `head.warmup` labelled tokens the hysteresis fallback
+    adaptive/acceptance_head.py); until it has seen `head.warmup` labelled tokens the hysteresis fallback
     (or `adaptive`) does. `heal`: token healing of the drafter's context (translate/healing.py);
     it acts where it is lossless and the translation re-tokenizes text: greedy and `match`
     verification with the "text" strategy (`healing` says whether it acts).

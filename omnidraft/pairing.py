@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import torch
 
 from . import round_loop
-from .adaptive.head import CostModel
+from .adaptive.costs import CostModel
 from .adaptive.lengths import DraftLengths, plan_drafting
 from .backends import drafting_twin
 from .config import K_START, RELAXED, DecodeConfig
 from .distill.attach import attach_adapter
 from .errors import TargetError
-from .retrieve.planner import Retriever
+from .retrieve.retriever import Retriever
 from .rounds import Generation, check_request, first_stop, make_generator, render_chat, verified
 from .stats import GenerationStats, RoundRecord
 from .translate.ngram_cache import NgramCache

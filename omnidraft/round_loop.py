@@ -19,13 +19,13 @@ import torch
 
 from .draft.picking import NO_DRAFT, Adaptable, Draft
 from .draft.session import DraftSession
-from .retrieve.planner import NO_RENT, Rent
+from .retrieve.retriever import NO_RENT, Rent
 from .rounds import decode_alone, draft_rows, relaxation, within_budget
 from .stats import RoundRecord
 from .translate.translator import Proposal, Source
 
 if TYPE_CHECKING:
-    from .adaptive.head import Stopper
+    from .adaptive.acceptance_head import Stopper
     from .pairing import Pairing
     from .retrieve import ContextIndex
     from .target import Rule
@@ -76,7 +76,7 @@ class Request:
     k: int
     stopper: Stopper | None
     last: int
-    rent: Rent  # the deferred read of the prompt (retrieve/planner.py); NO_RENT: none
+    rent: Rent  # the deferred read of the prompt (retrieve/retriever.py); NO_RENT: none
     produced: int = 0
     idle: bool = False
     pending: tuple[int, float, int, float, float] | None = (

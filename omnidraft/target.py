@@ -15,9 +15,9 @@ import torch
 
 from . import verify as V
 from .attention import use_grouped_attention
+from .causal_runner import CausalRunner
 from .kernels import use_kernels
 from .models import load_model
-from .runner import CausalRunner
 from .translate.codec import ByteCodec
 from .translate.token_bytes import TokenBytes, build_token_bytes
 

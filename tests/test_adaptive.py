@@ -42,20 +42,19 @@ def test_draft_length_grows_under_full_acceptance(tiny_target):
     assert [r.drafted for r in out.rounds[:5]] == [2, 3, 4, 5, 6]
 
 
-# -- acceptance head (adaptive/head.py, adaptive/trainer.py) --------------------------------------
+# -- acceptance head (adaptive/acceptance_head.py, adaptive/head_trainer.py) ---------------------------
 
 import torch  # noqa: E402
 
-from omnidraft.adaptive.head import (  # noqa: E402
+from omnidraft.adaptive.acceptance_head import (  # noqa: E402
     EXTRA_FEATURES,
     AcceptanceHead,
-    CostModel,
     HeadConfig,
     Stopper,
-    _line,
     confidence_features,
 )
-from omnidraft.adaptive.trainer import HeadTrainer, round_labels  # noqa: E402
+from omnidraft.adaptive.costs import CostModel, _line  # noqa: E402
+from omnidraft.adaptive.head_trainer import HeadTrainer, round_labels  # noqa: E402
 from omnidraft.profiles import ProfileStore  # noqa: E402
 
 

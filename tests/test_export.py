@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import omnidraft as od
+from omnidraft.causal_runner import CausalRunner
 from omnidraft.errors import CorruptFileError, IncompatibleError
 from omnidraft.export.graphs import Gemma3Graph, LlamaGraph, drafter_graph
 from omnidraft.export.onnx import export_drafter
 from omnidraft.export.ort_drafter import OrtDrafter
-from omnidraft.runner import CausalRunner
 
 from .conftest import target_greedy
 from .test_pairing import PROMPTS

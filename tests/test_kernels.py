@@ -170,7 +170,7 @@ def test_grouped_attention_verifies_with_the_same_logits(tmp_path, monkeypatch, 
     """A verify's attention on the cache's own key/value heads (attention.py) gives transformers'
     numbers bit for bit, after a crop too; where it timed slower the model is left stock."""
     from omnidraft import attention as A
-    from omnidraft.runner import CausalRunner
+    from omnidraft.causal_runner import CausalRunner
 
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(

@@ -133,7 +133,7 @@ def test_a_pairing_drafts_through_the_faster_llama_cpp_twin_unless_it_needs_pyto
     that is measured faster; learning, a user profile, a shortlisted head, an acceptance head or a
     slower twin keep it on PyTorch; `backend="torch"` (no twin_spec) always does."""
     import omnidraft as od
-    from omnidraft.adaptive.head import HeadConfig
+    from omnidraft.adaptive.acceptance_head import HeadConfig
     from omnidraft.config import DecodeConfig
 
     twin = od.TorchDrafter(tiny_drafter.model, tiny_drafter.tokenizer, "twin")

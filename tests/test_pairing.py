@@ -301,7 +301,7 @@ def test_a_sliding_window_drafter_crops_back_past_its_window():
     (token healing re-feeds too), and the logits stay a full forward's."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from omnidraft.runner import CausalRunner
+    from omnidraft.causal_runner import CausalRunner
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(

@@ -11,7 +11,7 @@ import torch
 import omnidraft as od
 from omnidraft.errors import IncompatibleError
 from omnidraft.retrieve import Datastore, RetrievalConfig
-from omnidraft.retrieve.planner import NO_RENT, ReadDeferral
+from omnidraft.retrieve.retriever import NO_RENT, ReadDeferral
 
 from .conftest import assert_first_tokens_follow, gsm8k_texts, target_greedy, tiny_llama, train_bpe
 

@@ -147,7 +147,7 @@ def test_beside_model_drafts_a_short_match_is_left_to_the_model():
     """Measured costs favour retrieving a one-token match, yet with model drafts beside it the
     round drafts with the model (which a source may extend); retrieval alone, or a round the
     model does not draft, takes the match."""
-    from omnidraft.retrieve.planner import Retriever
+    from omnidraft.retrieve.retriever import Retriever
 
     class Cost:
         other, verify = 0.0, {1: 1.0, 2: 1.0}
@@ -168,7 +168,7 @@ def test_beside_model_drafts_a_short_match_is_left_to_the_model():
 def test_without_a_model_draft_this_round_a_retrieved_draft_competes_with_the_target_alone():
     """A match whose rate falls short of the model's best draft but beats a plain round is used
     when the round has no model draft (the drafter's read deferred, or no draft paying)."""
-    from omnidraft.retrieve.planner import Retriever
+    from omnidraft.retrieve.retriever import Retriever
 
     class Cost:
         other, verify = 0.0, {1: 1.0, 2: 1.0}

@@ -115,7 +115,7 @@ def test_an_echoed_prompt_holds_at_most_one_chunk_of_logits(tiny_target, monkeyp
     """Memory bound of one /v1/completions request: rows of logits alive at once <= ECHO_CHUNK,
     however long the echoed prompt (it used to keep one row per prompt position, +3.56 GB at 2,048
     prompt tokens on the 0.5B). The scores equal a single full forward's."""
-    from omnidraft.runner import CausalRunner
+    from omnidraft.causal_runner import CausalRunner
 
     rows = []
     real = CausalRunner.forward

@@ -10,8 +10,8 @@ import torch
 
 import omnidraft as od
 from omnidraft.int8 import quantize_int8
-from omnidraft.shortlist.head import ShortlistHead, install
-from omnidraft.shortlist.policies import Dyna, Evo, Static
+from omnidraft.shortlist.shortlisted_head import ShortlistHead, install
+from omnidraft.shortlist.supports import Dyna, Evo, Static
 
 from .conftest import assert_first_tokens_follow, gsm8k_texts, target_greedy, tiny_llama, train_bpe
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from .head import AcceptanceHead, CostModel, Stopper, head_state
+from .acceptance_head import AcceptanceHead, Stopper, head_state
+from .costs import CostModel
 from .policy import CostPolicy, Hysteresis, ModeChooser, Outlook, outlook
 
 __all__ = ["DraftLengths", "DraftingPlan", "plan_drafting"]
@@ -112,7 +113,7 @@ class DraftLengths:
             self._init_head(config.head, hidden_size, saved_head)
 
     def _init_head(self, hc: Any, hidden_size: int | None, saved: dict[str, torch.Tensor] | None) -> None:
-        from .trainer import HeadTrainer
+        from .head_trainer import HeadTrainer
 
         if hidden_size is None:
             raise ValueError(

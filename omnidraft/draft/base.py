@@ -48,7 +48,7 @@ class Drafter:
     codec: ByteCodec
     stop_ids: frozenset[int]
     lock: threading.RLock
-    head: Any = None  # the shortlisted LM head (shortlist/head.py), when one is in use
+    head: Any = None  # the shortlisted LM head (shortlist/shortlisted_head.py), when one is in use
     hidden_size: int | None = None  # the hidden state an acceptance head reads; None: none given
     learns: bool = False  # whether it carries per-target LoRA adapters and learns them (PyTorch only)
     backend: str = "?"

@@ -17,7 +17,7 @@ import torch
 from .picking import Draft, confidence, heal_pick, pick
 
 if TYPE_CHECKING:
-    from ..adaptive.head import Stopper
+    from ..adaptive.acceptance_head import Stopper
 
 __all__ = ["DraftSession", "Stream"]
 

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..causal_runner import CausalRunner
 from ..int8 import quantize_int8
 from ..models import load_model
 from ..presets import PRESETS
-from ..runner import CausalRunner
 from .base import Drafter
 
 if TYPE_CHECKING:
     from ..distill.adapters import AdapterConfig
-    from ..shortlist.head import ShortlistHead
+    from ..shortlist.shortlisted_head import ShortlistHead
 
 __all__ = ["TorchDrafter", "TorchStream"]
 
@@ -159,7 +159,7 @@ class TorchDrafter(Drafter, name="torch"):
         per tokenizer and cached (shortlist/build.py); `options` go to `shortlist.build.shortlist`.
         Verification is unchanged: drafts come from the drafter's distribution on the support."""
         from ..shortlist.build import shortlist
-        from ..shortlist.head import ShortlistHead, install
+        from ..shortlist.shortlisted_head import ShortlistHead, install
 
         with self.lock:
             if kind in (None, "full"):
@@ -221,7 +221,7 @@ class TorchDrafter(Drafter, name="torch"):
                 self.model = int8_twin(self.trainable, self.tokenizer)
                 self.learner = int8_learner(self.model) if self._through_int8 else self.trainable
                 if self.head is not None:  # the twin's head holds the same int8 rows: the blocks stay valid
-                    from ..shortlist.head import install
+                    from ..shortlist.shortlisted_head import install
 
                     self.head = install(self.model, self.head.policy)
             # else the twin and learner already share the new adapter's modules: no second int8 copy

@@ -161,7 +161,7 @@ class LlamaGraph(nn.Module):
 class Gemma3Graph(LlamaGraph):
     """Gemma 3's text forward of `model` (an HF Gemma3ForCausalLM, adapters merged) over explicit
     KV tensors. Sliding-window layers keep every position and mask the ones outside the window (as
-    the PyTorch drafter's cache does, runner.py), so one rollback rule serves every layer."""
+    the PyTorch drafter's cache does, causal_runner.py), so one rollback rule serves every layer."""
 
     def __init__(
         self,

@@ -79,7 +79,7 @@ def parity(
     model: Any, onnx_path: Path, keep_ids: Sequence[int] | None, prompts: list[list[int]], steps: int
 ) -> dict[str, Any]:
     """Greedy drafting with the ORT graph vs the PyTorch model over `prompts`, `steps` tokens each."""
-    from ..runner import CausalRunner
+    from ..causal_runner import CausalRunner
     from .ort_drafter import OrtGraph
 
     graph = OrtGraph(onnx_path)

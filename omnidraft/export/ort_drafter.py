@@ -135,7 +135,7 @@ class OrtDrafter(Drafter, name="onnx"):
         self.keep_ids = torch.as_tensor(keep, dtype=torch.long) if keep is not None else None
         self.hidden_size = int(sidecar["hidden_size"])
         self.lm_head: torch.nn.Module | None = None  # the LM head, when the graph ends at the hidden state
-        self.head: Any = None  # its shortlisted form (shortlist/head.py ShortlistHead), when one is in use
+        self.head: Any = None  # its shortlisted form (a ShortlistHead), when one is in use
         self.gathers = (
             graph.gathers
         )  # the graph evaluates the head rows of `support` (a shortlist's, else all)
@@ -220,7 +220,7 @@ class OrtDrafter(Drafter, name="onnx"):
         export --head outside`: every policy) or gathered (`--head gather`: static and EvoSpec,
         whose support is known before the call). None or "full": the whole head."""
         from ..shortlist.build import shortlist
-        from ..shortlist.head import ShortlistHead
+        from ..shortlist.shortlisted_head import ShortlistHead
 
         if self.lm_head is None and not self.gathers:
             raise ValueError(

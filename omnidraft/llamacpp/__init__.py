@@ -4,13 +4,13 @@
     drafter = Drafter.load("smollm2-135m", backend="llama.cpp")
     pair = drafter.pair(target)
 
-`engine.py` evaluates token ids with a KV cache that keeps the longest shared prefix; `target.py`
+`engine.py` evaluates token ids with a KV cache that keeps the longest shared prefix; `llama_target.py`
 and `drafting.py` put the target and drafter protocols on it; `hook.py` offers an omnidraft drafter to
 llama-cpp-python's own speculative decoding (`Llama(..., draft_model=...)`).
 """
 
 from .drafting import LlamaCppDrafter
 from .engine import LlamaEngine
-from .target import LlamaCppTarget
+from .llama_target import LlamaCppTarget
 
 __all__ = ["LlamaCppDrafter", "LlamaCppTarget", "LlamaEngine"]

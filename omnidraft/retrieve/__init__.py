@@ -3,7 +3,7 @@ the target's own ids (ReSpec, SAM-Decoding). See retriever.py for the policy."""
 
 from .automaton import Matcher, SuffixAutomaton
 from .datastore import DATASTORE_CAP, Datastore
-from .retriever import DRAFT_SOURCES, Candidate, ContextIndex, RetrievalConfig, RetrievalStats
+from .index import DRAFT_SOURCES, Candidate, ContextIndex, RetrievalConfig, RetrievalStats
 
 __all__ = [
     "DATASTORE_CAP",

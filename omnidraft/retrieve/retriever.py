@@ -1,198 +1,200 @@
-"""Retrieval drafts (ReSpec's "when, what and how", with SAM-Decoding's index), in target ids.
+"""A pairing's retrieval side: when a round retrieves instead of drafting with the model, how far a
+model draft runs on into a retrieved continuation, and what each source's history says.
 
-Per request, `ContextIndex` keeps a suffix automaton over the request's own target ids (prompt and
-committed output) and follows the committed context on it and on the user's `Datastore`. Each
-source offers one `Candidate`: what followed the first occurrence of the longest suffix of the
-context found there. Per pairing, `RetrievalStats` keeps how each source's drafts fared by
-match length, and `plan` turns candidates into a draft:
-
-- **when**: retrieve where a candidate's expected committed tokens per second beat the model
-  draft's (both from the pairing's measured costs); before costs are measured, where the match is
-  at least `min_match` tokens long. A model draft may be extended by what follows it in a source.
-- **what**: candidates are ranked by their own acceptance history (per source and match length).
-- **how**: a retrieved token is verified like any other, so every lossless mode stays lossless.
+The decision is the cost policy's, extended: a retrieved draft of m tokens commits E(m) tokens
+(from the source's acceptance at that match length) in `other + V(m + 1)` seconds; it is used when
+that rate beats the model draft's best and the target alone's (see adaptive/policy.py). Until the
+pairing has measured its verification costs, a match of at least `min_match` tokens retrieves.
+With model drafts beside it, a shorter match never retrieves: there a model draft, run on into the
+source where its end matches, commits more a second (docs/retrieval.md). A request's drafter reads
+its context only once a model draft is worth that read (`ReadDeferral`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..adaptive.policy import ema
-from .automaton import Matcher, SuffixAutomaton
-from .datastore import SEP, Datastore
+from ..translate.translator import Proposal
+from .datastore import Datastore
+from .index import Candidate, ContextIndex, RetrievalConfig, RetrievalStats
 
-__all__ = ["DRAFT_SOURCES", "Candidate", "ContextIndex", "RetrievalConfig", "RetrievalStats"]
-
-DRAFT_SOURCES = ("hybrid", "model", "retrieval")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RetrievalConfig:
-    """`max_len`: longest retrieved draft. `min_match`: the match length from which a source is used
-    before the pairing has measured its costs, and always beside model drafts.
-    `prior`: first-token acceptance assumed for a one-token match with no history yet (a match of n
-    tokens is assumed to miss n times less often).
-    `decay`: of the acceptance averages. `extend`: let a model draft run on into a retrieved
-    continuation when the draft's end matches a source. `probe_every`: a kind of match (source and
-    length) the costs turned down this many rounds in a row is tried once anyway, so one that
-    failed before is measured again (acceptance depends on the request). `defer_read`: beside model
-    drafts, a request starts without them until its rounds have lost what reading its context
-    costs the drafter (planner.ReadDeferral; docs/retrieval.md has what it measured); False: the
-    drafter reads every prompt at once. `history_tokens`: the most tokens of a user's past outputs
-    their profile keeps for retrieval (newest kept); 0 keeps none: no output text is stored."""
-
-    max_len: int = 16
-    min_match: int = 3
-    prior: float = 0.5
-    decay: float = 0.8
-    extend: bool = True
-    probe_every: int = 8
-    defer_read: bool = True
-    history_tokens: int = 32_768
-
-    def __post_init__(self) -> None:
-        if (
-            not isinstance(self.history_tokens, int)
-            or isinstance(self.history_tokens, bool)
-            or self.history_tokens < 0
-        ):
-            raise ValueError(
-                "retrieval history_tokens must be an integer >= 0 (0: keep none), got "
-                f"{self.history_tokens!r}"
-            )
-        if not isinstance(self.max_len, int) or self.max_len < 1:
-            raise ValueError(f"retrieval max_len must be an integer >= 1, got {self.max_len!r}")
-        if not isinstance(self.min_match, int) or self.min_match < 1:
-            raise ValueError(f"retrieval min_match must be an integer >= 1, got {self.min_match!r}")
-        if not isinstance(self.probe_every, int) or self.probe_every < 1:
-            raise ValueError(f"retrieval probe_every must be an integer >= 1, got {self.probe_every!r}")
-        if not 0.0 <= self.prior < 1.0 or not 0.0 <= self.decay < 1.0:
-            raise ValueError(
-                f"retrieval prior and decay must be in [0, 1), got {self.prior} and {self.decay}"
-            )
+__all__ = ["NO_RENT", "ReadDeferral", "Rent", "Retriever", "Used"]
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """A retrieved continuation: `ids` (target ids), from `source` ("context" or "history"),
-    after a match of `match` tokens."""
+class Used:
+    """A candidate a round proposed `length` tokens of, after `after` model tokens."""
 
-    ids: list[int]
-    source: str
-    match: int
-
-
-class ContextIndex:
-    """One request's retrieval state: the request's automaton, its matcher, and a matcher on the
-    user's datastore. `commit` costs O(1) amortised per token."""
-
-    def __init__(self, prompt_ids: list[int], store: Datastore | None = None) -> None:
-        self.sam = SuffixAutomaton()
-        self.here = Matcher()
-        self.store = store if store is not None and len(store) else None
-        self.there = Matcher()
-        self.commit(prompt_ids)
-
-    def commit(self, ids: list[int]) -> None:
-        for token in ids:
-            self.here = self.here.advance(self.sam, token)  # matched before the token joins the text
-            self.sam.extend(token)
-            if self.store is not None:
-                self.there = self.there.advance(self.store.sam, token)
-
-    def candidates(self, n: int, ahead: list[int] = ()) -> list[Candidate]:
-        """Each source's continuation (up to n tokens) of the committed context followed by the
-        uncommitted `ahead` (a model draft), longest match first."""
-        here, there = self.here, self.there
-        for token in ahead:
-            here = here.advance(self.sam, token)
-            if self.store is not None:
-                there = there.advance(self.store.sam, token)
-        out = []
-        if here.length:
-            out.append(Candidate(here.continuation(self.sam, n), "context", here.length))
-        if self.store is not None and there.length:
-            out.append(Candidate(there.continuation(self.store.sam, n, stop=SEP), "history", there.length))
-        return sorted((c for c in out if c.ids), key=lambda c: -c.match)
+    candidate: Candidate
+    length: int
+    after: int = 0
 
 
-BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)  # match lengths whose acceptance is tracked apart
+class ReadDeferral:
+    """Whether a request's drafter may leave its context unread while retrieval serves it: rent or buy.
+
+    A drafter reads the request's context (the prompt, and whatever was committed since) before its
+    first draft; on a long prompt where retrieval copies most of the output, that read costs more
+    than the model's drafts win back. So a request with a retrieval index may start without model
+    drafts (rounds that retrieve, or let the target decode one token) until those rounds have lost,
+    against committing the same tokens at the model's measured rate (the cost policy's best), as
+    much time as the read costs (measured per context token at each request's first draft); a
+    round that beat the model's rate is credited. Renting until the rent equals the price costs
+    at most twice the better choice made in hindsight. One per pairing; `begin` gives a request its
+    own `Rent`, so concurrent requests share only the read cost. On by default
+    (`RetrievalConfig.defer_read`): docs/retrieval.md has what it measured.
+    """
+
+    def __init__(self, decay: float = 0.7) -> None:
+        self.decay = decay
+        self.per_token: float | None = None  # seconds the drafter takes to read one context token
+
+    def begin(self, context: int) -> Rent:
+        """A request whose drafter has `context` tokens (counted in target ids) to read."""
+        return Rent(self, context)
 
 
-def bucket(match: int) -> int:
-    return max(i for i, b in enumerate(BUCKETS) if match >= b)
+@dataclass
+class Rent:
+    """One request's side of `ReadDeferral`."""
 
+    owner: ReadDeferral
+    unread: int  # the prompt's length; 0 once the request drafted (or for NO_RENT)
+    regret: float = 0.0  # seconds its rounds without the model lost against model drafts so far
+    rates: dict[int, float] = field(default_factory=dict)  # the cost policy's, when `defer` last asked
 
-class RetrievalStats:
-    """How retrieved drafts fare, by (source, match-length bucket). A copy is mostly all or nothing:
-    either the context goes on as it went before or it does not from the first token on. So two
-    moving averages per key: `first`, how often the first retrieved token is accepted, and `then`,
-    the per-token acceptance after it (accepted tokens over trials, a rejection ending a trial)."""
+    def defer(self, rates: dict[int, float], produced: int) -> bool:
+        """Whether this round leaves the model out, by the cost policy's `rates` (committed tokens a
+        second by draft length, 0: the target alone) with `produced` tokens committed so far."""
+        if not self.unread or self.owner.per_token is None or 0 not in rates:
+            return False
+        self.rates = rates
+        return self.regret < self.owner.per_token * (self.unread + produced)
 
-    def __init__(self, config: RetrievalConfig) -> None:
-        self.config = config
-        self.first: dict[tuple[str, int], float] = {}
-        self.kept: dict[tuple[str, int], float] = {}  # tokens accepted after the first
-        self.trials: dict[tuple[str, int], float] = {}  # and their trials
-        self.waiting: dict[tuple[str, int], int] = {}  # rounds turned down since the last trial
-
-    def _prior(self, key: tuple[str, int]) -> float:
-        return 1.0 - (1.0 - self.config.prior) / BUCKETS[key[1]]
-
-    def refresh(self) -> None:
-        """A new request: acceptance depends on the request, so each first-token average moves
-        halfway back to its prior."""
-        for key, value in self.first.items():
-            self.first[key] = 0.5 * (value + self._prior(key))
-
-    def turned_down(self, candidate: Candidate) -> bool:
-        """The costs turned this candidate down; True when its kind is due for a probe anyway."""
-        key = (candidate.source, bucket(candidate.match))
-        self.waiting[key] = self.waiting.get(key, 0) + 1
-        return self.waiting[key] >= self.config.probe_every
-
-    def _ema(self, table: dict[tuple[str, int], float], key: tuple[str, int], value: float) -> None:
-        table[key] = ema(table.get(key), value, self.config.decay)
-
-    def acceptance(self, source: str, match: int) -> tuple[float, float]:
-        """(first-token acceptance, per-token acceptance after it) of a candidate."""
-        key = (source, bucket(match))
-        prior = self._prior(key)  # with no history, a longer match is taken as likelier to go on as before
-        first = self.first.get(key, prior)
-        then = min(0.99, self.kept[key] / self.trials[key]) if self.trials.get(key) else max(prior, 0.8)
-        return first, then
-
-    def observe(self, source: str, match: int, proposed: int, accepted: int) -> None:
-        if proposed < 1:
+    def settle(
+        self,
+        deferred: bool,
+        committed: int,
+        seconds: float | None,
+        drafted: int,
+        draft_s: float,
+        step: float | None,
+        produced: int,
+    ) -> None:
+        """A finished round that committed `committed` tokens in `seconds` (None: the request's first
+        round, which also reads the prompt into the target): deferred, or one that `drafted`
+        tokens in `draft_s` at a measured `step` per drafted token, after `produced` tokens."""
+        if deferred:
+            best = max((v for k, v in self.rates.items() if k > 0), default=0.0)
+            if seconds is not None and best > 0:
+                self.regret = max(0.0, self.regret + seconds - committed / best)
             return
-        key = (source, bucket(match))
-        self.waiting[key] = 0
-        self._ema(self.first, key, float(accepted > 0))
-        if accepted > 0 and proposed > 1:
-            self._ema(self.kept, key, accepted - 1)
-            self._ema(self.trials, key, accepted - 1 + (accepted < proposed))
+        if self.unread and drafted:  # the request's first draft read its context first
+            read = max(0.0, draft_s - drafted * (step or 0.0)) / (self.unread + produced)
+            old = self.owner.per_token  # down at once, up slowly: a first call's warm-up is not the cost
+            self.owner.per_token = read if old is None or read < old else ema(old, read, self.owner.decay)
+            self.unread = 0
 
-    def expected(self, candidate: Candidate, m: int) -> float:
-        """Committed tokens of a round that proposes the candidate's first m tokens."""
-        first, a = self.acceptance(candidate.source, candidate.match)
-        return 1.0 + first * (1.0 + a * (1 - a ** (m - 1)) / (1 - a)) if m > 0 else 1.0
 
-    def best(self, candidates: list[Candidate], cost: Any | None) -> tuple[Candidate, int, float] | None:
-        """The candidate and length of highest expected tokens per second (`cost`: the pairing's
-        CostModel, ready), or by the rule (longest match of at least `min_match`, whole) without
-        one; None when no candidate qualifies. The rate is None-free: 0.0 without costs."""
-        if not candidates:
+NO_RENT = Rent(ReadDeferral(), 0)  # a request with nothing to defer: never defers, never measures
+
+
+class Retriever:
+    """Per pairing (shared by its requests): acceptance history by source, and the user's datastore
+    (`history`, None without a user profile). `model=False`: no model drafts to compare against
+    (retrieval only); a round either retrieves or lets the target decode one token."""
+
+    def __init__(
+        self, config: RetrievalConfig, history: Datastore | None = None, *, model: bool = True
+    ) -> None:
+        self.config, self.history, self.model = config, history, model
+        self.stats = RetrievalStats(config)
+        self.deferral = ReadDeferral() if model and config.defer_read else None
+
+    @classmethod
+    def for_user(
+        cls,
+        config: RetrievalConfig,
+        user: str | None,
+        saved: dict[str, Any] | None,
+        fingerprint: str,
+        *,
+        model: bool = True,
+    ) -> Retriever:
+        """A pairing's retriever: with a `user`, their past outputs are drafts too, kept in their
+        profile (`saved`: its datastore document; `fingerprint`: the target tokenizer's)."""
+        history = None
+        if user is not None and config.history_tokens > 0:  # 0: the user's outputs are never kept
+            history = Datastore(config.history_tokens, fingerprint=fingerprint)
+            if saved is not None:  # what the profile kept, within this config's retention
+                for doc in Datastore.from_doc(
+                    saved, where=f"profile of {user!r}", fingerprint=fingerprint
+                ).docs:
+                    history.add(list(doc))
+        return cls(config, history, model=model)
+
+    def begin(self, prompt_ids: list[int]) -> ContextIndex:
+        """A request's index (and its acceptance history moved back toward the priors)."""
+        self.stats.refresh()
+        return ContextIndex(prompt_ids, self.history)
+
+    def plan(
+        self, index: ContextIndex, cost: Any, rates: dict[int, float], room: int, *, drafting: bool = True
+    ) -> Used | None:
+        """Whether this round retrieves (and what), given the model policy's `rates` (tokens per
+        second by draft length, 0 = target alone; empty before they are measured) and `room`
+        tokens the request may still propose. `drafting=False`: no model draft this round (the cost
+        policy chose none, or the drafter's read is deferred), so a retrieved draft competes with a
+        round of the target alone."""
+        if room < 1:
             return None
-        if cost is None:
-            top = candidates[0]
-            if top.match < self.config.min_match:
+        candidates = index.candidates(min(room, self.config.max_len))
+        if self.model and drafting:  # a short match is left to the model draft, which a source may extend
+            candidates = [c for c in candidates if c.match >= self.config.min_match]
+        measured = len(getattr(cost, "verify", ())) >= 2 and (rates or not self.model)
+        best = self.stats.best(candidates, cost if measured else None)
+        if best is None:
+            return None
+        candidate, m, rate = best
+        if measured:
+            alone = rates.get(0) or 1.0 / (cost.other + cost.verify_cost(1))  # a round without a draft
+            rival = (
+                max(rates.values()) if rates and drafting else alone
+            )  # no model draft this round: a plain one
+            if rate <= rival and not (
+                candidate.match >= self.config.min_match and self.stats.turned_down(candidate)
+            ):
                 return None
-            return top, min(len(top.ids), self.config.max_len), 0.0
-        best: tuple[Candidate, int, float] | None = None
-        for c in candidates:
-            for m in range(1, min(len(c.ids), self.config.max_len) + 1):
-                rate = self.expected(c, m) / (cost.other + cost.verify_cost(m + 1))
-                if best is None or rate > best[2]:
-                    best = (c, m, rate)
-        return best
+        return Used(candidate, m)
+
+    def extend(self, index: ContextIndex, proposal: Proposal, room: int) -> tuple[Proposal, Used | None]:
+        """A model draft (in target ids) run on into what followed its end in a source, when that
+        match is at least `min_match` tokens long (up to `room` tokens in all)."""
+        free = min(room, self.config.max_len) - len(proposal)
+        if not self.config.extend or len(proposal) == 0 or free < 1:
+            return proposal, None
+        candidates = index.candidates(free, ahead=proposal.ids.tolist())
+        if not candidates or candidates[0].match < self.config.min_match:
+            return proposal, None
+        top = candidates[0]
+        if (
+            self.stats.acceptance(top.source, top.match)[0] < self.config.prior / 2
+        ):  # this kind of match keeps failing
+            return proposal, None
+        return proposal.then(top.ids), Used(top, len(top.ids), after=len(proposal))
+
+    def observe(self, used: Used | None, proposed: int, accepted: int) -> None:
+        """The round's verdict: `accepted` of `proposed` target tokens. The retrieved part counts as
+        tried only when every model token before it was accepted."""
+        if used is None:
+            return
+        tried = min(used.length, proposed - used.after)
+        if tried > 0 and accepted >= used.after:
+            self.stats.observe(used.candidate.source, used.candidate.match, tried, accepted - used.after)
+
+    def finish(self, output: list[int]) -> None:
+        """A finished request: its output joins the user's datastore."""
+        if self.history is not None and output:
+            self.history.add(output)

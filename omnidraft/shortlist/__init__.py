@@ -2,7 +2,7 @@
 shortlist, EvoSpec's core plus recalled buffer, DynaSpec's routed clusters). `Drafter.use_shortlist`
 installs one; verification is untouched. See docs/shortlists.md."""
 
-from .head import ShortlistHead
-from .policies import Dyna, Evo, Static
+from .shortlisted_head import ShortlistHead
+from .supports import Dyna, Evo, Static
 
 __all__ = ["Dyna", "Evo", "ShortlistHead", "Static"]

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_write_bytes
-from .head import dense_weight
+from .shortlisted_head import dense_weight
 
 __all__ = ["FORMAT", "POLICIES", "check_fits", "cluster_rows", "corpus", "frequent_ids", "shortlist"]
 
@@ -164,7 +164,7 @@ def shortlist(
     rebuilt. `path`: a shortlist file kept beside the drafter instead: read when it exists
     (refused, naming why, when it does not fit), else built there. DynaSpec: `clusters` of the
     head's rows outside its core, `budget[j]` of them evaluated at draft position j."""
-    from .policies import Dyna, Evo, Static
+    from .supports import Dyna, Evo, Static
 
     if kind not in POLICIES[1:]:
         raise ValueError(f"shortlist must be one of {POLICIES}, got {kind!r}")

@@ -1,4 +1,4 @@
-"""The three shortlist policies (one mechanism: head.py's blocks).
+"""The three shortlist policies (one mechanism: shortlisted_head.py's blocks).
 
 - `Static` (FR-Spec): one block, the most frequent tokens of a corpus.
 - `Evo` (EvoSpec): the static core plus a bounded dynamic buffer of tokens recalled from the
@@ -19,7 +19,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from .head import Block
+from .shortlisted_head import Block
 
 __all__ = ["Dyna", "Evo", "Static"]
 

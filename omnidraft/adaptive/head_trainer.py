@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .head import AcceptanceHead, HeadConfig
+from .acceptance_head import AcceptanceHead, HeadConfig
 
 __all__ = ["HeadTrainer", "round_labels"]
 

@@ -1,7 +1,7 @@
 """`ShortlistHead`: a drafter's LM head evaluated only on a support of its vocabulary.
 
 The vocabulary is cut into blocks (an id tensor each, with a linear layer over just those rows of
-the head, packed once); a policy (policies.py) picks the blocks of each call. The head returns the
+the head, packed once); a policy (supports.py) picks the blocks of each call. The head returns the
 full-width logits with -inf outside the support, so everything downstream (greedy pick, sampling,
 the q rows of `exact`) is unchanged and sees a drafter whose distribution is its own restricted to
 the support and renormalised: verification stays exact. A block's rows are the head's own rows, in
