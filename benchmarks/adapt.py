@@ -226,7 +226,7 @@ def agreement(
         previous = drafter.active
         drafter.activate(adapter)
         try:
-            if getattr(drafter, "_int8", False):
+            if getattr(drafter, "int8", False):
                 model = fake_int8(model)
             for trace, prompt in zip(traces, prompts):
                 example = build_example(_request(trace, prompt, 2), drafter, target_bytes, t2d)
@@ -324,7 +324,7 @@ def run_adapt(
         "k": k,
         "stop_confidence": stop_confidence,
         "rank": rank,
-        "drafter_precision": "int8" if getattr(drafter, "_int8", False) else "fp32",
+        "drafter_precision": "int8" if getattr(drafter, "int8", False) else "fp32",
         "train_weights": "drafting" if getattr(drafter, "_through_int8", False) else "fp32",
         "modules": list(lora.modules),
         "config": dict(vars(config)),
@@ -387,8 +387,8 @@ def run_adapt(
             cfg.seed
         )  # the LoRA's random A: two unseeded runs ended 0.016-0.025 apart in acceptance
         if variant in FULL:
-            if drafter._int8:
-                model = load_model(drafter._spec).model
+            if drafter.int8:
+                model = load_model(drafter.spec).model
             else:  # the fp32 base without any adapter layers
                 model = (
                     copy.deepcopy(drafter.trainable).unload()
@@ -397,7 +397,7 @@ def run_adapt(
                 )
             model.requires_grad_(True)
             trainer = OnlineTrainer(model, t2d, cfg)
-            drafting = (lambda m: quantize_int8(m, drafter.tokenizer)) if drafter._int8 else copy.deepcopy  # noqa: E731
+            drafting = (lambda m: quantize_int8(m, drafter.tokenizer)) if drafter.int8 else copy.deepcopy  # noqa: E731
             as_drafter = lambda: (Drafter(drafting(model.eval()), drafter.tokenizer, drafter.name), None)  # noqa: E731
         else:
             adapter = f"adapt_{variant}_{time.time_ns()}"

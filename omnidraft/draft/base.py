@@ -9,8 +9,10 @@ one asked for by name (`BACKEND_MODULES`).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+import re
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +84,15 @@ class Drafter:
         """What decides its drafting speed on one machine (the key its measured cost is kept under)."""
         head = type(self.head.policy).__name__ if self.head is not None else "full"
         return f"{self.name}|{type(self).__name__}|head {head}"
+
+    @staticmethod
+    def adapter_name(target: str, user: str | None) -> str:
+        """A peft-safe adapter name for a (target, user) pairing, injective: a readable prefix plus a
+        hash of the exact pair, so users "a.b", "a_b" and "a-b" never share an adapter, nor does
+        the anonymous pairing (user None) share one with any named user ("default" included)."""
+        exact = f"{target}\0{chr(1) if user is None else chr(2) + user}".encode()
+        readable = re.sub(r"[^A-Za-z0-9]", "_", f"{target}__{'anonymous' if user is None else user}")[:48]
+        return f"{readable}_{hashlib.sha256(exact).hexdigest()[:16]}"
 
     def pair(self, target: Target, config: DecodeConfig | None = None, **options: Any) -> Pairing:
         """Pair this drafter with `target`: see `omnidraft.pairing.pair` (user, learn, overrides)."""

@@ -9,9 +9,7 @@ step is live for drafting at no copy cost. `activate(name)` switches all in mill
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -179,15 +177,6 @@ class TorchDrafter(Drafter, name="torch"):
         return load_model(self.spec).model
 
     # -- adapters ------------------------------------------------------------------------------
-
-    @staticmethod
-    def adapter_name(target: str, user: str | None) -> str:
-        """A peft-safe adapter name for a (target, user) pairing, injective: a readable prefix plus a
-        hash of the exact pair, so users "a.b", "a_b" and "a-b" never share an adapter, nor does
-        the anonymous pairing (user None) share one with any named user ("default" included)."""
-        exact = f"{target}\0{chr(1) if user is None else chr(2) + user}".encode()
-        readable = re.sub(r"[^A-Za-z0-9]", "_", f"{target}__{'anonymous' if user is None else user}")[:48]
-        return f"{readable}_{hashlib.sha256(exact).hexdigest()[:16]}"
 
     def add_adapter(
         self, name: str, config: AdapterConfig | None = None, state: dict[str, torch.Tensor] | None = None

@@ -35,7 +35,7 @@ from .protocol import (
     VerifyReply,
     VerifyRequest,
 )
-from .sessions import FairLock, Session, release
+from .sessions import FairLock, Session, release_session
 from .text_routes import TextRoutes
 
 __all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service"]  # the last three re-exported
@@ -260,7 +260,7 @@ class Service(TextRoutes):
     def close(self, sid: str, key: int = 0) -> None:
         self._session(sid, key)  # 404 unless it is there for this key
         with self.table_lock:
-            release(self.sessions.pop(sid, None))
+            release_session(self.sessions.pop(sid, None))
 
     def _session(self, sid: str, key: int = 0) -> Session:
         with self.table_lock:
@@ -315,7 +315,7 @@ class Service(TextRoutes):
             for s, v in self.sessions.items()
             if now - v.used > (ttl if v.verified else min(ttl, self.config.fresh_ttl_s))
         ]:
-            release(self.sessions.pop(sid))
+            release_session(self.sessions.pop(sid))
 
     def _reserve(self, extra: int, key: int) -> None:
         """Refuse `extra` KV tokens past the server's budget (503) or past the key's share (429)."""

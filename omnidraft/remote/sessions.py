@@ -9,7 +9,7 @@ from typing import Any
 
 from .protocol import VerifyReply, VerifyRequest
 
-__all__ = ["FairLock", "Session", "release"]
+__all__ = ["FairLock", "Session", "release_session"]
 
 
 @dataclass
@@ -49,7 +49,7 @@ class FairLock:
             self._cond.notify_all()
 
 
-def release(session: Session | None) -> None:
+def release_session(session: Session | None) -> None:
     """Give a dropped session's engine resources back (a llama.cpp slot; nothing on vLLM)."""
     if session is not None and (close := getattr(session.inner, "close", None)) is not None:
         close()

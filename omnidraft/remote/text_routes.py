@@ -13,7 +13,7 @@ from ..target import Rule
 from .config import HTTPError, ServerConfig
 from .metrics import Metrics
 from .protocol import MAX_PROMPT
-from .sessions import Session
+from .sessions import Session, release_session
 
 __all__ = ["TextRoutes"]
 
@@ -113,6 +113,6 @@ class TextRoutes:
                         raise Cancelled("the client went away")
             finally:
                 release()
-                release(session)
+                release_session(session)
 
         return tokens()
