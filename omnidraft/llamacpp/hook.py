@@ -7,12 +7,12 @@
 `Llama.generate` calls its `draft_model` with every committed id (prompt, output, and the token
 it just sampled) and verifies what comes back itself. The hook infers each round's verdict from the
 next call (the ids after the last call's context: the accepted prefix of its proposal, then the
-target's token), settles it with the pairing's own round functions (round_loop.py: drafter rolled
+target's token), settles it with the pairing's own `RoundPolicy` (round_policy.py: drafter rolled
 back and re-synced, n-gram cache, retrieval index and statistics, costs, next draft length), and
-proposes again: model drafts translated into the target's ids, retrieved continuations, or both
-(`drafts=`). A call whose ids do not extend the last call's starts a new request. Where the measured costs
-say drafting cannot pay,
-it returns no draft and llama.cpp decodes alone. One generation at a time per hook.
+proposes again through the pairing's proposers (proposers.py): model drafts translated into the
+target's ids, retrieved continuations, or both (`drafts=`). A call whose ids do not extend the last
+call's starts a new request. Where the measured costs say drafting cannot pay, it returns no draft
+and llama.cpp decodes alone. One generation at a time per hook.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 from llama_cpp.llama_speculative import LlamaDraftModel
 
-from .. import round_loop
+from ..proposers import Round, propose
+from ..round_loop import Request, open_request
+from ..round_policy import RoundPlan, RoundPolicy
 from ..target import Rule
 
 __all__ = ["OmnidraftDraftModel"]
@@ -54,8 +56,10 @@ class OmnidraftDraftModel(LlamaDraftModel):
         self.engine = getattr(target, "engine", None)
         self.max_draft = max_draft
         self._ids: list[int] | None = None
-        self.request: round_loop.Request | None = None
-        self._round: round_loop.Round | None = None
+        self.policy = RoundPolicy(self.pairing)
+        self.request: Request | None = None
+        self._round: Round | None = None
+        self._plan: RoundPlan | None = None
         self._returned = 0.0  # when the last proposal went back to llama.cpp
         self.calls = self.proposed = 0
 
@@ -77,16 +81,18 @@ class OmnidraftDraftModel(LlamaDraftModel):
         assert req is not None
         req.target = _Committed(ids)
         started = time.perf_counter()
-        round_loop.begin_round(p, req, started)
-        model, free = p.plan.at(p.target, len(ids))  # what can pay at this context
-        room = (
+        self.policy.begin_round(req, started)
+        # llama.cpp verifies a draft in one call: at most what it evaluates exactly at this context
+        most = (
             self.max_draft
             if self.engine is None
             else min(self.max_draft, self.engine.rows_at(len(ids) - 1) - 1)
         )
-        self._round = round_loop.propose(
-            p, req, req.k if room > 0 and model else 0, max(0, room), free, started
-        )
+        plan = self.policy.plan(req, self.max_draft + 1)
+        plan = RoundPlan(0, 0, False, False) if plan is None else plan
+        room = max(0, min(plan.room, most))
+        self._plan = RoundPlan(plan.k if room > 0 else 0, room, plan.retrieve, plan.defer)
+        self._round = propose(p, req, self._plan.k, room, plan.retrieve, started)
         self.calls += 1
         self.proposed += len(self._round.proposal)
         self._returned = time.perf_counter()
@@ -96,7 +102,7 @@ class OmnidraftDraftModel(LlamaDraftModel):
         p = self.pairing
         text = p.target.token_bytes.join(ids).decode("utf-8", errors="replace")
         drafter_ids = p.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]
-        self.request = round_loop.open_request(p, _Committed(ids), ids, drafter_ids, GREEDY)
+        self.request = open_request(p, _Committed(ids), ids, drafter_ids, GREEDY)
         self._round = None
 
     def _settle(self, new: list[int], now: float) -> None:
@@ -107,6 +113,9 @@ class OmnidraftDraftModel(LlamaDraftModel):
             return
         proposed = rnd.proposal.ids.tolist()
         accepted = next((j for j, t in enumerate(proposed) if j >= len(new) or new[j] != t), len(proposed))
-        round_loop.settle(self.pairing, req, rnd, new, accepted)
+        self.policy.settle(req, rnd, new, accepted)
+        if self._plan is not None:
+            self.policy.settle_rent(req, self._plan, rnd, len(new), now - rnd.started)
+        req.produced += len(new)
         # llama.cpp verified between the proposal's return and this call: that is the verify's time
-        round_loop.observe(req, rnd, now - self._returned, len(proposed) + 1)
+        self.policy.observe(req, rnd, now - self._returned, len(proposed) + 1)

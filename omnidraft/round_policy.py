@@ -1,0 +1,112 @@
+"""`RoundPolicy`: the one object the round loop asks what to propose and tells what happened.
+
+Behind it stay the controllers a pairing keeps: the outlook (which kinds of draft can pay at this
+context: adaptive/policy.py), the deferred read of the prompt (rent or buy: retrieve/retriever.py),
+the server's draft budget (remote/budget.py), the draft-length policy or acceptance head
+(adaptive/lengths.py), the retrieval statistics and the cost model (adaptive/costs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .rounds import within_budget
+
+if TYPE_CHECKING:
+    from .pairing import Pairing
+    from .proposers import Round
+    from .round_loop import Request
+
+__all__ = ["RoundPlan", "RoundPolicy"]
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """This round: up to `k` model-drafted tokens (0: none), at most `room` proposed in all,
+    retrieved drafts allowed or not, and whether the drafter's read of the prompt is deferred."""
+
+    k: int
+    room: int
+    retrieve: bool
+    defer: bool
+
+
+class RoundPolicy:
+    """What a pairing proposes each round of a request, and what each round teaches it."""
+
+    def __init__(self, pairing: Pairing) -> None:
+        self.p = pairing
+
+    def plan(self, req: Request, remaining: int) -> RoundPlan | None:
+        """The next round's plan with `remaining` tokens to go; None when the target's server
+        takes no draft now (a zero budget): it should decode the rest alone."""
+        p = self.p
+        model, free = p.plan.at(p.target, len(req.target.ids))  # what can pay at this context
+        defer = model and req.k > 0 and req.rent.defer(p.policy.last_rates if p.policy else {}, req.produced)
+        room, ask = within_budget(req.target, remaining - 1, req.k if model and not defer else 0)
+        if room == 0 < remaining - 1:
+            return None
+        return RoundPlan(ask, room, free, defer)
+
+    def settle(self, req: Request, rnd: Round, new: list[int], accepted: int) -> int:
+        """After the verdict (`new`: the committed target ids, `accepted` proposed tokens among
+        them): the drafter keeps what matches the committed text and re-encodes the rest, the
+        n-gram cache learns, the retrieval index and stats see the round, and the next draft length
+        is chosen (into `req`). Returns how many accepted tokens were retrieved ones."""
+        p = self.p
+        draft, proposal = rnd.draft, rnd.proposal
+        retrieved = rnd.retrieved_among(accepted)
+        with p._book:
+            held = (
+                p.drafter.token_bytes.table[req.last] if draft.healed else b""
+            )  # bytes the draft starts with
+            keep, tail = p.translator.resync(draft.ids, held + p.target.token_bytes.join(new))
+            p.translator.learn(draft.ids[:keep] + tail, new, skip=len(held))
+            req.drafts.commit(keep, tail)
+            if req.index is not None:
+                req.index.commit(new)
+                p.retriever.observe(rnd.used, len(proposal), accepted)
+            if p.model_drafts:
+                modeled = len(proposal) - proposal.retrieved
+                req.k = p.lengths.next(
+                    req.k, req.stopper, len(draft.ids), modeled, accepted - retrieved, keep
+                )
+        req.last = (draft.ids[:keep] + tail or [req.last])[-1]
+        return retrieved
+
+    def settle_rent(
+        self, req: Request, plan: RoundPlan, rnd: Round, committed: int, seconds: float | None
+    ) -> None:
+        """What the round says about deferring the drafter's read of the prompt (`seconds`: the
+        round's time, None for the first, which also prefilled)."""
+        with self.p._book:
+            req.rent.settle(
+                plan.defer,
+                committed,
+                seconds,
+                len(rnd.draft.ids),
+                rnd.drafted - rnd.started,
+                self.p.cost.draft,
+                req.produced,
+            )
+
+    @staticmethod
+    def observe(req: Request, rnd: Round, verify_s: float, verified: int) -> None:
+        """Queue the round's costs (`verified` tokens scored in `verify_s`); `begin_round` observes
+        them when the next round starts, so a round's overhead includes everything between two
+        rounds. A draft right after rounds without one first caught the drafter up on the tokens
+        committed meanwhile: not a drafting cost."""
+        drafted = 0 if req.idle else len(rnd.draft.ids)
+        req.pending = (drafted, rnd.drafted - rnd.started, verified, verify_s, rnd.started)
+        req.idle = not rnd.draft.ids
+
+    def begin_round(self, req: Request, now: float) -> None:
+        """A new round starts at `now`: the cost model observes the previous round's costs."""
+        if req.pending is not None:
+            drafted, t_draft, verified, t_verify, started = req.pending
+            with self.p._book:
+                self.p.cost.observe(
+                    drafted, t_draft, verified, t_verify, (now - started) - t_draft - t_verify
+                )
+            req.pending = None
