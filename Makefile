@@ -11,17 +11,18 @@ WHEELS ?= $(HOME)/.cache/omnidraft/wheels
 .PHONY: demo test test-fast lint bench install clean
 SOURCES := omnidraft device_sim benchmarks tests tools
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@# torch first and pinned: anything that lets pip pick a newer torch pulls a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	@# torch first, at constraints.txt's pin: anything that lets pip pick a newer torch pulls a
+	@# multi-GB CUDA build; every install below keeps to the same constraints.
+	$(PY) -m pip install -q -c constraints.txt torch
 	@# llama.cpp compiles from source once per machine (about 5 min on 2 cores), with the one patch
 	@# tools/llama_wheel.py describes; the wheel is cached.
 	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP)+$(LLAMA_TAG)-*.whl >/dev/null 2>&1 || \
 	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) tools/llama_wheel.py $(LLAMA_CPP) $(LLAMA_TAG) $(WHEELS)
-	$(PY) -m pip install -q --find-links $(WHEELS) 'llama-cpp-python==$(LLAMA_CPP)+$(LLAMA_TAG)'
-	$(PY) -m pip install -q --find-links $(WHEELS) -e '.[models,dev,bench,remote,onnx,llama,vllm]'
+	$(PY) -m pip install -q -c constraints.txt --find-links $(WHEELS) 'llama-cpp-python==$(LLAMA_CPP)+$(LLAMA_TAG)'
+	$(PY) -m pip install -q -c constraints.txt --find-links $(WHEELS) -e '.[models,dev,bench,remote,onnx,llama,vllm]'
 	@# vLLM's CPU build pulls a torchvision/torchaudio/torchcodec built for another torch: importing them
 	@# fails ("operator torchvision::nms does not exist"), and nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

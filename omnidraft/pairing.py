@@ -259,7 +259,7 @@ class Pairing:
 
     def stream(
         self,
-        prompt: str,
+        prompt: str | list[dict[str, str]],
         max_new_tokens: int = 128,
         *,
         stop: str | Sequence[str] = (),
@@ -268,16 +268,12 @@ class Pairing:
         **sampling: Any,
     ) -> Iterator[str]:
         """Yield text as it is committed; afterwards `self.last` holds the full `Generation` (with
-        threads sharing the pairing, the last one any of them finished)."""
-        return self._stream(
-            prompt,
-            max_new_tokens,
-            stop,
-            make_generator(seed, generator),
-            True,
-            [],
-            {**sampling, "seed": seed},
-        )
+        threads sharing the pairing, the last one any of them finished). `prompt` may be a
+        conversation, streamed as `chat` answers it (the chat template rendered once, no second BOS)."""
+        chat = isinstance(prompt, list)
+        text = self.render_chat(prompt) if isinstance(prompt, list) else prompt
+        rng = make_generator(seed, generator)
+        return self._stream(text, max_new_tokens, stop, rng, not chat, [], {**sampling, "seed": seed})
 
     def _stream(
         self,
