@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..cli_options import DRAFTER, TARGET, load_pair, split_pair
 from .pairs import loaded_pairs
@@ -224,48 +224,50 @@ def _bench_engine(args: argparse.Namespace) -> None:
     base = "llama.cpp alone" if engine == "llama.cpp" else "vLLM alone"
     out, results, text = Path(args.out), {}, ""
     default = "qwen2.5-coder-1.5b" if engine == "llama.cpp" else "qwen2.5-coder-0.5b"
+    datasets = args.dataset or ["gsm8k", "humaneval"]
     for pair_spec in args.pair or [f"{DRAFTER}:{default}"]:
         drafter_spec, target_spec = split_pair(pair_spec)
         same = "qwen2.5-coder-0.5b" if target_spec == "qwen2.5-coder-1.5b" else None
-        for dataset in args.dataset or ["gsm8k", "humaneval"]:
-            bar = tqdm(desc=f"{pair_spec} {dataset} {engine}", file=sys.stderr)
-            notes: list[str] = []
-            prompts = load_prompts(dataset, args.n)
-            if engine == "llama.cpp":
-                rows = run_llama(
+        runs: dict[str, list[dict[str, Any]]] = {}
+        notes: dict[str, list[str]] = {d: [] for d in datasets}
+        bar = tqdm(desc=f"{pair_spec} {engine}", file=sys.stderr)
+        if engine == "vllm":  # every dataset on one engine (vLLM's CPU build starts two engines a process)
+            sets = {d: load_prompts(d, args.n) for d in datasets}
+            runs = run_vllm(
+                drafter_spec,
+                target_spec,
+                sets,
+                args.max_new_tokens,
+                ngram=not args.no_peers,
+                notes=notes,
+                progress=bar.set_postfix_str,
+            )
+        else:
+            for dataset in datasets:
+                runs[dataset] = run_llama(
                     drafter_spec,
                     target_spec,
-                    prompts,
+                    load_prompts(dataset, args.n),
                     args.max_new_tokens,
                     same_vocab_draft=same,
                     fp32=not args.no_peers,
-                    notes=notes,
+                    notes=notes[dataset],
                     progress=bar.set_postfix_str,
                 )
-            else:
-                rows = run_vllm(
-                    drafter_spec,
-                    target_spec,
-                    prompts,
-                    args.max_new_tokens,
-                    ngram=not args.no_peers,
-                    notes=notes,
-                    progress=bar.set_postfix_str,
-                )
-            bar.close()
+        bar.close()
+        for dataset, rows in runs.items():
             results[f"{pair_spec}/{dataset}"] = rows
             text += (
                 f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens; speedup over "
-                f"{base} "
-                "(total time)\n\n| row | tok/s | speedup | identical |\n|---|---|---|---|\n"
+                f"{base} (total time)\n\n| row | tok/s | speedup | identical |\n|---|---|---|---|\n"
             )
             text += "".join(
                 f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n"
                 for r in summarize_llama(rows, base=base)
             )
-            text += "".join(f"\n- {note}" for note in notes) + "\n"
-            atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
-            atomic_write_bytes(out / f"{args.name}.md", text.encode())
+            text += "".join(f"\n- {note}" for note in notes[dataset]) + "\n"
+        atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
+        atomic_write_bytes(out / f"{args.name}.md", text.encode())
     print(text)
     print(f"wrote {out / args.name}.json and .md")
 

@@ -38,47 +38,57 @@ def _pairing(pair: Any, prompt: str, n: int) -> Timed:
 def run_vllm(
     drafter_spec: str,
     target_spec: str,
-    prompts: list[str],
+    prompt_sets: dict[str, list[str]],
     max_new_tokens: int,
     *,
     dtype: str = "float32",
     ngram: bool = True,
-    notes: list[str] | None = None,
+    notes: dict[str, list[str]] | None = None,
     progress: Callable[[str], None] = lambda _: None,
-) -> list[dict[str, Any]]:
-    """Per prompt, per row: {"row", "prompt", "tokens", "seconds", "identical"} (identical: the
-    same ids as vLLM alone). `notes` receives why a row is absent and each pairing's choice."""
+) -> dict[str, list[dict[str, Any]]]:
+    """Per prompt set (dataset), per prompt, per row: {"row", "prompt", "tokens", "seconds",
+    "identical"} (identical: the same ids as vLLM alone). `notes` receives, per set, why a row is
+    absent and each pairing's choice. Two engines in all, one after the other: vLLM's CPU build
+    slows two live engines in one process and fails to start a third."""
     import omnidraft as od
 
-    notes = notes if notes is not None else []
+    notes = notes if notes is not None else {}
     target = od.VLLMTarget.load(target_spec, dtype=dtype)
-    rows: dict[str, Callable[[str, list[int]], Timed]] = {
-        "vLLM alone": lambda p, ids: _engine_alone(target, ids, max_new_tokens)
-    }
     drafter = od.Drafter.load(drafter_spec)
-    pairs = {
-        "omnidraft (default)": drafter.pair(target),
-        "omnidraft (compute objective)": drafter.pair(target, objective="compute"),
-    }
-    for name, pair in pairs.items():
-        rows[name] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
-    references: list[list[int]] = []
+    results: dict[str, list[dict[str, Any]]] = {}
+    references: dict[str, list[list[int]]] = {}
     try:
-        results = time_rows(rows, prompts, target.tokenizer, progress, references)
-        for name, pair in pairs.items():
-            if pair.modes is not None:
-                notes.append(f"{name}: per request, {pair.modes!r}")
+        for name, prompts in prompt_sets.items():
+            pairs = {  # fresh pairings per set: each set starts from the same state
+                "omnidraft (default)": drafter.pair(target),
+                "omnidraft (compute objective)": drafter.pair(target, objective="compute"),
+            }
+            rows: dict[str, Callable[[str, list[int]], Timed]] = {
+                "vLLM alone": lambda p, ids: _engine_alone(target, ids, max_new_tokens)
+            }
+            for row, pair in pairs.items():
+                rows[row] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
+            references[name] = []
+            results[name] = time_rows(rows, prompts, target.tokenizer, progress, references[name])
+            notes.setdefault(name, []).extend(
+                f"{row}: per request, {pair.modes!r}" for row, pair in pairs.items() if pair.modes is not None
+            )
     finally:
         target.close()
-    if ngram:  # a second engine, after the first is closed: two engines in one process slow each other
-        try:
-            spec = od.VLLMTarget.load(target_spec, dtype=dtype, speculative_config=NGRAM)
-        except Exception as exc:  # the CPU build may not offer it: say so instead of a row
-            notes.append(f"vLLM n-gram speculative decoding did not start: {type(exc).__name__}: {exc}"[:400])
-            return results
-        try:
-            peer = {"vLLM n-gram speculative": lambda p, ids: _engine_alone(spec, ids, max_new_tokens)}
-            results += time_rows(peer, prompts, spec.tokenizer, progress, references)
-        finally:
-            spec.close()
+    if not ngram:
+        return results
+    try:
+        spec = od.VLLMTarget.load(target_spec, dtype=dtype, speculative_config=NGRAM)
+    except Exception as exc:  # the CPU build may not offer it: say so instead of a row
+        for name in prompt_sets:
+            notes.setdefault(name, []).append(
+                f"vLLM n-gram speculative decoding did not start: {type(exc).__name__}: {exc}"[:400]
+            )
+        return results
+    try:
+        peer = {"vLLM n-gram speculative": lambda p, ids: _engine_alone(spec, ids, max_new_tokens)}
+        for name, prompts in prompt_sets.items():
+            results[name] += time_rows(peer, prompts, spec.tokenizer, progress, references[name])
+    finally:
+        spec.close()
     return results

@@ -1,0 +1,109 @@
+"""The stock-vLLM path: `OpenAICompletionsTarget` against a stock `vllm serve` (OpenAI API), its
+time per verify round by context length, beside the same verify on `VLLMTarget` (the session's
+prefix cache; docs/vllm.md). A verify over the OpenAI API is a completion of the context plus the
+proposal with echo and prompt log-probabilities, which vLLM computes without its prefix cache.
+
+    python -m benchmarks.vllm_stock --out bench_out/vllm-stock.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+import torch
+
+
+def _verify_times(target, contexts: list[int], reps: int) -> dict[int, float]:
+    from omnidraft.target import Rule
+
+    out = {}
+    for n in contexts:
+        ids = [int(i) for i in torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n))]
+        session = target.begin(ids)
+        session.verify(torch.tensor([5]), Rule())  # the first pass reads the context: not a verify
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            session.verify(torch.tensor([11, 12, 13, 14, 15, 16]), Rule())
+            times.append(time.perf_counter() - started)
+        if (close := getattr(session, "close", None)) is not None:
+            close()
+        out[n] = median(times)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_stock")
+    p.add_argument("--target", default="qwen2.5-coder-0.5b")
+    p.add_argument("--contexts", default="200,1000,2000,3000")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default="bench_out/vllm-stock.json")
+    args = p.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+
+    import httpx
+
+    import omnidraft as od
+    from omnidraft.models import hf_directory, load_tokenizer
+
+    path, tokenizer = hf_directory(args.target), load_tokenizer(args.target)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(path),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "4096",
+            "--served-model-name",
+            "target",
+        ],
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                raise SystemExit("vllm serve did not start")
+            time.sleep(2)
+        stock = od.OpenAICompletionsTarget(url, model="target", tokenizer=tokenizer)
+        report = {"target": args.target, "stock_vllm_serve_s": _verify_times(stock, contexts, args.reps)}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    engine = od.VLLMTarget.load(args.target, dtype="float32")
+    try:
+        report["vllm_target_s"] = _verify_times(engine, contexts, args.reps)
+    finally:
+        engine.close()
+    print(json.dumps(report, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
