@@ -76,7 +76,7 @@ def main() -> None:
             "--served-model-name",
             "target",
         ],
-        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "2"},
     )
     url = f"http://127.0.0.1:{port}"
     try:
