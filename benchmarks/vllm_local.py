@@ -16,19 +16,24 @@ from pathlib import Path
 import torch
 
 
-def _verify_by_context(target, contexts: list[int], reps: int = 5) -> dict[int, float]:
+def verify_by_context(target, contexts: list[int], reps: int = 5) -> dict[int, float]:
+    """Median seconds of a 6-token verify after each context length (random ids), on `target`'s
+    session after its first pass over the context (a prefill, not a verify). Also used by
+    benchmarks/vllm_stock.py."""
     from omnidraft.target import Rule
 
     out = {}
     for n in contexts:
         ids = [int(i) for i in torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n))]
         session = target.begin(ids)
-        session.verify(torch.tensor([5]), Rule())  # the context's first pass: a prefill, not a verify
+        session.verify(torch.tensor([5]), Rule())
         times = []
         for _ in range(reps):
             started = time.perf_counter()
             session.verify(torch.tensor([11, 12, 13, 14, 15, 16]), Rule())
             times.append(time.perf_counter() - started)
+        if (close := getattr(session, "close", None)) is not None:
+            close()
         out[n] = sorted(times)[reps // 2]
     return out
 
@@ -89,7 +94,7 @@ def main() -> None:
         }
         print(dataset, {k: v for k, v in report[dataset].items() if k != "rows"}, flush=True)
     report["verify_ms_by_context"] = {
-        n: round(1e3 * s, 1) for n, s in _verify_by_context(target, [200, 1000, 2000, 3000]).items()
+        n: round(1e3 * s, 1) for n, s in verify_by_context(target, [200, 1000, 2000, 3000]).items()
     }
     print(report["verify_ms_by_context"], flush=True)
     target.close()

@@ -16,28 +16,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import median
 
-import torch
-
-
-def _verify_times(target, contexts: list[int], reps: int) -> dict[int, float]:
-    from omnidraft.target import Rule
-
-    out = {}
-    for n in contexts:
-        ids = [int(i) for i in torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n))]
-        session = target.begin(ids)
-        session.verify(torch.tensor([5]), Rule())  # the first pass reads the context: not a verify
-        times = []
-        for _ in range(reps):
-            started = time.perf_counter()
-            session.verify(torch.tensor([11, 12, 13, 14, 15, 16]), Rule())
-            times.append(time.perf_counter() - started)
-        if (close := getattr(session, "close", None)) is not None:
-            close()
-        out[n] = median(times)
-    return out
+from .vllm_local import verify_by_context
 
 
 def main() -> None:
@@ -91,13 +71,13 @@ def main() -> None:
                 raise SystemExit("vllm serve did not start")
             time.sleep(2)
         stock = od.OpenAICompletionsTarget(url, model="target", tokenizer=tokenizer)
-        report = {"target": args.target, "stock_vllm_serve_s": _verify_times(stock, contexts, args.reps)}
+        report = {"target": args.target, "stock_vllm_serve_s": verify_by_context(stock, contexts, args.reps)}
     finally:
         server.terminate()
         server.wait(timeout=60)
     engine = od.VLLMTarget.load(args.target, dtype="float32")
     try:
-        report["vllm_target_s"] = _verify_times(engine, contexts, args.reps)
+        report["vllm_target_s"] = verify_by_context(engine, contexts, args.reps)
     finally:
         engine.close()
     print(json.dumps(report, indent=1))

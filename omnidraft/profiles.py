@@ -228,7 +228,8 @@ class ProfileStore:
                 members = {
                     m.name: m for m in tar.getmembers() if m.isfile() and m.name.startswith("profile/")
                 }
-                files = {Path(n).name: tar.extractfile(m).read() for n, m in members.items()}  # type: ignore[union-attr]
+                readers = {Path(n).name: tar.extractfile(m) for n, m in members.items()}  # regular files only
+                files = {n: r.read() for n, r in readers.items() if r is not None}
         except (tarfile.TarError, OSError) as exc:
             raise CorruptFileError(f"{path} is not an exported omnidraft profile: {exc}") from exc
         profile = _from_files(files, str(path))

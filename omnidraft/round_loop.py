@@ -37,8 +37,8 @@ __all__ = ["Request", "open_request", "request_rounds", "run"]
 
 @dataclass
 class Request:
-    """A request's drafting state between rounds. `ids`: the target session, or anything with the
-    committed target ids as `.ids`; `last`: the drafter context's last token, which token healing
+    """A request's drafting state between rounds. `target`: the target session, or anything with
+    the committed target ids as `.ids`; `last`: the drafter context's last token, which token healing
     may let the next draft replace; `k`: the next draft length (0: no model draft); `idle`: the
     last round did not draft (the next draft also catches the drafter up: not a drafting cost)."""
 

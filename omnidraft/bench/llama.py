@@ -31,8 +31,9 @@ __all__ = ["GgufDraft", "run_llama", "summarize_llama", "time_rows"]
 SPEC_MAX, SPEC_P_MIN = 16, 0.75  # llama.cpp's speculative defaults (draft-max, draft-p-min)
 
 
-def GgufDraft(engine: Any, n_max: int = SPEC_MAX, p_min: float = SPEC_P_MIN) -> Any:  # noqa: N802 (a class factory)
-    """A `LlamaDraftModel` drafting greedily with another GGUF model of the same vocabulary."""
+def GgufDraft(engine: Any, n_max: int = SPEC_MAX, p_min: float = SPEC_P_MIN) -> Any:  # noqa: N802
+    """A `LlamaDraftModel` drafting greedily with another GGUF model of the same vocabulary (a class
+    factory, named like the class it returns)."""
     from llama_cpp.llama_speculative import LlamaDraftModel
 
     class _GgufDraft(LlamaDraftModel):
