@@ -6,10 +6,12 @@ model shapes alone (docs/gpu.md).
 
 Each model is built from its `config.json` (benchmarks/gpu_configs/) with random weights: weights
 cannot travel to the lent machine and timing does not depend on their values. For each shape, in
-bf16: one decoding step, and a forward over k = 1, 2, 4, 8, 16 new tokens after 200, 1,000 and
-4,000 tokens of context, eager (dynamic KV cache) and graph-captured (static KV cache under
-`torch.compile(mode="reduce-overhead")`, i.e. CUDA graphs); HF `generate` alone as the baseline
-step. Only torch and transformers are imported (the lent machine has nothing else). One JSON out.
+bf16: a forward over k = 1, 2, 4, 8, 16 new tokens (k = 1: one decoding step) after 200, 1,000
+and 4,000 tokens of context, eager (dynamic KV cache) and graph-captured (omnidraft's StaticRunner:
+a static KV cache replaying CUDA graphs, what LocalTarget verifies with); for the shapes named by
+--compile also gpt-fast's way (static cache under `torch.compile(mode="reduce-overhead")`); HF
+`generate` alone as the baseline step. Imports torch, transformers and omnidraft.static_runner.
+One JSON out, rewritten after each shape so that a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def eager(model: Any, contexts: list[int], ks: list[int], device: torch.device, 
 
             def step(new: torch.Tensor = new, k: int = k) -> None:
                 model(input_ids=new, past_key_values=cache, use_cache=True, logits_to_keep=k)
-                cache.crop(context)
+                cache.crop(-k)  # back to the context
 
             row[str(k)] = round(median_ms(step, device, reps), 3)
         out[str(context)] = row
@@ -92,8 +94,39 @@ def eager(model: Any, contexts: list[int], ks: list[int], device: torch.device, 
 
 @torch.inference_mode()
 def graphs(model: Any, contexts: list[int], ks: list[int], device: torch.device, reps: int) -> dict[str, Any]:
-    """The same forwards on a static cache, compiled with mode="reduce-overhead" (CUDA graphs), one
-    graph per k; positions past the context are rewritten by each call, so nothing is cropped."""
+    """The same forwards through omnidraft's StaticRunner (what LocalTarget verifies with on a GPU):
+    a static cache whose feeds of up to 16 tokens replay a CUDA graph captured once per shape."""
+    from omnidraft.static_runner import StaticRunner
+
+    vocab = model.config.vocab_size
+    runner = StaticRunner(model, [], capacity=max(contexts) + max(ks) + 1, graphs=device.type == "cuda")
+    out: dict[str, Any] = {}
+    for context in contexts:
+        runner.reset(_ids(context, vocab, device)[0].tolist())
+        runner.forward(keep=1)  # the prefill, eager
+        row = {}
+        for k in ks:
+            new = (_ids(k, vocab + 1, device) % vocab)[0].tolist()
+
+            def step(new: list[int] = new, k: int = k, context: int = context) -> None:
+                runner.extend(new)
+                runner.forward(keep=k)
+                runner.crop(context)
+
+            step()  # the capture itself is not timed
+            row[str(k)] = round(median_ms(step, device, reps), 3)
+        out[str(context)] = row
+    if runner.graph_error:
+        out["error"] = runner.graph_error
+    return out
+
+
+@torch.inference_mode()
+def compiled(
+    model: Any, contexts: list[int], ks: list[int], device: torch.device, reps: int
+) -> dict[str, Any]:
+    """gpt-fast's way for comparison: a static cache under torch.compile(mode="reduce-overhead"),
+    which fuses kernels as well as capturing graphs; it compiles once per k (not timed)."""
     from transformers import StaticCache
 
     vocab = model.config.vocab_size
@@ -102,27 +135,20 @@ def graphs(model: Any, contexts: list[int], ks: list[int], device: torch.device,
     out: dict[str, Any] = {}
     for context in contexts:
         cache.reset()
-        model(
-            input_ids=_ids(context, vocab, device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            cache_position=torch.arange(context, device=device),
-        )
+        model(input_ids=_ids(context, vocab, device), past_key_values=cache, use_cache=True, logits_to_keep=1)
         row = {}
         for k in ks:
-            new, where = _ids(k, vocab + 1, device) % vocab, torch.arange(context, context + k, device=device)
+            new = _ids(k, vocab + 1, device) % vocab
+            where = torch.arange(context, context + k, device=device)[None]
 
             def step(new: torch.Tensor = new, where: torch.Tensor = where, k: int = k) -> None:
+                for layer in cache.layers:  # layers write at their own position: back to the context
+                    layer.cumulative_length.fill_(context)
                 forward(
-                    input_ids=new,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=k,
-                    cache_position=where,
+                    input_ids=new, position_ids=where, past_key_values=cache, use_cache=True, logits_to_keep=k
                 )
 
-            step()  # the capture itself is not timed
+            step()  # the compilation and capture are not timed
             row[str(k)] = round(median_ms(step, device, reps), 3)
         out[str(context)] = row
     return out
@@ -163,6 +189,14 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         "models": {},
     }
     started = time.perf_counter()
+
+    def done(name: str, row: dict[str, Any]) -> None:
+        report["models"][name] = row
+        print(name, json.dumps(row), flush=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))  # what is done so far survives a timeout
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     for name in args.models:
         model = build(name, device, dtype, args.layers)
         row: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters())}
@@ -170,16 +204,24 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         row["generate_ms_per_token"] = round(
             generate_ms_per_token(model, device, min(args.contexts), args.reps), 3
         )
-        if args.graphs and time.perf_counter() - started < args.budget_s:
+        if args.graphs:
             try:
                 row["graph"] = graphs(model, args.contexts, args.ks, device, args.reps)
             except Exception as exc:  # recorded, not fatal: the eager figures stand
                 row["graph_error"] = f"{type(exc).__name__}: {exc}"[:500]
-        report["models"][name] = row
-        print(name, json.dumps(row), flush=True)
         del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        done(name, row)
+    for name in (n for n in args.models if n in args.compile):  # last: compiling is the slow part
+        if time.perf_counter() - started > args.budget_s:
+            report["models"][name]["compiled_error"] = f"not started: past --budget-s {args.budget_s}"
+            continue
+        model = build(name, device, dtype, args.layers)
+        try:
+            report["models"][name]["compiled"] = compiled(model, args.contexts, args.ks, device, args.reps)
+        except Exception as exc:
+            report["models"][name]["compiled_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        del model
+        done(name, report["models"][name])
     report["seconds"] = round(time.perf_counter() - started, 1)
     return report
 
@@ -197,7 +239,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
     p.add_argument(
-        "--budget-s", type=float, default=240.0, help="no graph capture starts after this many seconds"
+        "--compile",
+        nargs="*",
+        default=["qwen2.5-0.5b"],
+        choices=MODELS,
+        help="shapes also measured under torch.compile (slow to compile; none: --compile)",
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=240.0, help="no compilation starts after this many seconds"
     )
     p.add_argument("--out", default="gpu-check.json")
     args = p.parse_args(argv)

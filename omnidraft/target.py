@@ -8,16 +8,19 @@ remote target implements the same protocol over HTTP.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 
+from . import measured
 from . import verify as V
 from .attention import use_grouped_attention
 from .causal_runner import CausalRunner
 from .kernels import use_kernels
 from .models import load_model
+from .static_runner import StaticRunner, measure_graphs, static_cache_supported
 from .translate.codec import ByteCodec
 from .translate.token_bytes import TokenBytes, build_token_bytes
 
@@ -103,8 +106,14 @@ class Target(Protocol):
 
 
 class _LocalSession:
-    def __init__(self, model: Any, prompt_ids: list[int], eos_ids: frozenset[int] = frozenset()) -> None:
-        self.runner = CausalRunner(model, prompt_ids)
+    def __init__(
+        self,
+        model: Any,
+        prompt_ids: list[int],
+        eos_ids: frozenset[int] = frozenset(),
+        runner: CausalRunner | None = None,
+    ) -> None:
+        self.runner = runner if runner is not None else CausalRunner(model, prompt_ids)
         self.eos_ids = eos_ids
         self.forwards = 0
 
@@ -227,12 +236,54 @@ class LocalTarget:
     generates_alone = True
     in_process = True  # a round without a draft costs what decoding one token alone costs
 
-    def __init__(self, model: Any, tokenizer: Any, name: str = "target") -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        name: str = "target",
+        *,
+        graphs: bool | None = None,
+        capacity: int = 4096,
+    ) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.token_bytes = build_token_bytes(tokenizer, model.config.vocab_size)
         self.token_bytes.require_byte_coverage(name)
         self.codec = ByteCodec(tokenizer, self.token_bytes)
         self.eos_ids = frozenset(_eos_ids(model, tokenizer))
+        self.device = next(model.parameters()).device
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"graphs=True needs a CUDA device; this target is on {self.device}")
+        if graphs and not static_cache_supported(model):
+            raise ValueError(
+                f"graphs=True: {name} has sliding-window layers, which a static cache cannot crop"
+            )
+        self.capacity = capacity
+        self._graphs = graphs
+        self._slot: StaticRunner | None = None
+        self._slot_owner: Callable[[], Any] | None = None
+
+    @property
+    def graphs(self) -> bool:
+        """Whether sessions verify on a static cache replaying CUDA graphs. Default (graphs=None):
+        on a CUDA device where the model allows it and a verify measured faster that way on this
+        GPU (once per GPU and model shape, kept; docs/gpu.md)."""
+        if self._graphs is None:
+            self._graphs = self.device.type == "cuda" and static_cache_supported(self.model)
+            if self._graphs:
+                config, dtype = self.model.config, next(self.model.parameters()).dtype
+                key = "|".join(
+                    (
+                        torch.cuda.get_device_name(self.device),
+                        type(self.model).__name__,
+                        f"{config.hidden_size}x{config.num_hidden_layers}",
+                        str(dtype),
+                    )
+                )
+                choice = measured.remembered(
+                    "target-graphs", key, lambda: measure_graphs(self.model, self.capacity)
+                )
+                self._graphs = bool(choice["graphs"])
+        return self._graphs
 
     @classmethod
     def load(
@@ -242,6 +293,8 @@ class LocalTarget:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         kernels: bool = True,
+        graphs: bool | None = None,
+        capacity: int = 4096,
     ) -> LocalTarget:
         """Load a target by preset name, .gguf path, local dir or HF id, on `device` ("cpu",
         "cuda", "cuda:1", "mps"; default cpu) in `dtype` ("float32", "bfloat16", "float16" or a
@@ -253,6 +306,11 @@ class LocalTarget:
         head where that measured faster (attention.py; the same numbers). The weights are
         untouched; False keeps transformers' stock layers everywhere. The kernel plan is measured
         for fp32 on the CPU only: on another device or dtype the stock layers run.
+
+        `graphs` (CUDA): verify and decode on a static KV cache of `capacity` positions whose
+        short feeds replay captured CUDA graphs (static_runner.py); None (default) decides by a
+        measurement on this GPU, False never, True always. A session that outgrows `capacity`
+        moves to a dynamic cache and goes on.
         """
         where, kind = resolve_device(device), resolve_dtype(dtype)
         loaded = load_model(spec, dtype=kind)
@@ -260,10 +318,24 @@ class LocalTarget:
         if kernels and where.type == "cpu" and kind == torch.float32:
             use_kernels(loaded.model)
             use_grouped_attention(loaded.model)
-        return cls(loaded.model, loaded.tokenizer, loaded.name)
+        return cls(loaded.model, loaded.tokenizer, loaded.name, graphs=graphs, capacity=capacity)
 
     def begin(self, prompt_ids: list[int]) -> _LocalSession:
-        return _LocalSession(self.model, prompt_ids, self.eos_ids)
+        session = _LocalSession(self.model, prompt_ids, self.eos_ids, runner=self._take_slot(prompt_ids))
+        if isinstance(session.runner, StaticRunner):
+            self._slot_owner = weakref.ref(session)
+        return session
+
+    def _take_slot(self, prompt_ids: list[int]) -> StaticRunner | None:
+        """The graphed static runner, reset onto `prompt_ids`, unless graphs are off or a live
+        session holds it (then the new session runs on a dynamic cache)."""
+        if not self.graphs or (self._slot_owner is not None and self._slot_owner() is not None):
+            return None
+        if self._slot is None:
+            self._slot = StaticRunner(self.model, prompt_ids, self.capacity, graphs=True)
+        else:
+            self._slot.reset(prompt_ids)
+        return self._slot
 
     def __repr__(self) -> str:
         return f"LocalTarget({self.name!r}, vocab {len(self.token_bytes)})"

@@ -37,14 +37,41 @@ def _greedy(target: LocalTarget, prompt: str, n: int) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_identity_per_dtype_on_the_cpu(saved, dtype):
-    target = LocalTarget.load(str(saved / "target"), device="cpu", dtype=dtype)
-    drafter = Drafter.load(str(saved / "drafter"), backend="torch", device="cpu", dtype=dtype)
+# (device, dtype, graphs): the CPU always; on a CUDA machine (the device check, docs/gpu.md) also
+# the GPU, eager, replaying CUDA graphs, and choosing by measurement
+PLACES = [("cpu", "float32", False), ("cpu", "bfloat16", False)]
+if torch.cuda.is_available():
+    PLACES += [
+        ("cuda", "float32", False),
+        ("cuda", "bfloat16", False),
+        ("cuda", "float32", True),
+        ("cuda", "bfloat16", True),
+        ("cuda", "bfloat16", None),
+    ]
+
+
+@pytest.mark.parametrize("device,dtype,graphs", PLACES)
+def test_greedy_identity_per_device_and_dtype(saved, device, dtype, graphs, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))  # a measured graphs choice is kept there
+    target = LocalTarget.load(str(saved / "target"), device=device, dtype=dtype, graphs=graphs, capacity=32)
+    drafter = Drafter.load(str(saved / "drafter"), backend="torch", device=device, dtype=dtype)
     assert next(target.model.parameters()).dtype == resolve_dtype(dtype)
     pair = drafter.pair(target, k=4)
-    for prompt in PROMPTS:
-        assert pair.generate(prompt, max_new_tokens=24).token_ids == _greedy(target, prompt, 24)
+    for prompt in PROMPTS:  # 24 new tokens after each prompt: past the capacity, the session spills
+        want = _greedy(target, prompt, 24)
+        assert pair.generate(prompt, max_new_tokens=24).token_ids == want
+        session = target.begin(target.tokenizer(prompt)["input_ids"])
+        assert list(session.decode(24)) == want
+        del session
+    if graphs:
+        assert target._slot is not None and target._slot.graph_error is None
+
+
+def test_graphs_need_a_cuda_device(saved):
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="graphs=True needs a CUDA device"):
+            LocalTarget.load(str(saved / "target"), graphs=True)
+    assert LocalTarget.load(str(saved / "target")).graphs is False  # the CPU: the dynamic cache
 
 
 def test_a_device_or_dtype_this_machine_lacks_is_named():

@@ -1,5 +1,6 @@
-"""The prepared GPU check runs here on the CPU (the 0.5B shape cut to 2 layers, one small
-context), and device_sim turns its JSON into a server profile, refusing one of another version."""
+"""The prepared GPU check runs here on the CPU (the 0.5B shape cut to 2 layers, small contexts;
+the static-cache runner runs eagerly here, with graphs on a GPU), and device_sim turns its JSON
+into a server profile, refusing one of another version."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def check_json(tmp_path_factory):
             "4",
             "--reps",
             "2",
-            "--no-graphs",
+            "--compile",
             "--out",
             str(out),
         ]
@@ -49,7 +50,8 @@ def test_the_check_measures_every_k_at_every_context(check_json):
     assert set(row["eager"]) == {"16", "32"} and all(
         row["eager"][c][k] > 0 for c in row["eager"] for k in "124"
     )
-    assert row["generate_ms_per_token"] > 0 and "graph" not in row
+    assert row["generate_ms_per_token"] > 0 and "compiled" not in row
+    assert all(row["graph"][c][k] > 0 for c in ("16", "32") for k in "124")  # the static cache, eager here
 
 
 def test_device_sim_builds_a_measured_server_profile_from_it(check_json, tmp_path):

@@ -1,0 +1,239 @@
+"""A `CausalRunner` on a static KV cache whose small feeds replay captured CUDA graphs (docs/gpu.md).
+
+A GPU target's verify of a few tokens is launch-bound: hundreds of small kernels, each a few
+microseconds of work. Captured once per shape (new tokens, logits kept), such a forward replays as
+one graph launch. The cache is allocated once for `capacity` positions and its layers write at a
+position the runner sets, so cropping only moves that position: the causal mask, built from the
+positions of the tokens fed, hides whatever a rejected draft left past it. The runner is reusable:
+`reset` starts a new sequence on the same cache and graphs. A sequence that outgrows the capacity
+moves, once, to a dynamic cache (a `CausalRunner`) and goes on there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .causal_runner import CausalRunner
+
+__all__ = ["GRAPH_MOST", "StaticRunner", "static_cache_supported"]
+
+GRAPH_MOST = 16  # feeds of at most this many new tokens replay a graph; longer ones (prefill) run eagerly
+
+
+def _static_cache(model: Any, capacity: int) -> Any:
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    if not all(type(layer) is StaticLayer for layer in cache.layers):
+        raise ValueError(
+            f"{type(model).__name__}: a static cache needs every layer to attend to the whole context "
+            "(sliding-window layers cannot be cropped back); use graphs=False"
+        )
+    return cache
+
+
+def static_cache_supported(model: Any) -> bool:
+    """Whether `model` can run on a `StaticRunner` (full attention in every layer)."""
+    try:
+        _static_cache(model, 1)
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return True
+
+
+class StaticRunner(CausalRunner):
+    """`ids` is the sequence; the static cache holds its first `kv_len` tokens. `graphs` (CUDA only):
+    feeds of at most GRAPH_MOST new tokens without hidden states replay a graph captured on first use."""
+
+    def __init__(self, model: Any, ids: list[int], capacity: int, *, graphs: bool = True) -> None:
+        if capacity < 1:
+            raise ValueError(f"a static cache needs a capacity of at least 1 position, got {capacity}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.capacity = capacity
+        self.cache = _static_cache(model, capacity)
+        self.graphs_on = graphs and self.device.type == "cuda"
+        self.graph_error: str | None = None  # why capture failed, if it did (then every feed runs eagerly)
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pool: Any = None
+        self._positions = torch.arange(capacity, device=self.device)
+        self.reset(ids)
+
+    def reset(self, ids: list[int]) -> None:
+        """Start a new sequence on the same cache and graphs (what the old one left is never read)."""
+        self.ids = list(ids)
+        self.kv_len = 0
+        self.spilled: CausalRunner | None = None
+
+    # -- the sequence: delegated once it has outgrown the cache ------------------------------------
+
+    def extend(self, ids: list[int]) -> None:
+        if self.spilled is not None:
+            self.spilled.extend(ids)
+        else:
+            super().extend(ids)
+
+    def crop(self, n: int) -> None:
+        if self.spilled is not None:
+            self.spilled.crop(n)
+        else:
+            super().crop(n)
+
+    def crop_cache(self, n: int) -> None:
+        if self.spilled is not None:
+            self.spilled.crop_cache(n)
+        elif self.kv_len > n:
+            self.kv_len = n  # the positions past n are rewritten before they are read again
+
+    def _spill(self) -> CausalRunner:
+        """Move the sequence to a dynamic cache: it re-feeds the whole sequence once."""
+        if self.spilled is None:
+            self.spilled = CausalRunner(self.model, self.ids)
+            self.ids = self.spilled.ids
+        return self.spilled
+
+    # -- forwards ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, keep: int = 1, *, hidden: bool = False) -> torch.Tensor:
+        if not 1 <= keep <= len(self.ids):
+            raise ValueError(f"asked for logits of {keep} positions of a {len(self.ids)}-token sequence")
+        if self.spilled is not None or len(self.ids) > self.capacity:
+            spilled = self._spill()
+            logits = spilled.forward(keep, hidden=hidden)
+            if hidden:
+                self.hidden = spilled.hidden
+            return logits
+        if len(self.ids) - self.kv_len < keep:
+            self.crop_cache(len(self.ids) - keep)
+        new = self.ids[self.kv_len :]
+        if self.graphs_on and not hidden and len(new) <= GRAPH_MOST:
+            logits = self._replay(new, keep)
+        else:
+            ids = torch.tensor([new], dtype=torch.long, device=self.device)
+            start = torch.tensor(self.kv_len, dtype=torch.long, device=self.device)
+            logits, states = self._run(ids, start, keep, hidden)
+            if hidden:
+                self.hidden = states
+        self.kv_len = len(self.ids)
+        return logits
+
+    @torch.inference_mode()
+    def prefill(self, most: int) -> int:
+        if self.spilled is not None or len(self.ids) > self.capacity:
+            return self._spill().prefill(most)
+        end = min(self.kv_len + most, len(self.ids) - 1)
+        if end > self.kv_len:
+            ids = torch.tensor([self.ids[self.kv_len : end]], dtype=torch.long, device=self.device)
+            self._run(ids, torch.tensor(self.kv_len, dtype=torch.long, device=self.device), 1, False)
+            self.kv_len = end
+        return max(0, len(self.ids) - 1 - self.kv_len)
+
+    def _run(
+        self, ids: torch.Tensor, start: torch.Tensor, keep: int, hidden: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of `ids` (1, n) written at positions start.. of the cache; no host sync, so
+        it can be captured. The additive mask lets each token see the positions up to its own."""
+        n = ids.shape[1]
+        where = start + torch.arange(n, device=self.device)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.copy_(start)
+            else:  # the first forward allocates the layer (never under capture: see _replay)
+                layer.cumulative_length = start.clone()
+        blocked = (self._positions[None, :] > where[:, None]).to(self.dtype)
+        mask = (blocked * torch.finfo(self.dtype).min)[None, None]
+        out = self.model(
+            input_ids=ids,
+            position_ids=where[None],
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+            output_hidden_states=hidden,
+        )
+        return out.logits[0, -keep:], (out.hidden_states[-1][0, -keep:] if hidden else None)
+
+    def _replay(self, new: list[int], keep: int) -> torch.Tensor:
+        key = (len(new), keep)
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = self._capture(new, keep)
+            except Exception as exc:  # a model whose forward cannot be captured runs eagerly
+                self.graphs_on, self.graph_error = False, f"{type(exc).__name__}: {exc}"[:300]
+                ids = torch.tensor([new], dtype=torch.long, device=self.device)
+                return self._run(ids, torch.tensor(self.kv_len, device=self.device), keep, False)[0]
+        graph, ids_in, start_in, logits = self._graphs[key]
+        ids_in.copy_(torch.tensor([new], dtype=torch.long), non_blocking=True)
+        start_in.fill_(self.kv_len)
+        graph.replay()
+        return logits.clone()
+
+    def _capture(self, new: list[int], keep: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids_in = torch.tensor([new], dtype=torch.long, device=self.device)
+        start_in = torch.tensor(self.kv_len, dtype=torch.long, device=self.device)
+        # warm-up on a side stream (allocates the cache, loads the kernels); it writes the very
+        # positions the replay writes next, so nothing of the sequence changes
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run(ids_in, start_in, keep, False)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, _ = self._run(ids_in, start_in, keep, False)
+        self._pool = graph.pool()
+        return graph, ids_in, start_in, logits
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def verify_ms(runner: CausalRunner, k: int, reps: int) -> float:
+    """Median ms of a verify of `k` drafted tokens after the runner's sequence (fed, read, cropped)."""
+    import statistics
+    import time
+
+    base = len(runner.ids)
+    draft = runner.ids[:k]
+    runner.forward(keep=1)
+
+    def once() -> None:
+        runner.extend(draft)
+        runner.forward(keep=k + 1)
+        _sync(runner.device)
+        runner.crop(base)
+
+    once()
+    once()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        once()
+        times.append(1e3 * (time.perf_counter() - started))
+    return statistics.median(times)
+
+
+def measure_graphs(
+    model: Any, capacity: int, *, context: int = 200, k: int = 4, reps: int = 10
+) -> dict[str, Any]:
+    """A verify of `k` tokens after `context` tokens on the dynamic cache, eagerly, and on a static
+    cache replaying graphs: both ms, and whether graphs were faster (the choice LocalTarget keeps)."""
+    context = max(1, min(context, capacity - k - 1))
+    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+    eager = verify_ms(CausalRunner(model, prompt.tolist()), k, reps)
+    static = StaticRunner(model, prompt.tolist(), capacity=context + k + 1, graphs=True)
+    graphed = verify_ms(static, k, reps)
+    return {
+        "eager_ms": round(eager, 3),
+        "graph_ms": round(graphed, 3),
+        "graphs": static.graph_error is None and graphed < eager,
+        "error": static.graph_error,
+    }
