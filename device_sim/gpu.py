@@ -1,9 +1,10 @@
 """Measured server profiles from the prepared GPU check's JSON (benchmarks/gpu_check.py).
 
-One DeviceProfile per model shape: `target_ms[m - 1]` is the faster of the eager and the
-graph-captured forward over m new tokens at the chosen context (linear between the k measured),
-the prefill cost per token from the longest context's prefill. The check's format and version are
-checked first: a JSON from another version is refused with an error naming both. Imports no torch.
+One DeviceProfile per model shape: `target_ms[m - 1]` is the fastest of the eager, the
+graph-captured and (where measured) the compiled forward over m new tokens at the chosen context
+(linear between the k measured), the prefill cost per token from the longest context's prefill.
+The check's format and version are checked first: a JSON from another version is refused with an
+error naming both. Imports no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 __all__ = ["FORMAT", "VERSION", "profiles_from_check"]
 
 FORMAT, VERSION = "omnidraft-gpu-check", 1
+FASTER_FORMS = ("graph", "compiled")  # besides eager: StaticRunner's graphs, gpt-fast's torch.compile
 
 
 def _read(path: str | Path) -> dict[str, Any]:
@@ -59,8 +61,9 @@ def profiles_from_check(path: str | Path, context: int | None = None) -> list[di
         if at not in row["eager"]:
             raise ValueError(f"{path}: no measurement at context {at} for {name}; measured: {contexts}")
         best = {int(k): float(v) for k, v in row["eager"][at].items() if k.isdigit()}
-        for k, v in row.get("graph", {}).get(at, {}).items():
-            best[int(k)] = min(best.get(int(k), float("inf")), float(v))
+        for form in FASTER_FORMS:  # per m, the fastest way measured to run this shape
+            for k, v in row.get(form, {}).get(at, {}).items():
+                best[int(k)] = min(best.get(int(k), float("inf")), float(v))
         longest = row["eager"][str(contexts[-1])]
         profiles.append(
             {
@@ -69,7 +72,8 @@ def profiles_from_check(path: str | Path, context: int | None = None) -> list[di
                 "source": (
                     f"measured by benchmarks/gpu_check.py on {doc.get('device_name')} "
                     f"(torch {doc.get('torch')}, {doc['dtype']}, random weights of the {name} shape), "
-                    f"forwards after {at} tokens of context, the faster of eager and CUDA graphs"
+                    f"forwards after {at} tokens of context, the fastest of eager, CUDA graphs and "
+                    "torch.compile where measured"
                 ),
                 "target_ms": _interpolated(best, max(best)),
                 "prefill_ms_per_token": round(float(longest["prefill_ms"]) / contexts[-1], 4),

@@ -20,19 +20,45 @@ from .causal_runner import CausalRunner
 __all__ = ["GRAPH_MOST", "StaticRunner", "static_cache_supported"]
 
 GRAPH_MOST = 16  # feeds of at most this many new tokens replay a graph; longer ones (prefill) run eagerly
+BUCKET = 256  # attention reads the cache up to the next multiple of this past the fed tokens
 
 
 def _static_cache(model: Any, capacity: int) -> Any:
+    """A cache of one `_SpanLayer` per model layer (refused for sliding-window layers)."""
     from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
+    from transformers.cache_utils import Cache, StaticLayer
 
-    cache = StaticCache(config=model.config, max_cache_len=capacity)
-    if not all(type(layer) is StaticLayer for layer in cache.layers):
+    stock = StaticCache(config=model.config, max_cache_len=capacity)
+    if not all(type(layer) is StaticLayer for layer in stock.layers):
         raise ValueError(
             f"{type(model).__name__}: a static cache needs every layer to attend to the whole context "
             "(sliding-window layers cannot be cropped back); use graphs=False"
         )
-    return cache
+    return Cache(layers=[_span_layer()(capacity) for _ in stock.layers])
+
+
+_SPAN_LAYER: Any = None
+
+
+def _span_layer() -> Any:
+    """transformers' StaticLayer whose attention reads only the first `span` positions: the
+    attention kernels' work then follows the context rather than the capacity (one graph per
+    span bucket)."""
+    global _SPAN_LAYER
+    if _SPAN_LAYER is None:
+        from transformers.cache_utils import StaticLayer
+
+        class SpanLayer(StaticLayer):
+            span = 0  # set before each forward; 0: the whole capacity
+
+            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+                keys, values = super().update(key_states, value_states, *args, **kwargs)
+                if self.span:
+                    return keys[:, :, : self.span], values[:, :, : self.span]
+                return keys, values
+
+        _SPAN_LAYER = SpanLayer
+    return _SPAN_LAYER
 
 
 def static_cache_supported(model: Any) -> bool:
@@ -48,17 +74,20 @@ class StaticRunner(CausalRunner):
     """`ids` is the sequence; the static cache holds its first `kv_len` tokens. `graphs` (CUDA only):
     feeds of at most GRAPH_MOST new tokens without hidden states replay a graph captured on first use."""
 
-    def __init__(self, model: Any, ids: list[int], capacity: int, *, graphs: bool = True) -> None:
+    def __init__(
+        self, model: Any, ids: list[int], capacity: int, *, graphs: bool = True, bucket: int = BUCKET
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"a static cache needs a capacity of at least 1 position, got {capacity}")
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.capacity = capacity
+        self.capacity, self.bucket = capacity, bucket
         self.cache = _static_cache(model, capacity)
+        self._layers: list[Any] = list(self.cache.layers)  # SpanLayers
         self.graphs_on = graphs and self.device.type == "cuda"
         self.graph_error: str | None = None  # why capture failed, if it did (then every feed runs eagerly)
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
         self._positions = torch.arange(capacity, device=self.device)
         self.reset(ids)
@@ -116,7 +145,7 @@ class StaticRunner(CausalRunner):
         else:
             ids = torch.tensor([new], dtype=torch.long, device=self.device)
             start = torch.tensor(self.kv_len, dtype=torch.long, device=self.device)
-            logits, states = self._run(ids, start, keep, hidden)
+            logits, states = self._run(ids, start, keep, hidden, self._span(len(new)))
             if hidden:
                 self.hidden = states
         self.kv_len = len(self.ids)
@@ -129,23 +158,30 @@ class StaticRunner(CausalRunner):
         end = min(self.kv_len + most, len(self.ids) - 1)
         if end > self.kv_len:
             ids = torch.tensor([self.ids[self.kv_len : end]], dtype=torch.long, device=self.device)
-            self._run(ids, torch.tensor(self.kv_len, dtype=torch.long, device=self.device), 1, False)
+            start = torch.tensor(self.kv_len, dtype=torch.long, device=self.device)
+            self._run(ids, start, 1, False, self._span(end - self.kv_len))
             self.kv_len = end
         return max(0, len(self.ids) - 1 - self.kv_len)
 
+    def _span(self, n: int) -> int:
+        """How many cache positions a feed of `n` tokens after the cached ones attends over."""
+        return min(self.capacity, -(-(self.kv_len + n) // self.bucket) * self.bucket)
+
     def _run(
-        self, ids: torch.Tensor, start: torch.Tensor, keep: int, hidden: bool
+        self, ids: torch.Tensor, start: torch.Tensor, keep: int, hidden: bool, span: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward of `ids` (1, n) written at positions start.. of the cache; no host sync, so
-        it can be captured. The additive mask lets each token see the positions up to its own."""
+        """One forward of `ids` (1, n) written at positions start.. of the cache, attending over
+        its first `span` positions; no host sync, so it can be captured. The additive mask lets
+        each token see the positions up to its own."""
         n = ids.shape[1]
         where = start + torch.arange(n, device=self.device)
-        for layer in self.cache.layers:
+        for layer in self._layers:
+            layer.span = span
             if layer.is_initialized:
                 layer.cumulative_length.copy_(start)
             else:  # the first forward allocates the layer (never under capture: see _replay)
                 layer.cumulative_length = start.clone()
-        blocked = (self._positions[None, :] > where[:, None]).to(self.dtype)
+        blocked = (self._positions[None, :span] > where[:, None]).to(self.dtype)
         mask = (blocked * torch.finfo(self.dtype).min)[None, None]
         out = self.model(
             input_ids=ids,
@@ -159,21 +195,24 @@ class StaticRunner(CausalRunner):
         return out.logits[0, -keep:], (out.hidden_states[-1][0, -keep:] if hidden else None)
 
     def _replay(self, new: list[int], keep: int) -> torch.Tensor:
-        key = (len(new), keep)
+        span = self._span(len(new))
+        key = (len(new), keep, span)
         if key not in self._graphs:
             try:
-                self._graphs[key] = self._capture(new, keep)
+                self._graphs[key] = self._capture(new, keep, span)
             except Exception as exc:  # a model whose forward cannot be captured runs eagerly
                 self.graphs_on, self.graph_error = False, f"{type(exc).__name__}: {exc}"[:300]
                 ids = torch.tensor([new], dtype=torch.long, device=self.device)
-                return self._run(ids, torch.tensor(self.kv_len, device=self.device), keep, False)[0]
+                return self._run(ids, torch.tensor(self.kv_len, device=self.device), keep, False, span)[0]
         graph, ids_in, start_in, logits = self._graphs[key]
         ids_in.copy_(torch.tensor([new], dtype=torch.long), non_blocking=True)
         start_in.fill_(self.kv_len)
         graph.replay()
         return logits.clone()
 
-    def _capture(self, new: list[int], keep: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _capture(
+        self, new: list[int], keep: int, span: int
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         ids_in = torch.tensor([new], dtype=torch.long, device=self.device)
         start_in = torch.tensor(self.kv_len, dtype=torch.long, device=self.device)
         # warm-up on a side stream (allocates the cache, loads the kernels); it writes the very
@@ -182,11 +221,11 @@ class StaticRunner(CausalRunner):
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._run(ids_in, start_in, keep, False)
+                self._run(ids_in, start_in, keep, False, span)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, _ = self._run(ids_in, start_in, keep, False)
+            logits, _ = self._run(ids_in, start_in, keep, False, span)
         self._pool = graph.pool()
         return graph, ids_in, start_in, logits
 

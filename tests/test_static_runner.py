@@ -52,11 +52,12 @@ SCRIPT = [
 ]
 
 
-def test_static_matches_dynamic_through_feeds_and_crops(where):
+@pytest.mark.parametrize("bucket", [8, 256])  # attention over the cache in spans of 8 positions, or all 64
+def test_static_matches_dynamic_through_feeds_and_crops(where, bucket):
     model, graphs = where
     prompt = list(range(1, 10))
     want = _steps(CausalRunner(model, prompt), SCRIPT)
-    runner = StaticRunner(model, prompt, capacity=64, graphs=graphs)
+    runner = StaticRunner(model, prompt, capacity=64, graphs=graphs, bucket=bucket)
     got = _steps(runner, SCRIPT)
     assert runner.graph_error is None
     for a, b in zip(want, got, strict=True):
