@@ -41,6 +41,7 @@ test: lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(SOURCES)
 	$(VENV)/bin/ruff format --check $(SOURCES)
+	$(VENV)/bin/mypy
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not real"

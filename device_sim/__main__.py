@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from .profiles import NetworkProfile, load_profiles
+from .profiles import DeviceProfile, NetworkProfile, load_profiles
 from .simulate import Scenario, read_trace, simulate, sweep_k
 
 
@@ -91,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.out}")
         return
     if args.command == "list":
-        for p in [*cat.devices.values(), *cat.networks.values()]:
+        profiles: list[DeviceProfile | NetworkProfile] = [*cat.devices.values(), *cat.networks.values()]
+        for p in profiles:
             print(f"{p.name:<28} {p.source}")
         return
     try:
@@ -174,4 +174,4 @@ def _validate(runs, args, cat) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

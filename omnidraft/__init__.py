@@ -60,7 +60,7 @@ _WHERE = {
     "TrainConfig": "distill.trainer",
     "VLLMTarget": "targets.vllm_target",
     "load_model": "models",
-    "pair": "pairing",
+    "pair": "draft.base",
 }
 
 

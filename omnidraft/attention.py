@@ -92,8 +92,8 @@ def _timings(model: Any) -> dict[str, float] | None:
     """The two forms' ms for `model`'s head shape (timed once per machine), or None where there is
     nothing to choose: another attention implementation, or no grouped heads."""
     config = model.config
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads: int = getattr(config, "num_attention_heads", None) or 0
+    kv_heads: int = getattr(config, "num_key_value_heads", None) or heads
     if getattr(config, "_attn_implementation", None) not in ("sdpa", NAME) or not heads or kv_heads == heads:
         return None
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads

@@ -238,18 +238,18 @@ def _profiles(args: argparse.Namespace) -> None:
     if args.action != "import" and args.user is None:
         raise SystemExit(f"profiles {args.action} needs --user")
     if args.action == "show":
-        p = store.load(args.drafter, args.target, args.user)
-        if p is None:
+        profile = store.load(args.drafter, args.target, args.user)
+        if profile is None:
             raise FileNotFoundError(f"no profile for user {args.user!r} of {args.drafter} -> {args.target}")
         print(
             json.dumps(
                 {
-                    "drafter": p.drafter,
-                    "target": p.target,
-                    "user": p.user,
-                    "steps": p.steps,
-                    "tensors": sorted(p.tensors),
-                    "metrics": p.metrics[-3:],
+                    "drafter": profile.drafter,
+                    "target": profile.target,
+                    "user": profile.user,
+                    "steps": profile.steps,
+                    "tensors": sorted(profile.tensors),
+                    "metrics": profile.metrics[-3:],
                 },
                 indent=1,
             )

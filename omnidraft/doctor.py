@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import platform
 import sys
+from typing import Sequence
 
 import torch
 
@@ -76,7 +77,7 @@ def reset() -> list[str]:
     return [f"removed {path}" for path in removed] or [f"nothing measured under {measured.directory()}"]
 
 
-def report(targets: list[str] = ()) -> list[str]:
+def report(targets: Sequence[str] = ()) -> list[str]:
     """The doctor's lines; with `targets`, each one's kernel plan (timed now if not cached)."""
     lines = [
         f"python {sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -3,6 +3,8 @@ failures (a missing model package, a corrupt profile file) raise an OmnidraftErr
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CorruptFileError",
     "IncompatibleError",
@@ -39,7 +41,7 @@ class TargetError(OmnidraftError):
     """A target failed mid-generation. `partial` is the Generation committed up to that point
     (set by the pairing; None if it failed before the first round)."""
 
-    partial = None
+    partial: Any = None
 
 
 class TargetUnavailableError(TargetError):

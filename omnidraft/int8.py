@@ -172,6 +172,8 @@ class FakeInt8Linear(nn.Module):
     it matches the kernel to float rounding; over a longer call the kernel shares one scale across
     the rows, this keeps one per row. It has no parameters: nothing of it trains."""
 
+    source: Any  # a torch.ao dynamic quantized Linear, whose weight() and bias() are methods
+
     def __init__(self, source: nn.Module) -> None:
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features

@@ -189,7 +189,7 @@ def use_kernels(model: nn.Module, plan: KernelPlan | None = None, **kwargs: Any)
         paths = plan.choices.get(_shape_key(child.out_features, child.in_features, child.bias is not None))
         if paths is not None:
             setattr(parent, name, KernelLinear(child, paths))
-    model.kernel_plan = plan
+    setattr(model, "kernel_plan", plan)  # (a plain attribute of the module)
     return plan
 
 

@@ -12,19 +12,27 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, overload
 
 import torch
 
 from . import round_loop
 from .adaptive.costs import CostModel
 from .adaptive.lengths import DraftLengths, plan_drafting
-from .backends import drafting_twin
 from .config import K_START, RELAXED, DecodeConfig
 from .distill.attach import attach_adapter
 from .errors import TargetError
 from .retrieve.retriever import Retriever
-from .rounds import Generation, check_request, first_stop, make_generator, render_chat, verified
+from .rounds import (
+    MAX_NEW_TOKENS,
+    Generation,
+    check_request,
+    first_stop,
+    from_generation_config,
+    make_generator,
+    render_chat,
+    verified,
+)
 from .stats import GenerationStats, RoundRecord
 from .translate.ngram_cache import NgramCache
 from .translate.tables import TABLES_KEPT, pair_tables
@@ -32,12 +40,13 @@ from .translate.translator import Translator
 
 if TYPE_CHECKING:
     from .distill.adapters import AdapterConfig
+    from .distill.learner import Learner
     from .distill.trainer import TrainConfig
     from .draft import Drafter
     from .profiles import ProfileStore
     from .target import Target
 
-__all__ = ["K_START", "TABLES_KEPT", "DecodeConfig", "Generation", "Pairing", "pair", "pair_tables"]
+__all__ = ["K_START", "TABLES_KEPT", "DecodeConfig", "Generation", "Pairing", "pair_tables"]
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +135,10 @@ class Pairing:
             shared=self._shared,
             label=f"{drafter.name} -> {target.name}",
         )
-        self.learner = None
+        self.learner: Learner | None = None
         if learn:
+            if self.adapter is None:
+                raise ValueError(f"learn=True: {drafter.name} carries no adapter to learn into")
             from .distill.learner import Learner
             from .distill.trainer import TrainConfig
 
@@ -195,20 +206,46 @@ class Pairing:
             self.learner.wait()
         return self.store.save(pairing_profile(self))
 
+    @overload
     def generate(
         self,
-        prompt: str | list[str],
-        max_new_tokens: int = 128,
+        prompt: str,
+        max_new_tokens: int = MAX_NEW_TOKENS,
         *,
         stop: str | Sequence[str] = (),
         seed: int | None = None,
         generator: torch.Generator | None = None,
         **sampling: Any,
-    ) -> Any:
+    ) -> Generation: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: list[str],
+        max_new_tokens: int = MAX_NEW_TOKENS,
+        *,
+        stop: str | Sequence[str] = (),
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        **sampling: Any,
+    ) -> list[Generation]: ...
+
+    def generate(
+        self,
+        prompt: str | list[str],
+        max_new_tokens: int = MAX_NEW_TOKENS,
+        *,
+        stop: str | Sequence[str] = (),
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        **sampling: Any,
+    ) -> Generation | list[Generation]:
         """Decode `prompt` speculatively; greedy output equals the target's own greedy output. A list
         of prompts gives a list of Generations (decoded one after another). `sampling`: this call's
-        `temperature`, `top_k`, `top_p`, `min_p` (DecodeConfig.request_rule); sampling draws from
-        `generator`, or from a fresh one seeded with `seed`."""
+        `temperature`, `top_k`, `top_p`, `min_p` (DecodeConfig.request_rule), or a
+        `generation_config` (a transformers.GenerationConfig, or "target" for the target's own;
+        rounds.from_generation_config); sampling draws from `generator`, or from a fresh one seeded
+        with `seed`."""
         if isinstance(prompt, list):
             return [
                 self.generate(p, max_new_tokens, stop=stop, seed=seed, generator=generator, **sampling)
@@ -230,7 +267,7 @@ class Pairing:
     def chat(
         self,
         messages: list[dict[str, str]],
-        max_new_tokens: int = 128,
+        max_new_tokens: int = MAX_NEW_TOKENS,
         *,
         stop: str | Sequence[str] = (),
         seed: int | None = None,
@@ -260,7 +297,7 @@ class Pairing:
     def stream(
         self,
         prompt: str | list[dict[str, str]],
-        max_new_tokens: int = 128,
+        max_new_tokens: int = MAX_NEW_TOKENS,
         *,
         stop: str | Sequence[str] = (),
         seed: int | None = None,
@@ -287,6 +324,9 @@ class Pairing:
     ) -> Iterator[str]:
         """`special`: the tokenizers add their special tokens (BOS) to `prompt`; False for text that
         has them already (a rendered chat). The finished Generation is appended to `done`."""
+        if (given := sampling.pop("generation_config", None)) is not None:
+            options, max_new_tokens, stop = from_generation_config(given, self.target, max_new_tokens, stop)
+            sampling = {**options, **{k: v for k, v in sampling.items() if v is not None}}
         stop = check_request(prompt, max_new_tokens, stop)
         rule = self.config.request_rule(**sampling)
         started = time.perf_counter()
@@ -296,9 +336,10 @@ class Pairing:
         rounds: list[RoundRecord] = []
         rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # the target's top-k rows, for distillation
         text, shown, reason = "", 0, "length"
-        tts = self.learner.config.tts_every if self.learner is not None else 0
-        if tts:
-            self.learner.begin_request()
+        learner = self.learner if self.learner is not None and self.learner.config.tts_every else None
+        tts = learner.config.tts_every if learner is not None else 0
+        if learner is not None:
+            learner.begin_request()
         with self._book:
             mode = self.modes.choose() if self.modes is not None and rule.mode == "greedy" else "speculate"
             if not self.drafting and rule.mode == "greedy" and getattr(self.target, "generates_alone", False):
@@ -309,8 +350,8 @@ class Pairing:
             ):
                 rounds.append(record)
                 out += new
-                if tts and len(rounds) % tts == 0:
-                    self.learner.within_request(verified(prompt, out, rounds, rows))
+                if learner is not None and len(rounds) % tts == 0:
+                    learner.within_request(verified(prompt, out, rounds, rows))
                 text += decoder.decode(self.target.token_bytes.join(new))
                 if stop and (cut := first_stop(text, max(0, shown - hold), stop)) is not None:
                     text, reason = text[:cut], "stop"
@@ -327,8 +368,8 @@ class Pairing:
             )
             raise
         finally:
-            if tts:
-                self.learner.end_request()  # the request's fast steps end with it, however it ends
+            if learner is not None:
+                learner.end_request()  # the request's fast steps end with it, however it ends
         if reason != "stop":
             text += decoder.decode(b"", final=True)
         if len(text) > shown:
@@ -356,36 +397,3 @@ class Pairing:
             )
         if (row := self.lengths.end_request(self.learner)) is not None:
             self.metrics.append(row)
-
-
-def pair(
-    drafter: Any,
-    target: Any,
-    config: DecodeConfig | None = None,
-    *,
-    user: str | None = None,
-    learn: bool = False,
-    train: TrainConfig | None = None,
-    adapter: AdapterConfig | None = None,
-    store: ProfileStore | None = None,
-    **overrides: Any,
-) -> Pairing:
-    """Pair `drafter` (any backend) with `target`; keyword overrides go into `DecodeConfig`.
-
-    `user` loads (and `Pairing.save` writes) that user's profile for this target: n-gram cache,
-    datastore of past outputs, LoRA adapter, metrics. `learn=True` distils every verified request
-    into the pairing's adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA
-    shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp twin (backends.py)."""
-    if config is not None and overrides:
-        raise ValueError(f"pass a DecodeConfig or keyword overrides, not both (got {sorted(overrides)})")
-    config = config or DecodeConfig(**overrides)
-    return Pairing(
-        drafting_twin(drafter, config, learn=learn, adapter=adapter, user=user),
-        target,
-        config,
-        user=user,
-        learn=learn,
-        train=train,
-        adapter=adapter,
-        store=store,
-    )

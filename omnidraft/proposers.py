@@ -62,7 +62,7 @@ class ModelDrafts:
     def propose(self, p: Pairing, req: Request, k: int, room: int, only: str, started: float) -> Round:
         draft = NO_DRAFT if k == 0 else self.draft(p, req, k)
         drafted = time.perf_counter()
-        skip = len(p.drafter.token_bytes.table[req.last]) if draft.healed else 0
+        skip = len(p.drafter.token_bytes.table[req.last] or b"") if draft.healed else 0
         with p._book:
             proposal = p.translator.translate(draft.ids, only=only, skip=skip)
         return Round(draft, proposal.cut(min(len(proposal), room)), None, None, started, drafted)

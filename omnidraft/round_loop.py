@@ -71,7 +71,9 @@ def open_request(
         k, stopper = p.lengths.begin_request()
     if isinstance(p.drafter, Adaptable):  # a fake or an exported graph has no adapters
         p.drafter.activate(p.adapter)
-    deferral = p.retriever.deferral if index is not None else None  # the drafter's read, deferred
+    deferral = None  # the drafter's read, deferred
+    if index is not None and p.retriever is not None:
+        deferral = p.retriever.deferral
     return Request(
         target,
         p.drafter.begin(drafter_ids),

@@ -59,14 +59,15 @@ class RoundPolicy:
         retrieved = rnd.retrieved_among(accepted)
         with p._book:
             held = (
-                p.drafter.token_bytes.table[req.last] if draft.healed else b""
-            )  # bytes the draft starts with
+                (p.drafter.token_bytes.table[req.last] or b"") if draft.healed else b""
+            )  # the draft's start
             keep, tail = p.translator.resync(draft.ids, held + p.target.token_bytes.join(new))
             p.translator.learn(draft.ids[:keep] + tail, new, skip=len(held))
             req.drafts.commit(keep, tail)
             if req.index is not None:
                 req.index.commit(new)
-                p.retriever.observe(rnd.used, len(proposal), accepted)
+                if p.retriever is not None:
+                    p.retriever.observe(rnd.used, len(proposal), accepted)
             if p.model_drafts:
                 modeled = len(proposal) - proposal.retrieved
                 req.k = p.lengths.next(

@@ -20,6 +20,7 @@ __all__ = [
     "decode_alone",
     "draft_rows",
     "first_stop",
+    "from_generation_config",
     "make_generator",
     "relaxation",
     "render_chat",
@@ -103,6 +104,60 @@ def check_request(prompt: str, max_new_tokens: int, stop: str | Sequence[str]) -
     if stops is None or any(not isinstance(s, str) or not s for s in stops):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return stops
+
+
+MAX_NEW_TOKENS = 128  # a request's default length
+# GenerationConfig fields a speculative pairing cannot reproduce exactly, at their neutral values
+NEUTRAL = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "penalty_alpha": None,
+    "bad_words_ids": None,
+    "force_words_ids": None,
+}
+
+
+def from_generation_config(
+    config: Any, target: Any, max_new_tokens: int, stop: str | Sequence[str]
+) -> tuple[dict[str, Any], int, str | Sequence[str]]:
+    """(sampling options, max_new_tokens, stop) of a request from a `transformers.GenerationConfig`,
+    or from the target's own when `config` is "target": greedy unless `do_sample`, then its
+    temperature, top_k, top_p and min_p as HF applies them; its `max_new_tokens` where the call left
+    the default, its `stop_strings` where the call gave none. A field the pairing cannot reproduce
+    exactly (beams, repetition penalties, ...) away from its neutral value is refused by name."""
+    if isinstance(config, str) and config == "target":
+        config = getattr(getattr(target, "model", None), "generation_config", None)
+        if config is None:
+            raise ValueError(f"generation_config='target': {target.name} carries no generation_config")
+    if not hasattr(config, "do_sample") or not hasattr(config, "to_dict"):
+        raise TypeError(
+            "generation_config must be a transformers.GenerationConfig or 'target', "
+            f"got {type(config).__name__}"
+        )
+    for name, neutral in NEUTRAL.items():
+        value = getattr(config, name, neutral)
+        if value not in (neutral, None) and not (neutral is None and not value):
+            raise ValueError(
+                f"generation_config.{name}={value!r} is not supported (a pairing decodes one sequence)"
+            )
+    sampling: dict[str, Any] = {"temperature": 0.0}
+    if config.do_sample:
+        sampling = {
+            "temperature": config.temperature if config.temperature is not None else 1.0,
+            "top_k": config.top_k or 0,
+            "top_p": config.top_p if config.top_p is not None else 1.0,
+            "min_p": config.min_p or 0.0,
+        }
+    if config.max_new_tokens is not None and max_new_tokens == MAX_NEW_TOKENS:
+        max_new_tokens = config.max_new_tokens
+    if not stop and getattr(config, "stop_strings", None):
+        stop = config.stop_strings
+    return sampling, max_new_tokens, stop
 
 
 def first_stop(text: str, start: int, stop: tuple[str, ...]) -> int | None:

@@ -93,6 +93,8 @@ class AcceptanceHead(nn.Module):
     `prior_shift` buffer and `prob` takes it off (logit adjustment, Menon et al. 2021).
     """
 
+    prior_shift: torch.Tensor
+
     def __init__(self, hidden_size: int, width: int = 128, depth: int = 2, seed: int | None = None) -> None:
         """`seed` makes the initial weights reproducible (drawn from their own generator, so the
         caller's global random stream is not touched); None draws them as `nn.Linear` does."""
@@ -200,7 +202,7 @@ class Stopper:
             return float(gamma)
         if self.cost is None or not self.cost.ready:
             return 0.5
-        c_d = self.cost.draft
+        c_d = self.cost.draft or 0.0  # (ready: measured)
         rate = self.expected / (self.cost.overhead + n * c_d + self.cost.verify_cost(n + 1))
         more = c_d + self.cost.verify_slope
         return min(1.0, max(0.0, 1 - rate * more / max(p_last, 1e-6)))

@@ -116,6 +116,8 @@ class CostModel:
         if lo is not None and hi is not None:
             return fit[lo] + (fit[hi] - fit[lo]) * (m - lo) / (hi - lo)
         edge = lo if lo is not None else hi
+        if edge is None:
+            raise ValueError("no verify cost measured yet")
         return max(1e-6, fit[edge] + self.verify_slope * (m - edge))
 
 
@@ -128,7 +130,7 @@ def _monotone(points: dict[int, float], weights: dict[int, float]) -> dict[int, 
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             (m2, w2, n2), (m1, w1, n1) = blocks.pop(), blocks.pop()
             blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
-    values = [mean for mean, _, count in blocks for _ in range(count)]
+    values = [mean for mean, _, count in blocks for _ in range(int(count))]
     return dict(zip(sorted(points), values))
 
 

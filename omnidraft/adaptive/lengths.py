@@ -147,7 +147,9 @@ class DraftLengths:
             self.policy.begin_request()
         k = self.policy.next_k() if self.policy is not None else self.config.start_k
         hc = self.config.head
-        return k, Stopper(self.head, hc, self.shared, self.cost) if hc is not None else None
+        if hc is None or self.head is None:
+            return k, None
+        return k, Stopper(self.head, hc, self.shared, self.cost)
 
     def for_draft(self, k: int, stopper: Stopper | None) -> tuple[int, float, dict[str, Any]]:
         """(draft length, stop confidence, extra propose arguments) of this round's draft: up to k
@@ -188,7 +190,7 @@ class DraftLengths:
                     rates[0],
                 )
             return k
-        if stopper is not None:
+        if stopper is not None and self.fallback is not None:  # (a head comes with its fallback)
             if self.config.head.train is not None:
                 self.trainer.add(stopper.features(), kept)
             return self.fallback.next_k(k, proposed, accepted)

@@ -10,6 +10,8 @@ import logging
 import math
 from dataclasses import dataclass
 
+from .costs import CostModel
+
 __all__ = ["CostPolicy", "Hysteresis", "ModeChooser", "Outlook", "outlook"]
 
 
@@ -122,7 +124,7 @@ class CostPolicy:
 
     def __init__(
         self,
-        cost: object,
+        cost: CostModel,
         *,
         k_max: int = 12,
         start: int = 6,
@@ -151,7 +153,10 @@ class CostPolicy:
         self.wait = probe_every  # idle rounds before the next probe
         self.fresh, self.fresh_left = fresh, 0  # rounds each request drafts before the policy may idle
         self.may_idle = may_idle  # False: never k = 0 (a ModeChooser decides per request whether to draft)
-        self.accepted = self.trials = self.ratio = None  # EMAs per drafting round
+        # EMAs per drafting round
+        self.accepted: float | None = None
+        self.trials: float | None = None
+        self.ratio: float | None = None
         self.idle = 0  # rounds since the last draft
         self.last_rates: dict[int, float] = {}
 
@@ -178,7 +183,7 @@ class CostPolicy:
     @property
     def acceptance(self) -> float:
         """Per-token acceptance a, below 1 so the geometric sums stay finite."""
-        return min(0.99, self.accepted / self.trials) if self.trials else 0.0
+        return min(0.99, self.accepted / self.trials) if self.trials and self.accepted is not None else 0.0
 
     def expected_tokens(self, k: int) -> float:
         """E(k): committed tokens of a round that drafts k drafter tokens."""
@@ -189,7 +194,8 @@ class CostPolicy:
         c = self.cost
         if k == 0:
             return c.verify_cost(1) + c.other
-        return c.overhead + k * c.draft + c.verify_cost(max(1, round(self.ratio * k)) + 1)
+        ratio, draft = self.ratio or 1.0, c.draft or 0.0  # (both measured before rates are asked)
+        return c.overhead + k * draft + c.verify_cost(max(1, round(ratio * k)) + 1)
 
     def rates(self) -> dict[int, float]:
         """Expected committed tokens per second for every k in [0, k_max]."""
@@ -247,8 +253,13 @@ class ModeChooser:
         self.interval, self.since_probe = probe_every, 0
         self.probing: str | None = None  # the mode a probe request is measuring
 
+    def _measured(self) -> dict[str, float]:
+        return {m: r for m, r in self.rates.items() if r is not None}
+
     def best(self) -> str:
-        return max(self.MODES, key=lambda m: self.rates[m])
+        """The mode measured faster (the first mode while none is measured)."""
+        measured = self._measured()
+        return max(measured, key=measured.__getitem__) if measured else self.MODES[0]
 
     def __repr__(self) -> str:
         rates = ", ".join(
@@ -261,9 +272,8 @@ class ModeChooser:
             if self.rates[mode] is None:
                 return mode
         self.since_probe += 1
-        gap = 1.0 - min(self.rates.values()) / max(
-            self.rates.values()
-        )  # how much slower the other mode measured
+        rates = self._measured().values()
+        gap = 1.0 - min(rates) / max(rates)  # how much slower the other mode measured
         if self.since_probe >= max(self.interval, math.ceil(gap / self.probe_cost)):
             self.since_probe = 0
             self.probing = self.MODES[1 - self.MODES.index(self.best())]

@@ -20,7 +20,7 @@ def run_pair(
     args: argparse.Namespace,
     peers: tuple[str, ...],
     trace: str | None,
-    partial: Callable[[list, dict], None] = lambda *_: None,
+    partial: Callable[[list, dict], object] = lambda *_: None,
 ) -> tuple[list, dict]:
     from tqdm import tqdm
 
@@ -29,7 +29,8 @@ def run_pair(
     from .runner import pairing_costs, run_prompts, summarize
 
     pair = load_pair(*split_pair(pair_spec), args)
-    summaries, per_prompt = [], {}
+    summaries: list[dict[str, Any]] = []
+    per_prompt: dict[str, Any] = {}
     for dataset in datasets:
         prompts = load_prompts(dataset, args.n)
         bar = tqdm(total=len(prompts), desc=f"{pair_spec} {dataset}", file=sys.stderr)
@@ -285,7 +286,8 @@ def bench(args: argparse.Namespace) -> None:
         return _bench_sources(args)
 
     pairs = args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]
-    summaries, per_prompt = [], {}
+    summaries: list[dict[str, Any]] = []
+    per_prompt: dict[str, Any] = {}
     for pair_spec in pairs:
         s, p = run_pair(
             pair_spec,

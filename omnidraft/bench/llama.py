@@ -20,6 +20,7 @@ rows that use its `draft_model` pay that, prompt included; the in-process rows d
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -38,7 +39,7 @@ def GgufDraft(engine: Any, n_max: int = SPEC_MAX, p_min: float = SPEC_P_MIN) -> 
 
     class _GgufDraft(LlamaDraftModel):
         def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
-            ids, out = [int(t) for t in input_ids], []
+            ids, out = [int(t) for t in input_ids], list[int]()
             for _ in range(n_max):
                 row = engine.logits(ids + out, 1)[0]
                 token = int(row.argmax())
@@ -64,7 +65,8 @@ def _own(llm: Any, ids: list[int], n: int, eos: frozenset[int]) -> Timed:
     return Timed(out, time.perf_counter() - started)
 
 
-def _pairing(pair: Any, prompt: str, n: int) -> Timed:
+def pairing_row(pair: Any, n: int, prompt: str, ids: list[int]) -> Timed:
+    """A timed row of `pair` generating `n` tokens after `prompt` (`ids`: the same, tokenized)."""
     started = time.perf_counter()
     out = pair.generate(prompt, max_new_tokens=n)
     return Timed(out.token_ids, time.perf_counter() - started)
@@ -80,7 +82,7 @@ def run_llama(
     fp32: bool = True,
     n_ctx: int = 4096,
     notes: list[str] | None = None,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[str], object] = lambda _: None,
 ) -> list[dict[str, Any]]:
     """Per prompt, per row: {"row", "prompt", "tokens", "seconds", "identical"} (identical: the
     same ids as llama.cpp alone). `notes` receives each pairing's outlook (why it drafts or not)."""
@@ -110,17 +112,22 @@ def run_llama(
         )
     drafts["llama.cpp prompt lookup"] = LlamaPromptLookupDecoding()
     drafts["omnidraft via draft_model"] = OmnidraftDraftModel(drafters["llama.cpp"], target)
+
+    def with_draft(draft: Any) -> Callable[[str, list[int]], Timed]:
+        def row(p: str, ids: list[int]) -> Timed:
+            spec.draft_model = draft
+            return _own(spec, ids, max_new_tokens, target.eos_ids)
+
+        return row
+
     for name, draft in drafts.items():
-        rows[name] = lambda p, ids, draft=draft: (
-            setattr(spec, "draft_model", draft),
-            _own(spec, ids, max_new_tokens, target.eos_ids),
-        )[1]
+        rows[name] = with_draft(draft)
     pairs = {f"omnidraft ({backend} drafter)": drafter.pair(target) for backend, drafter in drafters.items()}
     pairs["omnidraft (llama.cpp drafter, compute objective)"] = drafters["llama.cpp"].pair(
         target, objective="compute"
     )
     for name, pair in pairs.items():
-        rows[name] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
+        rows[name] = partial(pairing_row, pair, max_new_tokens)
         if notes is not None and pair.outlook is not None:
             notes.append(
                 f"{name}: {'drafts' if pair.drafting else 'decodes alone'} "
@@ -139,7 +146,7 @@ def time_rows(
     rows: dict[str, Callable[[str, list[int]], Timed]],
     prompts: list[str],
     tokenizer: Any,
-    progress: Callable[[str], None],
+    progress: Callable[[str], object],
     references: list[list[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every row on every prompt, in order per prompt; the first row's output is the reference

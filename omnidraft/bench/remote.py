@@ -142,7 +142,7 @@ def run_remote(
                     len(reference),
                     client.sent - before,
                     True,
-                    0,
+                    False,
                 )
                 for name, pair in pairs.items():
                     progress(f"rtt {rtt * 1000:.0f} ms, prompt {i}: {name}")

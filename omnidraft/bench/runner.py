@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from statistics import median
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from ..pairing import Pairing
 from .baselines import Timed, hf_assisted, prompt_lookup, stock_generate, target_alone
+
+if TYPE_CHECKING:
+    from ..target import LocalTarget
 
 __all__ = [
     "PEERS",
@@ -73,7 +77,7 @@ def run_prompts(
     *,
     peers: tuple[str, ...] = tuple(PEERS),
     trace: Callable[[int, Any], None] | None = None,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[str], object] = lambda _: None,
     done: Callable[[list[PromptResult]], None] = lambda _: None,
 ) -> list[PromptResult]:
     """Time omnidraft, the target alone and every row of `peers` (keys of PEERS) on every prompt;
@@ -94,7 +98,7 @@ def run_prompts(
         for name in peers:
             progress(f"prompt {i}: {name}")
             run, forwards = _counting_forwards(
-                pair.target.model, lambda name=name: PEERS[name][1](pair, prompt, max_new_tokens)
+                cast("LocalTarget", pair.target).model, partial(PEERS[name][1], pair, prompt, max_new_tokens)
             )
             rows[name] = {
                 "seconds": run.seconds,
@@ -190,7 +194,7 @@ def compare_pairings(
     pairs: dict[str, Pairing],
     prompts: list[str],
     max_new_tokens: int,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[str], object] = lambda _: None,
     *,
     peers: tuple[str, ...] = (),
 ) -> dict[str, Any]:
@@ -223,12 +227,13 @@ def compare_pairings(
         alone_s, alone_tokens = alone_s + ref.seconds, alone_tokens + len(ref.token_ids)
         for name in names[i % len(names) :] + names[: i % len(names)]:
             progress(f"prompt {i + 1}/{len(prompts)}: {name}")
+            out: Any
             if name in pairs:
                 out = pairs[name].generate(prompt, max_new_tokens=max_new_tokens)
                 ids = out.token_ids
             else:
                 out = _counting_forwards(
-                    target.model, lambda name=name: PEERS[name][1](first, prompt, max_new_tokens)
+                    cast("LocalTarget", target).model, partial(PEERS[name][1], first, prompt, max_new_tokens)
                 )
                 ids = out[0].token_ids
             runs[name].append(out)
@@ -338,7 +343,7 @@ def default_against_fixed_k(
     prompts: list[str],
     max_new_tokens: int,
     ks: list[int],
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[str], object] = lambda _: None,
 ) -> dict[str, Any]:
     """The default pairing (draft length from measured costs) beside each fixed k, same prompts,
     same run (`compare_pairings`), and how the default compares with the best fixed k per prompt

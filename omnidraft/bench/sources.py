@@ -7,6 +7,7 @@ docs/retrieval.md has the figures and the command.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 from .datasets import load_prompts
@@ -27,7 +28,7 @@ def run_sources(
     drafts: tuple[str, ...] = ("model", "retrieval", "hybrid"),
     peers: tuple[str, ...] = ("lookup", "assisted"),
     relaxed: bool = False,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[str], object] = lambda _: None,
     **config: Any,
 ) -> dict[str, Any]:
     """Per dataset, fresh pairings (one per `drafts` value, `config` passed on) so that each
@@ -42,7 +43,7 @@ def run_sources(
             pairs,
             load_prompts(dataset, n),
             max_new_tokens,
-            progress=lambda msg, d=dataset: progress(f"{d} {msg}"),
+            progress=partial(_prefixed, progress, dataset),
             peers=peers,
         )
         result.update(hybrid_against(result["rows"]))
@@ -101,3 +102,7 @@ def markdown(result: dict[str, Any]) -> str:
         ]
         lines.append("")
     return "\n".join(lines)
+
+
+def _prefixed(progress: Callable[[str], object], prefix: str, msg: str) -> None:
+    progress(f"{prefix} {msg}")

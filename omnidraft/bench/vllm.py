@@ -13,10 +13,11 @@ one run, each greedy and timed per request (prefill included), every output agai
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, Callable
 
 from .baselines import Timed
-from .llama import time_rows
+from .llama import pairing_row, time_rows
 
 __all__ = ["run_vllm"]
 
@@ -29,12 +30,6 @@ def _engine_alone(target: Any, ids: list[int], n: int) -> Timed:
     return Timed(out, time.perf_counter() - started)
 
 
-def _pairing(pair: Any, prompt: str, n: int) -> Timed:
-    started = time.perf_counter()
-    out = pair.generate(prompt, max_new_tokens=n)
-    return Timed(out.token_ids, time.perf_counter() - started)
-
-
 def run_vllm(
     drafter_spec: str,
     target_spec: str,
@@ -44,7 +39,7 @@ def run_vllm(
     dtype: str = "float32",
     ngram: bool = True,
     notes: dict[str, list[str]] | None = None,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[str], object] = lambda _: None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Per prompt set (dataset), per prompt, per row: {"row", "prompt", "tokens", "seconds",
     "identical"} (identical: the same ids as vLLM alone). `notes` receives, per set, why a row is
@@ -67,7 +62,7 @@ def run_vllm(
                 "vLLM alone": lambda p, ids: _engine_alone(target, ids, max_new_tokens)
             }
             for row, pair in pairs.items():
-                rows[row] = lambda p, ids, pair=pair: _pairing(pair, p, max_new_tokens)
+                rows[row] = partial(pairing_row, pair, max_new_tokens)
             references[name] = []
             results[name] = time_rows(rows, prompts, target.tokenizer, progress, references[name])
             notes.setdefault(name, []).extend(

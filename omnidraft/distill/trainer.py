@@ -127,7 +127,8 @@ class OnlineTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.buffer = Buffer(config.capacity)
         self.step_lock = step_lock or threading.RLock()
-        self.steps, self.requests, self.history = 0, 0, []  # history: one dict per optimizer step
+        self.steps, self.requests = 0, 0
+        self.history: list[dict[str, Any]] = []  # one dict per optimizer step
         self.start_step = start_step
         self._rng = random.Random(config.seed)
 

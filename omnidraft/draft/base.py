@@ -24,10 +24,13 @@ from .session import DraftSession, Stream
 
 if TYPE_CHECKING:
     from ..config import DecodeConfig
+    from ..distill.adapters import AdapterConfig
+    from ..distill.trainer import TrainConfig
     from ..pairing import Pairing
+    from ..profiles import ProfileStore
     from ..target import Target
 
-__all__ = ["BACKENDS", "Drafter"]
+__all__ = ["BACKENDS", "Drafter", "pair"]
 
 BACKENDS = ("torch", "llama.cpp", "onnx", "auto")
 # where each backend is defined: imported on first use (a plugin table, so this module imports none)
@@ -53,6 +56,7 @@ class Drafter:
     head: Any = None  # the shortlisted LM head (shortlist/shortlisted_head.py), when one is in use
     hidden_size: int | None = None  # the hidden state an acceptance head reads; None: none given
     learns: bool = False  # whether it carries per-target LoRA adapters and learns them (PyTorch only)
+    trainable: Any = None  # a learning drafter's PEFT-wrapped model, once it has an adapter
     backend: str = "?"
 
     def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
@@ -95,9 +99,7 @@ class Drafter:
         return f"{readable}_{hashlib.sha256(exact).hexdigest()[:16]}"
 
     def pair(self, target: Target, config: DecodeConfig | None = None, **options: Any) -> Pairing:
-        """Pair this drafter with `target`: see `omnidraft.pairing.pair` (user, learn, overrides)."""
-        from ..pairing import pair
-
+        """Pair this drafter with `target`: see `pair` (user, learn, overrides)."""
         return pair(self, target, config, **options)
 
     @staticmethod
@@ -172,3 +174,40 @@ class Drafter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab {len(self.token_bytes)})"
+
+
+def pair(
+    drafter: Any,
+    target: Any,
+    config: DecodeConfig | None = None,
+    *,
+    user: str | None = None,
+    learn: bool = False,
+    train: TrainConfig | None = None,
+    adapter: AdapterConfig | None = None,
+    store: ProfileStore | None = None,
+    **overrides: Any,
+) -> Pairing:
+    """Pair `drafter` (any backend) with `target`; keyword overrides go into `DecodeConfig`.
+
+    `user` loads (and `Pairing.save` writes) that user's profile for this target: n-gram cache,
+    datastore of past outputs, LoRA adapter, metrics. `learn=True` distils every verified request
+    into the pairing's adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA
+    shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp twin (backends.py)."""
+    from ..backends import drafting_twin
+    from ..config import DecodeConfig
+    from ..pairing import Pairing
+
+    if config is not None and overrides:
+        raise ValueError(f"pass a DecodeConfig or keyword overrides, not both (got {sorted(overrides)})")
+    config = config or DecodeConfig(**overrides)
+    return Pairing(
+        drafting_twin(drafter, config, learn=learn, adapter=adapter, user=user),
+        target,
+        config,
+        user=user,
+        learn=learn,
+        train=train,
+        adapter=adapter,
+        store=store,
+    )

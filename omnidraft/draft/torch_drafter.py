@@ -196,9 +196,13 @@ class TorchDrafter(Drafter, name="torch"):
                 return
             base, first = self.trainable, self.trainable is None
             if first:
-                if self.int8 and self.spec is None:
-                    raise ValueError("this int8 drafter was built without a spec to reload fp32 weights from")
-                base = load_model(self.spec).model if self.int8 else self.model
+                base = self.model
+                if self.int8:
+                    if self.spec is None:
+                        raise ValueError(
+                            "this int8 drafter was built without a spec to reload fp32 weights from"
+                        )
+                    base = load_model(self.spec).model
                 for p in base.parameters():
                     p.requires_grad_(False)
             self.trainable = add_adapter(base, name, config or AdapterConfig())

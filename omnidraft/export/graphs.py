@@ -29,6 +29,9 @@ HEADS = ("inside", "outside", "gather")
 class LlamaGraph(nn.Module):
     """The Llama forward of `model` (an HF LlamaForCausalLM, adapters merged) over explicit KV tensors."""
 
+    inv_freq: torch.Tensor
+    layers: Any  # the HF decoder layers, whose submodules differ by architecture
+
     def __init__(
         self,
         model: Any,
@@ -115,7 +118,7 @@ class LlamaGraph(nn.Module):
         keys = torch.arange(p + n)[None, :]
         mask = torch.where(keys <= (torch.arange(n)[:, None] + p), 0.0, float("-inf"))
         x = self.embed(input_ids)
-        presents = []
+        presents: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = self._rms(x, layer.input_layernorm.weight)
@@ -162,6 +165,9 @@ class Gemma3Graph(LlamaGraph):
     """Gemma 3's text forward of `model` (an HF Gemma3ForCausalLM, adapters merged) over explicit
     KV tensors. Sliding-window layers keep every position and mask the ones outside the window (as
     the PyTorch drafter's cache does, causal_runner.py), so one rollback rule serves every layer."""
+
+    inv_freq_sliding: torch.Tensor
+    inv_freq_full: torch.Tensor
 
     def __init__(
         self,
@@ -221,7 +227,7 @@ class Gemma3Graph(LlamaGraph):
             torch.where(causal, 0.0, float("-inf")),
         ]
         x = self.embed(input_ids)
-        presents = []
+        presents: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             attn, mlp, local = layer.self_attn, layer.mlp, 0 if self.sliding[i] else 1
             cos, sin = rope[local]

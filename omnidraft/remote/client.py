@@ -207,6 +207,7 @@ class _RemoteSession:
         import httpx
 
         owner = self.owner
+        message: GenerateRequest | PromptGenerateRequest
         if self.sid is None:
             path, message = (
                 "/v1/generate",

@@ -362,7 +362,7 @@ class _CompletionSession:
         o, base, draft = self.owner, len(self.ids), [int(t) for t in proposal.tolist()]
         top, tokens = o.score(self.ids + draft, max(1, min(topk, o.topk)))
         rows = [{o.token_id(name): lp for name, lp in top[base + j].items()} for j in range(len(draft) + 1)]
-        best = [max(row, key=row.get) for row in rows]
+        best = [max(row, key=row.__getitem__) for row in rows]
         accepted = next((j for j, t in enumerate(draft) if best[j] != t), len(draft))
         token = best[accepted] if accepted < len(draft) else o.token_id(tokens[base + len(draft)])
         self.ids += draft[:accepted] + [token]
@@ -371,7 +371,7 @@ class _CompletionSession:
         if topk > 0:
             kept = rows[: accepted + 1]
             width = min(len(r) for r in kept)
-            ids = [sorted(r, key=r.get, reverse=True)[:width] for r in kept]
+            ids = [sorted(r, key=r.__getitem__, reverse=True)[:width] for r in kept]
             top_rows = (
                 torch.tensor(ids, dtype=torch.long),
                 torch.tensor([[r[t] for t in row] for r, row in zip(kept, ids)]),

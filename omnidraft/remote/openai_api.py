@@ -150,6 +150,6 @@ def _sse(pieces: Iterator[tuple[str, str, int]], base: dict[str, Any], chat: boo
         if piece:
             body = {"delta": {"content": piece}} if chat else {"text": piece, "logprobs": None}
             yield event({**base, "object": kind, "choices": [{"index": 0, **body, "finish_reason": None}]})
-    last = {"delta": {}} if chat else {"text": "", "logprobs": None}
+    last: dict[str, Any] = {"delta": {}} if chat else {"text": "", "logprobs": None}
     yield event({**base, "object": kind, "choices": [{"index": 0, **last, "finish_reason": reason}]})
     yield b"data: [DONE]\n\n"

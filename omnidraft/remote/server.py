@@ -26,11 +26,12 @@ import asyncio
 import hmac
 import logging
 import threading
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -70,7 +71,7 @@ def http_protocol() -> type:
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self.transport.close()
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
 
@@ -123,7 +124,7 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                 raise HTTPError(413, f"request body over the limit of {config.max_body_bytes} bytes")
         return bytes(data)
 
-    async def body(request: Request, model: type) -> Any:
+    async def body(request: Request, model: type[BaseModel]) -> Any:
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > config.max_body_bytes):
             raise HTTPError(413, f"request body over the limit of {config.max_body_bytes} bytes")
@@ -225,7 +226,7 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         from .openai import Cancelled
 
         cancel = threading.Event()
-        running = asyncio.ensure_future(run_in_threadpool(work, *args, cancel))
+        running = asyncio.ensure_future(run_in_threadpool(partial(work, *args, cancel)))
         while not (await asyncio.wait({running}, timeout=0.25))[0]:
             if await request.is_disconnected():
                 cancel.set()  # the work stops at its next token; its reply goes nowhere

@@ -66,7 +66,7 @@ class Service(TextRoutes):
         costs = getattr(target, "verify_costs", None) if self.batches else None
         self.costs: dict[int, float] | None = costs() if costs is not None else None
         model = getattr(target, "model", None)  # None: unbounded
-        self.context = getattr(target, "context_length", None) or getattr(
+        self.context: int | None = getattr(target, "context_length", None) or getattr(
             getattr(model, "config", None), "max_position_embeddings", None
         )
         with tempfile.TemporaryDirectory() as tmp:

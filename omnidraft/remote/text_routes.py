@@ -25,7 +25,7 @@ class TextRoutes:
     config: ServerConfig
     metrics: Metrics
     batches: bool
-    context: int
+    context: int | None  # None: unbounded
     model_lock: Any
     _hold: Callable[[int, int], Callable[[], None]]
     _check_context: Callable[[int, str], None]

@@ -16,7 +16,7 @@ match length, and `plan` turns candidates into a draft:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from ..adaptive.policy import ema
 from .automaton import Matcher, SuffixAutomaton
@@ -101,7 +101,7 @@ class ContextIndex:
             if self.store is not None:
                 self.there = self.there.advance(self.store.sam, token)
 
-    def candidates(self, n: int, ahead: list[int] = ()) -> list[Candidate]:
+    def candidates(self, n: int, ahead: Sequence[int] = ()) -> list[Candidate]:
         """Each source's continuation (up to n tokens) of the committed context followed by the
         uncommitted `ahead` (a model draft), longest match first."""
         here, there = self.here, self.there

@@ -174,7 +174,7 @@ def shortlist(
     own = path is not None
     file = (
         Path(path)
-        if own
+        if path is not None
         else _cache_path(
             drafter.name,
             drafter.token_bytes.fingerprint,

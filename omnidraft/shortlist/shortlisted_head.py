@@ -35,7 +35,7 @@ def _int8(head: nn.Module) -> bool:
     return False
 
 
-def sub_linear(head: nn.Module, ids: torch.Tensor) -> nn.Module:
+def sub_linear(head: Any, ids: torch.Tensor) -> nn.Module:
     """A linear layer computing rows `ids` of `head` (an nn.Linear or a dynamic int8 Linear)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
@@ -45,19 +45,19 @@ def sub_linear(head: nn.Module, ids: torch.Tensor) -> nn.Module:
         part = DynamicLinear(ints.shape[1], len(ids), dtype=torch.qint8)
         part.set_weight_bias(rows, None if bias is None else bias[ids].clone())
         return part
-    part = nn.Linear(head.in_features, len(ids), bias=head.bias is not None)
-    part.weight = nn.Parameter(head.weight.detach()[ids].clone(), requires_grad=False)
+    dense = nn.Linear(head.in_features, len(ids), bias=head.bias is not None)
+    dense.weight = nn.Parameter(head.weight.detach()[ids].clone(), requires_grad=False)
     if head.bias is not None:
-        part.bias = nn.Parameter(head.bias.detach()[ids].clone(), requires_grad=False)
-    return part
+        dense.bias = nn.Parameter(head.bias.detach()[ids].clone(), requires_grad=False)
+    return dense
 
 
-def dense_weight(head: nn.Module) -> torch.Tensor:
+def dense_weight(head: Any) -> torch.Tensor:
     """The rows of `head` (an nn.Linear or a dynamic int8 Linear) as an fp32 (V, d) matrix."""
     return head.weight().dequantize().float() if _int8(head) else head.weight.detach().float()
 
 
-def _unpacked(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _unpacked(head: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A dynamic int8 head's (int8 values, per-row scales, zero points, bias), unpacked once and
     kept on the module: unpacking reads the whole matrix, and a clustered head cuts it many times."""
     cached = head.__dict__.get("_shortlist_unpacked")
@@ -106,10 +106,14 @@ class ShortlistHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.requires_grad:  # a training forward reads the whole head
+            if self.full is None:
+                raise ValueError("this shortlisted head has no rows of its own to train through")
             return self.full(hidden)
         blocks = self.policy.blocks(hidden, self.step)
         out = hidden.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
         for block in blocks:
+            if block.linear is None:
+                raise ValueError("this shortlist has no rows (it serves a graph that gathers its own)")
             out[..., block.ids] = block.linear(hidden).to(out.dtype)
         self.support_sizes.append(sum(len(b) for b in blocks))
         return out

@@ -27,7 +27,7 @@ __all__ = ["Dyna", "Evo", "Static"]
 class Static:
     """One fixed block."""
 
-    def __init__(self, head: nn.Module, core: torch.Tensor) -> None:
+    def __init__(self, head: nn.Module | None, core: torch.Tensor) -> None:
         self.core = Block(head, core)
 
     def blocks(self, hidden: torch.Tensor, step: int) -> list[Block]:
@@ -43,7 +43,7 @@ class Static:
 class Evo:
     """The core plus a buffer of at most `capacity` ids outside it (LFU: the least seen leave first)."""
 
-    def __init__(self, head: nn.Module, core: torch.Tensor, capacity: int = 2048) -> None:
+    def __init__(self, head: nn.Module | None, core: torch.Tensor, capacity: int = 2048) -> None:
         if capacity < 1:
             raise ValueError(f"the buffer capacity must be >= 1, got {capacity}")
         self.head, self.capacity = head, capacity
@@ -91,7 +91,7 @@ class Dyna:
 
     def __init__(
         self,
-        head: nn.Module,
+        head: nn.Module | None,
         core: torch.Tensor,
         clusters: list[torch.Tensor],
         router: nn.Linear,

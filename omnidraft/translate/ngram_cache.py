@@ -70,35 +70,44 @@ class _Policy(cachetools.Cache):
 
     evictions = 0
 
-    def _evict(self, key):  # type: ignore[no-untyped-def]
+    def _evict(self, key):
         value = cachetools.Cache.__getitem__(self, key)
         del self[key]
         self.evictions += 1
         return key, value
 
+    def order(self) -> list:
+        raise NotImplementedError
+
+    def state(self, key) -> list:
+        raise NotImplementedError
+
+    def restore(self, key, value, state: list) -> None:
+        raise NotImplementedError
+
 
 class _Recent(_Policy):
     """LRU: evicts the entry least recently added or used."""
 
-    def __init__(self, maxsize: int, getsizeof=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, maxsize: int, getsizeof=None) -> None:
         super().__init__(maxsize, getsizeof)
         self._order: OrderedDict = OrderedDict()
 
-    def __getitem__(self, key):  # type: ignore[no-untyped-def]
+    def __getitem__(self, key):
         value = super().__getitem__(key)
         self._order.move_to_end(key)
         return value
 
-    def __setitem__(self, key, value) -> None:  # type: ignore[no-untyped-def]
+    def __setitem__(self, key, value) -> None:
         super().__setitem__(key, value)
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def __delitem__(self, key) -> None:  # type: ignore[no-untyped-def]
+    def __delitem__(self, key) -> None:
         super().__delitem__(key)
         del self._order[key]
 
-    def popitem(self):  # type: ignore[no-untyped-def]
+    def popitem(self):
         if not self._order:
             raise KeyError(f"{type(self).__name__} is empty")
         return self._evict(next(iter(self._order)))
@@ -106,10 +115,10 @@ class _Recent(_Policy):
     def order(self) -> list:
         return list(self._order)
 
-    def state(self, key) -> list:  # type: ignore[no-untyped-def]
+    def state(self, key) -> list:
         return []
 
-    def restore(self, key, value, state: list) -> None:  # type: ignore[no-untyped-def]
+    def restore(self, key, value, state: list) -> None:
         self[key] = value  # restored in eviction order: the order is the state
 
 
@@ -123,7 +132,7 @@ class _Frequent(_Policy):
 
     aging = False
 
-    def __init__(self, maxsize: int, getsizeof=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, maxsize: int, getsizeof=None) -> None:
         super().__init__(maxsize, getsizeof)
         self._uses: dict = {}
         self._rank: dict = {}  # key -> (priority, tick) of its last use
@@ -131,23 +140,23 @@ class _Frequent(_Policy):
         self._tick = itertools.count()
         self.age = 0
 
-    def __getitem__(self, key):  # type: ignore[no-untyped-def]
+    def __getitem__(self, key):
         value = super().__getitem__(key)
         self._uses[key] += 1
         self._push(key)
         return value
 
-    def __setitem__(self, key, value) -> None:  # type: ignore[no-untyped-def]
+    def __setitem__(self, key, value) -> None:
         super().__setitem__(key, value)
         if key not in self._uses:
             self._uses[key] = 1
             self._push(key)
 
-    def __delitem__(self, key) -> None:  # type: ignore[no-untyped-def]
+    def __delitem__(self, key) -> None:
         super().__delitem__(key)
         del self._uses[key], self._rank[key]
 
-    def _push(self, key, priority: int | None = None) -> None:  # type: ignore[no-untyped-def]
+    def _push(self, key, priority: int | None = None) -> None:
         if priority is None:
             priority = self._uses[key] + (self.age if self.aging else 0)
         self._rank[key] = rank = (priority, next(self._tick))
@@ -156,7 +165,7 @@ class _Frequent(_Policy):
             self._heap = [(p, t, k) for p, t, k in self._heap if self._rank.get(k) == (p, t)]
             heapq.heapify(self._heap)
 
-    def popitem(self):  # type: ignore[no-untyped-def]
+    def popitem(self):
         while self._heap:
             priority, tick, key = heapq.heappop(self._heap)
             if self._rank.get(key) == (priority, tick):
@@ -168,10 +177,10 @@ class _Frequent(_Policy):
     def order(self) -> list:
         return sorted(self._rank, key=self._rank.__getitem__)
 
-    def state(self, key) -> list:  # type: ignore[no-untyped-def]
+    def state(self, key) -> list:
         return [self._uses[key], self._rank[key][0]]
 
-    def restore(self, key, value, state: list) -> None:  # type: ignore[no-untyped-def]
+    def restore(self, key, value, state: list) -> None:
         """`state`: [uses, priority] as `state` gave them, or [] (an LRU's save, a version-1 file):
         one use."""
         cachetools.Cache.__setitem__(self, key, value)

@@ -130,13 +130,17 @@ class Translator:
         )
 
     def _by_ngram(self, draft: list[int], *, allow_text: bool) -> Proposal:
-        ids, sources, spans = [], [], []
+        ids: list[int] = []
+        sources: list[Source] = []
+        spans: list[tuple[int, int] | None] = []
         i, k, longest = 0, len(draft), self.cache.config.max_len
         while i < k:
             for n in range(min(longest, k - i), 1, -1):
                 key = tuple(draft[i : i + n])
                 if key in self.cache:
-                    ids.append(self.cache.use(key)), sources.append(Source.NGRAM), spans.append((i, i + n))
+                    ids.append(self.cache.use(key))
+                    sources.append(Source.NGRAM)
+                    spans.append((i, i + n))
                     i += n
                     break
             else:
@@ -149,7 +153,9 @@ class Translator:
                         sources += tail.sources
                         spans += tail.spans
                     break
-                ids.append(t), sources.append(Source.DIRECT), spans.append((i, i + 1))
+                ids.append(t)
+                sources.append(Source.DIRECT)
+                spans.append((i, i + 1))
                 i += 1
         return Proposal(torch.tensor(ids, dtype=torch.long), tuple(sources), tuple(spans))
 
@@ -167,14 +173,17 @@ class Translator:
         if not skip:
             d_ends[0] = 0
         target_table = self.target.token_bytes.table
-        sources, spans, pos = [], [], 0
+        sources: list[Source] = []
+        spans: list[tuple[int, int] | None] = []
+        pos = 0
         for t in ids:
             start, pos = pos, pos + len(target_table[t] or b"")
             a, b = d_ends.get(start), d_ends.get(pos)
             if target_table[t] is None:  # the role-mapped special after the text
                 a, b = stop, stop + 1
             if a is None or b is None or b <= a:
-                sources.append(Source.TEXT), spans.append(None)
+                sources.append(Source.TEXT)
+                spans.append(None)
                 continue
             direct = b - a == 1 and self._d2t[draft[a]] == t
             sources.append(Source.DIRECT if direct else Source.NGRAM)

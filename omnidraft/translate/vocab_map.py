@@ -51,8 +51,8 @@ def build_vocab_map(
         if data is not None and (j := target.id_of(data)) is not None:
             d2t[i] = j
     for j, data in enumerate(target.table):
-        if data is not None and (i := draft.id_of(data)) is not None:
-            t2d[j] = i
+        if data is not None and (d := draft.id_of(data)) is not None:
+            t2d[j] = d
     for i, j in _special_pairs(draft, target, draft_tokenizer, target_tokenizer):
         d2t[i], t2d[j] = j, i
     return VocabMap(d2t, t2d)
