@@ -161,7 +161,9 @@ def kernel_plan(model: nn.Module, *, cache: Path | None = None, reps: int = 3) -
     missing = [key for key in seen if key not in known]
     if missing and torch.backends.mkldnn.is_available():
         started = time.perf_counter()
-        for key in missing:
+        from tqdm.auto import tqdm
+
+        for key in tqdm(missing, desc="timing linear kernels on this machine (once)", leave=False):
             known[key] = _time_shape(seen[key], reps)
         path = measured.update(kind, {key: known[key] for key in missing}, root=cache)
         log.info(
