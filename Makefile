@@ -9,7 +9,7 @@ LLAMA_TAG := omnidraft.2
 WHEELS ?= $(HOME)/.cache/omnidraft/wheels
 
 .PHONY: demo test test-fast lint bench install clean
-SOURCES := omnidraft device_sim benchmarks tests tools
+SOURCES := omnidraft benchmarks tests tools
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -2,7 +2,7 @@
 model shapes alone (docs/gpu.md).
 
     python -m benchmarks.gpu_check --device cuda --out gpu-check.json          # on the GPU machine
-    python -m device_sim gpu-profile gpu-check.json --out gpu-profiles.json    # then, anywhere
+    python -m omnidraft.device_sim gpu-profile gpu-check.json --out gpu-profiles.json    # then, anywhere
 
 Each model is built from its `config.json` (benchmarks/gpu_configs/) with random weights: weights
 cannot travel to the lent machine and timing does not depend on their values. For each shape, in

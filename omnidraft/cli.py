@@ -272,7 +272,7 @@ def _doctor(args: argparse.Namespace) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> None:
-    from device_sim.__main__ import main as simulate_main
+    from .device_sim.__main__ import main as simulate_main
 
     simulate_main(args.rest)
 
@@ -280,7 +280,7 @@ def _simulate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["simulate"]:  # every argument, --help included, is device_sim's
-        from device_sim.__main__ import main as simulate_main
+        from .device_sim.__main__ import main as simulate_main
 
         simulate_main(argv[1:])
         return

@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--reset", action="store_true", help="forget every per-machine measurement (timed again at next use)"
     )
 
-    s = sub.add_parser("simulate", help="python -m device_sim with the same arguments", add_help=False)
+    s = sub.add_parser(
+        "simulate", help="python -m omnidraft.device_sim with the same arguments", add_help=False
+    )
     s.add_argument("rest", nargs=argparse.REMAINDER)
     return p

@@ -18,7 +18,7 @@ def test_version(capsys):
 def test_simulate_help_is_device_sims_help(capsys):
     with pytest.raises(SystemExit) as done:
         main(["simulate", "--help"])
-    assert done.value.code == 0 and "python -m device_sim" in capsys.readouterr().out
+    assert done.value.code == 0 and "python -m omnidraft.device_sim" in capsys.readouterr().out
 
 
 def test_an_error_is_one_line_and_debug_shows_the_traceback():

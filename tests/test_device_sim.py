@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from device_sim import DeviceProfile, NetworkProfile, Scenario, read_trace, simulate, sweep_k
-from device_sim.simulate import acceptance_per_position
+from omnidraft.device_sim import DeviceProfile, NetworkProfile, Scenario, read_trace, simulate, sweep_k
+from omnidraft.device_sim.simulate import acceptance_per_position
 
 DEVICE = DeviceProfile(
     name="paper",
@@ -125,7 +125,10 @@ def test_profiles_check_their_numbers():
 
 
 def test_device_sim_imports_no_torch():
-    code = "import device_sim, device_sim.__main__, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import omnidraft.device_sim, omnidraft.device_sim.__main__, sys; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

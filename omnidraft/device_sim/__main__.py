@@ -1,4 +1,5 @@
-"""python -m device_sim: replay, sweep and validate recorded omnidraft traces. Imports no torch."""
+"""python -m omnidraft.device_sim (or `omnidraft simulate`): replay, sweep and validate recorded
+omnidraft traces. Imports no torch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .simulate import Scenario, read_trace, simulate, sweep_k
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m device_sim", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m omnidraft.device_sim", description=__doc__)
     p.add_argument("--profiles", action="append", default=[], help="extra profile JSON files")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (
