@@ -23,14 +23,17 @@ from .config import K_START, RELAXED, DecodeConfig
 from .distill.attach import attach_adapter
 from .errors import TargetError
 from .retrieve.retriever import Retriever
+from .round_policy import finish_request
 from .rounds import (
     MAX_NEW_TOKENS,
     Generation,
+    check_logprobs,
     check_request,
     first_stop,
     from_generation_config,
     make_generator,
     render_chat,
+    token_logprobs,
     verified,
 )
 from .stats import GenerationStats, RoundRecord
@@ -245,24 +248,16 @@ class Pairing:
         `temperature`, `top_k`, `top_p`, `min_p` (DecodeConfig.request_rule), or a
         `generation_config` (a transformers.GenerationConfig, or "target" for the target's own;
         rounds.from_generation_config); sampling draws from `generator`, or from a fresh one seeded
-        with `seed`."""
+        with `seed`. `logprobs=N` (up to 20) gives each token's log-prob and its top N alternatives
+        (Generation.logprobs)."""
         if isinstance(prompt, list):
             return [
                 self.generate(p, max_new_tokens, stop=stop, seed=seed, generator=generator, **sampling)
                 for p in prompt
             ]
-        done: list[Generation] = []
-        for _ in self._stream(
-            prompt,
-            max_new_tokens,
-            stop,
-            make_generator(seed, generator),
-            True,
-            done,
-            {**sampling, "seed": seed},
-        ):
-            pass
-        return done[0]
+        return self._whole(
+            prompt, max_new_tokens, stop, make_generator(seed, generator), True, sampling, seed
+        )
 
     def chat(
         self,
@@ -277,16 +272,22 @@ class Pairing:
         """Answer a conversation ([{"role": "user", "content": ...}, ...]) in the target's chat
         template, rendered once; the target reads it as rendered (no second BOS) and the drafter
         reads the same text."""
+        text, rng = self.render_chat(messages), make_generator(seed, generator)
+        return self._whole(text, max_new_tokens, stop, rng, False, sampling, seed)
+
+    def _whole(
+        self,
+        text: str,
+        most: int,
+        stop: str | Sequence[str],
+        rng: torch.Generator | None,
+        special: bool,
+        sampling: dict[str, Any],
+        seed: int | None,
+    ) -> Generation:
+        """One request run to its end: the finished Generation."""
         done: list[Generation] = []
-        for _ in self._stream(
-            self.render_chat(messages),
-            max_new_tokens,
-            stop,
-            make_generator(seed, generator),
-            False,
-            done,
-            {**sampling, "seed": seed},
-        ):
+        for _ in self._stream(text, most, stop, rng, special, done, {**sampling, "seed": seed}):
             pass
         return done[0]
 
@@ -327,14 +328,17 @@ class Pairing:
         if (given := sampling.pop("generation_config", None)) is not None:
             options, max_new_tokens, stop = from_generation_config(given, self.target, max_new_tokens, stop)
             sampling = {**options, **{k: v for k, v in sampling.items() if v is not None}}
-        stop = check_request(prompt, max_new_tokens, stop)
+        stop, logprobs = (
+            check_request(prompt, max_new_tokens, stop),
+            check_logprobs(sampling.pop("logprobs", 0)),
+        )
         rule = self.config.request_rule(**sampling)
         started = time.perf_counter()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         hold = max(map(len, stop), default=1) - 1  # a stop string may begin in text not yet shown
         out: list[int] = []
         rounds: list[RoundRecord] = []
-        rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # the target's top-k rows, for distillation
+        rows: list[tuple] = []  # the target's top-k rows, for distillation and logprobs
         text, shown, reason = "", 0, "length"
         learner = self.learner if self.learner is not None and self.learner.config.tts_every else None
         tts = learner.config.tts_every if learner is not None else 0
@@ -344,14 +348,15 @@ class Pairing:
             mode = self.modes.choose() if self.modes is not None and rule.mode == "greedy" else "speculate"
             if not self.drafting and rule.mode == "greedy" and getattr(self.target, "generates_alone", False):
                 mode = "alone"
+            mode = "speculate" if logprobs else mode  # rounds verify, so each token comes with its row
         try:
             for new, record in round_loop.request_rounds(
-                self, prompt, rule, max_new_tokens, generator, mode == "alone", special, rows
+                self, prompt, rule, max_new_tokens, generator, mode == "alone", special, rows, logprobs
             ):
                 rounds.append(record)
                 out += new
                 if learner is not None and len(rounds) % tts == 0:
-                    learner.within_request(verified(prompt, out, rounds, rows))
+                    learner.within_request(verified(prompt, out, rounds, rows, learner.config.topk))
                 text += decoder.decode(self.target.token_bytes.join(new))
                 if stop and (cut := first_stop(text, max(0, shown - hold), stop)) is not None:
                     text, reason = text[:cut], "stop"
@@ -363,9 +368,9 @@ class Pairing:
                     shown = len(text) - hold
         except TargetError as exc:  # e.g. a remote target gone: keep what was committed
             stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
-            self.last = exc.partial = Generation(
-                text + decoder.decode(b"", final=True), out, stats, rounds, "error"
-            )
+            per_token = token_logprobs(out, rows, logprobs) if logprobs else None
+            text += decoder.decode(b"", final=True)
+            self.last = exc.partial = Generation(text, out, stats, rounds, "error", per_token)
             raise
         finally:
             if learner is not None:
@@ -375,25 +380,14 @@ class Pairing:
         if len(text) > shown:
             yield text[shown:]
         stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
-        self.last = result = Generation(text, out, stats, rounds, reason)
+        per_token = token_logprobs(out, rows, logprobs) if logprobs else None
+        self.last = result = Generation(text, out, stats, rounds, reason, per_token)
         done.append(result)
         with self._book:
-            self._finish(mode, out, rounds, stats)
+            finish_request(self, mode, out, rounds, stats)
         if self.learner is not None and out:
             self.learner.observe(
-                verified(prompt, out, rounds, rows), stats.acceptance_rate, stats.mean_accepted_length
+                verified(prompt, out, rounds, rows, self.learner.config.topk),
+                stats.acceptance_rate,
+                stats.mean_accepted_length,
             )
-
-    def _finish(self, mode: str, out: list[int], rounds: list[RoundRecord], stats: GenerationStats) -> None:
-        """A finished request's bookkeeping: the user's datastore, the mode chooser, the head."""
-        if self.retriever is not None:
-            self.retriever.finish(out)
-        if self.modes is not None and len(rounds) > 1:  # decode-phase rate: the first round also prefills
-            self.modes.observe(
-                mode,
-                len(out) - rounds[0].emitted,
-                stats.seconds - rounds[0].seconds,
-                label=f"{self.drafter.name} -> {self.target.name}",
-            )
-        if (row := self.lengths.end_request(self.learner)) is not None:
-            self.metrics.append(row)

@@ -117,8 +117,9 @@ def run(
         eos = next((i for i, t in enumerate(new) if t in p.target.eos_ids), None)
         if eos is not None:
             new = new[: eos + 1]
-        if topk and rows is not None:
-            rows.append((verdict.topk[0][: len(new)], verdict.topk[1][: len(new)]))
+        if topk and rows is not None and verdict.topk is not None:
+            chosen = verdict.chosen[: len(new)] if verdict.chosen is not None else None
+            rows.append((verdict.topk[0][: len(new)], verdict.topk[1][: len(new)], chosen))
         retrieved = policy.settle(req, rnd, new, verdict.accepted)
         policy.settle_rent(req, plan, rnd, len(new), None if first else t3 - t0)
         t4 = time.perf_counter()
@@ -159,10 +160,12 @@ def request_rounds(
     alone: bool,
     special: bool,
     rows: list,
+    logprobs: int = 0,
 ) -> Iterator[tuple[list[int], RoundRecord]]:
     """One request's rounds from its prompt: the target session opened (and closed after), then
     the target decoding alone (`alone`) or `run`. `special`: the tokenizers add their special
-    tokens (BOS) to `prompt`."""
+    tokens (BOS) to `prompt`. `rows` collects the target's top-k rows of every round, as wide as
+    distillation or `logprobs` (the caller's per-token log-probabilities) needs."""
     prompt_ids = p.target.tokenizer(prompt, add_special_tokens=special)["input_ids"]
     tsession = p.target.begin(prompt_ids)
     try:
@@ -171,7 +174,7 @@ def request_rounds(
             return
         drafter_ids = p.drafter.tokenizer(prompt, add_special_tokens=special)["input_ids"]
         request = open_request(p, tsession, prompt_ids, drafter_ids, rule, generator)
-        topk = p.learner.config.topk if p.learner is not None else 0
+        topk = max(p.learner.config.topk if p.learner is not None else 0, logprobs)
         yield from run(p, request, max_new_tokens, topk, rows)
     finally:
         if (close := getattr(tsession, "close", None)) is not None:

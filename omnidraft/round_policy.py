@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from .pairing import Pairing
     from .proposers import Round
     from .round_loop import Request
+    from .stats import GenerationStats, RoundRecord
 
-__all__ = ["RoundPlan", "RoundPolicy"]
+__all__ = ["RoundPlan", "RoundPolicy", "finish_request"]
 
 
 @dataclass(frozen=True)
@@ -111,3 +112,20 @@ class RoundPolicy:
                     drafted, t_draft, verified, t_verify, (now - started) - t_draft - t_verify
                 )
             req.pending = None
+
+
+def finish_request(
+    p: Pairing, mode: str, out: list[int], rounds: list[RoundRecord], stats: GenerationStats
+) -> None:
+    """A finished request's bookkeeping: the user's datastore, the mode chooser, the head."""
+    if p.retriever is not None:
+        p.retriever.finish(out)
+    if p.modes is not None and len(rounds) > 1:  # decode-phase rate: the first round also prefills
+        p.modes.observe(
+            mode,
+            len(out) - rounds[0].emitted,
+            stats.seconds - rounds[0].seconds,
+            label=f"{p.drafter.name} -> {p.target.name}",
+        )
+    if (row := p.lengths.end_request(p.learner)) is not None:
+        p.metrics.append(row)

@@ -16,6 +16,8 @@ from .translate.translator import Proposal, Source, Translator
 
 __all__ = [
     "Generation",
+    "TokenLogprob",
+    "check_logprobs",
     "check_request",
     "decode_alone",
     "draft_rows",
@@ -24,20 +26,34 @@ __all__ = [
     "make_generator",
     "relaxation",
     "render_chat",
+    "token_logprobs",
     "within_budget",
     "verified",
 ]
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one generated token (None where the target did not give
+    it: a remote or vLLM target sampling a token outside its top rows) and its `top` alternatives
+    {token id: log-prob}, from the target's own distribution (temperature 1, no filtering)."""
+
+    token: int
+    logprob: float | None
+    top: dict[int, float]
+
+
+@dataclass(frozen=True)
 class Generation:
-    """Result of `Pairing.generate`: the text, the target token ids generated, stats and rounds."""
+    """Result of `Pairing.generate`: the text, the target token ids generated, stats and rounds;
+    with `logprobs=N` asked for, one TokenLogprob per generated token (else None)."""
 
     text: str
     token_ids: list[int]
     stats: GenerationStats
     rounds: list[RoundRecord]
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 def draft_rows(translator: Translator, proposal: Proposal, modeled: int, draft: Any) -> torch.Tensor | None:
@@ -166,13 +182,37 @@ def first_stop(text: str, start: int, stop: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
-def verified(prompt: str, out: list[int], rounds: list[RoundRecord], rows: list) -> Any:
-    """A finished request as distillation input (committed tokens with the target's rows)."""
+def verified(prompt: str, out: list[int], rounds: list[RoundRecord], rows: list, width: int) -> Any:
+    """A finished request as distillation input (committed tokens with the target's top `width` rows)."""
     from .distill.buffer import VerifiedRequest
 
-    ids, logp = (torch.cat(parts)[: len(out)] for parts in zip(*rows))
+    ids, logp = (torch.cat([row[part] for row in rows])[: len(out), :width] for part in (0, 1))
     positions = [j + 1 for r in rounds for j in range(r.emitted)][: len(out)]
     return VerifiedRequest(prompt, out, ids, logp, positions)
+
+
+MAX_LOGPROBS = 20  # as OpenAI's API
+
+
+def check_logprobs(logprobs: Any) -> int:
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+    return logprobs
+
+
+def token_logprobs(out: list[int], rows: list, n: int) -> list[TokenLogprob]:
+    """Per generated token: its log-prob and the top `n` alternatives, from the rounds' rows; a
+    token no row covers (the target decoded it alone, a server's budget) gets None and {}."""
+    found: list[TokenLogprob] = []
+    for ids, logp, chosen in rows:
+        for i in range(len(ids)):
+            if len(found) == len(out):
+                break
+            top = dict(zip(ids[i, :n].tolist(), logp[i, :n].tolist()))
+            token = out[len(found)]
+            exact = float(chosen[i]) if chosen is not None else top.get(token)
+            found.append(TokenLogprob(token, exact, top))
+    return found + [TokenLogprob(t, None, {}) for t in out[len(found) :]]
 
 
 def make_generator(seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:

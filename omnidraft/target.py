@@ -204,8 +204,11 @@ def judge(
     else:
         verdict = _judge(logits, proposal, rule, q, generator, base)
     if topk > 0:
-        logp, ids = torch.log_softmax(logits[: verdict.accepted + 1].float(), -1).topk(topk, dim=-1)
-        verdict = replace(verdict, topk=(ids.cpu(), logp.cpu()))
+        full = torch.log_softmax(logits[: verdict.accepted + 1].float(), -1)
+        logp, ids = full.topk(topk, dim=-1)
+        committed = proposal[: verdict.accepted].tolist() + [verdict.token]
+        chosen = full.gather(-1, torch.tensor(committed, device=full.device)[:, None])[:, 0]
+        verdict = replace(verdict, topk=(ids.cpu(), logp.cpu()), chosen=chosen.cpu())
     return verdict
 
 

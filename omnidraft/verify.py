@@ -31,11 +31,13 @@ __all__ = ["Verdict", "greedy", "match", "probabilities", "rejection", "relaxed"
 class Verdict:
     """`accepted` of the proposals were accepted; `token` is what the target emits next.
     `topk`, when the caller asked for it, is the target's (ids, log-probs), each (accepted + 1, K):
-    row i is its distribution over the i-th committed token (what distillation learns from)."""
+    row i is its distribution over the i-th committed token (what distillation learns from);
+    `chosen` (accepted + 1,), where the target computed it, the log-prob of each committed token."""
 
     accepted: int
     token: int
     topk: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    chosen: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 def probabilities(
