@@ -1,0 +1,15 @@
+"""docs/api.md is what tools/api_reference.py writes from the code: the reference cannot drift."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+
+def test_the_api_reference_is_current():
+    path = Path(__file__).resolve().parent.parent / "tools" / "api_reference.py"
+    spec = importlib.util.spec_from_file_location("api_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--check"]) == 0, "docs/api.md is stale: run python tools/api_reference.py"
