@@ -58,6 +58,24 @@ def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 1.0):
     return model.eval().requires_grad_(False)
 
 
+def tiny_gemma3(sliding_window: int = 4):
+    """A 2-layer Gemma 3 text model (one sliding-window layer, one global) with random weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="session")
 def texts() -> list[str]:
     return gsm8k_texts()

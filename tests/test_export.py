@@ -14,7 +14,7 @@ from omnidraft.export.graphs import Gemma3Graph, LlamaGraph, drafter_graph
 from omnidraft.export.onnx import export_drafter
 from omnidraft.export.ort_drafter import OrtDrafter
 
-from .conftest import target_greedy
+from .conftest import target_greedy, tiny_gemma3
 from .test_pairing import PROMPTS
 
 
@@ -50,21 +50,8 @@ def test_graph_equals_the_hf_forward_with_and_without_past(tiny_drafter):
 def test_the_gemma3_graph_equals_the_hf_forward_past_its_sliding_window():
     """Gemma 3: scaled embedding, (1 + w) norms, q/k norms, local layers with their own rotary base
     and a window of 4 (crossed here), global layers; with and without past."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    model = Gemma3ForCausalLM(config).eval()
+    model = tiny_gemma3(4)
     for layer in model.model.layers:  # non-zero norm weights, so that (1 + w) is tested
         for norm in (
             layer.input_layernorm,

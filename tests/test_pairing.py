@@ -10,7 +10,7 @@ import torch
 import omnidraft as od
 from omnidraft.translate.token_bytes import build_token_bytes
 
-from .conftest import chi_square_p, gsm8k_texts, target_greedy, tiny_llama, train_bpe
+from .conftest import chi_square_p, gsm8k_texts, target_greedy, tiny_gemma3, tiny_llama, train_bpe
 from .fakes import OracleDrafter
 
 PROMPTS = [t[:80] for t in gsm8k_texts("test", 6)] + ["def add(a, b):\n    return", "x"]
@@ -299,23 +299,10 @@ def test_healing_acts_only_where_it_is_lossless():
 def test_a_sliding_window_drafter_crops_back_past_its_window():
     """Gemma 3's sliding-window layers: a draft rejected after the window filled is cropped back
     (token healing re-feeds too), and the logits stay a full forward's."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     from omnidraft.causal_runner import CausalRunner
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    model = Gemma3ForCausalLM(config).eval()
+    model = tiny_gemma3(4)
     ids = torch.randint(0, 64, (20,)).tolist()
     with torch.inference_mode():
         full = model(input_ids=torch.tensor([ids])).logits[0]

@@ -10,7 +10,7 @@ import torch
 from omnidraft.causal_runner import CausalRunner
 from omnidraft.static_runner import StaticRunner, static_cache_supported
 
-from .conftest import tiny_llama
+from .conftest import tiny_gemma3, tiny_llama
 
 DEVICES = [("cpu", False)] + ([("cuda", True)] if torch.cuda.is_available() else [])
 
@@ -83,20 +83,7 @@ def test_a_sequence_past_the_capacity_moves_to_a_dynamic_cache(where):
 
 
 def test_sliding_window_models_are_refused_by_name():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    model = Gemma3ForCausalLM(config).eval()
+    model = tiny_gemma3(8)
     assert not static_cache_supported(model)
     with pytest.raises(ValueError, match="sliding-window layers"):
         StaticRunner(model, [1, 2], capacity=16)
