@@ -142,10 +142,10 @@ class Pairing:
         if learn:
             if self.adapter is None:
                 raise ValueError(f"learn=True: {drafter.name} carries no adapter to learn into")
-            from .distill.learner import Learner
+            from .distill import learner as learning
             from .distill.trainer import TrainConfig
 
-            self.learner = Learner(
+            self.learner = learning.Learner(
                 drafter,
                 self.adapter,
                 vmap.t2d,
