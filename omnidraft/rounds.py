@@ -157,7 +157,8 @@ def from_generation_config(
         )
     for name, neutral in NEUTRAL.items():
         value = getattr(config, name, neutral)
-        if value not in (neutral, None) and not (neutral is None and not value):
+        unset = not value if neutral is None else value in (neutral, None)
+        if not unset:
             raise ValueError(
                 f"generation_config.{name}={value!r} is not supported (a pairing decodes one sequence)"
             )

@@ -133,16 +133,17 @@ class StaticRunner(CausalRunner):
             raise ValueError(f"asked for logits of {keep} positions of a {len(self.ids)}-token sequence")
         if self.spilled is not None or len(self.ids) > self.capacity:
             spilled = self._spill()
-            logits = spilled.forward(keep, hidden=hidden)
+            spilled_logits = spilled.forward(keep, hidden=hidden)
             if hidden:
                 self.hidden = spilled.hidden
-            return logits
+            return spilled_logits
         if len(self.ids) - self.kv_len < keep:
             self.crop_cache(len(self.ids) - keep)
         new = self.ids[self.kv_len :]
+        logits: torch.Tensor | None = None
         if self.graphs_on and not hidden and len(new) <= GRAPH_MOST:
             logits = self._replay(new, keep)
-        else:
+        if logits is None:  # eager: a long feed, hidden states asked for, no graphs or a failed capture
             ids = torch.tensor([new], dtype=torch.long, device=self.device)
             start = torch.tensor(self.kv_len, dtype=torch.long, device=self.device)
             logits, states = self._run(ids, start, keep, hidden, self._span(len(new)))
@@ -194,7 +195,9 @@ class StaticRunner(CausalRunner):
         )
         return out.logits[0, -keep:], (out.hidden_states[-1][0, -keep:] if hidden else None)
 
-    def _replay(self, new: list[int], keep: int) -> torch.Tensor:
+    def _replay(self, new: list[int], keep: int) -> torch.Tensor | None:
+        """The logits of feeding `new` by replaying its shape's graph; None when the capture failed
+        (graphs are then off for good and the caller runs the feed eagerly)."""
         span = self._span(len(new))
         key = (len(new), keep, span)
         if key not in self._graphs:
@@ -202,8 +205,7 @@ class StaticRunner(CausalRunner):
                 self._graphs[key] = self._capture(new, keep, span)
             except Exception as exc:  # a model whose forward cannot be captured runs eagerly
                 self.graphs_on, self.graph_error = False, f"{type(exc).__name__}: {exc}"[:300]
-                ids = torch.tensor([new], dtype=torch.long, device=self.device)
-                return self._run(ids, torch.tensor(self.kv_len, device=self.device), keep, False, span)[0]
+                return None
         graph, ids_in, start_in, logits = self._graphs[key]
         ids_in.copy_(torch.tensor([new], dtype=torch.long), non_blocking=True)
         start_in.fill_(self.kv_len)
@@ -236,28 +238,21 @@ def _sync(device: torch.device) -> None:
 
 
 def verify_ms(runner: CausalRunner, k: int, reps: int) -> float:
-    """Median ms of a verify of `k` drafted tokens after the runner's sequence (fed, read, cropped)."""
-    import statistics
-    import time
+    """Median ms of a verify of `k` drafted tokens after the runner's sequence (fed, read, cropped);
+    the warm pass also captures the graph of a graphed runner."""
+    from .kernels import median_ms
 
     base = len(runner.ids)
     draft = runner.ids[:k]
     runner.forward(keep=1)
 
-    def once() -> None:
+    def once(_: Any) -> None:
         runner.extend(draft)
         runner.forward(keep=k + 1)
         _sync(runner.device)
         runner.crop(base)
 
-    once()
-    once()
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        once()
-        times.append(1e3 * (time.perf_counter() - started))
-    return statistics.median(times)
+    return median_ms(once, [None], reps)
 
 
 def measure_graphs(

@@ -8,6 +8,7 @@ remote target implements the same protocol over HTTP.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Protocol, runtime_checkable
@@ -264,6 +265,7 @@ class LocalTarget:
         self._graphs = graphs
         self._slot: StaticRunner | None = None
         self._slot_owner: Callable[[], Any] | None = None
+        self._slot_lock = threading.Lock()  # two sessions begun at once must not share the slot
 
     @property
     def graphs(self) -> bool:
@@ -324,15 +326,18 @@ class LocalTarget:
         return cls(loaded.model, loaded.tokenizer, loaded.name, graphs=graphs, capacity=capacity)
 
     def begin(self, prompt_ids: list[int]) -> _LocalSession:
-        session = _LocalSession(self.model, prompt_ids, self.eos_ids, runner=self._take_slot(prompt_ids))
-        if isinstance(session.runner, StaticRunner):
-            self._slot_owner = weakref.ref(session)
+        if not self.graphs:
+            return _LocalSession(self.model, prompt_ids, self.eos_ids)
+        with self._slot_lock:
+            session = _LocalSession(self.model, prompt_ids, self.eos_ids, runner=self._take_slot(prompt_ids))
+            if isinstance(session.runner, StaticRunner):
+                self._slot_owner = weakref.ref(session)
         return session
 
     def _take_slot(self, prompt_ids: list[int]) -> StaticRunner | None:
-        """The graphed static runner, reset onto `prompt_ids`, unless graphs are off or a live
-        session holds it (then the new session runs on a dynamic cache)."""
-        if not self.graphs or (self._slot_owner is not None and self._slot_owner() is not None):
+        """The graphed static runner, reset onto `prompt_ids`, unless a live session holds it (then
+        the new session runs on a dynamic cache). Under the slot lock."""
+        if self._slot_owner is not None and self._slot_owner() is not None:
             return None
         if self._slot is None:
             self._slot = StaticRunner(self.model, prompt_ids, self.capacity, graphs=True)

@@ -115,10 +115,9 @@ def main(argv: list[str] | None = None) -> None:
         for label, sc in _scenarios(args, cat):
             r = simulate(runs, sc)
             choice = "speculate" if r.speculation_pays else "target alone (speculation slower)"
-            print(
-                f"{label:<44}{r.tokens_per_s:>8.2f}{r.speedup:>8.2f}×{r.ttft_s:>8.2f}{r.bytes_per_token:>10.1f}"
-                f"{r.forwards_per_token:>9.2f}  {choice}"
-            )
+            speed = f"{r.tokens_per_s:>8.2f}{r.speedup:>8.2f}×"
+            costs = f"{r.ttft_s:>8.2f}{r.bytes_per_token:>10.1f}{r.forwards_per_token:>9.2f}"
+            print(f"{label:<44}{speed}{costs}  {choice}")
     elif args.command == "sweep":
         for label, sc in _scenarios(args, cat):
             rows = sweep_k(runs, sc)
