@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, overload
 
 import torch
 
-from . import round_loop
+from . import engine_rounds, round_loop
 from .adaptive.costs import CostModel
 from .adaptive.lengths import DraftLengths, plan_drafting
 from .config import K_START, RELAXED, DecodeConfig
 from .distill.attach import attach_adapter
 from .errors import TargetError
 from .retrieve.retriever import Retriever
-from .round_policy import finish_request
+from .round_policy import finish_request, request_mode
 from .rounds import (
     MAX_NEW_TOKENS,
     Generation,
@@ -345,13 +345,11 @@ class Pairing:
         if learner is not None:
             learner.begin_request()
         with self._book:
-            mode = self.modes.choose() if self.modes is not None and rule.mode == "greedy" else "speculate"
-            if not self.drafting and rule.mode == "greedy" and getattr(self.target, "generates_alone", False):
-                mode = "alone"
-            mode = "speculate" if logprobs else mode  # rounds verify, so each token comes with its row
+            mode = request_mode(self, rule, logprobs)
+        rounds_of = engine_rounds.request_rounds if mode == "engine" else round_loop.request_rounds
         try:
-            for new, record in round_loop.request_rounds(
-                self, prompt, rule, max_new_tokens, generator, mode == "alone", special, rows, logprobs
+            for new, record in rounds_of(
+                self, prompt, rule, max_new_tokens, generator, mode, special, rows, logprobs
             ):
                 rounds.append(record)
                 out += new

@@ -157,19 +157,19 @@ def request_rounds(
     rule: Rule,
     max_new_tokens: int,
     generator: torch.Generator | None,
-    alone: bool,
+    mode: str,
     special: bool,
     rows: list,
     logprobs: int = 0,
 ) -> Iterator[tuple[list[int], RoundRecord]]:
     """One request's rounds from its prompt: the target session opened (and closed after), then
-    the target decoding alone (`alone`) or `run`. `special`: the tokenizers add their special
-    tokens (BOS) to `prompt`. `rows` collects the target's top-k rows of every round, as wide as
-    distillation or `logprobs` (the caller's per-token log-probabilities) needs."""
+    the target decoding alone (`mode` "alone") or `run` ("speculate"). `special`: the tokenizers
+    add their special tokens (BOS) to `prompt`. `rows` collects the target's top-k rows of every
+    round, as wide as distillation or `logprobs` (the caller's per-token log-probabilities) needs."""
     prompt_ids = p.target.tokenizer(prompt, add_special_tokens=special)["input_ids"]
     tsession = p.target.begin(prompt_ids)
     try:
-        if alone:  # the target decodes the whole request on its side: no draft at all
+        if mode == "alone":  # the target decodes the whole request on its side: no draft at all
             yield from decode_alone(tsession, max_new_tokens)
             return
         drafter_ids = p.drafter.tokenizer(prompt, add_special_tokens=special)["input_ids"]

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     from .proposers import Round
     from .round_loop import Request
     from .stats import GenerationStats, RoundRecord
+    from .target import Rule
 
-__all__ = ["RoundPlan", "RoundPolicy", "finish_request"]
+__all__ = ["RoundPlan", "RoundPolicy", "finish_request", "request_mode"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +130,18 @@ def finish_request(
         )
     if (row := p.lengths.end_request(p.learner)) is not None:
         p.metrics.append(row)
+
+
+def request_mode(p: Pairing, rule: Rule, logprobs: int) -> str:
+    """How a request is served: "engine" (the target's engine verifies the pairing's drafts in its
+    own step: vLLM with omnidraft's proposer), "alone" (the target decodes it alone: drafting
+    cannot pay, or the mode chooser measured it faster) or "speculate" (the round loop). A request
+    for per-token log-probabilities speculates: each round's verify returns its rows."""
+    if logprobs:
+        return "speculate"
+    greedy = rule.mode == "greedy"
+    if greedy and not p.drafting and getattr(p.target, "generates_alone", False):
+        return "alone"
+    if greedy and p.learner is None and getattr(p.target, "drafts_in_engine", False):
+        return "engine"
+    return p.modes.choose() if p.modes is not None and greedy else "speculate"

@@ -114,6 +114,20 @@ def test_a_pairing_on_vllm_is_lossless(vllm_target, tiny_drafter):
         assert len(out.token_ids) == 20 or out.token_ids[-1] in vllm_target.eos_ids
 
 
+def test_the_engine_verifies_a_pairings_drafts_in_its_own_step(vllm_target, tiny_drafter):
+    """`VLLMTarget.load` builds the engine with omnidraft's proposer: a greedy request is one engine
+    request whose steps verify the pairing's drafts; its output is the engine's own decoding."""
+    assert vllm_target.drafts_in_engine
+    pair, calls = tiny_drafter.pair(vllm_target, k=3), vllm_target.proposer.calls
+    for prompt in PROMPTS:
+        out = pair.generate(prompt, max_new_tokens=24)
+        want = vllm_target.generate(_ids(vllm_target, prompt), 24)
+        assert out.token_ids == want[: len(out.token_ids)] and len(out.token_ids) in (24, len(want))
+        assert sum(r.emitted for r in out.rounds) == len(out.token_ids)
+        assert sum(r.proposed for r in out.rounds) > 0
+    assert vllm_target.proposer.calls > calls
+
+
 def test_concurrent_sessions_are_batched_and_each_exact(vllm_target):
     texts = [t.split("\n")[0][:80] for t in gsm8k_texts("test", 6)]
     wants = {t: vllm_target.generate(_ids(vllm_target, t), 12) for t in texts}

@@ -76,6 +76,7 @@ def plan_drafting(drafter: Any, target: Any, config: Any, learn: bool) -> Drafti
         and config.k is None
         and not learn
         and getattr(target, "generates_alone", False)
+        and not getattr(target, "drafts_in_engine", False)  # its engine's step decides per round
         and (model or free)
         and not per_round
         else None

@@ -1,33 +1,65 @@
-"""`omnidraft bench --target-backend vllm`: the target on vLLM in this process, every contender in
-one run, each greedy and timed per request (prefill included), every output against vLLM alone's:
-- vLLM alone: the engine's own greedy decoding of the request (the speed to beat);
-- vLLM n-gram: vLLM's own speculative decoding with `speculative_config` method "ngram" (a
-  second engine on the same weights, timed after the first is closed: two engines in one process
-  slow each other; where vLLM's CPU build refuses it, the row is absent and the refusal is in the
-  notes);
-- omnidraft: the default pairing with the drafter on `VLLMTarget` (per request it speculates or
-  lets vLLM decode alone, whichever it measured faster), and the same under the "compute"
-  objective (every request speculates), to show what drafting costs where the default declines it.
+"""`omnidraft bench --target-backend vllm`: the target on vLLM, every contender in one run, each
+greedy and timed per request (prefill included), every output against vLLM alone's:
+- vLLM alone: the engine's own greedy decoding of the request on a plain engine (the speed to beat);
+- omnidraft: the default pairing of the drafter with `VLLMTarget`, whose engine verifies the
+  drafts in its own speculative step (targets/vllm_proposer.py);
+- vLLM n-gram: vLLM's own speculative decoding with `speculative_config` method "ngram" (where
+  vLLM's CPU build refuses it, the row is absent and the refusal is in the notes).
+Each engine runs in a process of its own, one after the other (vLLM's CPU build slows two live
+engines in one process and fails to start a third), so the machine runs one contender at a time.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from typing import Any, Callable
 
 from .baselines import Timed
-from .llama import pairing_row, time_rows
+from .llama import pairing_row
 
 __all__ = ["run_vllm"]
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+ENGINES = ("vLLM alone", "omnidraft (default)", "vLLM n-gram speculative")
 
 
-def _engine_alone(target: Any, ids: list[int], n: int) -> Timed:
+def _engine_alone(target: Any, prompt: str, ids: list[int], n: int) -> Timed:
     started = time.perf_counter()
     out = target.generate(ids, n)
     return Timed(out, time.perf_counter() - started)
+
+
+def _outputs(
+    row: str, drafter_spec: str, target_spec: str, sets: dict[str, list[str]], n: int, dtype: str
+) -> tuple[dict[str, list[tuple[list[int], float]]], list[str]]:
+    """In a process of its own: one contender's (ids, seconds) per prompt of every set, and notes."""
+    import omnidraft as od
+
+    notes: list[str] = []
+    if row == "omnidraft (default)":
+        target = od.VLLMTarget.load(target_spec, dtype=dtype)
+        pair = od.Drafter.load(drafter_spec).pair(target)
+        notes.append(f"{row}: drafts verified in vLLM's step: {target.drafts_in_engine}")
+        run: Callable[[str, list[int]], Timed] = partial(pairing_row, pair, n)
+    else:
+        extra = {"speculative_config": NGRAM} if row == "vLLM n-gram speculative" else {}
+        target = od.VLLMTarget.load(target_spec, dtype=dtype, draft_tokens=0, **extra)
+        run = partial(_engine_alone, target, n=n)
+    try:
+        out: dict[str, list[tuple[list[int], float]]] = {}
+        for name, prompts in sets.items():
+            out[name] = []
+            for i, prompt in enumerate(prompts):
+                print(f"{row} {name} {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
+                timed = run(prompt, target.tokenizer(prompt)["input_ids"])
+                out[name].append((timed.token_ids, timed.seconds))
+    finally:
+        target.close()
+    return out, notes
 
 
 def run_vllm(
@@ -43,47 +75,36 @@ def run_vllm(
 ) -> dict[str, list[dict[str, Any]]]:
     """Per prompt set (dataset), per prompt, per row: {"row", "prompt", "tokens", "seconds",
     "identical"} (identical: the same ids as vLLM alone). `notes` receives, per set, why a row is
-    absent and each pairing's choice. Two engines in all, one after the other: vLLM's CPU build
-    slows two live engines in one process and fails to start a third."""
-    import omnidraft as od
-
+    absent and how the pairing ran."""
     notes = notes if notes is not None else {}
-    target = od.VLLMTarget.load(target_spec, dtype=dtype)
-    drafter = od.Drafter.load(drafter_spec)
-    results: dict[str, list[dict[str, Any]]] = {}
-    references: dict[str, list[list[int]]] = {}
-    try:
-        for name, prompts in prompt_sets.items():
-            pairs = {  # fresh pairings per set: each set starts from the same state
-                "omnidraft (default)": drafter.pair(target),
-                "omnidraft (compute objective)": drafter.pair(target, objective="compute"),
-            }
-            rows: dict[str, Callable[[str, list[int]], Timed]] = {
-                "vLLM alone": lambda p, ids: _engine_alone(target, ids, max_new_tokens)
-            }
-            for row, pair in pairs.items():
-                rows[row] = partial(pairing_row, pair, max_new_tokens)
-            references[name] = []
-            results[name] = time_rows(rows, prompts, target.tokenizer, progress, references[name])
-            notes.setdefault(name, []).extend(
-                f"{row}: per request, {pair.modes!r}" for row, pair in pairs.items() if pair.modes is not None
-            )
-    finally:
-        target.close()
-    if not ngram:
-        return results
-    try:
-        spec = od.VLLMTarget.load(target_spec, dtype=dtype, speculative_config=NGRAM)
-    except Exception as exc:  # the CPU build may not offer it: say so instead of a row
+    outputs: dict[str, dict[str, list[tuple[list[int], float]]]] = {}
+    for row in ENGINES if ngram else ENGINES[:2]:
+        progress(row)
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            try:
+                outputs[row], said = pool.submit(
+                    _outputs, row, drafter_spec, target_spec, prompt_sets, max_new_tokens, dtype
+                ).result()
+            except Exception as exc:  # e.g. the CPU build refuses n-gram: say so instead of a row
+                if row == ENGINES[0]:
+                    raise
+                said = [f"{row} did not run: {type(exc).__name__}: {exc}"[:400]]
         for name in prompt_sets:
-            notes.setdefault(name, []).append(
-                f"vLLM n-gram speculative decoding did not start: {type(exc).__name__}: {exc}"[:400]
-            )
-        return results
-    try:
-        peer = {"vLLM n-gram speculative": lambda p, ids: _engine_alone(spec, ids, max_new_tokens)}
-        for name, prompts in prompt_sets.items():
-            results[name] += time_rows(peer, prompts, spec.tokenizer, progress, references[name])
-    finally:
-        spec.close()
+            notes.setdefault(name, []).extend(said)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for name, prompts in prompt_sets.items():
+        results[name] = []
+        for i in range(len(prompts)):
+            reference = outputs[ENGINES[0]][name][i][0]
+            for row, out in outputs.items():
+                ids, seconds = out[name][i]
+                results[name].append(
+                    {
+                        "row": row,
+                        "prompt": i,
+                        "tokens": len(ids),
+                        "seconds": seconds,
+                        "identical": ids == reference[: len(ids)],
+                    }
+                )
     return results

@@ -33,6 +33,7 @@ from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
 from .vllm_engine import EngineLoop
+from .vllm_proposer import EngineProposer, built_count, built_since, proposer_config
 
 __all__ = ["VLLMTarget", "tail_rows"]
 
@@ -125,18 +126,32 @@ class _VLLMSession:
     def decode(self, max_tokens: int) -> Iterator[int]:
         """Greedy-decode up to `max_tokens` tokens with vLLM alone (stopping after an EOS),
         committing each as the engine streams it: vLLM's own decoding loop."""
-        handle = self.owner.submit(self.ids, self.salt, max_tokens=max_tokens, stream=True)
+        for tokens in self.steps(max_tokens):
+            yield from tokens
+
+    def steps(
+        self, max_tokens: int, rounds: Any = None, drafter_ids: list[int] | None = None, *, eos: bool = True
+    ) -> Iterator[list[int]]:
+        """Greedy-decode up to `max_tokens` tokens (stopping after an EOS), one list of committed
+        ids per engine step. With `rounds` (an `EngineRounds`) and an engine built with omnidraft's
+        proposer, the engine's speculative step verifies the drafts `rounds` proposes
+        (targets/vllm_proposer.py), so a step may commit several tokens."""
+        proposer = self.owner.proposer if rounds is not None else None
+        seq = proposer.expect(self.ids, rounds, max_tokens, drafter_ids) if proposer is not None else None
+        handle = self.owner.submit(self.ids, self.salt, max_tokens=max_tokens, stream=True, eos=eos)
         done = False
         try:
             for out in handle.stream():
-                for token in out.outputs[0].token_ids:
-                    self.ids.append(int(token))
-                    self.forwards += 1
-                    yield int(token)
+                tokens = [int(t) for t in out.outputs[0].token_ids]
+                self.ids.extend(tokens)
+                self.forwards += 1
+                yield tokens
             done = True
         finally:
             if not done:
                 self.owner.loop.abort(handle)  # the caller stopped reading: free the engine's work
+            if seq is not None and proposer is not None:
+                proposer.forget(seq)
 
     def close(self) -> None:
         """Nothing is pinned: the session's pages are ordinary cache entries, evicted as needed."""
@@ -155,8 +170,17 @@ class VLLMTarget:
     in_process = False
     batches_sessions = True  # concurrent sessions' requests share engine steps: no lock around them
 
-    def __init__(self, engine: Any, tokenizer: Any, *, name: str = "target", key: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        name: str = "target",
+        key: str | None = None,
+        proposer: EngineProposer | None = None,
+    ) -> None:
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
+        self.proposer = proposer  # omnidraft's drafts inside the engine's step (vllm_proposer.py)
         config = engine.model_config
         self.vocab = int(config.get_vocab_size())
         self.context_length = int(config.max_model_len)
@@ -172,11 +196,19 @@ class VLLMTarget:
         self.loop = EngineLoop(engine)
         self._costs: dict[int, float] | None = None
 
+    @property
+    def drafts_in_engine(self) -> bool:
+        """Whether a pairing's drafts are verified inside the engine's own speculative step."""
+        return self.proposer is not None
+
     @classmethod
-    def load(cls, spec: str, **engine_args: Any) -> VLLMTarget:
+    def load(cls, spec: str, *, draft_tokens: int = 8, **engine_args: Any) -> VLLMTarget:
         """A preset name, .gguf path (served from its converted safetensors), local directory or HF
         id, with vLLM engine arguments passed through (dtype, max_model_len, tensor_parallel_size,
-        enforce_eager, ...). Defaults: see `engine_defaults`."""
+        enforce_eager, ...). Defaults: see `engine_defaults`. `draft_tokens` > 0 (and no
+        `speculative_config` of the caller's): the engine asks omnidraft's proposer for drafts of up
+        to that many tokens and verifies them in its own step (vllm_proposer.py); 0: a plain
+        engine, where a verify is a request of its own (what a server for remote drafters uses)."""
         _vllm()
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -187,10 +219,18 @@ class VLLMTarget:
             "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
         )  # in this process: no __main__ guard needed
         path = hf_directory(spec)
+        if draft_tokens < 0:
+            raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
+        if draft_tokens and "speculative_config" not in engine_args:
+            engine_args = {**engine_args, "speculative_config": proposer_config(draft_tokens)}
         args = engine_defaults(engine_args)
+        before = built_count()
         engine = LLMEngine.from_engine_args(EngineArgs(model=path, **args))
         key = f"{spec}|{sorted(args.items())}"
-        return cls(engine, load_tokenizer(spec), name=spec.rstrip("/").rsplit("/", 1)[-1], key=key)
+        proposer = built_since(before) if draft_tokens else None
+        return cls(
+            engine, load_tokenizer(spec), name=spec.rstrip("/").rsplit("/", 1)[-1], key=key, proposer=proposer
+        )
 
     def begin(self, prompt_ids: list[int]) -> _VLLMSession:
         if not prompt_ids:
@@ -225,8 +265,11 @@ class VLLMTarget:
         logprobs: int = 0,
         prompt_logprobs: bool = False,
         cached: bool = True,
+        eos: bool | None = None,
     ) -> Any:
-        """Queue one greedy request on the engine loop; returns its handle."""
+        """Queue one greedy request on the engine loop; returns its handle. `eos`: stop after an EOS
+        (default: a stream does, a verify does not)."""
+        eos = stream if eos is None else eos
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -237,8 +280,8 @@ class VLLMTarget:
             skip_reading_prefix_cache=not cached,
             logprobs=logprobs or None,
             prompt_logprobs=logprobs if prompt_logprobs else None,
-            ignore_eos=not stream,
-            stop_token_ids=sorted(self.eos_ids) if stream else None,
+            ignore_eos=not eos,
+            stop_token_ids=sorted(self.eos_ids) if eos else None,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
         return self.loop.submit({"prompt_token_ids": list(ids), "cache_salt": salt}, params, tag=salt)
@@ -259,6 +302,8 @@ class VLLMTarget:
         return dict(self._costs)
 
     def _time_verifies(self, most: int = 8, reps: int = 5) -> dict[str, float]:
+        if self.proposer is not None:
+            return self._time_engine_verifies(min(most, self.proposer.k + 1), reps)
         ids = [
             int(i)
             for i in torch.randint(
@@ -277,6 +322,20 @@ class VLLMTarget:
                 times[n].append(time.perf_counter() - started)
         return {str(n): sorted(t)[len(t) // 2] for n, t in times.items()}
 
+    def _time_engine_verifies(self, most: int, reps: int) -> dict[str, float]:
+        """Seconds per engine step that verifies n - 1 drafted tokens and samples one (n = 1: a
+        plain decode step), after COST_CONTEXT tokens: the median gap between the step's outputs."""
+        gen = torch.Generator().manual_seed(0)
+        ids = [int(i) for i in torch.randint(0, self.vocab, (COST_CONTEXT,), generator=gen)]
+        costs = {}
+        for n in range(1, most + 1):
+            stamps = [
+                time.perf_counter() for _ in self.begin(ids).steps(reps + 2, _FixedDrafts(n - 1), eos=False)
+            ]
+            gaps = sorted(b - a for a, b in zip(stamps[1:], stamps[2:]))  # after the prefill's
+            costs[str(n)] = gaps[len(gaps) // 2]
+        return costs
+
     def generate(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """vLLM's own greedy decoding of `prompt_ids` (the reference a verify must reproduce)."""
         return list(self.begin(prompt_ids).decode(max_tokens))
@@ -286,6 +345,19 @@ class VLLMTarget:
 
     def __repr__(self) -> str:
         return f"VLLMTarget({self.name!r}, vocab {self.vocab})"
+
+
+class _FixedDrafts:
+    """Rounds that propose `n` copies of the last id every step (what timing a verify needs)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None:
+        pass
+
+    def next(self, ids: list[int], most: int, remaining: int) -> list[int]:
+        return [ids[-1]] * min(self.n, most)
 
 
 def _top(dicts: list[dict[int, Any]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
