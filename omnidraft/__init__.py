@@ -48,7 +48,7 @@ _WHERE = {
     "Generation": "pairing",
     "LlamaCppDrafter": "llamacpp",
     "LlamaCppTarget": "llamacpp",
-    "LocalTarget": "target",
+    "LocalTarget": "targets.local",
     "OmnidraftError": "errors",
     "OpenAICompletionsTarget": "remote.openai",
     "Pairing": "pairing",

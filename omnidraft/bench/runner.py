@@ -18,7 +18,7 @@ from ..pairing import Pairing
 from .baselines import Timed, hf_assisted, prompt_lookup, stock_generate, target_alone
 
 if TYPE_CHECKING:
-    from ..target import LocalTarget
+    from ..targets.local import LocalTarget
 
 __all__ = [
     "PEERS",

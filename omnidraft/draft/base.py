@@ -131,7 +131,7 @@ class Drafter:
         """
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"drafter backend must be one of {BACKENDS}, got {backend!r}")
-        from ..target import resolve_device, resolve_dtype
+        from ..devices import resolve_device, resolve_dtype
 
         where, kind = resolve_device(device), resolve_dtype(dtype)
         if (where.type != "cpu" or kind != torch.float32) and backend not in (None, "torch"):

@@ -1,2 +1,4 @@
-"""Targets: engines that verify drafts (vLLM here; the torch, llama.cpp and remote targets
-still live beside the code that grew them)."""
+"""Targets in this process: `LocalTarget` (an HF model on PyTorch, local.py) and `VLLMTarget` (vLLM's
+engine, vllm_target.py, with omnidraft's proposer inside its speculative step, vllm_proposer.py).
+The protocol they implement is target.py; the llama.cpp target is llamacpp/llama_target.py and
+the remote one remote/client.py."""
