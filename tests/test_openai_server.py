@@ -77,6 +77,48 @@ def test_chat_completions_plain_and_streamed_with_a_stop_string(served):
     )
 
 
+def _forward_logprobs(target, ids: list[int], out: list[int]):
+    """The target's own log-softmax rows over `out` after `ids` (one forward over the whole)."""
+    import torch
+
+    with torch.no_grad():
+        logits = target.model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def test_sampled_and_streamed_replies_carry_the_targets_logprobs(served):
+    target, client = served
+    prompt = "Question: Tom has 3 apples."
+    out = client.completions.create(
+        model=target.name,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0.8,
+        seed=3,
+        logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    ids = target.tokenizer(prompt)["input_ids"]
+    got = out.choices[0].logprobs
+    tokens = [int(t.removeprefix("token_id:")) for t in got.tokens]
+    rows = _forward_logprobs(target, ids, tokens)
+    assert len(got.token_logprobs) == out.usage.completion_tokens == 6
+    for i, (token, lp, top) in enumerate(zip(tokens, got.token_logprobs, got.top_logprobs)):
+        assert lp == pytest.approx(float(rows[i, token]), abs=1e-3) and len(top) == 2
+    messages = [{"role": "user", "content": "How many apples?"}]
+    chat = client.chat.completions.create(
+        model=target.name, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy: the top
+    streamed = client.chat.completions.create(
+        model=target.name, messages=messages, max_tokens=5, temperature=0, logprobs=True, stream=True
+    )
+    pieces = [c.choices[0].logprobs.content for c in streamed if c.choices[0].logprobs is not None]
+    assert [e.token for piece in pieces for e in piece] == [c.token for c in content]
+
+
 def test_errors_come_in_openais_shape(served):
     import openai
 

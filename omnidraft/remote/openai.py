@@ -83,6 +83,11 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False
 
+    @property
+    def top_logprob_count(self) -> int | None:
+        """Alternatives per token the reply lists; None: no log-probabilities asked for."""
+        return self.logprobs
+
 
 def token_string(token_bytes: Any, token: int, as_ids: bool) -> str:
     """How a token is named in a reply: "token_id:N", its text, or "bytes:\\xNN" for a UTF-8 fragment."""

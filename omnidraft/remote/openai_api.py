@@ -3,8 +3,11 @@
 so one deployment serves devices that draft and clients that do not (the official `openai` client
 included). The target decodes alone here: greedy at temperature 0, else lossless sampling from its
 own (filtered) distribution, one token a step through the session's verify with no proposal, so
-other sessions' verifies interleave. Errors take OpenAI's shape (`error_body`). Echo and
-prompt log-probabilities stay with openai.py's scoring path (what OpenAICompletionsTarget reads).
+other sessions' verifies interleave. `logprobs` (completions) and `logprobs` / `top_logprobs`
+(chat) return each generated token's log-prob and alternatives from the target's own
+distribution. Errors take OpenAI's shape (`error_body`). Echo and prompt log-probabilities (and a
+greedy, unstreamed completion's log-probabilities) stay with openai.py's scoring path (what
+OpenAICompletionsTarget reads).
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Iterator
+from functools import partial
+from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..rounds import TokenLogprob
 from .openai import CompletionRequest, SamplingFields
 
 __all__ = ["ChatRequest", "chat_prompt", "error_body", "models_reply", "respond"]
@@ -36,10 +41,17 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=4096)
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     @property
     def limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 256
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        """Alternatives per token the reply lists; None: no log-probabilities asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -69,27 +81,28 @@ def chat_prompt(tokenizer: Any, request: ChatRequest, name: str) -> list[int]:
 def respond(
     tokens: Iterator[int],
     request: CompletionRequest | ChatRequest,
-    tokenizer: Any,
-    name: str,
+    target: Any,
     prompt_tokens: int,
-    eos_ids: frozenset[int],
+    logprobs: list[TokenLogprob] | None = None,
 ) -> Any:
     """The reply for `tokens` (the target's, as it decodes them): one JSON object, or the SSE chunks
-    of a streamed reply. Text is cut before the first stop string."""
+    of a streamed reply. Text is cut before the first stop string. `logprobs`, filled as the tokens
+    come (one `TokenLogprob` each), go into the reply in OpenAI's shape for the route."""
     chat = isinstance(request, ChatRequest)
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    pieces = _texts(tokens, tokenizer, stops, eos_ids)
-    base = {"id": rid, "created": created, "model": request.model or name}
+    pieces = _texts(tokens, target.tokenizer, stops, target.eos_ids)
+    base = {"id": rid, "created": created, "model": request.model or target.name}
+    as_ids = bool(getattr(request, "return_tokens_as_token_ids", False))
+    shape = partial(_logprobs, logprobs, target.token_bytes, chat, as_ids) if logprobs is not None else None
     if request.stream:
-        return _sse(pieces, base, chat)
+        return _sse(pieces, base, chat, shape)
     text, reason, count = "", "length", 0
     for piece, reason, count in pieces:
         text += piece
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
-    choice.update(
-        {"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None}
-    )
+    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+    choice["logprobs"] = shape(0, count) if shape is not None else None
     return {
         **base,
         "object": "chat.completion" if chat else "text_completion",
@@ -99,6 +112,37 @@ def respond(
             "completion_tokens": count,
             "total_tokens": prompt_tokens + count,
         },
+    }
+
+
+def _logprobs(
+    found: list[TokenLogprob], token_bytes: Any, chat: bool, as_ids: bool, start: int, end: int
+) -> dict[str, Any]:
+    """Tokens start..end's log-probabilities in OpenAI's shape: chat's `content` entries, or the
+    completion's parallel lists."""
+    from .openai import token_string
+
+    entries = found[start:end]
+    name = partial(token_string, token_bytes, as_ids=as_ids)
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": name(e.token),
+                    "logprob": e.logprob,
+                    "bytes": list(token_bytes.table[e.token] or b""),
+                    "top_logprobs": [
+                        {"token": name(t), "logprob": v, "bytes": list(token_bytes.table[t] or b"")}
+                        for t, v in e.top.items()
+                    ],
+                }
+                for e in entries
+            ]
+        }
+    return {
+        "tokens": [name(e.token) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{name(t): v for t, v in e.top.items()} for e in entries],
     }
 
 
@@ -129,7 +173,12 @@ def _texts(
     yield text[shown:], reason, len(ids)
 
 
-def _sse(pieces: Iterator[tuple[str, str, int]], base: dict[str, Any], chat: bool) -> Iterator[bytes]:
+def _sse(
+    pieces: Iterator[tuple[str, str, int]],
+    base: dict[str, Any],
+    chat: bool,
+    shape: Callable[[int, int], dict[str, Any]] | None,
+) -> Iterator[bytes]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def event(doc: dict[str, Any]) -> bytes:
@@ -145,11 +194,14 @@ def _sse(pieces: Iterator[tuple[str, str, int]], base: dict[str, Any], chat: boo
                 ],
             }
         )
-    reason = "length"
-    for piece, reason, _ in pieces:
+    reason, sent = "length", 0
+    for piece, reason, count in pieces:
         if piece:
-            body = {"delta": {"content": piece}} if chat else {"text": piece, "logprobs": None}
+            body: dict[str, Any] = {"delta": {"content": piece}} if chat else {"text": piece}
+            body["logprobs"] = shape(sent, count) if shape is not None else None
+            sent = count
             yield event({**base, "object": kind, "choices": [{"index": 0, **body, "finish_reason": None}]})
-    last: dict[str, Any] = {"delta": {}} if chat else {"text": "", "logprobs": None}
+    last: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
+    last["logprobs"] = shape(sent, sent) if shape is not None else None
     yield event({**base, "object": kind, "choices": [{"index": 0, **last, "finish_reason": reason}]})
     yield b"data: [DONE]\n\n"

@@ -247,15 +247,18 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                 top_p=parsed.top_p,
             )
         )
-        target, key = service.target, request.state.key
+        target, key, top = service.target, request.state.key, parsed.top_logprob_count
+        logprobs: list | None = None if top is None else []
         if parsed.stream:  # a stream decodes as it is read: a client gone stops the reading
-            tokens = await run_in_threadpool(service.sample, ids, rule, limit, parsed.seed, key)
-            chunks = respond(tokens, parsed, target.tokenizer, target.name, len(ids), target.eos_ids)
+            tokens = await run_in_threadpool(
+                service.sample, ids, rule, limit, parsed.seed, key, None, logprobs, top or 0
+            )
+            chunks = respond(tokens, parsed, target, len(ids), logprobs)
             return StreamingResponse(chunks, media_type="text/event-stream")
 
         def whole(cancel: threading.Event) -> Any:
-            tokens = service.sample(ids, rule, limit, parsed.seed, key, cancel)
-            return respond(tokens, parsed, target.tokenizer, target.name, len(ids), target.eos_ids)
+            tokens = service.sample(ids, rule, limit, parsed.seed, key, cancel, logprobs, top or 0)
+            return respond(tokens, parsed, target, len(ids), logprobs)
 
         return await until_disconnect(request, whole)
 
@@ -264,7 +267,8 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         from .openai import CompletionRequest
 
         parsed = await body(request, CompletionRequest)
-        if parsed.echo or parsed.logprobs is not None:  # scoring (what OpenAICompletionsTarget reads): greedy
+        greedy_scores = parsed.logprobs is not None and parsed.temperature == 0 and not parsed.stream
+        if parsed.echo or greedy_scores:  # the scoring path (what OpenAICompletionsTarget reads)
             return await until_disconnect(request, service.complete, parsed, request.state.key)
         ids = (
             list(parsed.prompt)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..rounds import TokenLogprob, token_logprobs
 from ..target import Rule
 from .budget import draft_budget
 from .config import HTTPError, ServerConfig
@@ -235,18 +236,29 @@ class Service(TextRoutes):
                     return
 
     def _stepwise(
-        self, session: Session, max_tokens: int, rule: Rule = Rule(), generator: torch.Generator | None = None
+        self,
+        session: Session,
+        max_tokens: int,
+        rule: Rule = Rule(),
+        generator: torch.Generator | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        top: int = 0,
     ) -> Iterator[int]:
         """One token a step under `rule` (greedy by default), the model lock held per step only:
-        other sessions' verifies interleave."""
+        other sessions' verifies interleave. With `logprobs` (a list), each token's log-prob and its
+        `top` alternatives are appended to it before the token is yielded."""
         empty = torch.zeros(0, dtype=torch.long)
         self._prefill(session)
         for _ in range(max_tokens):
             with self.model_lock:
                 started = time.perf_counter()
-                token = session.inner.verify(empty, rule, None, generator).token
+                verdict = session.inner.verify(
+                    empty, rule, None, generator, topk=max(1, top) if logprobs is not None else 0
+                )
                 self.metrics.observe(time.perf_counter() - started)
-            yield token
+            if logprobs is not None and verdict.topk is not None:
+                logprobs += token_logprobs([verdict.token], [(*verdict.topk, verdict.chosen)], top)
+            yield verdict.token
 
     def _engine_decode(self, session: Session, max_tokens: int) -> Iterator[int]:
         """The engine's own decoding loop (one request, batched with other sessions' work); closing

@@ -79,11 +79,14 @@ class TextRoutes:
         seed: int | None,
         key: int = 0,
         cancel: threading.Event | None = None,
+        logprobs: list | None = None,
+        top: int = 0,
     ) -> Iterator[int]:
         """The target alone on `ids` (the OpenAI routes): up to `max_tokens` tokens under `rule`,
         one step at a time (other sessions' verifies interleave), stopping after an EOS; the KV
         budget is held while it runs. Checked now, decoded as the iterator is read; `cancel` set
-        (the client went away) stops it at its next token with `Cancelled`."""
+        (the client went away) stops it at its next token with `Cancelled`. With `logprobs` (a
+        list), each token's `TokenLogprob` (its `top` alternatives) is appended as it comes."""
         from .openai import Cancelled
 
         self._check_ids(ids, "prompt")
@@ -102,10 +105,10 @@ class TextRoutes:
 
         def tokens() -> Iterator[int]:
             try:
-                if rule.mode == "greedy" and self.batches:  # the engine's own loop, batched with the rest
+                if rule.mode == "greedy" and self.batches and logprobs is None:  # the engine's own loop
                     yield from self._engine_decode(session, max_tokens)
                     return
-                for token in self._stepwise(session, max_tokens, rule, generator):
+                for token in self._stepwise(session, max_tokens, rule, generator, logprobs, top):
                     yield token
                     if token in self.target.eos_ids:
                         return
