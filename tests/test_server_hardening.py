@@ -387,7 +387,7 @@ def test_an_exception_after_the_forward_leaves_the_session_and_a_retry_works(
 ):
     """A failure injected after the target's forward (in the acceptance rule) is a 500 that
     mutates nothing: the session keeps its tokens and the client's retry is applied, once."""
-    from omnidraft import target as target_module
+    from omnidraft.targets import local as target_module  # where LocalTarget calls judge
 
     sid, ids = _open(client, tiny_target)
     want = target_greedy(tiny_target, PROMPT, 3)
