@@ -1,7 +1,7 @@
 """`python -m benchmarks draft-lengths`: fixed k vs the hysteresis fallback vs acceptance heads, live.
 
 1. Train one acceptance head per schedule (joint, interleaved) on recorded target traces of a
-   training split (`adapt.traces_for`, cached): the engine runs against a `ReplayTarget`, so the
+   training split (`adapt_eval.traces_for`, cached): the engine runs against a `ReplayTarget`, so the
    labels are exactly what live greedy verification would give, with drafter forwards only.
    While training, the head only records (the fallback policy picks the draft lengths).
 2. Evaluate live on the benchmark prompts: per prompt the target alone once, then every variant,
@@ -27,7 +27,7 @@ from omnidraft.bench.datasets import load_prompts
 from omnidraft.bench.runner import compare_pairings, paired_ratio
 from omnidraft.distill.trace_store import ReplayTarget
 
-from .adapt import prompts_for, traces_for
+from .adapt_eval import prompts_for, traces_for
 
 __all__ = ["Prequential", "against_best_fixed", "run_draft_policies", "train_heads", "write_draft_report"]
 

@@ -24,7 +24,7 @@ from omnidraft.bench.datasets import load_prompts
 from omnidraft.distill.trace_store import ReplayTarget
 from omnidraft.stats import GenerationStats
 
-from .adapt import prompts_for, traces_for
+from .adapt_eval import prompts_for, traces_for
 
 __all__ = ["SCHEMES", "parse_decode", "replay_variant", "run_replay"]
 

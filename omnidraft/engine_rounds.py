@@ -77,7 +77,7 @@ class EngineRounds:
         self._ids = list(ids)
         req = self.request
         assert req is not None
-        req.target = Committed(self._ids)
+        req.target.ids = self._ids
         started = time.perf_counter()
         self.policy.begin_round(req, started)
         plan = self.policy.plan(req, max(1, remaining))

@@ -599,7 +599,7 @@ def test_adapt_puts_adapters_on_the_projections_it_is_given(drafter, tiny_target
 
 
 def test_a_shorter_trace_recording_is_extended_not_recorded_again(tiny_target, tmp_path, monkeypatch):
-    from benchmarks import adapt
+    from benchmarks import adapt_eval as adapt  # where traces_for records
     from omnidraft.distill.trace_store import record_many
 
     asked = []

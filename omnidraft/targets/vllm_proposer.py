@@ -26,8 +26,8 @@ __all__ = ["EngineProposer", "Sequence", "built_since", "proposer_config"]
 
 log = logging.getLogger(__name__)
 
-_built: list[EngineProposer] = []  # proposers vLLM built in this process, oldest first
 _built_lock = threading.Lock()
+_built: dict[str, Any] = {"count": 0, "latest": None}  # proposers vLLM built here; the newest only kept
 
 
 def proposer_config(draft_tokens: int) -> dict[str, Any]:
@@ -44,12 +44,13 @@ def built_since(count: int) -> EngineProposer | None:
     """The proposer built after the first `count` of this process (the one an engine just built),
     or None (vLLM built it in another process)."""
     with _built_lock:
-        return _built[-1] if len(_built) > count else None
+        return _built["latest"] if _built["count"] > count else None
 
 
 def built_count() -> int:
+    """How many proposers vLLM has built in this process."""
     with _built_lock:
-        return len(_built)
+        return int(_built["count"])
 
 
 class Rounds(Protocol):
@@ -94,8 +95,9 @@ class EngineProposer:
         self._rows: dict[int, Sequence] = {}
         self._lock = threading.Lock()
         self.calls = 0
-        with _built_lock:
-            _built.append(self)
+        with _built_lock:  # an engine's target takes it; older ones are not held here
+            _built["count"] += 1
+            _built["latest"] = self
 
     def expect(
         self, prompt: list[int], rounds: Rounds, max_tokens: int, drafter_ids: list[int] | None = None
