@@ -1,15 +1,18 @@
 """`omnidraft serve --engine vllm` under load: N device sessions replaying recorded drafts against
-the server, beside the same requests decoded by vLLM alone (streamed), on one engine (docs/vllm.md).
+the server, beside the same requests decoded by vLLM alone (streamed) on a plain engine with the
+same engine args; each engine in a process of its own, one after the other (docs/vllm.md).
 
     python -m benchmarks.vllm_load --sessions 1 --sessions 4 --sessions 16 --out bench_out/vllm-load.json
 
 1. Record: the default drafter drafts for the target (objective "compute": every round drafts)
    on each prompt; every proposal is kept with the context length it was made at.
-2. Replay: N client threads, one prompt each, over HTTP on loopback. At each round a client sends
-   the recorded proposal made at its context length (or the tail of the latest one still on the
-   committed text), cut to the server's draft budget; a budget of 0 hands the rest of the request
-   to the server's own decoding loop (`/generate`), as a device following the budget does.
-3. vLLM alone: the same N prompts as N concurrent streamed `/v1/generate` requests.
+2. Replay: N client threads, one prompt each, over HTTP on loopback. Each streams its session
+   (`/speculate`: the rest of the completion is one engine request) and, whenever committed
+   tokens arrive, posts the recorded proposal made at that context length (or the tail of the
+   latest one still on the committed text), cut to the server's draft budget (`/proposal`); the
+   engine verifies it in its own step, as a device following the budget would have it.
+3. vLLM alone: the same N prompts as N concurrent streamed `/v1/generate` requests on a server
+   whose engine has no proposer.
 Every committed token is checked against vLLM's own greedy output.
 """
 
@@ -33,6 +36,8 @@ def record(target: Any, drafter: Any, prompts: list[str], tokens: int) -> list[d
     logs: list[dict[int, list[int]]] = []
 
     class Recording:
+        drafts_in_engine = False  # a verify per round: each proposal passes through `verify` here
+
         def __getattr__(self, name: str) -> Any:
             return getattr(target, name)
 
@@ -69,30 +74,39 @@ def proposal_at(
 
 
 def replay_client(http: Any, ids: list[int], log: dict, reference: list[int], tokens: int, out: dict) -> None:
+    import httpx
+
     sid = http.post("/v1/sessions", json={"prompt_ids": ids}).json()["session"]
+    poster = httpx.Client(base_url=str(http.base_url), timeout=600)
     committed: list[int] = []
     times: list[float] = []
-    budget = None
+    budget = tokens
+
+    def offer() -> None:
+        most = min(budget, tokens - len(committed) - 1)
+        proposal = proposal_at(log, len(ids), committed, reference)[:most]
+        at = len(ids) + len(committed)
+        poster.post(f"/v1/sessions/{sid}/proposal", json={"at": at, "proposal": proposal})
+
     started = last = time.perf_counter()
-    while len(committed) < tokens:
-        proposal = proposal_at(log, len(ids), committed, reference)[: tokens - len(committed) - 1]
-        if budget is not None:
-            proposal = proposal[:budget]
-        if budget == 0:
-            body = {"committed": len(ids) + len(committed), "max_tokens": tokens - len(committed)}
-            more, gaps = streamed(http, f"/v1/sessions/{sid}/generate", body, last)
-            committed, times = committed + more, times + gaps
-            break
-        reply = http.post(
-            f"/v1/sessions/{sid}/verify", json={"committed": len(ids) + len(committed), "proposal": proposal}
-        ).json()
-        new = proposal[: reply["accepted"]] + [reply["token"]]
-        committed += new
-        budget = reply.get("budget")
-        now = time.perf_counter()
-        times += [(now - last) / len(new)] * len(new)
-        last = now
+    body = {"committed": len(ids), "max_tokens": tokens}
+    with http.stream("POST", f"/v1/sessions/{sid}/speculate", json=body) as reply:
+        offer()
+        for line in reply.iter_lines():
+            if not line.strip():
+                continue
+            chunk = json.loads(line)
+            now = time.perf_counter()
+            if chunk["tokens"]:
+                committed += chunk["tokens"]
+                times += [(now - last) / len(chunk["tokens"])] * len(chunk["tokens"])
+                last = now
+            budget = chunk["budget"] if chunk.get("budget") is not None else budget
+            if chunk["done"]:
+                break
+            offer()
     http.delete(f"/v1/sessions/{sid}")
+    poster.close()
     out.update(tokens=committed[:tokens], seconds=time.perf_counter() - started, per_token=times[:tokens])
 
 
@@ -145,7 +159,50 @@ def run(url: str, target: Any, clients: list[tuple], fn: Any) -> dict[str, Any]:
     }
 
 
+def _serve(
+    row: str,
+    target_spec: str,
+    dtype: str,
+    ids: list[list[int]],
+    extra: dict,
+    sessions: list[int],
+    tokens: int,
+) -> dict[str, Any]:
+    """In a process of its own: one engine served over loopback, the row's clients at each N."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import omnidraft as od
+    from omnidraft.bench.remote import serve_in_thread
+    from omnidraft.remote.server import ServerConfig, create_app
+
+    speculating = row == "omnidraft"
+    target = od.VLLMTarget.load(target_spec, dtype=dtype, draft_tokens=8 if speculating else 0)
+    with ThreadPoolExecutor(len(ids)) as pool:  # concurrent: the engine batches them
+        references = list(pool.map(lambda i: target.generate(i, tokens), ids))
+    report: dict[str, Any] = {"references": references, "runs": {}}
+    if speculating:
+        report["verify_costs_ms"] = {n: round(1e3 * s, 1) for n, s in target.verify_costs().items()}
+        logs = record(target, od.Drafter.load(extra["drafter"]), extra["prompts"], tokens)
+    url, stop = serve_in_thread(create_app(target, ServerConfig(max_sessions=256)))
+    try:
+        for n in sessions:
+            if speculating:
+                refs = report["references"]
+                clients = [(ids[i], logs[i], refs[i], tokens) for i in range(n)]
+                report["runs"][n] = run(url, target, clients, replay_client)
+            else:
+                report["runs"][n] = run(url, target, [(ids[i], tokens) for i in range(n)], alone_client)
+            print(row, n, {k: v for k, v in report["runs"][n].items() if k != "outputs"}, flush=True)
+    finally:
+        stop()
+        target.close()
+    return report
+
+
 def main() -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_load")
     p.add_argument("--target", default="qwen2.5-coder-0.5b")
     p.add_argument("--drafter", default="smollm2-135m")
@@ -157,43 +214,42 @@ def main() -> None:
     args = p.parse_args()
     sessions = args.sessions or [1, 4, 16]
 
-    import omnidraft as od
     from omnidraft.bench.datasets import load_prompts
-    from omnidraft.bench.remote import serve_in_thread
-    from omnidraft.remote.server import ServerConfig, create_app
+    from omnidraft.models import load_tokenizer
 
-    target = od.VLLMTarget.load(args.target, dtype=args.dtype)
     prompts = load_prompts(args.dataset, max(sessions))
-    ids = [target.tokenizer(p)["input_ids"] for p in prompts]
-    references = [target.generate(i, args.tokens) for i in ids]
-    logs = record(target, od.Drafter.load(args.drafter), prompts, args.tokens)
-    url, stop = serve_in_thread(create_app(target, ServerConfig(max_sessions=256)))
+    tokenizer = load_tokenizer(args.target)
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    rows: dict[str, dict[str, Any]] = {}
+    for row in ("omnidraft", "vllm_alone"):
+        extra = {"drafter": args.drafter, "prompts": prompts}
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows[row] = pool.submit(
+                _serve, row, args.target, args.dtype, ids, extra, sessions, args.tokens
+            ).result()
+    references = rows["vllm_alone"]["references"]
     report: dict[str, Any] = {
         "target": args.target,
         "dtype": args.dtype,
-        "verify_costs_ms": {n: round(1e3 * s, 1) for n, s in target.verify_costs().items()},
+        "verify_costs_ms": rows["omnidraft"]["verify_costs_ms"],
+        "references_agree": rows["omnidraft"]["references"] == references,
         "runs": {},
     }
-    try:
-        for n in sessions:
-            spec = run(
-                url, target, [(ids[i], logs[i], references[i], args.tokens) for i in range(n)], replay_client
+    for n in sessions:
+        spec, alone = rows["omnidraft"]["runs"][n], rows["vllm_alone"]["runs"][n]
+        for row in (spec, alone):  # a token differing from vLLM's own, or one missing or extra
+            outputs = row.pop("outputs")
+            row["wrong"] = sum(
+                sum(a != b for a, b in zip(o, references[i])) + abs(len(o) - len(references[i]))
+                for i, o in enumerate(outputs)
             )
-            alone = run(url, target, [(ids[i], args.tokens) for i in range(n)], alone_client)
-            for row in (spec, alone):
-                row["wrong"] = sum(
-                    a != b for i, o in enumerate(row.pop("outputs")) for a, b in zip(o, references[i])
-                )
-            report["runs"][n] = {
-                "omnidraft": spec,
-                "vllm_alone": alone,
-                "throughput_ratio": round(spec["tok_s"] / alone["tok_s"], 3),
-                "engine_time_ratio": round(spec["engine_s_per_token"] / alone["engine_s_per_token"], 3),
-            }
-            print(n, json.dumps(report["runs"][n]), flush=True)
-    finally:
-        stop()
-        target.close()
+        report["runs"][n] = {
+            "omnidraft": spec,
+            "vllm_alone": alone,
+            "throughput_ratio": round(spec["tok_s"] / alone["tok_s"], 3),
+            "engine_time_ratio": round(spec["engine_s_per_token"] / alone["engine_s_per_token"], 3),
+        }
+        print(n, json.dumps(report["runs"][n]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 

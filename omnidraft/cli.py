@@ -149,7 +149,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_sessions_per_key=args.max_sessions_per_key,
     )
     if args.engine == "vllm":
-        target = od.VLLMTarget.load(args.target, draft_tokens=0, **engine_args(args))
+        target = od.VLLMTarget.load(args.target, **engine_args(args))  # with the proposer: /speculate
     elif args.engine == "llama.cpp":
         target = od.LlamaCppTarget(args.target, slots=args.slots, n_ctx=args.n_ctx)
     else:

@@ -64,6 +64,9 @@ class EngineRounds:
         self.request = open_request(p, Committed(list(ids)), list(ids), drafter_ids, GREEDY)
         self._ids, self._round, self._plan, self._settled = list(ids), None, None, 0
 
+    def prepare(self, ids: list[int]) -> None:
+        """Nothing to do before `next`: the drafter is here."""
+
     def extends(self, ids: list[int]) -> bool:
         """Whether `ids` continue this sequence (the ids of its last call, then more)."""
         n = len(self._ids)

@@ -49,4 +49,9 @@ class TargetUnavailableError(TargetError):
 
 
 class RemoteRequestError(TargetError):
-    """A remote target refused a request (4xx); the message carries the server's reason."""
+    """A remote target refused a request (4xx); the message carries the server's reason and
+    `status` its HTTP status."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

@@ -231,6 +231,56 @@ def test_the_vllm_server_serves_sessions_with_a_draft_budget(vllm_client, vllm_t
     assert pair.generate(PROMPTS[0], max_new_tokens=16).token_ids == want
 
 
+def test_a_device_session_streams_while_the_engine_verifies_its_proposals(vllm_target, tiny_drafter):
+    """`/speculate`: the rest of a completion is one engine request; proposals the device posts
+    are verified in the engine's own step (several tokens a chunk), and a pairing on a
+    RemoteTarget uses it for greedy requests. Served by uvicorn, as a device would reach it."""
+    import json
+
+    import httpx
+
+    from omnidraft.bench.remote import serve_in_thread
+    from omnidraft.remote.client import RemoteTarget
+    from omnidraft.remote.server import ServerConfig, create_app
+
+    url, stop = serve_in_thread(create_app(vllm_target, ServerConfig(api_key="k", proposal_wait_s=0.5)))
+    try:
+        http = httpx.Client(base_url=url, headers=AUTH, timeout=60)
+        ids = _ids(vllm_target, PROMPTS[0])
+        want = vllm_target.generate(ids, 24)
+        sid = http.post("/v1/sessions", json={"prompt_ids": ids}).json()["session"]
+        assert (
+            http.post(f"/v1/sessions/{sid}/proposal", json={"at": len(ids), "proposal": [1]}).status_code
+            == 409
+        )
+        stale = http.post(f"/v1/sessions/{sid}/speculate", json={"committed": 1, "max_tokens": 4})
+        assert stale.status_code == 409
+        got, chunks = [], 0
+        body = {"committed": len(ids), "max_tokens": 24}
+        with http.stream("POST", f"/v1/sessions/{sid}/speculate", json=body) as reply:
+            bad = http.post(f"/v1/sessions/{sid}/proposal", json={"at": len(ids), "proposal": [10**6]})
+            assert bad.status_code == 422
+            for line in reply.iter_lines():
+                chunk = json.loads(line)
+                got, chunks = got + chunk["tokens"], chunks + 1
+                at = len(ids) + len(got)  # the device proposes the reference's next tokens
+                http.post(
+                    f"/v1/sessions/{sid}/proposal", json={"at": at, "proposal": want[len(got) : len(got) + 4]}
+                )
+                if chunk["done"]:
+                    assert chunk["committed"] == at and isinstance(chunk["budget"], int)
+                    break
+        assert got == want and chunks < len(want)  # drafts were accepted: several tokens a chunk
+        assert http.delete(f"/v1/sessions/{sid}").status_code == 200
+        remote = RemoteTarget(url, api_key="k")
+        assert remote.drafts_in_engine
+        out = tiny_drafter.pair(remote, k=3).generate(PROMPTS[1], max_new_tokens=20)
+        assert out.token_ids == vllm_target.generate(_ids(vllm_target, PROMPTS[1]), 20)[: len(out.token_ids)]
+        assert sum(r.proposed for r in out.rounds) > 0
+    finally:
+        stop()
+
+
 @pytest.mark.parametrize(
     "body, status",
     [

@@ -28,6 +28,9 @@ class Echo:
     def open(self, ids, drafter_ids=None):
         self.opened = (list(ids), drafter_ids)
 
+    def prepare(self, ids):
+        self.prepared = list(ids)
+
     def next(self, ids, most, remaining):
         self.seen.append(list(ids))
         return [ids[-1] + 1 + i for i in range(self.n)][:most]

@@ -28,13 +28,16 @@ from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
 from .protocol import (
+    MAX_PROPOSAL,
     GenerateChunk,
     GenerateRequest,
     InfoReply,
     OpenReply,
     OpenRequest,
     PromptGenerateRequest,
+    ProposalRequest,
     SparseRow,
+    SpeculateRequest,
     VerifyReply,
     VerifyRequest,
 )
@@ -70,6 +73,8 @@ class RemoteTarget:
         self.http.headers.update(headers)
         info = InfoReply.model_validate(self._call("GET", "/v1/info"))
         self.name, self.eos_ids = info.name, frozenset(info.eos_ids)
+        # the server's engine verifies drafts in its own step: a greedy request streams (`steps`)
+        self.drafts_in_engine = info.drafts_in_engine
         self.tokenizer = tokenizer if tokenizer is not None else self._fetch_tokenizer()
         self.token_bytes = build_token_bytes(self.tokenizer, info.vocab_size)
         if self.token_bytes.fingerprint != info.fingerprint:
@@ -127,7 +132,8 @@ def call_json(http: Any, url: str, method: str, path: str, content: str | None, 
             continue
         if response.status_code >= 400:
             raise RemoteRequestError(
-                f"{url}{path} refused the request: HTTP {response.status_code}: {_reason(response)}"
+                f"{url}{path} refused the request: HTTP {response.status_code}: {_reason(response)}",
+                response.status_code,
             )
         return response.json()
     raise TargetUnavailableError(f"{url}{path} unreachable after {retries + 1} attempts ({last})")
@@ -204,9 +210,6 @@ class _RemoteSession:
         streams them; each is committed here as it arrives. One request, no retry: a broken stream
         raises TargetUnavailableError (the session is then out of step and must be closed). Before
         the first verify no server session exists and none is opened: the request carries the ids."""
-        import httpx
-
-        owner = self.owner
         message: GenerateRequest | PromptGenerateRequest
         if self.sid is None:
             path, message = (
@@ -218,6 +221,54 @@ class _RemoteSession:
                 f"/v1/sessions/{self.sid}/generate",
                 GenerateRequest(committed=len(self.ids), max_tokens=max_tokens),
             )
+        for chunk in self._chunks(path, message):
+            yield from chunk.tokens
+
+    def steps(
+        self, max_tokens: int, rounds: Any = None, drafter_ids: list[int] | None = None, *, eos: bool = True
+    ) -> Iterator[list[int]]:
+        """Greedy-decode up to `max_tokens` more tokens (stopping after an EOS) in the server's
+        engine loop, one list of committed ids per chunk; with `rounds` (an `EngineRounds`), each
+        time tokens arrive the device drafts after them and posts the proposal, which the engine
+        verifies in its own step (remote/device_rounds.py). Needs a server that `drafts_in_engine`."""
+        if not eos:
+            raise ValueError("a server stream stops after an EOS; eos=False is not served")
+        if rounds is None:
+            for chunk in self._chunks(
+                f"/v1/sessions/{self._open()}/generate",
+                GenerateRequest(committed=len(self.ids), max_tokens=max_tokens),
+            ):
+                yield chunk.tokens
+            return
+        sid, start = self._open(), len(self.ids)
+        rounds.open(list(self.ids), drafter_ids)
+        budget = MAX_PROPOSAL
+
+        def offer() -> None:
+            remaining = max_tokens - (len(self.ids) - start)
+            most = min(budget, remaining - 1)
+            proposal = rounds.next(list(self.ids), most, remaining) if most > 0 else []
+            message = ProposalRequest(at=len(self.ids), proposal=proposal)
+            try:
+                self.owner._call("POST", f"/v1/sessions/{sid}/proposal", message)
+            except RemoteRequestError as exc:  # 409: the stream ended meanwhile (its last chunk says so)
+                if exc.status != 409:
+                    raise
+
+        message = SpeculateRequest(committed=start, max_tokens=max_tokens)
+        for chunk in self._chunks(f"/v1/sessions/{sid}/speculate", message, offer):
+            budget = MAX_PROPOSAL if chunk.budget is None else chunk.budget
+            if chunk.tokens:
+                yield chunk.tokens
+            if not chunk.done:
+                offer()
+
+    def _chunks(self, path: str, message: Any, opened: Any = None) -> Iterator[GenerateChunk]:
+        """The chunks of one NDJSON stream, each committed here as it arrives (`opened()` is called
+        once the server has accepted the request); one request, no retry."""
+        import httpx
+
+        owner = self.owner
         content = message.model_dump_json()
         try:
             with owner.http.stream(
@@ -226,8 +277,11 @@ class _RemoteSession:
                 if reply.status_code >= 400:
                     reply.read()
                     raise RemoteRequestError(
-                        f"{owner.url}{path} refused the request: HTTP {reply.status_code}: {_reason(reply)}"
+                        f"{owner.url}{path} refused the request: HTTP {reply.status_code}: {_reason(reply)}",
+                        reply.status_code,
                     )
+                if opened is not None:
+                    opened()
                 for line in reply.iter_lines():
                     if not line.strip():
                         continue
@@ -239,7 +293,7 @@ class _RemoteSession:
                             f"session {self.sid} is out of step: the server has "
                             f"{chunk.committed} committed tokens, this device {len(self.ids)}"
                         )
-                    yield from chunk.tokens
+                    yield chunk
                     if chunk.done:
                         return
         except httpx.TransportError as exc:

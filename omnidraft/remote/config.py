@@ -22,6 +22,8 @@ class ServerConfig:
     fresh_ttl_s: float = 30.0  # a session that has not verified yet expires after this long idle
     body_timeout_s: float = 30.0  # a request body not read completely within this is refused (408)
     open_metrics: bool = False  # True: /metrics without the API key (a scraper on a private network)
+    # the longest an engine step waits for a streaming device's proposal (at most a quarter of a step)
+    proposal_wait_s: float = 0.03
 
     def __post_init__(self) -> None:
         if (
@@ -32,6 +34,7 @@ class ServerConfig:
             or self.body_timeout_s <= 0
             or (self.max_sessions_per_key is not None and self.max_sessions_per_key < 1)
             or self.fresh_ttl_s <= 0
+            or self.proposal_wait_s < 0
             or (self.max_tokens_per_key is not None and self.max_tokens_per_key < 1)
         ):
             raise ValueError(f"server limits must be positive (body >= 1 KiB), got {self}")

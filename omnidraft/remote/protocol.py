@@ -10,6 +10,9 @@ Draft rows q' for rejection sampling travel sparse: only the target ids with q' 
 A generate request hands the rest of a completion to the server (greedy, no draft): its reply
 streams one `GenerateChunk` per line (NDJSON) as the tokens are committed. A `PromptGenerateRequest`
 does the same for a whole completion without a session (one exchange, as a plain server would).
+On an engine that verifies drafts inside its own step (vLLM), a `SpeculateRequest` streams the
+rest of a session's completion the same way while the device posts `ProposalRequest`s: the
+engine verifies the newest one that continues the committed text (remote/device_rounds.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ __all__ = [
     "OpenReply",
     "OpenRequest",
     "PromptGenerateRequest",
+    "ProposalReply",
+    "ProposalRequest",
+    "SpeculateRequest",
     "SparseRow",
     "VerifyReply",
     "VerifyRequest",
@@ -65,6 +71,7 @@ class InfoReply(_Message):
     vocab_size: int
     fingerprint: str
     eos_ids: list[int]
+    drafts_in_engine: bool = False  # the engine verifies a streaming session's proposals (`/speculate`)
 
 
 class OpenRequest(_Message):
@@ -145,10 +152,30 @@ class PromptGenerateRequest(_Message):
     max_tokens: int = Field(ge=1, le=MAX_GENERATE)
 
 
+class SpeculateRequest(_Message):
+    """Greedy-decode up to `max_tokens` more tokens in the engine's loop, verifying the device's
+    proposals (`ProposalRequest`) as they come."""
+
+    committed: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=MAX_GENERATE)
+
+
+class ProposalRequest(_Message):
+    """A streaming session's draft: target ids drafted after its first `at` committed ids."""
+
+    at: int = Field(ge=1)
+    proposal: list[int] = Field(max_length=MAX_PROPOSAL)
+
+
+class ProposalReply(_Message):
+    budget: int  # the most draft tokens the engine takes from a proposal now (0: none)
+
+
 class GenerateChunk(_Message):
     tokens: list[int]
     committed: int  # the session's committed length after these tokens
     done: bool = False
+    budget: int | None = None  # on a speculating stream: the draft tokens the engine takes next
 
 
 class ErrorReply(_Message):

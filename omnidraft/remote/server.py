@@ -3,6 +3,8 @@
     POST   /v1/sessions                 OpenRequest  -> OpenReply
     POST   /v1/sessions/{id}/verify     VerifyRequest -> VerifyReply
     POST   /v1/sessions/{id}/generate   GenerateRequest -> NDJSON GenerateChunk per committed token
+    POST   /v1/sessions/{id}/speculate  SpeculateRequest -> the same stream, the engine verifying proposals
+    POST   /v1/sessions/{id}/proposal   ProposalRequest -> ProposalReply (while it streams; vLLM engine)
     POST   /v1/generate                 PromptGenerateRequest -> the same stream, with no session kept
     DELETE /v1/sessions/{id}
     GET    /v1/info, /v1/tokenizer      what a device needs to pair (name, vocab, fingerprint, files)
@@ -37,7 +39,15 @@ from starlette.requests import ClientDisconnect
 
 from ..target import Rule
 from .openai_api import OPENAI_PATHS, ChatRequest, chat_prompt, error_body, models_reply, respond
-from .protocol import VERSION, GenerateRequest, OpenRequest, PromptGenerateRequest, VerifyRequest
+from .protocol import (
+    VERSION,
+    GenerateRequest,
+    OpenRequest,
+    PromptGenerateRequest,
+    ProposalRequest,
+    SpeculateRequest,
+    VerifyRequest,
+)
 from .service import HTTPError, ServerConfig, Service
 
 __all__ = ["HEADER_TIMEOUT_S", "ServerConfig", "create_app", "http_protocol"]
@@ -200,6 +210,18 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             service.generate, sid, await body(request, GenerateRequest), request.state.key
         )
         return StreamingResponse(stream, media_type="application/x-ndjson")
+
+    @app.post("/v1/sessions/{sid}/speculate")
+    async def speculate(sid: str, request: Request) -> Any:
+        stream = await run_in_threadpool(
+            service.speculate, sid, await body(request, SpeculateRequest), request.state.key
+        )
+        return StreamingResponse(stream, media_type="application/x-ndjson")
+
+    @app.post("/v1/sessions/{sid}/proposal")
+    async def proposal(sid: str, request: Request) -> Any:
+        parsed = await body(request, ProposalRequest)
+        return service.propose(sid, parsed, request.state.key).model_dump()
 
     @app.post("/v1/generate")
     async def generate_alone(request: Request) -> Any:

@@ -24,6 +24,7 @@ from ..rounds import TokenLogprob, token_logprobs
 from ..target import Rule
 from .budget import draft_budget
 from .config import HTTPError, ServerConfig
+from .device_rounds import SpeculateRoutes
 from .metrics import Metrics
 from .protocol import (
     MAX_PROPOSAL,
@@ -46,9 +47,10 @@ log = logging.getLogger(__name__)
 PREFILL_CHUNK = 256  # prompt tokens one model call may take: the most a long prompt holds the model at once
 PREFILL_WORK = 256 * 2048  # chunk x context: past 2,048 tokens of context a chunk shrinks (down to 32 tokens)
 ACTIVE_S = 1.0  # a session that verified within this many seconds counts in the load a draft budget serves
+BUDGET_S = 0.05  # how long a computed draft budget stands
 
 
-class Service(TextRoutes):
+class Service(TextRoutes, SpeculateRoutes):
     """The server's state, independent of the web framework (so it can be tested directly)."""
 
     def __init__(self, target: Any, config: ServerConfig) -> None:
@@ -66,6 +68,7 @@ class Service(TextRoutes):
         ] = {}  # per key: tokens of completions and /v1/generate being served (KV budget)
         costs = getattr(target, "verify_costs", None) if self.batches else None
         self.costs: dict[int, float] | None = costs() if costs is not None else None
+        self._budgets: dict[int, tuple[float, int]] = {}  # tail -> (when, budget)
         model = getattr(target, "model", None)  # None: unbounded
         self.context: int | None = getattr(target, "context_length", None) or getattr(
             getattr(model, "config", None), "max_position_embeddings", None
@@ -82,6 +85,7 @@ class Service(TextRoutes):
             vocab_size=self.vocab,
             fingerprint=self.target.token_bytes.fingerprint,
             eos_ids=sorted(self.target.eos_ids),
+            drafts_in_engine=bool(getattr(self.target, "drafts_in_engine", False)),
         )
 
     def open(self, request: OpenRequest, key: int = 0) -> OpenReply:
@@ -299,20 +303,24 @@ class Service(TextRoutes):
     def _budget(self) -> int | None:
         """The draft tokens each session may send next round at the present load (remote/budget.py),
         on an engine that batches sessions and reports its verify costs; None (no limit) otherwise."""
+        return self._budget_at(int(getattr(self.target, "verify_tail", 0)))
+
+    def _budget_at(self, tail: int) -> int | None:
+        """The budget when a verify recomputes `tail` tokens of context; recomputed at most every
+        BUDGET_S (an engine step asks it for every row)."""
         if self.costs is None:
             return None
         now = time.monotonic()
+        cached = self._budgets.get(tail)
+        if cached is not None and now - cached[0] < BUDGET_S:
+            return cached[1]
         with self.table_lock:
             active = sum(1 for v in self.sessions.values() if now - v.used < ACTIVE_S)
         m = self.metrics
         acceptance = m.accepted / m.proposed if m.proposed >= 64 else 0.8
-        return draft_budget(
-            self.costs,
-            acceptance,
-            max(1, active),
-            MAX_PROPOSAL - 1,
-            tail=int(getattr(self.target, "verify_tail", 0)),
-        )
+        budget = draft_budget(self.costs, acceptance, max(1, active), MAX_PROPOSAL - 1, tail=tail)
+        self._budgets[tail] = (now, budget)
+        return budget
 
     @staticmethod
     def _check_idle(session: Session) -> None:

@@ -23,6 +23,7 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request of this session at a time
     verified: bool = False  # a session that never verifies expires after `fresh_ttl_s`, not `ttl_s`
     streaming: bool = False  # a generate stream is running: other requests are refused until it ends
+    rounds: Any = None  # a speculate stream's DeviceRounds, which takes the device's proposals
 
 
 class FairLock:

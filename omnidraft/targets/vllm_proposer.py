@@ -58,6 +58,10 @@ class Rounds(Protocol):
 
     def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None: ...
 
+    def prepare(self, ids: list[int]) -> None:
+        """Told every row's committed ids before any row is asked for its draft (a device that
+        drafts elsewhere hears of them here)."""
+
     def next(self, ids: list[int], most: int, remaining: int) -> list[int]: ...
 
 
@@ -74,6 +78,9 @@ class Sequence:
         """Whether the row's first `n` ids continue this sequence."""
         m = len(self.known)
         return n > m - (0 if self.opened else 1) and np.array_equal(row[:m], self.known)
+
+    def prepare(self, ids: list[int]) -> None:
+        self.rounds.prepare(ids)
 
     def next(self, ids: list[int], most: int) -> list[int]:
         if not self.opened:
@@ -132,7 +139,12 @@ class EngineProposer:
                 seq = self._find(i, token_ids_cpu[i], n, rows) if sampled and n < self.max_model_len else None
                 if seq is not None:
                     rows[i] = seq
-                drafts.append([] if seq is None else self._draft(seq, token_ids_cpu[i, :n].tolist()))
+            committed = {i: token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist() for i in rows}
+            for i, seq in rows.items():  # every row's ids first: remote drafters start at once
+                self._guard(seq, seq.prepare, committed[i])
+            for i in range(len(sampled_token_ids)):
+                seq = rows.get(i)
+                drafts.append([] if seq is None else self._draft(seq, committed[i]))
             self._rows = rows
         return drafts
 
@@ -150,14 +162,19 @@ class EngineProposer:
         return None
 
     def _draft(self, seq: Sequence, ids: list[int]) -> list[int]:
+        return self._guard(seq, seq.next, ids, min(self.k, self.max_model_len - len(ids))) or []
+
+    @staticmethod
+    def _guard(seq: Sequence, call: Any, *args: Any) -> Any:
+        """`call(*args)` unless the sequence's rounds failed before; a failure ends its drafts."""
         if seq.failed:
-            return []
+            return None
         try:
-            return seq.next(ids, min(self.k, self.max_model_len - len(ids)))
+            return call(*args)
         except Exception:  # the engine verifies whatever comes back: no draft is always safe
             log.exception("omnidraft's proposer failed; the request goes on without drafts")
             seq.failed = True
-            return []
+            return None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to load: the drafter is the pairing's."""

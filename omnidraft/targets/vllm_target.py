@@ -82,6 +82,7 @@ class _VLLMSession:
         self.salt = uuid.uuid4().hex  # this session's own prefix-cache pages
         self.forwards = 0
         self.recomputed = 0  # verifies that had to recompute rows the cache had served
+        self._streaming: Any = None  # the handle of the request `steps` reads, while it runs
 
     def verify(
         self,
@@ -139,7 +140,7 @@ class _VLLMSession:
         proposer = self.owner.proposer if rounds is not None else None
         seq = proposer.expect(self.ids, rounds, max_tokens, drafter_ids) if proposer is not None else None
         handle = self.owner.submit(self.ids, self.salt, max_tokens=max_tokens, stream=True, eos=eos)
-        done = False
+        self._streaming, done = handle, False
         try:
             for out in handle.stream():
                 tokens = [int(t) for t in out.outputs[0].token_ids]
@@ -152,6 +153,13 @@ class _VLLMSession:
                 self.owner.loop.abort(handle)  # the caller stopped reading: free the engine's work
             if seq is not None and proposer is not None:
                 proposer.forget(seq)
+            self._streaming = None
+
+    def abort(self) -> None:
+        """Stop the request `steps` is reading (from any thread): its reader sees it end."""
+        handle = self._streaming
+        if handle is not None:
+            self.owner.loop.abort(handle)
 
     def close(self) -> None:
         """Nothing is pinned: the session's pages are ordinary cache entries, evicted as needed."""
@@ -207,8 +215,9 @@ class VLLMTarget:
         id, with vLLM engine arguments passed through (dtype, max_model_len, tensor_parallel_size,
         enforce_eager, ...). Defaults: see `engine_defaults`. `draft_tokens` > 0 (and no
         `speculative_config` of the caller's): the engine asks omnidraft's proposer for drafts of up
-        to that many tokens and verifies them in its own step (vllm_proposer.py); 0: a plain
-        engine, where a verify is a request of its own (what a server for remote drafters uses)."""
+        to that many tokens and verifies them in its own step (vllm_proposer.py; a server's
+        streaming device sessions use it too); 0: a plain engine, where a verify is a request of
+        its own."""
         _vllm()
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -354,6 +363,9 @@ class _FixedDrafts:
         self.n = n
 
     def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None:
+        pass
+
+    def prepare(self, ids: list[int]) -> None:
         pass
 
     def next(self, ids: list[int], most: int, remaining: int) -> list[int]:

@@ -1,0 +1,236 @@
+"""A device's rounds inside the server's engine step: the device drafts, the engine verifies.
+
+On `omnidraft serve --engine vllm` a device may stream a session (`/speculate`): the rest of its
+completion is one engine request, and after every engine step vLLM's proposer
+(targets/vllm_proposer.py) asks this object for the row's next draft. The device hears of the
+committed ids at once (`prepare`, before the step's output travels vLLM's usual way), drafts after
+them and posts its proposal (`offer`); the engine takes the newest proposal that still continues
+the committed text, cut to the server's draft budget, and waits for one at most `wait_s` (a step
+without a draft decodes one token, which a round would cost anyway). Whatever the device sends,
+the engine verifies it: the committed text is the engine's own greedy decoding.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+from .config import HTTPError, ServerConfig
+from .metrics import Metrics
+from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
+from .sessions import Session
+
+__all__ = ["DeviceRounds", "SpeculateRoutes", "speculate"]
+
+
+class DeviceRounds:
+    """One streaming session's side of the engine's speculative step (see the module docstring).
+
+    `start`: the prompt's length; `budget()`: the draft tokens the server takes now (0: none);
+    `observe(proposed, accepted)`: told each settled round's figures (the server's metrics)."""
+
+    def __init__(
+        self,
+        start: int,
+        max_tokens: int,
+        eos_ids: frozenset[int] | set[int],
+        budget: Callable[[], int],
+        wait_s: float,
+        observe: Callable[[int, int], None] = lambda proposed, accepted: None,
+    ) -> None:
+        self.start, self.max_tokens, self.eos_ids = start, max_tokens, frozenset(eos_ids)
+        self.budget, self.wait_s, self.observe = budget, wait_s, observe
+        self.events: queue.Queue = queue.Queue()  # lists of generated ids, as soon as they are known
+        self._cond = threading.Condition()
+        self._proposal: tuple[int, list[int]] | None = None  # (context length it drafts after, ids)
+        self._given: tuple[int, list[int]] | None = None  # the last draft handed to the engine
+        self._published = 0
+        self._misses = 0  # asks in a row the device did not answer in time: stop waiting after two
+        self.waited = 0.0  # seconds the engine spent waiting for this device
+
+    # the engine's side (vLLM's proposer, on the engine's thread)
+    def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None:
+        """Nothing to open: the device holds the drafter."""
+
+    def prepare(self, ids: list[int]) -> None:
+        """Tell the device the committed ids of a step that just ran (before the engine asks
+        `next`, so the device drafts while the other rows are asked)."""
+        generated = ids[self.start : self.start + self.max_tokens]
+        end = next((i + 1 for i, t in enumerate(generated) if t in self.eos_ids), len(generated))
+        if end > self._published:
+            self._published = end
+            self.events.put(list(generated[:end]))
+
+    def next(self, ids: list[int], most: int, remaining: int) -> list[int]:
+        """The device's newest proposal that continues `ids`, at most the budget's length; waits
+        up to `wait_s` for the device to propose after `ids` when it has not yet."""
+        self._settle(ids)
+        most = min(most, self.budget())
+        draft: list[int] = []
+        if most > 0:
+            began = time.monotonic()
+            deadline = began + (self.wait_s if self._misses < 2 else 0.0)
+            with self._cond:
+                while not (draft := self._continuing(ids)) and not self._answered(len(ids)):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._misses += 1
+                        break
+                    self._cond.wait(left)
+            self.waited += time.monotonic() - began
+        self._given = (len(ids), draft[:most])
+        return draft[:most]
+
+    # the device's side
+    def offer(self, at: int, proposal: list[int]) -> None:
+        """The device's proposal, drafted after the first `at` committed ids."""
+        with self._cond:
+            if self._proposal is None or at >= self._proposal[0]:
+                self._proposal = (at, list(proposal))
+            self._misses = 0
+            self._cond.notify_all()
+
+    def _answered(self, n: int) -> bool:
+        return self._proposal is not None and self._proposal[0] >= n
+
+    def _continuing(self, ids: list[int]) -> list[int]:
+        if self._proposal is None:
+            return []
+        at, proposal = self._proposal
+        done = len(ids) - at
+        return proposal[done:] if 0 <= done <= len(proposal) and ids[at:] == proposal[:done] else []
+
+    def _settle(self, ids: list[int]) -> None:
+        if self._given is None:
+            return
+        at, draft = self._given
+        accepted = next((i for i, (a, b) in enumerate(zip(draft, ids[at:])) if a != b), None)
+        self.observe(len(draft), min(len(draft), len(ids) - at) if accepted is None else accepted)
+        self._given = None
+
+
+def speculate(session: Any, rounds: DeviceRounds) -> Iterator[list[int]]:
+    """The generated ids of a streaming session as they become known: each yield is every id so far.
+    vLLM's output (read on a thread of its own) is the record; the ids `rounds` hears from the
+    proposer arrive earlier and must agree with it. Closing the iterator aborts the request."""
+    steps = session.steps(rounds.max_tokens, rounds)
+    final: list[int] = []
+
+    def pump() -> None:
+        try:
+            for tokens in steps:
+                final.extend(tokens)
+                rounds.events.put(list(final))
+            rounds.events.put(None)
+        except BaseException as exc:  # the engine failed: the stream ends with its error
+            rounds.events.put(exc)
+
+    thread = threading.Thread(target=pump, name="omnidraft-speculate", daemon=True)
+    thread.start()
+    sent: list[int] = []
+    finished = False
+    try:
+        while (item := rounds.events.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            if item[: len(sent)] != sent[: len(item)]:
+                raise RuntimeError("the proposer's ids disagree with the engine's output")
+            if len(item) > len(sent):
+                sent = item
+                yield sent
+        if final != sent:
+            raise RuntimeError("the proposer's ids disagree with the engine's output")
+        finished = True
+    finally:
+        if not finished:
+            session.abort()
+        thread.join(timeout=30)
+
+
+class SpeculateRoutes:
+    """`speculate` and `propose`, mixed into `Service` (over the state and checks it provides)."""
+
+    target: Any
+    config: ServerConfig
+    metrics: Metrics
+    costs: dict[int, float] | None
+    sessions: dict[str, Session]
+    table_lock: threading.Lock
+    _session: Callable[..., Session]
+    _check_idle: Callable[[Session], None]
+    _check_context: Callable[[int, str], None]
+    _check_ids: Callable[[Any, str], None]
+    _reserve: Callable[[int, int], None]
+    _budget_at: Callable[..., int | None]
+
+    def speculate(self, sid: str, request: SpeculateRequest, key: int = 0) -> Iterator[bytes]:
+        """Checks `request` now (a stale one is refused with its status), then returns the NDJSON
+        stream of the session's continuation, decoded in the engine's loop while the engine
+        verifies the proposals the device posts to `propose`."""
+        if not getattr(self.target, "drafts_in_engine", False):
+            raise HTTPError(
+                409,
+                "this server's engine verifies one request per round: use /verify "
+                "(streaming speculation needs `omnidraft serve --engine vllm`)",
+            )
+        session = self._session(sid, key)
+        with session.lock:
+            self._check_idle(session)
+            start = len(session.inner.ids)
+            if request.committed != start:
+                raise HTTPError(
+                    409,
+                    f"stale request: it builds on {request.committed} committed tokens, "
+                    f"the session has {start}",
+                )
+            self._check_context(start + request.max_tokens, "the session")
+            with self.table_lock:
+                self._reserve(request.max_tokens, session.key)
+            step = (self.costs or {}).get(1, 0.0)
+            wait = min(self.config.proposal_wait_s, step / 4) if step else self.config.proposal_wait_s
+            rounds = DeviceRounds(
+                start, request.max_tokens, self.target.eos_ids, self._engine_budget, wait, self._observe
+            )
+            session.streaming, session.rounds, session.verified = True, rounds, True
+        return self._speculating(session, rounds, start)
+
+    def propose(self, sid: str, request: ProposalRequest, key: int = 0) -> ProposalReply:
+        """A streaming session's newest proposal (the engine takes it at its next step if it still
+        continues the committed text)."""
+        session = self._session(sid, key)
+        rounds = session.rounds
+        if rounds is None:
+            raise HTTPError(409, "the session is not streaming a speculate reply: open one first")
+        self._check_ids(request.proposal, "proposal")
+        rounds.offer(request.at, list(request.proposal))
+        return ProposalReply(budget=self._engine_budget())
+
+    def _speculating(self, session: Session, rounds: DeviceRounds, start: int) -> Iterator[bytes]:
+        sent, done = 0, False
+        try:
+            for ids in speculate(session.inner, rounds):
+                session.used = time.monotonic()
+                done = len(ids) >= rounds.max_tokens or ids[-1] in rounds.eos_ids
+                chunk = GenerateChunk(
+                    tokens=ids[sent:], committed=start + len(ids), done=done, budget=self._engine_budget()
+                )
+                sent = len(ids)
+                yield chunk.model_dump_json().encode() + b"\n"
+            if not done:
+                last = GenerateChunk(tokens=[], committed=start + sent, done=True)
+                yield last.model_dump_json().encode() + b"\n"
+        finally:
+            session.streaming, session.rounds = False, None
+
+    def _engine_budget(self) -> int:
+        """The draft tokens a streaming session's proposal may have now (the engine verifies them
+        in its own step: no context tail is recomputed)."""
+        budget = self._budget_at(0)
+        return MAX_PROPOSAL if budget is None else budget
+
+    def _observe(self, proposed: int, accepted: int) -> None:
+        self.metrics.rounds += 1
+        self.metrics.proposed += proposed
+        self.metrics.accepted += accepted

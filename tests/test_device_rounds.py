@@ -1,0 +1,101 @@
+"""DeviceRounds, the server's side of a streaming device session, without an engine: what the
+device is told, which of its proposals the engine takes, how long the engine waits for one, and
+the stream's check that the ids told early agree with the engine's output."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from omnidraft.remote.device_rounds import DeviceRounds, speculate
+
+PROMPT = [1, 2, 3]
+
+
+def rounds(budget: int = 4, wait: float = 0.0, max_tokens: int = 6, seen: list | None = None) -> DeviceRounds:
+    return DeviceRounds(
+        len(PROMPT),
+        max_tokens,
+        {0},
+        lambda: budget,
+        wait,
+        (lambda p, a: seen.append((p, a))) if seen is not None else (lambda p, a: None),
+    )
+
+
+def test_the_device_hears_the_generated_ids_cut_after_an_eos_and_at_max_tokens():
+    r = rounds(max_tokens=4)
+    r.prepare(PROMPT + [7])
+    r.prepare(PROMPT + [7])  # nothing new: nothing told
+    r.prepare(PROMPT + [7, 8, 0, 9])  # an EOS: what follows it in the row is not the output
+    told = [r.events.get_nowait() for _ in range(r.events.qsize())]
+    assert told == [[7], [7, 8, 0]]
+    r = rounds(max_tokens=2)
+    r.prepare(PROMPT + [7, 8, 9])
+    assert r.events.get_nowait() == [7, 8]
+
+
+def test_the_engine_takes_the_newest_proposal_that_continues_the_committed_ids():
+    seen: list = []
+    r = rounds(budget=2, seen=seen)
+    r.offer(3, [7, 8, 9])
+    assert r.next(PROMPT, 8, 6) == [7, 8]  # cut to the budget
+    assert r.next(PROMPT + [7], 8, 5) == [8, 9]  # the same proposal's tail, one token on
+    assert seen == [(2, 1)]  # the first draft: [7] of [7, 8] was committed before the next ask
+    assert r.next(PROMPT + [7, 5], 8, 4) == []  # the engine chose 5: the proposal no longer continues
+    r.offer(2, [4])  # older than the one held: ignored
+    r.offer(5, [6, 6])
+    assert r.next(PROMPT + [7, 5], 8, 4) == [6, 6]
+
+
+def test_no_draft_when_the_budget_is_zero_and_no_wait_for_a_device_that_does_not_answer():
+    r = rounds(budget=0, wait=5.0)
+    r.offer(3, [7, 8])
+    assert r.next(PROMPT, 8, 6) == []
+    r = rounds(wait=0.05)
+    began = time.monotonic()
+    assert r.next(PROMPT, 8, 6) == [] and r.next(PROMPT + [7], 8, 5) == []  # two misses
+    assert r.next(PROMPT + [7, 8], 8, 4) == []  # not waited for after two misses
+    assert 0.09 < time.monotonic() - began < 0.5 and r.waited >= 0.09
+
+
+def test_the_engine_waits_for_the_devices_proposal_after_the_ids_it_was_told():
+    r = rounds(wait=5.0)
+    threading.Timer(0.05, r.offer, (4, [8, 9])).start()
+    began = time.monotonic()
+    assert r.next(PROMPT + [7], 8, 5) == [8, 9]
+    assert time.monotonic() - began < 2.0
+    threading.Timer(0.05, r.offer, (6, [])).start()  # the device declines: the wait ends at once
+    began = time.monotonic()
+    assert r.next(PROMPT + [7, 8, 9], 8, 3) == []
+    assert time.monotonic() - began < 2.0
+
+
+class Session:
+    """A session whose `steps` yield the given lists, telling `rounds` the ids first (as vLLM's
+    proposer does) or, where `early` says, other ids."""
+
+    def __init__(self, outputs: list[list[int]], early: list[list[int]] | None = None) -> None:
+        self.outputs, self.early, self.aborted = outputs, early, False
+
+    def steps(self, max_tokens: int, rounds: DeviceRounds):
+        generated: list[int] = []
+        for i, tokens in enumerate(self.outputs):
+            rounds.prepare(PROMPT + (self.early[i] if self.early else generated + tokens))
+            generated += tokens
+            yield tokens
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_the_stream_yields_each_step_once_and_refuses_ids_the_engine_did_not_output():
+    session = Session([[7], [8, 9], [0]])
+    assert list(speculate(session, rounds())) == [[7], [7, 8, 9], [7, 8, 9, 0]]
+    assert not session.aborted
+    bad = Session([[7], [8]], early=[[7], [7, 5]])
+    with pytest.raises(RuntimeError, match="disagree"):
+        list(speculate(bad, rounds()))
+    assert bad.aborted  # the request is stopped, not left running
