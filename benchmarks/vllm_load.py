@@ -181,7 +181,16 @@ def _serve(
         references = list(pool.map(lambda i: target.generate(i, tokens), ids))
     report: dict[str, Any] = {"references": references, "runs": {}}
     if speculating:
-        report["verify_costs_ms"] = {n: round(1e3 * s, 1) for n, s in target.verify_costs().items()}
+        from omnidraft.remote.budget import draft_budget, row_cost
+
+        costs = target.verify_costs()
+        rows, seconds = target.batch_cost()
+        row = row_cost(costs, rows, seconds)
+        report["verify_costs_ms"] = {n: round(1e3 * s, 1) for n, s in costs.items()}
+        report["batch_step_ms"] = {rows: round(1e3 * seconds, 1), "row_cost": round(1e3 * row, 2)}
+        report["budgets"] = {  # the draft budget at each load, for two acceptance rates
+            n: {a: draft_budget(costs, a, n, 63, row=row) for a in (0.5, 0.7, 0.9)} for n in sessions
+        }
         logs = record(target, od.Drafter.load(extra["drafter"]), extra["prompts"], tokens)
     url, stop = serve_in_thread(create_app(target, ServerConfig(max_sessions=256)))
     try:
@@ -232,6 +241,8 @@ def main() -> None:
         "target": args.target,
         "dtype": args.dtype,
         "verify_costs_ms": rows["omnidraft"]["verify_costs_ms"],
+        "batch_step_ms": rows["omnidraft"]["batch_step_ms"],
+        "budgets": rows["omnidraft"]["budgets"],
         "references_agree": rows["omnidraft"]["references"] == references,
         "runs": {},
     }

@@ -49,6 +49,7 @@ class DeviceRounds:
         self._published = 0
         self._misses = 0  # asks in a row the device did not answer in time: stop waiting after two
         self.waited = 0.0  # seconds the engine spent waiting for this device
+        self._told: float | None = None  # when the ids of the step that just ran were told
 
     # the engine's side (vLLM's proposer, on the engine's thread)
     def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None:
@@ -57,6 +58,7 @@ class DeviceRounds:
     def prepare(self, ids: list[int]) -> None:
         """Tell the device the committed ids of a step that just ran (before the engine asks
         `next`, so the device drafts while the other rows are asked)."""
+        self._told = time.monotonic()  # every row is told at once: their waits end together
         generated = ids[self.start : self.start + self.max_tokens]
         end = next((i + 1 for i, t in enumerate(generated) if t in self.eos_ids), len(generated))
         if end > self._published:
@@ -71,7 +73,8 @@ class DeviceRounds:
         draft: list[int] = []
         if most > 0:
             began = time.monotonic()
-            deadline = began + (self.wait_s if self._misses < 2 else 0.0)
+            told = self._told if self._told is not None else began
+            deadline = told + (self.wait_s if self._misses < 2 else 0.0)
             with self._cond:
                 while not (draft := self._continuing(ids)) and not self._answered(len(ids)):
                     left = deadline - time.monotonic()

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -66,6 +67,7 @@ class EngineLoop:
             0,
             0.0,
         )  # engine steps taken and seconds spent in them (what a benchmark reads)
+        self.durations: deque[float] = deque(maxlen=256)  # the latest steps' seconds
         self._seen: dict[str, float] = {}  # tag -> when its last request finished
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -149,6 +151,7 @@ class EngineLoop:
             outputs = self.engine.step()
             self.steps += 1
             self.busy += time.perf_counter() - started
+            self.durations.append(time.perf_counter() - started)
         except Exception as exc:  # the engine itself failed: every waiting caller hears of it
             log.exception("vLLM engine step failed")
             self._fail_all(exc)
