@@ -160,7 +160,7 @@ def run(url: str, target: Any, clients: list[tuple], fn: Any) -> dict[str, Any]:
 
 
 def _serve(
-    row: str,
+    name: str,
     target_spec: str,
     dtype: str,
     ids: list[list[int]],
@@ -175,21 +175,18 @@ def _serve(
     from omnidraft.bench.remote import serve_in_thread
     from omnidraft.remote.server import ServerConfig, create_app
 
-    speculating = row == "omnidraft"
+    speculating = name == "omnidraft"
     target = od.VLLMTarget.load(target_spec, dtype=dtype, draft_tokens=8 if speculating else 0)
     with ThreadPoolExecutor(len(ids)) as pool:  # concurrent: the engine batches them
         references = list(pool.map(lambda i: target.generate(i, tokens), ids))
     report: dict[str, Any] = {"references": references, "runs": {}}
     if speculating:
-        from omnidraft.remote.budget import draft_budget, row_cost
+        from omnidraft.remote.budget import draft_budget
 
-        costs = target.verify_costs()
-        rows, seconds = target.batch_cost()
-        row = row_cost(costs, rows, seconds)
-        report["verify_costs_ms"] = {n: round(1e3 * s, 1) for n, s in costs.items()}
-        report["batch_step_ms"] = {rows: round(1e3 * seconds, 1), "row_cost": round(1e3 * row, 2)}
-        report["budgets"] = {  # the draft budget at each load, for two acceptance rates
-            n: {a: draft_budget(costs, a, n, 63, row=row) for a in (0.5, 0.7, 0.9)} for n in sessions
+        costs = {**target.verify_costs(), **target.batch_costs()}
+        report["step_costs_ms"] = {n: round(1e3 * s, 1) for n, s in costs.items()}
+        report["budgets"] = {  # the draft budget at each load, for three acceptance rates
+            n: {a: draft_budget(costs, a, n, 63) for a in (0.5, 0.7, 0.9)} for n in sessions
         }
         logs = record(target, od.Drafter.load(extra["drafter"]), extra["prompts"], tokens)
     url, stop = serve_in_thread(create_app(target, ServerConfig(max_sessions=256)))
@@ -201,7 +198,7 @@ def _serve(
                 report["runs"][n] = run(url, target, clients, replay_client)
             else:
                 report["runs"][n] = run(url, target, [(ids[i], tokens) for i in range(n)], alone_client)
-            print(row, n, {k: v for k, v in report["runs"][n].items() if k != "outputs"}, flush=True)
+            print(name, n, {k: v for k, v in report["runs"][n].items() if k != "outputs"}, flush=True)
     finally:
         stop()
         target.close()
@@ -240,8 +237,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "target": args.target,
         "dtype": args.dtype,
-        "verify_costs_ms": rows["omnidraft"]["verify_costs_ms"],
-        "batch_step_ms": rows["omnidraft"]["batch_step_ms"],
+        "step_costs_ms": rows["omnidraft"]["step_costs_ms"],
         "budgets": rows["omnidraft"]["budgets"],
         "references_agree": rows["omnidraft"]["references"] == references,
         "runs": {},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omnidraft.remote.budget import draft_budget, step_cost
+from omnidraft.remote.budget import draft_budget, step_seconds
 
 MEMORY_BOUND = {1: 0.020, 2: 0.0201, 4: 0.0202, 8: 0.0205}  # a GPU step: tokens are nearly free
 COMPUTE_BOUND = {1: 0.111, 2: 0.171, 4: 0.171, 8: 0.169}  # this CPU's 0.5B on vLLM (docs/vllm.md)
@@ -28,8 +28,20 @@ def test_the_recomputed_tail_can_make_drafting_lose_to_decoding_alone():
     )
 
 
+def test_a_batch_that_turns_compute_bound_takes_short_drafts_or_none():
+    """In-engine verification (no tail): one sequence's drafted tokens are nearly free, but steps
+    over many rows pay for every token (this CPU's 0.5B on vLLM): the budget reads both."""
+    one = {1: 0.139, 4: 0.146, 8: 0.16}  # one sequence, drafts verified in the step
+    batched = {**one, 16: 0.24, 64: 0.62, 128: 1.0}  # 16 rows of 1, 4 and 8 tokens
+    assert draft_budget(one, 0.5, 1, 16) == draft_budget(batched, 0.5, 1, 16) > 0  # one session: draft
+    assert draft_budget(one, 0.5, 16, 16) > 0  # one sequence's costs alone would draft under load
+    assert draft_budget(batched, 0.5, 16, 16) == 0  # the batch's say no
+    assert step_seconds(batched, 32) == pytest.approx(0.24 + 0.38 / 3)
+    assert step_seconds(batched, 256) == pytest.approx(1.0 + (1.0 - 0.139) / 127 * 128)  # the steeper line
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="sessions >= 1"):
         draft_budget(MEMORY_BOUND, 0.5, 0, 4)
     with pytest.raises(ValueError, match="positive cost for one token"):
-        step_cost({2: 0.1})
+        step_seconds({2: 0.1}, 4)

@@ -20,7 +20,7 @@ def rounds(budget: int = 4, wait: float = 0.0, max_tokens: int = 6, seen: list |
         max_tokens,
         {0},
         lambda: budget,
-        wait,
+        lambda: wait,
         (lambda p, a: seen.append((p, a))) if seen is not None else (lambda p, a: None),
     )
 

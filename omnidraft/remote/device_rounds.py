@@ -5,7 +5,7 @@ completion is one engine request, and after every engine step vLLM's proposer
 (targets/vllm_proposer.py) asks this object for the row's next draft. The device hears of the
 committed ids at once (`prepare`, before the step's output travels vLLM's usual way), drafts after
 them and posts its proposal (`offer`); the engine takes the newest proposal that still continues
-the committed text, cut to the server's draft budget, and waits for one at most `wait_s` (a step
+the committed text, cut to the server's draft budget, and waits for one at most `wait_s()` (a step
 without a draft decodes one token, which a round would cost anyway). Whatever the device sends,
 the engine verifies it: the committed text is the engine's own greedy decoding.
 """
@@ -37,7 +37,7 @@ class DeviceRounds:
         max_tokens: int,
         eos_ids: frozenset[int] | set[int],
         budget: Callable[[], int],
-        wait_s: float,
+        wait_s: Callable[[], float],
         observe: Callable[[int, int], None] = lambda proposed, accepted: None,
     ) -> None:
         self.start, self.max_tokens, self.eos_ids = start, max_tokens, frozenset(eos_ids)
@@ -67,14 +67,14 @@ class DeviceRounds:
 
     def next(self, ids: list[int], most: int, remaining: int) -> list[int]:
         """The device's newest proposal that continues `ids`, at most the budget's length; waits
-        up to `wait_s` for the device to propose after `ids` when it has not yet."""
+        up to `wait_s()` for the device to propose after `ids` when it has not yet."""
         self._settle(ids)
         most = min(most, self.budget())
         draft: list[int] = []
         if most > 0:
             began = time.monotonic()
             told = self._told if self._told is not None else began
-            deadline = told + (self.wait_s if self._misses < 2 else 0.0)
+            deadline = told + (self.wait_s() if self._misses < 2 else 0.0)
             with self._cond:
                 while not (draft := self._continuing(ids)) and not self._answered(len(ids)):
                     left = deadline - time.monotonic()
@@ -167,6 +167,7 @@ class SpeculateRoutes:
     _check_ids: Callable[[Any, str], None]
     _reserve: Callable[[int, int], None]
     _budget_at: Callable[..., int | None]
+    _active: int  # sessions the last draft budget served
 
     def speculate(self, sid: str, request: SpeculateRequest, key: int = 0) -> Iterator[bytes]:
         """Checks `request` now (a stale one is refused with its status), then returns the NDJSON
@@ -191,11 +192,8 @@ class SpeculateRoutes:
             self._check_context(start + request.max_tokens, "the session")
             with self.table_lock:
                 self._reserve(request.max_tokens, session.key)
-            step = (self.costs or {}).get(1, 0.0)
-            wait = min(self.config.proposal_wait_s, step / 4) if step else self.config.proposal_wait_s
-            rounds = DeviceRounds(
-                start, request.max_tokens, self.target.eos_ids, self._engine_budget, wait, self._observe
-            )
+            eos = self.target.eos_ids
+            rounds = DeviceRounds(start, request.max_tokens, eos, self._engine_budget, self._wait_s, self._observe)
             session.streaming, session.rounds, session.verified = True, rounds, True
         return self._speculating(session, rounds, start)
 
@@ -232,6 +230,13 @@ class SpeculateRoutes:
         in its own step: no context tail is recomputed)."""
         budget = self._budget_at(0)
         return MAX_PROPOSAL if budget is None else budget
+
+    def _wait_s(self) -> float:
+        """How long a step waits for a streaming device's proposal: `proposal_wait_s`, at most a
+        quarter of a step, shared by the active sessions (the whole batch waits)."""
+        step = (self.costs or {}).get(1, 0.0)
+        wait = min(self.config.proposal_wait_s, step / 4) if step else self.config.proposal_wait_s
+        return wait / max(1, self._active)
 
     def _observe(self, proposed: int, accepted: int) -> None:
         self.metrics.rounds += 1

@@ -22,7 +22,7 @@ import torch
 
 from ..rounds import TokenLogprob, token_logprobs
 from ..target import Rule
-from .budget import draft_budget, row_cost
+from .budget import draft_budget
 from .config import HTTPError, ServerConfig
 from .device_rounds import SpeculateRoutes
 from .metrics import Metrics
@@ -67,11 +67,13 @@ class Service(TextRoutes, SpeculateRoutes):
             int, int
         ] = {}  # per key: tokens of completions and /v1/generate being served (KV budget)
         costs = getattr(target, "verify_costs", None) if self.batches else None
-        self.costs: dict[int, float] | None = costs() if costs is not None else None
+        batch = getattr(target, "batch_costs", None) if costs is not None else None
+        # step costs by tokens (remote/budget.py): one sequence's verifies, then steps over many rows
+        self.costs: dict[int, float] | None = (
+            None if costs is None else {**costs(), **(batch() if batch is not None else {})}
+        )
         self._budgets: dict[int, tuple[float, int]] = {}  # tail -> (when, budget)
-        batch = getattr(target, "batch_cost", None) if self.costs is not None else None
-        # what each further row adds to an engine step (remote/budget.py), measured on a batch
-        self.row_cost = 0.0 if self.costs is None or batch is None else row_cost(self.costs, *batch())
+        self._active = 1  # sessions the last budget served
         model = getattr(target, "model", None)  # None: unbounded
         self.context: int | None = getattr(target, "context_length", None) or getattr(
             getattr(model, "config", None), "max_position_embeddings", None
@@ -319,11 +321,10 @@ class Service(TextRoutes, SpeculateRoutes):
             return cached[1]
         with self.table_lock:
             active = sum(1 for v in self.sessions.values() if now - v.used < ACTIVE_S)
+        self._active = active
         m = self.metrics
         acceptance = m.accepted / m.proposed if m.proposed >= 64 else 0.8
-        budget = draft_budget(
-            self.costs, acceptance, max(1, active), MAX_PROPOSAL - 1, tail=tail, row=self.row_cost
-        )
+        budget = draft_budget(self.costs, acceptance, max(1, active), MAX_PROPOSAL - 1, tail=tail)
         self._budgets[tail] = (now, budget)
         return budget
 

@@ -38,7 +38,7 @@ from .vllm_proposer import EngineProposer, built_count, built_since, proposer_co
 __all__ = ["VLLMTarget", "tail_rows"]
 
 COST_CONTEXT = 200  # tokens of context before the tokens whose verify costs are measured
-BATCH_ROWS = 16  # sequences in the step whose cost tells what a row adds (batch_cost)
+BATCH_ROWS = 16  # sequences in the steps whose costs `batch_costs` measures
 DEFAULT_MAX_LOGPROBS = 64  # top log-probabilities a request may ask for (distillation's top-k included)
 
 
@@ -204,7 +204,7 @@ class VLLMTarget:
         self.key = key or name  # what the measured verify costs are remembered under
         self.loop = EngineLoop(engine)
         self._costs: dict[int, float] | None = None
-        self._batch: tuple[int, float] | None = None
+        self._batch: dict[int, float] | None = None
 
     @property
     def drafts_in_engine(self) -> bool:
@@ -347,29 +347,37 @@ class VLLMTarget:
             costs[str(n)] = gaps[len(gaps) // 2]
         return costs
 
-    def batch_cost(self) -> tuple[int, float]:
-        """(rows, seconds): an engine step decoding one token for each of BATCH_ROWS sequences,
-        measured on this machine once and remembered (measured.py): with `verify_costs`, what a
-        server's draft budget reads to tell what one more row costs a step."""
+    def batch_costs(self) -> dict[int, float]:
+        """Seconds of an engine step over BATCH_ROWS sequences verifying d drafted tokens each
+        (d = 0, 3, 7 on an engine with omnidraft's proposer; 0 on a plain one), by the tokens the
+        step holds, measured on this machine once and remembered (measured.py): with
+        `verify_costs`, the step costs a server's draft budget reads (remote/budget.py)."""
         if self._batch is None:
             from ..measured import remembered
 
-            value = remembered("vllm-batch-costs", self.key, self._time_batch)
-            self._batch = (int(value["rows"]), float(value["seconds"]))
-        return self._batch
+            value = remembered("vllm-batch-costs", f"{self.key}|{self.drafts_in_engine}", self._time_batches)
+            self._batch = {int(n): float(s) for n, s in value.items()}
+        return dict(self._batch)
 
-    def _time_batch(self, rows: int = BATCH_ROWS, steps: int = 12) -> dict[str, float]:
-        """The median step of `rows` concurrent greedy requests (their prefill steps are the few
-        slow ones the median leaves out)."""
+    def _time_batches(self, rows: int = BATCH_ROWS, steps: int = 10) -> dict[str, float]:
+        """Per draft length, the median step of `rows` concurrent requests (their prefill steps are
+        the few slow ones the median leaves out)."""
         from concurrent.futures import ThreadPoolExecutor
 
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, self.vocab, (COST_CONTEXT,), generator=gen).tolist() for _ in range(rows)]
-        before = self.loop.steps
-        with ThreadPoolExecutor(rows) as pool:
-            list(pool.map(lambda ids: list(self.begin(ids).steps(steps, eos=False)), prompts))
-        taken = sorted(list(self.loop.durations)[-(self.loop.steps - before) :])
-        return {"rows": rows, "seconds": taken[len(taken) // 2]}
+        costs = {}
+        for d in (0, 3, 7) if self.proposer is not None else (0,):
+            before = self.loop.steps
+
+            def run(ids: list[int], d: int = d) -> list:
+                return list(self.begin(ids).steps(steps, _FixedDrafts(d) if d else None, eos=False))
+
+            with ThreadPoolExecutor(rows) as pool:
+                list(pool.map(run, prompts))
+            taken = sorted(list(self.loop.durations)[-(self.loop.steps - before) :])
+            costs[str(rows * (d + 1))] = taken[len(taken) // 2]
+        return costs
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """vLLM's own greedy decoding of `prompt_ids` (the reference a verify must reproduce)."""
