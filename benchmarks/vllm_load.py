@@ -6,11 +6,11 @@ same engine args; each engine in a process of its own, one after the other (docs
 
 1. Record: the default drafter drafts for the target (objective "compute": every round drafts)
    on each prompt; every proposal is kept with the context length it was made at.
-2. Replay: N client threads, one prompt each, over HTTP on loopback. Each streams its session
-   (`/speculate`: the rest of the completion is one engine request) and, whenever committed
-   tokens arrive, posts the recorded proposal made at that context length (or the tail of the
-   latest one still on the committed text), cut to the server's draft budget (`/proposal`); the
-   engine verifies it in its own step, as a device following the budget would have it.
+2. Replay: N client threads in a process of their own, one prompt each, over HTTP on loopback.
+   Each streams its session (`/speculate`: the rest of the completion is one engine request)
+   and, whenever committed tokens arrive, posts the recorded proposal made at that context length
+   (or the tail of the latest one still on the committed text), cut to the server's draft budget
+   (`/proposal`; nothing while the budget is 0); the engine verifies it in its own step.
 3. vLLM alone: the same N prompts as N concurrent streamed `/v1/generate` requests on a server
    whose engine has no proposer.
 Every committed token is checked against vLLM's own greedy output.
@@ -83,6 +83,8 @@ def replay_client(http: Any, ids: list[int], log: dict, reference: list[int], to
     budget = tokens
 
     def offer() -> None:
+        if budget == 0:  # the server takes no draft now: nothing to send (as RemoteTarget does)
+            return
         most = min(budget, tokens - len(committed) - 1)
         proposal = proposal_at(log, len(ids), committed, reference)[:most]
         at = len(ids) + len(committed)
@@ -129,22 +131,33 @@ def alone_client(http: Any, ids: list[int], tokens: int, out: dict) -> None:
     out.update(tokens=committed, seconds=time.perf_counter() - started, per_token=times)
 
 
-def run(url: str, target: Any, clients: list[tuple], fn: Any) -> dict[str, Any]:
+def drive(url: str, clients: list[tuple], fn: Any) -> tuple[list[dict], float]:
+    """In a process of its own (devices are not the server): one thread per client; (their
+    outputs, the wall time from the first start to the last end)."""
     import httpx
 
-    loop = target.loop
     outs: list[dict] = [{} for _ in clients]
     https = [httpx.Client(base_url=url, timeout=600) for _ in clients]
-    steps, busy = loop.steps, loop.busy
-    started = time.perf_counter()
     threads = [
         threading.Thread(target=fn, args=(h, *args, out)) for h, args, out in zip(https, clients, outs)
     ]
+    started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - started
+    return outs, time.perf_counter() - started
+
+
+def run(url: str, target: Any, clients: list[tuple], fn: Any) -> dict[str, Any]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    loop = target.loop
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(time.sleep, 0).result()  # the client process is up before the engine is watched
+        steps, busy = loop.steps, loop.busy
+        outs, wall = pool.submit(drive, url, clients, fn).result()
     total = sum(len(o["tokens"]) for o in outs)
     per_token = sorted(x for o in outs for x in o["per_token"])
     return {

@@ -247,7 +247,9 @@ class _RemoteSession:
         def offer() -> None:
             remaining = max_tokens - (len(self.ids) - start)
             most = min(budget, remaining - 1)
-            proposal = rounds.next(list(self.ids), most, remaining) if most > 0 else []
+            if most <= 0:  # the server takes no draft now: nothing to draft or send
+                return
+            proposal = rounds.next(list(self.ids), most, remaining)
             message = ProposalRequest(at=len(self.ids), proposal=proposal)
             try:
                 self.owner._call("POST", f"/v1/sessions/{sid}/proposal", message)

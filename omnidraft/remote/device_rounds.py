@@ -192,8 +192,8 @@ class SpeculateRoutes:
             self._check_context(start + request.max_tokens, "the session")
             with self.table_lock:
                 self._reserve(request.max_tokens, session.key)
-            eos = self.target.eos_ids
-            rounds = DeviceRounds(start, request.max_tokens, eos, self._engine_budget, self._wait_s, self._observe)
+            most, eos = request.max_tokens, self.target.eos_ids
+            rounds = DeviceRounds(start, most, eos, self._engine_budget, self._wait_s, self._observe)
             session.streaming, session.rounds, session.verified = True, rounds, True
         return self._speculating(session, rounds, start)
 
