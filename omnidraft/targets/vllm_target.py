@@ -22,8 +22,8 @@ closing a session frees nothing more. How this compares with vLLM alone: docs/vl
 from __future__ import annotations
 
 import os
-import time
 import uuid
+from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -32,13 +32,12 @@ from ..target import Rule, judge
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
+from .vllm_costs import time_batches, time_verifies
 from .vllm_engine import EngineLoop
 from .vllm_proposer import EngineProposer, built_count, built_since, proposer_config
 
 __all__ = ["VLLMTarget", "tail_rows"]
 
-COST_CONTEXT = 200  # tokens of context before the tokens whose verify costs are measured
-BATCH_ROWS = 16  # sequences in the steps whose costs `batch_costs` measures
 DEFAULT_MAX_LOGPROBS = 64  # top log-probabilities a request may ask for (distillation's top-k included)
 
 
@@ -308,44 +307,9 @@ class VLLMTarget:
         if self._costs is None:
             from ..measured import remembered
 
-            costs = remembered("vllm-verify-costs", self.key, self._time_verifies)
+            costs = remembered("vllm-verify-costs", self.key, partial(time_verifies, self))
             self._costs = {int(n): float(s) for n, s in costs.items()}
         return dict(self._costs)
-
-    def _time_verifies(self, most: int = 8, reps: int = 5) -> dict[str, float]:
-        if self.proposer is not None:
-            return self._time_engine_verifies(min(most, self.proposer.k + 1), reps)
-        ids = [
-            int(i)
-            for i in torch.randint(
-                0, self.vocab, (COST_CONTEXT + most,), generator=torch.Generator().manual_seed(0)
-            )
-        ]
-        salt = uuid.uuid4().hex
-        self.request(ids[:COST_CONTEXT], salt, max_tokens=1)
-        times: dict[int, list[float]] = {n: [] for n in range(1, most + 1)}
-        for _ in range(reps):
-            for n in times:
-                started = time.perf_counter()
-                self.request(
-                    ids[: COST_CONTEXT + n - 1], salt, max_tokens=1, logprobs=1, prompt_logprobs=n > 1
-                )
-                times[n].append(time.perf_counter() - started)
-        return {str(n): sorted(t)[len(t) // 2] for n, t in times.items()}
-
-    def _time_engine_verifies(self, most: int, reps: int) -> dict[str, float]:
-        """Seconds per engine step that verifies n - 1 drafted tokens and samples one (n = 1: a
-        plain decode step), after COST_CONTEXT tokens: the median gap between the step's outputs."""
-        gen = torch.Generator().manual_seed(0)
-        ids = [int(i) for i in torch.randint(0, self.vocab, (COST_CONTEXT,), generator=gen)]
-        costs = {}
-        for n in range(1, most + 1):
-            stamps = [
-                time.perf_counter() for _ in self.begin(ids).steps(reps + 2, _FixedDrafts(n - 1), eos=False)
-            ]
-            gaps = sorted(b - a for a, b in zip(stamps[1:], stamps[2:]))  # after the prefill's
-            costs[str(n)] = gaps[len(gaps) // 2]
-        return costs
 
     def batch_costs(self) -> dict[int, float]:
         """Seconds of an engine step over BATCH_ROWS sequences verifying d drafted tokens each
@@ -355,29 +319,10 @@ class VLLMTarget:
         if self._batch is None:
             from ..measured import remembered
 
-            value = remembered("vllm-batch-costs", f"{self.key}|{self.drafts_in_engine}", self._time_batches)
+            key = f"{self.key}|{self.drafts_in_engine}"
+            value = remembered("vllm-batch-costs", key, partial(time_batches, self))
             self._batch = {int(n): float(s) for n, s in value.items()}
         return dict(self._batch)
-
-    def _time_batches(self, rows: int = BATCH_ROWS, steps: int = 10) -> dict[str, float]:
-        """Per draft length, the median step of `rows` concurrent requests (their prefill steps are
-        the few slow ones the median leaves out)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        gen = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(0, self.vocab, (COST_CONTEXT,), generator=gen).tolist() for _ in range(rows)]
-        costs = {}
-        for d in (0, 3, 7) if self.proposer is not None else (0,):
-            before = self.loop.steps
-
-            def run(ids: list[int], d: int = d) -> list:
-                return list(self.begin(ids).steps(steps, _FixedDrafts(d) if d else None, eos=False))
-
-            with ThreadPoolExecutor(rows) as pool:
-                list(pool.map(run, prompts))
-            taken = sorted(list(self.loop.durations)[-(self.loop.steps - before) :])
-            costs[str(rows * (d + 1))] = taken[len(taken) // 2]
-        return costs
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """vLLM's own greedy decoding of `prompt_ids` (the reference a verify must reproduce)."""
@@ -388,22 +333,6 @@ class VLLMTarget:
 
     def __repr__(self) -> str:
         return f"VLLMTarget({self.name!r}, vocab {self.vocab})"
-
-
-class _FixedDrafts:
-    """Rounds that propose `n` copies of the last id every step (what timing a verify needs)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None:
-        pass
-
-    def prepare(self, ids: list[int]) -> None:
-        pass
-
-    def next(self, ids: list[int], most: int, remaining: int) -> list[int]:
-        return [ids[-1]] * min(self.n, most)
 
 
 def _top(dicts: list[dict[int, Any]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
