@@ -7,6 +7,8 @@ DEMO_ARGS ?=
 LLAMA_CPP := 0.3.36
 LLAMA_TAG := omnidraft.2
 WHEELS ?= $(HOME)/.cache/omnidraft/wheels
+OPTIMUM_VENV ?= .venv-optimum
+OPTIMUM_STAMP := $(OPTIMUM_VENV)/.omnidraft-installed
 
 .PHONY: demo test test-fast lint bench install clean
 SOURCES := omnidraft benchmarks tests tools
@@ -32,10 +34,19 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 install: $(STAMP)
 
+# optimum-onnx pins transformers < 4.58 and this package runs 5.x: `omnidraft export --exporter
+# optimum` runs its exporter in a venv of its own (docs/onnx.md); the tests find it here.
+$(OPTIMUM_STAMP): Makefile constraints.txt
+	test -x $(OPTIMUM_VENV)/bin/python || $(PYTHON) -m venv $(OPTIMUM_VENV)
+	$(OPTIMUM_VENV)/bin/python -m pip install -q -c constraints.txt torch
+	$(OPTIMUM_VENV)/bin/python -m pip install -q -c constraints.txt 'optimum-onnx==0.1.0' \
+	  'transformers>=4.53,<4.58' onnx onnxruntime
+	touch $(OPTIMUM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/omnidraft demo $(DEMO_ARGS)
 
-test: lint
+test: lint $(OPTIMUM_STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)

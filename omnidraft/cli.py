@@ -97,7 +97,9 @@ def _export(args: argparse.Namespace) -> None:
         quantize=args.quantize,
         keep_ids=keep,
         parity_prompts=prompts or None,
-        head=args.head,
+        head=args.head or ("outside" if args.exporter == "optimum" else "inside"),
+        exporter=args.exporter,
+        optimum_python=args.optimum_python,
     )
     shown = {k: v for k, v in sidecar.items() if k != "keep_ids"}
     shown["kept_tokens"] = len(sidecar["keep_ids"]) if sidecar["keep_ids"] else None

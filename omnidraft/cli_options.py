@@ -180,9 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--head",
         choices=["inside", "outside", "gather"],
-        default="inside",
+        default=None,
         help="outside: the graph ends at the hidden state and the LM head is saved beside it; gather: "
-        "the graph evaluates the head rows a shortlist names (OrtDrafter.use_shortlist)",
+        "the graph evaluates the head rows a shortlist names (OrtDrafter.use_shortlist); default: "
+        "inside (outside with --exporter optimum, its only choice)",
+    )
+    e.add_argument(
+        "--exporter",
+        choices=["omnidraft", "optimum"],
+        default="omnidraft",
+        help="omnidraft: our graph (Llama, Gemma 3); optimum: any architecture optimum-onnx exports, run "
+        "in its own Python (--optimum-python; docs/onnx.md)",
+    )
+    e.add_argument(
+        "--optimum-python",
+        default=None,
+        help="a Python with optimum-onnx (default: the OMNIDRAFT_OPTIMUM_PYTHON variable)",
     )
 
     v = sub.add_parser("serve", help="a verification server for remote pairing (RemoteTarget)")

@@ -1,5 +1,6 @@
-"""Export a Llama- or Gemma 3-architecture drafter to ONNX with its KV cache as graph inputs and
-outputs (the graph itself: graphs.py).
+"""Export a drafter to ONNX with its KV cache as graph inputs and outputs: a Llama or Gemma 3
+graph of our own (graphs.py), or the base graph of any architecture optimum exports
+(via_optimum.py).
 
 The pairing's LoRA adapter is merged into the weights before export (one graph per target). The LM head
 may be pruned to the tokens the pairing can use (V' < V; the sidecar lists them). Optional dynamic
@@ -27,6 +28,7 @@ __all__ = ["export_drafter"]
 log = logging.getLogger("omnidraft")
 
 OPSET = 17
+EXPORTERS = ("omnidraft", "optimum")  # our graphs (Llama, Gemma 3), or optimum's (via_optimum.py)
 
 
 def _names(layers: int) -> tuple[list[str], list[str]]:
@@ -76,9 +78,15 @@ def _merged_model(model: Any, adapter: dict[str, torch.Tensor] | None, adapter_c
 
 
 def parity(
-    model: Any, onnx_path: Path, keep_ids: Sequence[int] | None, prompts: list[list[int]], steps: int
+    model: Any,
+    onnx_path: Path,
+    keep_ids: Sequence[int] | None,
+    prompts: list[list[int]],
+    steps: int,
+    head: Any = None,
 ) -> dict[str, Any]:
-    """Greedy drafting with the ORT graph vs the PyTorch model over `prompts`, `steps` tokens each."""
+    """Greedy drafting with the ORT graph vs the PyTorch model over `prompts`, `steps` tokens each;
+    `head`: the LM head a graph without one is read through."""
     from ..causal_runner import CausalRunner
     from .ort_drafter import OrtGraph
 
@@ -94,6 +102,9 @@ def parity(
             ref = runner.forward(keep=1)[0].float()
             ref_kept = ref[keep] if keep is not None else ref
             got = torch.from_numpy(logits_ort)
+            if head is not None:
+                with torch.no_grad():
+                    got = head(got[None])[0].float()
             worst = max(worst, float((ref_kept - got).abs().max()))
             top1 += int(ref_kept.argmax()) == int(got.argmax())
             total += 1
@@ -128,13 +139,21 @@ def export_drafter(
     parity_prompts: list[list[int]] | None = None,
     parity_steps: int = 16,
     head: str = "inside",
+    exporter: str = "omnidraft",
+    optimum_python: str | None = None,
 ) -> dict[str, Any]:
     """Export fp32 HF Llama or Gemma 3 `model` (drafter `name`) with `adapter` merged: writes `out`
     (.onnx), its tokenizer beside it (OUT.tokenizer/) and the JSON sidecar (OUT.json); returns the sidecar.
     `head="outside"`: the graph ends at the final hidden state and the LM head's weight is saved
     beside it (OUT.head.pt), for the drafter to evaluate in PyTorch, whole or shortlisted
     (`OrtDrafter.use_shortlist`). `head="gather"`: the graph takes the ids of a shortlist's support
-    as an input and evaluates just those rows of the head (int8 rows with `quantize="int8"`)."""
+    as an input and evaluates just those rows of the head (int8 rows with `quantize="int8"`).
+    `exporter="optimum"`: the base graph of any architecture optimum exports, run in the Python
+    `optimum_python` names (via_optimum.py); its head is always outside."""
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
+    if exporter == "optimum" and head != "outside":
+        raise ValueError(f"optimum's graph is exported with its LM head outside (head='outside'): {head!r}")
     if head not in HEADS:
         raise ValueError(f"head must be one of {HEADS}, got {head!r}")
     if head != "inside" and keep_ids is not None:
@@ -161,10 +180,17 @@ def export_drafter(
         smooth_mlps(model, tokenizer)
     if keep_ids is not None:
         keep_ids = _aligned(sorted(set(int(i) for i in keep_ids)), int(model.config.vocab_size))
-    graph = drafter_graph(model, keep_ids, head=head, int8_rows=quantize == "int8").eval()
+    int8 = quantize == "int8"
+    graph = None if exporter == "optimum" else drafter_graph(model, keep_ids, head=head, int8_rows=int8)
     with atomic_path(out) as tmp:  # an interrupted export leaves the previous graph, or none
-        _step(bar, "tracing the graph")
-        _export_graph(graph, tmp)
+        if graph is None:
+            from . import via_optimum
+
+            _step(bar, "exporting with optimum")
+            via_optimum.export_base(model, tmp, via_optimum.optimum_python(optimum_python))
+        else:
+            _step(bar, "tracing the graph")
+            _export_graph(graph.eval(), tmp)
         if quantize == "int8":
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -192,11 +218,15 @@ def export_drafter(
         torch.save({"weight": model.lm_head.weight.detach().clone()}, buffer)
         atomic_write_bytes(head_file, buffer.getvalue())
     _step(bar, "parity check")
+    outside = model.lm_head if head == "outside" else None
     report = (
-        parity(model, out, keep_ids, parity_prompts or [], parity_steps)
-        if parity_prompts and head == "inside"
+        parity(model, out, keep_ids, parity_prompts, parity_steps, outside)
+        if parity_prompts and head != "gather"
         else None
     )
+    from .ort_drafter import OrtGraph
+
+    shape = OrtGraph(out)  # what the graph holds per layer, whoever exported it
     _step(bar, "done")
     bar.close()
     sidecar = {
@@ -206,12 +236,13 @@ def export_drafter(
         "tokenizer_fingerprint": fingerprint,
         "vocab_size": int(model.config.vocab_size),
         "hidden_size": int(model.config.hidden_size),
-        "layers": len(graph.layers),
-        "kv_heads": graph.kv_heads,
-        "head_dim": graph.head_dim,
+        "layers": len(shape.past_names) // 2,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "exporter": exporter,
         "eos_token_id": tokenizer.eos_token_id,
         "adapter": adapter_id,
-        "opset": OPSET,
+        "opset": _opset(out),
         "quantization": quantize,
         "keep_ids": keep_ids,
         "onnx_sha256": file_sha256(out),
@@ -226,6 +257,13 @@ def export_drafter(
         "exported %s (%.1f MB) in %.0f s", out, out.stat().st_size / 2**20, time.perf_counter() - started
     )
     return sidecar
+
+
+def _opset(path: Path) -> int:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
 def _step(bar: Any, label: str) -> None:

@@ -57,6 +57,8 @@ class OrtGraph:
                 f"{path}: not an omnidraft drafter graph (inputs {[i.name for i in inputs]})"
             )
         self.gathers = any(i.name == "support" for i in inputs)  # the head's rows named per call
+        names = {i.name for i in inputs}  # optimum's graphs (via_optimum.py) also take these two
+        self.masks, self.positions = "attention_mask" in names, "position_ids" in names
         shape = next(i for i in inputs if i.name.startswith("past_")).shape
         self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -71,6 +73,11 @@ class OrtGraph:
         final hidden state (d,) from a graph without its LM head. A gathering graph takes the ids
         of its support (int64) and returns their logits in that order."""
         feeds = {"input_ids": np.asarray([ids], dtype=np.int64), **dict(zip(self.past_names, state.past))}
+        past = state.length
+        if self.masks:
+            feeds["attention_mask"] = np.ones((1, past + len(ids)), dtype=np.int64)
+        if self.positions:
+            feeds["position_ids"] = np.arange(past, past + len(ids), dtype=np.int64)[None]
         if self.gathers:
             if support is None:
                 raise ValueError("this graph evaluates the head rows named by a support: pass support=")
@@ -80,7 +87,14 @@ class OrtGraph:
             logits, hidden, *present = outputs
         else:
             hidden, *present = outputs
+            if hidden.ndim == 3:  # every position's (optimum's graphs): the last one's is the one read
+                hidden = hidden[:, -1]
             logits = hidden
+        if len({p.shape[2] for p in present}) > 1:
+            raise IncompatibleError(
+                "this graph keeps a sliding window of keys/values in some layers, and the context "
+                f"has outgrown it ({past + len(ids)} tokens): drafting needs every layer's cache whole"
+            )
         state.past, state.hidden = present, hidden[0]
         return logits[0]
 
