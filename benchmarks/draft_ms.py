@@ -1,0 +1,43 @@
+"""ms per drafted token of drafting backends, the drafter alone (no target): 32-token greedy drafts
+after a 200-token GSM8K prompt, median of 5, `--passes` passes, one backend after another in one
+process (docs/onnx.md, "Any architecture, through optimum").
+
+    python -m benchmarks.draft_ms --onnx "optimum fp32=gemma.onnx" --model "PyTorch int8=gemma3-270m:torch" \\
+        --model "llama.cpp=gemma3-270m:llama.cpp"
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+
+def main() -> None:
+    import omnidraft as od
+    from omnidraft.backends import draft_ms
+    from omnidraft.bench.datasets import load_prompts
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.draft_ms")
+    p.add_argument("--onnx", action="append", default=[], help="LABEL=FILE.onnx (repeatable)")
+    p.add_argument("--model", action="append", default=[], help="LABEL=PRESET:BACKEND (repeatable)")
+    p.add_argument("--passes", type=int, default=2)
+    args = p.parse_args()
+    rows: dict[str, object] = {}
+    text = " ".join(load_prompts("gsm8k", 3))
+    specs = [(*item.split("=", 1), {}) for item in args.onnx] + [
+        (label, spec.rsplit(":", 1)[0], {"backend": spec.rsplit(":", 1)[1]})
+        for label, spec in (item.split("=", 1) for item in args.model)
+    ]
+    for label, spec, options in specs:
+        drafter = od.Drafter.load(spec, **options)
+        prompt = drafter.tokenizer(text)["input_ids"][:200]
+        rows[label] = [round(draft_ms(drafter, prompt, tokens=32, reps=5), 1) for _ in range(args.passes)]
+        print(label, rows[label], flush=True)
+        del drafter
+        gc.collect()
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
