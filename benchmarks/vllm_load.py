@@ -189,7 +189,8 @@ def _serve(
     from omnidraft.remote.server import ServerConfig, create_app
 
     speculating = name == "omnidraft"
-    target = od.VLLMTarget.load(target_spec, dtype=dtype, draft_tokens=8 if speculating else 0)
+    most = extra["draft_tokens"] if speculating else 0
+    target = od.VLLMTarget.load(target_spec, dtype=dtype, draft_tokens=most)
     with ThreadPoolExecutor(len(ids)) as pool:  # concurrent: the engine batches them
         references = list(pool.map(lambda i: target.generate(i, tokens), ids))
     report: dict[str, Any] = {"references": references, "runs": {}}
@@ -229,6 +230,7 @@ def main() -> None:
     p.add_argument("--sessions", type=int, action="append", default=None, help="repeatable; default 1, 4, 16")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--draft-tokens", type=int, default=8, help="the server engine's most drafts a step")
     p.add_argument("--out", default="bench_out/vllm-load.json")
     args = p.parse_args()
     sessions = args.sessions or [1, 4, 16]
@@ -241,7 +243,7 @@ def main() -> None:
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     rows: dict[str, dict[str, Any]] = {}
     for row in ("omnidraft", "vllm_alone"):
-        extra = {"drafter": args.drafter, "prompts": prompts}
+        extra = {"drafter": args.drafter, "prompts": prompts, "draft_tokens": args.draft_tokens}
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             rows[row] = pool.submit(
                 _serve, row, args.target, args.dtype, ids, extra, sessions, args.tokens
