@@ -60,7 +60,8 @@ def time_batches(target: Any, rows: int = BATCH_ROWS, steps: int = 10) -> dict[s
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, target.vocab, (COST_CONTEXT,), generator=gen).tolist() for _ in range(rows)]
     costs = {}
-    for d in (0, 3, 7) if target.proposer is not None else (0,):
+    widths = sorted({0, min(3, target.proposer.k), min(7, target.proposer.k)}) if target.proposer else [0]
+    for d in widths:  # drafts per row, within what the engine verifies a step
         before = target.loop.steps
 
         def run(ids: list[int], d: int = d) -> list:

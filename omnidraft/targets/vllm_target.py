@@ -313,9 +313,10 @@ class VLLMTarget:
 
     def batch_costs(self) -> dict[int, float]:
         """Seconds of an engine step over BATCH_ROWS sequences verifying d drafted tokens each
-        (d = 0, 3, 7 on an engine with omnidraft's proposer; 0 on a plain one), by the tokens the
-        step holds, measured on this machine once and remembered (measured.py): with
-        `verify_costs`, the step costs a server's draft budget reads (remote/budget.py)."""
+        (d = 0, 3, 7 up to the engine's speculative width with omnidraft's proposer; 0 on a plain
+        one), by the tokens the step holds, measured on this machine once and remembered
+        (measured.py): with `verify_costs`, the step costs a server's draft budget reads
+        (remote/budget.py)."""
         if self._batch is None:
             from ..measured import remembered
 
