@@ -3,7 +3,7 @@
 (which proposes nothing for requests nobody announced), each engine in a process of its own, no
 server (docs/vllm.md, "The server under load").
 
-    python -m benchmarks.vllm_spec_overhead
+    python -m benchmarks.vllm_spec_overhead --width 0 --width 2 --width 4 --width 8
 """
 
 from __future__ import annotations
@@ -36,9 +36,14 @@ def decode_batch(draft_tokens: int, rows: int = 16, tokens: int = 128, reps: int
 
 
 def main() -> None:
-    for draft_tokens, name in ((0, "plain engine"), (8, "engine with omnidraft's proposer")):
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_spec_overhead")
+    p.add_argument("--width", type=int, action="append", default=None, help="widths (default 0, 8)")
+    widths = p.parse_args().width or [0, 8]
+    for width in widths:  # 0: the plain engine
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            print(name, pool.submit(decode_batch, draft_tokens).result(), flush=True)
+            print(f"speculative width {width}", pool.submit(decode_batch, width).result(), flush=True)
 
 
 if __name__ == "__main__":
