@@ -224,9 +224,7 @@ def export_drafter(
         if parity_prompts and head != "gather"
         else None
     )
-    from .ort_drafter import OrtGraph
-
-    shape = OrtGraph(out)  # what the graph holds per layer, whoever exported it
+    layout = _layout(out)  # what the graph holds per layer, whoever exported it
     _step(bar, "done")
     bar.close()
     sidecar = {
@@ -236,13 +234,13 @@ def export_drafter(
         "tokenizer_fingerprint": fingerprint,
         "vocab_size": int(model.config.vocab_size),
         "hidden_size": int(model.config.hidden_size),
-        "layers": len(shape.past_names) // 2,
-        "kv_heads": shape.kv_heads,
-        "head_dim": shape.head_dim,
+        "layers": layout["layers"],
+        "kv_heads": layout["kv_heads"],
+        "head_dim": layout["head_dim"],
         "exporter": exporter,
         "eos_token_id": tokenizer.eos_token_id,
         "adapter": adapter_id,
-        "opset": _opset(out),
+        "opset": layout["opset"],
         "quantization": quantize,
         "keep_ids": keep_ids,
         "onnx_sha256": file_sha256(out),
@@ -259,11 +257,20 @@ def export_drafter(
     return sidecar
 
 
-def _opset(path: Path) -> int:
+def _layout(path: Path) -> dict[str, int]:
+    """The graph's opset and its cache layout (layers, KV heads, head width), read from its
+    past key/value inputs, read once from the file."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    return max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    past = [i for i in model.graph.input if i.name.startswith("past_")]
+    dims = past[0].type.tensor_type.shape.dim
+    return {
+        "opset": max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
+        "layers": len(past) // 2,
+        "kv_heads": dims[1].dim_value,
+        "head_dim": dims[3].dim_value,
+    }
 
 
 def _step(bar: Any, label: str) -> None:

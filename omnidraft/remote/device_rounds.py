@@ -159,13 +159,9 @@ class SpeculateRoutes:
     config: ServerConfig
     metrics: Metrics
     costs: dict[int, float] | None
-    sessions: dict[str, Session]
-    table_lock: threading.Lock
     _session: Callable[..., Session]
-    _check_idle: Callable[[Session], None]
-    _check_context: Callable[[int, str], None]
+    _claim_stream: Callable[[Session, int, int], None]
     _check_ids: Callable[[Any, str], None]
-    _reserve: Callable[[int, int], None]
     _budget_at: Callable[..., int | None]
     _active: int  # sessions the last draft budget served
 
@@ -181,18 +177,8 @@ class SpeculateRoutes:
             )
         session = self._session(sid, key)
         with session.lock:
-            self._check_idle(session)
-            start = len(session.inner.ids)
-            if request.committed != start:
-                raise HTTPError(
-                    409,
-                    f"stale request: it builds on {request.committed} committed tokens, "
-                    f"the session has {start}",
-                )
-            self._check_context(start + request.max_tokens, "the session")
-            with self.table_lock:
-                self._reserve(request.max_tokens, session.key)
-            most, eos = request.max_tokens, self.target.eos_ids
+            self._claim_stream(session, request.committed, request.max_tokens)
+            start, most, eos = request.committed, request.max_tokens, self.target.eos_ids
             rounds = DeviceRounds(start, most, eos, self._engine_budget, self._wait_s, self._observe)
             session.streaming, session.rounds, session.verified = True, rounds, True
         return self._speculating(session, rounds, start)

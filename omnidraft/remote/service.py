@@ -181,18 +181,24 @@ class Service(TextRoutes, SpeculateRoutes):
         so other sessions' verifies interleave."""
         session = self._session(sid, key)
         with session.lock:
-            self._check_idle(session)
-            if request.committed != len(session.inner.ids):
-                raise HTTPError(
-                    409,
-                    f"stale request: it builds on {request.committed} committed tokens, "
-                    f"the session has {len(session.inner.ids)}",
-                )
-            self._check_context(request.committed + request.max_tokens, "the session")
-            with self.table_lock:
-                self._reserve(request.max_tokens, session.key)
+            self._claim_stream(session, request.committed, request.max_tokens)
             session.streaming = True
         return self._stream(session, request.max_tokens)
+
+    def _claim_stream(self, session: Session, committed: int, max_tokens: int) -> None:
+        """Under the session's lock, for a stream of up to `max_tokens` more tokens after
+        `committed`: refuse it while another stream runs, when it is stale, or past the context or
+        the KV budget; else reserve its tokens (the caller marks the session streaming)."""
+        self._check_idle(session)
+        if committed != len(session.inner.ids):
+            raise HTTPError(
+                409,
+                f"stale request: it builds on {committed} committed tokens, "
+                f"the session has {len(session.inner.ids)}",
+            )
+        self._check_context(committed + max_tokens, "the session")
+        with self.table_lock:
+            self._reserve(max_tokens, session.key)
 
     def generate_alone(self, request: PromptGenerateRequest, key: int = 0) -> Iterator[bytes]:
         """A whole completion decoded alone with no session kept (what a device that will not
