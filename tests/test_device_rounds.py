@@ -73,29 +73,50 @@ def test_the_engine_waits_for_the_devices_proposal_after_the_ids_it_was_told():
     assert time.monotonic() - began < 2.0
 
 
+class Output:
+    """What `Stream.take` reads of a vLLM output: here, just its new ids."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+
 class Session:
-    """A session whose `steps` yield the given lists, telling `rounds` the ids first (as vLLM's
+    """A session whose engine outputs the given lists, telling `rounds` the ids first (as vLLM's
     proposer does) or, where `early` says, other ids."""
 
     def __init__(self, outputs: list[list[int]], early: list[list[int]] | None = None) -> None:
         self.outputs, self.early, self.aborted = outputs, early, False
+        self.handle, self.ended = self, False
+        self.error: BaseException | None = None
 
-    def steps(self, max_tokens: int, rounds: DeviceRounds):
+    def start(self, max_tokens: int, rounds: DeviceRounds, *, outputs):
         generated: list[int] = []
-        for i, tokens in enumerate(self.outputs):
+        for i, tokens in enumerate(self.outputs):  # the whole run, queued at once
             rounds.prepare(PROMPT + (self.early[i] if self.early else generated + tokens))
             generated += tokens
-            yield tokens
+            outputs.put(Output(tokens))
+        outputs.put(None)
+        return self
 
-    def abort(self) -> None:
-        self.aborted = True
+    def take(self, out: Output) -> list[int]:
+        return out.tokens
+
+    def end(self, done: bool) -> None:
+        self.aborted, self.ended = not done, True
 
 
 def test_the_stream_yields_each_step_once_and_refuses_ids_the_engine_did_not_output():
     session = Session([[7], [8, 9], [0]])
     assert list(speculate(session, rounds())) == [[7], [7, 8, 9], [7, 8, 9, 0]]
-    assert not session.aborted
+    assert session.ended and not session.aborted
     bad = Session([[7], [8]], early=[[7], [7, 5]])
     with pytest.raises(RuntimeError, match="disagree"):
         list(speculate(bad, rounds()))
     assert bad.aborted  # the request is stopped, not left running
+
+
+def test_while_the_budget_takes_no_draft_the_stream_reads_the_engine_alone():
+    r = rounds(budget=0)
+    session = Session([[7], [8, 9]], early=[[1], [1, 1]])  # told nothing: these never arrive
+    assert list(speculate(session, r)) == [[7], [7, 8, 9]]
+    assert not session.aborted

@@ -42,7 +42,8 @@ class DeviceRounds:
     ) -> None:
         self.start, self.max_tokens, self.eos_ids = start, max_tokens, frozenset(eos_ids)
         self.budget, self.wait_s, self.observe = budget, wait_s, observe
-        self.events: queue.Queue = queue.Queue()  # lists of generated ids, as soon as they are known
+        # lists of generated ids told early, and the engine's outputs for this request (speculate)
+        self.events: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
         self._proposal: tuple[int, list[int]] | None = None  # (context length it drafts after, ids)
         self._given: tuple[int, list[int]] | None = None  # the last draft handed to the engine
@@ -57,8 +58,11 @@ class DeviceRounds:
 
     def prepare(self, ids: list[int]) -> None:
         """Tell the device the committed ids of a step that just ran (before the engine asks
-        `next`, so the device drafts while the other rows are asked)."""
+        `next`, so the device drafts while the other rows are asked). Not while the budget takes
+        no draft: the device drafts nothing then, and the engine's output tells it soon enough."""
         self._told = time.monotonic()  # every row is told at once: their waits end together
+        if self.budget() <= 0:
+            return
         generated = ids[self.start : self.start + self.max_tokens]
         end = next((i + 1 for i, t in enumerate(generated) if t in self.eos_ids), len(generated))
         if end > self._published:
@@ -116,40 +120,33 @@ class DeviceRounds:
 
 def speculate(session: Any, rounds: DeviceRounds) -> Iterator[list[int]]:
     """The generated ids of a streaming session as they become known: each yield is every id so far.
-    vLLM's output (read on a thread of its own) is the record; the ids `rounds` hears from the
-    proposer arrive earlier and must agree with it. Closing the iterator aborts the request."""
-    steps = session.steps(rounds.max_tokens, rounds)
+    vLLM's outputs arrive on `rounds.events`, beside the ids the proposer tells `rounds` earlier
+    (while the budget takes drafts), which must agree with them: one queue, read here, no thread of
+    its own per session. Closing the iterator aborts the request."""
+    events = rounds.events
+    stream = session.start(rounds.max_tokens, rounds, outputs=events)
     final: list[int] = []
-
-    def pump() -> None:
-        try:
-            for tokens in steps:
-                final.extend(tokens)
-                rounds.events.put(list(final))
-            rounds.events.put(None)
-        except BaseException as exc:  # the engine failed: the stream ends with its error
-            rounds.events.put(exc)
-
-    thread = threading.Thread(target=pump, name="omnidraft-speculate", daemon=True)
-    thread.start()
     sent: list[int] = []
     finished = False
     try:
-        while (item := rounds.events.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            if item[: len(sent)] != sent[: len(item)]:
+        while (item := events.get()) is not None:
+            if isinstance(item, list):  # told early by the proposer
+                ids = item
+            else:  # the engine's output: the record
+                final += stream.take(item)
+                ids = final
+            if ids[: len(sent)] != sent[: len(ids)]:
                 raise RuntimeError("the proposer's ids disagree with the engine's output")
-            if len(item) > len(sent):
-                sent = item
+            if len(ids) > len(sent):
+                sent = list(ids)
                 yield sent
+        if stream.handle.error is not None:
+            raise stream.handle.error
         if final != sent:
             raise RuntimeError("the proposer's ids disagree with the engine's output")
         finished = True
     finally:
-        if not finished:
-            session.abort()
-        thread.join(timeout=30)
+        stream.end(finished)
 
 
 class SpeculateRoutes:

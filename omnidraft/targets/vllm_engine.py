@@ -72,12 +72,17 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: Any, params: Any, tag: str | None = None) -> Handle:
+    def submit(
+        self, prompt: Any, params: Any, tag: str | None = None, outputs: queue.Queue | None = None
+    ) -> Handle:
         """Queue one request (a vLLM prompt dict and SamplingParams) for `tag` (a session); returns
-        its handle at once."""
+        its handle at once. `outputs`: the queue its outputs go to, when the caller waits on one
+        queue for more than this request (default: a queue of its own)."""
         if self._closed:
             raise RuntimeError("the vLLM engine loop is closed")
         handle = Handle(f"od-{next(self._ids)}", tag)
+        if outputs is not None:
+            handle.outputs = outputs
         self._inbox.put(("add", handle, prompt, params))
         return handle
 

@@ -22,6 +22,7 @@ closing a session frees nothing more. How this compares with vLLM alone: docs/vl
 from __future__ import annotations
 
 import os
+import queue
 import uuid
 from functools import partial
 from typing import Any, Iterator
@@ -137,23 +138,31 @@ class _VLLMSession:
         ids per engine step. With `rounds` (an `EngineRounds`) and an engine built with omnidraft's
         proposer, the engine's speculative step verifies the drafts `rounds` proposes
         (targets/vllm_proposer.py), so a step may commit several tokens."""
-        proposer = self.owner.proposer if rounds is not None else None
-        seq = proposer.expect(self.ids, rounds, max_tokens, drafter_ids) if proposer is not None else None
-        handle = self.owner.submit(self.ids, self.salt, max_tokens=max_tokens, stream=True, eos=eos)
-        self._streaming, done = handle, False
+        stream, done = self.start(max_tokens, rounds, drafter_ids, eos=eos), False
         try:
-            for out in handle.stream():
-                tokens = [int(t) for t in out.outputs[0].token_ids]
-                self.ids.extend(tokens)
-                self.forwards += 1
-                yield tokens
+            for out in stream.handle.stream():
+                yield stream.take(out)
             done = True
         finally:
-            if not done:
-                self.owner.loop.abort(handle)  # the caller stopped reading: free the engine's work
-            if seq is not None and proposer is not None:
-                proposer.forget(seq)
-            self._streaming = None
+            stream.end(done)
+
+    def start(
+        self,
+        max_tokens: int,
+        rounds: Any = None,
+        drafter_ids: list[int] | None = None,
+        *,
+        eos: bool = True,
+        outputs: queue.Queue | None = None,
+    ) -> Stream:
+        """Submit what `steps` reads, for a caller that reads the engine's outputs itself (from
+        `outputs`, a queue it also waits on for other news); it passes each to `Stream.take`."""
+        proposer = self.owner.proposer if rounds is not None else None
+        seq = proposer.expect(self.ids, rounds, max_tokens, drafter_ids) if proposer is not None else None
+        submit = self.owner.submit
+        handle = submit(self.ids, self.salt, max_tokens=max_tokens, stream=True, eos=eos, outputs=outputs)
+        self._streaming = handle
+        return Stream(self, handle, proposer, seq)
 
     def abort(self) -> None:
         """Stop the request `steps` is reading (from any thread): its reader sees it end."""
@@ -163,6 +172,27 @@ class _VLLMSession:
 
     def close(self) -> None:
         """Nothing is pinned: the session's pages are ordinary cache entries, evicted as needed."""
+
+
+class Stream:
+    """One streamed request of a session (`_VLLMSession.start`): `take` commits an output's ids,
+    `end` finishes it (aborting the engine's work when the reader stopped early)."""
+
+    def __init__(self, session: _VLLMSession, handle: Any, proposer: Any, seq: Any) -> None:
+        self.session, self.handle, self.proposer, self.seq = session, handle, proposer, seq
+
+    def take(self, out: Any) -> list[int]:
+        tokens = [int(t) for t in out.outputs[0].token_ids]
+        self.session.ids.extend(tokens)
+        self.session.forwards += 1
+        return tokens
+
+    def end(self, done: bool) -> None:
+        if not done:
+            self.session.owner.loop.abort(self.handle)  # the caller stopped reading: free the engine's work
+        if self.seq is not None:
+            self.proposer.forget(self.seq)
+        self.session._streaming = None
 
 
 class VLLMTarget:
@@ -276,9 +306,10 @@ class VLLMTarget:
         prompt_logprobs: bool = False,
         cached: bool = True,
         eos: bool | None = None,
+        outputs: queue.Queue | None = None,
     ) -> Any:
         """Queue one greedy request on the engine loop; returns its handle. `eos`: stop after an EOS
-        (default: a stream does, a verify does not)."""
+        (default: a stream does, a verify does not); `outputs`: as for `EngineLoop.submit`."""
         eos = stream if eos is None else eos
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -294,7 +325,8 @@ class VLLMTarget:
             stop_token_ids=sorted(self.eos_ids) if eos else None,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
-        return self.loop.submit({"prompt_token_ids": list(ids), "cache_salt": salt}, params, tag=salt)
+        prompt = {"prompt_token_ids": list(ids), "cache_salt": salt}
+        return self.loop.submit(prompt, params, tag=salt, outputs=outputs)
 
     def request(self, ids: list[int], salt: str, **options: Any) -> Any:
         """One request, waited for: its final RequestOutput."""
