@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omnidraft.bench.pairs import loaded_pairs
 from omnidraft.cli_options import DRAFTER, split_pair
-from omnidraft.config import K_START
+from omnidraft.decode_config import K_START
 
 __all__ = ["adapt", "bench_cache", "bench_draft", "bench_drafters", "bench_replay", "bench_switch"]
 

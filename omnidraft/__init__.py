@@ -39,7 +39,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _WHERE = {
-    "DecodeConfig": "config",
+    "DecodeConfig": "decode_config",
     "Drafter": "draft",
     "TorchDrafter": "draft.torch_drafter",
     "OrtDrafter": "export.ort_drafter",

@@ -19,7 +19,7 @@ import torch
 from . import engine_rounds, round_loop
 from .adaptive.costs import CostModel
 from .adaptive.lengths import DraftLengths, plan_drafting
-from .config import K_START, RELAXED, DecodeConfig
+from .decode_config import K_START, RELAXED, DecodeConfig
 from .distill.attach import attach_adapter
 from .errors import TargetError
 from .retrieve.retriever import Retriever

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .config import RELAXED
+from .decode_config import RELAXED
 from .stats import GenerationStats, RoundRecord
 from .translate.translator import Proposal, Source, Translator
 

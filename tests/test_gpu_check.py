@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.gpu_check import main as gpu_check
 from omnidraft.device_sim.gpu import profiles_from_check
-from omnidraft.device_sim.profiles import load_profiles
+from omnidraft.device_sim.hardware import load_profiles
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,7 @@ def test_a_pairing_drafts_through_the_faster_llama_cpp_twin_unless_it_needs_pyto
     slower twin keep it on PyTorch; `backend="torch"` (no twin_spec) always does."""
     import omnidraft as od
     from omnidraft.adaptive.acceptance_head import HeadConfig
-    from omnidraft.config import DecodeConfig
+    from omnidraft.decode_config import DecodeConfig
 
     twin = od.TorchDrafter(tiny_drafter.model, tiny_drafter.tokenizer, "twin")
     costs = {id(twin): 0.005, id(tiny_drafter): 0.02}

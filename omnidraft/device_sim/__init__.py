@@ -6,7 +6,7 @@ Pure Python: imports no torch, so it runs wherever the traces are.
 
 from __future__ import annotations
 
-from .profiles import DeviceProfile, NetworkProfile, load_profiles
+from .hardware import DeviceProfile, NetworkProfile, load_profiles
 from .simulate import Scenario, SimResult, TraceRound, read_trace, simulate, sweep_k
 
 __all__ = [

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .profiles import DeviceProfile, NetworkProfile, load_profiles
+from .hardware import DeviceProfile, NetworkProfile, load_profiles
 from .simulate import Scenario, read_trace, simulate, sweep_k
 
 

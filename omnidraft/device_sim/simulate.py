@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from omnidraft.stats import RoundRecord as TraceRound
 from omnidraft.stats import read_trace
 
-from .profiles import LOCAL, DeviceProfile, NetworkProfile
+from .hardware import LOCAL, DeviceProfile, NetworkProfile
 
 __all__ = [
     "Scenario",

@@ -23,7 +23,7 @@ from ..translate.token_bytes import TokenBytes, build_token_bytes
 from .session import DraftSession, Stream
 
 if TYPE_CHECKING:
-    from ..config import DecodeConfig
+    from ..decode_config import DecodeConfig
     from ..distill.adapters import AdapterConfig
     from ..distill.trainer import TrainConfig
     from ..pairing import Pairing
@@ -195,7 +195,7 @@ def pair(
     into the pairing's adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA
     shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp twin (backends.py)."""
     from ..backends import drafting_twin
-    from ..config import DecodeConfig
+    from ..decode_config import DecodeConfig
     from ..pairing import Pairing
 
     if config is not None and overrides:

@@ -17,9 +17,9 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from .config import HTTPError, ServerConfig
 from .metrics import Metrics
 from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
+from .server_config import HTTPError, ServerConfig
 from .sessions import Session
 
 __all__ = ["DeviceRounds", "SpeculateRoutes", "speculate"]

@@ -23,7 +23,6 @@ import torch
 from ..rounds import TokenLogprob, token_logprobs
 from ..target import Rule
 from .budget import draft_budget
-from .config import HTTPError, ServerConfig
 from .device_rounds import SpeculateRoutes
 from .metrics import Metrics
 from .protocol import (
@@ -37,6 +36,7 @@ from .protocol import (
     VerifyReply,
     VerifyRequest,
 )
+from .server_config import HTTPError, ServerConfig
 from .sessions import FairLock, Session, release_session
 from .text_routes import TextRoutes
 

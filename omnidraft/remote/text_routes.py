@@ -10,9 +10,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..target import Rule
-from .config import HTTPError, ServerConfig
 from .metrics import Metrics
 from .protocol import MAX_PROMPT
+from .server_config import HTTPError, ServerConfig
 from .sessions import Session, release_session
 
 __all__ = ["TextRoutes"]
