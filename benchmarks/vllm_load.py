@@ -203,13 +203,18 @@ def _serve(
             n: {a: draft_budget(costs, a, n, 63) for a in (0.5, 0.7, 0.9)} for n in sessions
         }
         logs = record(target, od.Drafter.load(extra["drafter"]), extra["prompts"], tokens)
-    url, stop = serve_in_thread(create_app(target, ServerConfig(max_sessions=256)))
+    app = create_app(target, ServerConfig(max_sessions=256))
+    url, stop = serve_in_thread(app)
     try:
         for n in sessions:
             if speculating:
                 refs = report["references"]
                 clients = [(ids[i], logs[i], refs[i], tokens) for i in range(n)]
                 report["runs"][n] = run(url, target, clients, replay_client)
+                rates = app.state.service.gate.rates  # committed tok/s it measured with drafts, without
+                report["runs"][n]["gate"] = {
+                    f"{load} {'on' if on else 'off'}": round(t / s, 1) for (load, on), (t, s) in rates.items()
+                }
             else:
                 report["runs"][n] = run(url, target, [(ids[i], tokens) for i in range(n)], alone_client)
             print(name, n, {k: v for k, v in report["runs"][n].items() if k != "outputs"}, flush=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omnidraft.remote.budget import draft_budget, step_seconds
+from omnidraft.remote.budget import DraftGate, draft_budget, step_seconds
 
 MEMORY_BOUND = {1: 0.020, 2: 0.0201, 4: 0.0202, 8: 0.0205}  # a GPU step: tokens are nearly free
 COMPUTE_BOUND = {1: 0.111, 2: 0.171, 4: 0.171, 8: 0.169}  # this CPU's 0.5B on vLLM (docs/vllm.md)
@@ -45,3 +45,50 @@ def test_bad_input_is_named():
         draft_budget(MEMORY_BOUND, 0.5, 0, 4)
     with pytest.raises(ValueError, match="positive cost for one token"):
         step_seconds({2: 0.1}, 4)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_window(gate: DraftGate, clock: Clock, load: int, rate_on: float, rate_off: float) -> bool:
+    """One window of the gate at `load`: tokens committed at the rate of its mode; its mode."""
+    on = gate.allow(load, True)
+    for _ in range(8):  # eighths: exact in binary, so the window ends on its last tick
+        clock.now += gate.window_s / 8
+        gate.count(round((rate_on if on else rate_off) * gate.window_s / 8))
+    return on
+
+
+def test_the_gate_learns_both_modes_then_keeps_the_faster_and_explores_the_other():
+    clock = Clock()
+    gate = DraftGate(window_s=1.0, explore=5, clock=clock)
+    modes = [run_window(gate, clock, 16, rate_on=48, rate_off=56) for _ in range(22)]
+    assert modes[:2] == [True, False]  # learnt: drafting first, then none
+    assert modes[2:].count(True) == 4 and modes[-1] is False  # the faster (off), drafting every fifth window
+    assert gate.rate(16, False) == pytest.approx(56) and gate.rate(16, True) == pytest.approx(48)
+    far = DraftGate(window_s=1.0, explore=5, clock=clock)
+    modes = [run_window(far, clock, 16, rate_on=88, rate_off=56) for _ in range(22)]
+    assert modes.count(False) == 1 + 1  # learnt once, then explored once in twenty windows (1.5x apart)
+
+
+def test_the_gate_learns_nothing_from_a_changing_load_a_small_one_or_a_budget_of_zero():
+    clock = Clock()
+    gate = DraftGate(window_s=1.0, clock=clock)
+    for load in (4, 5, 6, 7):  # the load moved before each window ended
+        gate.allow(load, True)
+        gate.count(30)
+        clock.now += 0.5
+    assert gate.rates == {}
+    assert all(gate.allow(2, True) for _ in range(3))  # below min_load the budget stands
+    for _ in range(3):
+        assert gate.allow(8, False)  # the budget wanted no draft: nothing to measure
+        gate.count(10)
+        clock.now += 1.0
+    assert gate.rates == {}
+    with pytest.raises(ValueError, match="explore"):
+        DraftGate(explore=1)

@@ -13,7 +13,10 @@ acceptance a, against N tokens a step decoding alone. Pure arithmetic: no server
 
 from __future__ import annotations
 
-__all__ = ["draft_budget", "step_seconds"]
+import time
+from typing import Callable
+
+__all__ = ["DraftGate", "draft_budget", "step_seconds"]
 
 
 def step_seconds(costs: dict[int, float], tokens: float) -> float:
@@ -53,3 +56,68 @@ def draft_budget(costs: dict[int, float], acceptance: float, sessions: int, most
 
     best = max(range(1, most + 1), key=lambda k: (goodput(k), -k), default=0)
     return best if best and goodput(best) > alone else 0
+
+
+class DraftGate:
+    """Whether the drafts the budget takes pay on this server as it runs, measured.
+
+    The budget reads measured step costs; what it cannot see (the proposals' own HTTP traffic under
+    the GIL beside the engine, proposals that miss their step) can make drafting cost a loaded
+    server throughput. The gate times committed tokens per second over windows of `window_s` at one
+    load (the active sessions): in windows "on" the budget stands, "off" it is 0. It learns both
+    (on first, then off), then keeps the faster, trying the other every `explore`-th window (four
+    times as rarely when they differ by more than a quarter); a window whose load changed, or where
+    the budget wanted no draft, teaches nothing. Below `min_load` sessions the budget stands: their
+    proposals are a few requests a step. Not thread-safe by itself: the caller serialises `allow`
+    and `count`."""
+
+    def __init__(
+        self,
+        window_s: float = 1.5,
+        explore: int = 5,
+        min_load: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if window_s <= 0 or explore < 2 or min_load < 1:
+            raise ValueError(
+                f"need window_s > 0, explore >= 2 and min_load >= 1, got {window_s}, {explore}, {min_load}"
+            )
+        self.window_s, self.explore, self.min_load, self.clock = window_s, explore, min_load, clock
+        self.rates: dict[tuple[int, bool], tuple[float, float]] = {}  # (load, on) -> (tokens, seconds)
+        self._load: int | None = None
+        self._on, self._began, self._tokens, self._wanted, self._windows = True, 0.0, 0, False, 0
+
+    def allow(self, load: int, wanted: bool) -> bool:
+        """Whether drafts are taken now at `load` active sessions; `wanted`: the budget is above 0."""
+        if load < self.min_load:
+            self._load = None  # a window open at a higher load ends here, unmeasured
+            return True
+        now = self.clock()
+        if load != self._load or now - self._began >= self.window_s:
+            if load == self._load and self._wanted and self._tokens:
+                tokens, seconds = self.rates.get((load, self._on), (0.0, 0.0))
+                decay = 0.7  # older windows count less: the load's text and contexts move on
+                tokens, seconds = decay * tokens + self._tokens, decay * seconds + now - self._began
+                self.rates[(load, self._on)] = (tokens, seconds)
+            self._windows += 1
+            self._on = self._choose(load)
+            self._load, self._began, self._tokens, self._wanted = load, now, 0, False
+        self._wanted = self._wanted or wanted
+        return self._on
+
+    def count(self, tokens: int) -> None:
+        """`tokens` more committed (streamed to a device) now."""
+        self._tokens += tokens
+
+    def rate(self, load: int, on: bool) -> float | None:
+        """Committed tokens per second measured at `load` with drafts taken (`on`) or not."""
+        tokens, seconds = self.rates.get((load, on), (0.0, 0.0))
+        return tokens / seconds if seconds > 0 else None
+
+    def _choose(self, load: int) -> bool:
+        on, off = self.rate(load, True), self.rate(load, False)
+        if on is None or off is None:
+            return on is None  # learn "on" first, then "off"
+        best = on >= off
+        every = self.explore * (4 if max(on, off) > 1.25 * min(on, off) else 1)
+        return (not best) if self._windows % every == 0 else best

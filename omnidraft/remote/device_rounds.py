@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from .budget import DraftGate
 from .metrics import Metrics
 from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
 from .server_config import HTTPError, ServerConfig
@@ -161,6 +162,8 @@ class SpeculateRoutes:
     _check_ids: Callable[[Any, str], None]
     _budget_at: Callable[..., int | None]
     _active: int  # sessions the last draft budget served
+    gate: DraftGate  # whether the budget's drafts measured faster than none at this load
+    _gate_lock: threading.Lock
 
     def speculate(self, sid: str, request: SpeculateRequest, key: int = 0) -> Iterator[bytes]:
         """Checks `request` now (a stale one is refused with its status), then returns the NDJSON
@@ -200,6 +203,8 @@ class SpeculateRoutes:
                 chunk = GenerateChunk(
                     tokens=ids[sent:], committed=start + len(ids), done=done, budget=self._engine_budget()
                 )
+                with self._gate_lock:
+                    self.gate.count(len(ids) - sent)
                 sent = len(ids)
                 yield chunk.model_dump_json().encode() + b"\n"
             if not done:
@@ -210,9 +215,12 @@ class SpeculateRoutes:
 
     def _engine_budget(self) -> int:
         """The draft tokens a streaming session's proposal may have now (the engine verifies them
-        in its own step: no context tail is recomputed)."""
+        in its own step: no context tail is recomputed), while the gate measures that they pay."""
         budget = self._budget_at(0)
-        return MAX_PROPOSAL if budget is None else budget
+        if budget is None:
+            return MAX_PROPOSAL
+        with self._gate_lock:
+            return budget if self.gate.allow(self._active, budget > 0) else 0
 
     def _wait_s(self) -> float:
         """How long a step waits for a streaming device's proposal: `proposal_wait_s`, at most a

@@ -1,6 +1,6 @@
 """The verification server's state and rules, independent of the web framework (server.py serves
 it over HTTP): sessions with their locks, limits and KV budget, verify, streamed decoding and the
-draft budget; refusals are `HTTPError`s (config.py). On an engine that runs one forward at a time
+draft budget; refusals are `HTTPError`s (server_config.py). On an engine that runs one forward at a time
 (PyTorch, llama.cpp) a fair model lock serialises model calls and a long prompt is fed in chunks,
 so other sessions' verifies interleave with its prefill (the bound: docs/remote.md). On an engine
 that batches sessions (vLLM) there is no model lock: each session's own lock orders its requests.
@@ -22,7 +22,7 @@ import torch
 
 from ..rounds import TokenLogprob, token_logprobs
 from ..target import Rule
-from .budget import draft_budget
+from .budget import DraftGate, draft_budget
 from .device_rounds import SpeculateRoutes
 from .metrics import Metrics
 from .protocol import (
@@ -74,6 +74,7 @@ class Service(TextRoutes, SpeculateRoutes):
         )
         self._budgets: dict[int, tuple[float, int]] = {}  # tail -> (when, budget)
         self._active = 1  # sessions the last budget served
+        self.gate, self._gate_lock = DraftGate(), threading.Lock()  # streaming sessions' drafts, measured
         model = getattr(target, "model", None)  # None: unbounded
         self.context: int | None = getattr(target, "context_length", None) or getattr(
             getattr(model, "config", None), "max_position_embeddings", None
