@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from ..measured import remembered
-from .loading import open_llama, require_llama_cpp
+from .loading import cpu_threads, open_llama, require_llama_cpp
 
 __all__ = ["LlamaEngine"]
 
@@ -79,7 +79,7 @@ class LlamaEngine:
             )
         lc = self._lc = require_llama_cpp()
         self.path = Path(path)
-        self.threads, self.flash_attn, self.repack = threads or os.cpu_count() or 1, flash_attn, repack
+        self.threads, self.flash_attn, self.repack = threads or cpu_threads(), flash_attn, repack
         self.llm = open_llama(
             self.path,
             n_ctx=n_ctx if slots == 1 else 64,

@@ -11,12 +11,21 @@ from typing import Any, Iterator
 
 from ..errors import MissingDependencyError
 
-__all__ = ["gguf_file", "open_llama", "require_llama_cpp"]
+__all__ = ["cpu_threads", "gguf_file", "open_llama", "require_llama_cpp"]
 
 INSTALL_HINT = (
     "llama-cpp-python is not installed; `make install` builds it once per machine "
     "(pip install llama-cpp-python==0.3.36 compiles llama.cpp for several minutes)"
 )
+
+
+def cpu_threads() -> int:
+    """The CPUs this process may run on (its affinity: a container's or `taskset`'s share, where
+    `os.cpu_count()` reports the host's), the threads llama.cpp gets unless told."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def require_llama_cpp() -> Any:
@@ -82,7 +91,7 @@ def open_llama(
     attention (faster on CPU here), weights repacked unless `repack=False`. swa_full: a
     sliding-window model (Gemma 3) keeps every position, so any suffix can be removed."""
     lc = require_llama_cpp()
-    threads = threads or os.cpu_count() or 1
+    threads = threads or cpu_threads()
     with _LOAD_LOCK, contextlib.nullcontext() if repack else _no_repack(lc):
         return lc.Llama(
             model_path=os.fspath(path),

@@ -38,7 +38,7 @@ def requantized(path: str | os.PathLike[str], threads: int | None = None) -> Pat
     """`path` with its sub-8-bit tensors rewritten as Q8_0: made once under the cache directory
     (atomically: a crash leaves no partial file behind) and reused."""
     from ..presets import cache_dir
-    from .loading import require_llama_cpp
+    from .loading import cpu_threads, require_llama_cpp
 
     path = Path(path)
     out = cache_dir() / "gguf" / f"{path.stem}.{path.stat().st_size}.q8_0.gguf"
@@ -51,7 +51,7 @@ def requantized(path: str | os.PathLike[str], threads: int | None = None) -> Pat
     params.ftype, params.allow_requantize, params.nthread = (
         lc.LLAMA_FTYPE_MOSTLY_Q8_0,
         True,
-        threads or os.cpu_count() or 1,
+        threads or cpu_threads(),
     )
     with atomic_path(out) as tmp:
         with suppress_stdout_stderr(disable=False):
