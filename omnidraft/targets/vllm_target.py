@@ -83,7 +83,6 @@ class _VLLMSession:
         self.salt = uuid.uuid4().hex  # this session's own prefix-cache pages
         self.forwards = 0
         self.recomputed = 0  # verifies that had to recompute rows the cache had served
-        self._streaming: Any = None  # the handle of the request `steps` reads, while it runs
 
     def verify(
         self,
@@ -161,14 +160,7 @@ class _VLLMSession:
         seq = proposer.expect(self.ids, rounds, max_tokens, drafter_ids) if proposer is not None else None
         submit = self.owner.submit
         handle = submit(self.ids, self.salt, max_tokens=max_tokens, stream=True, eos=eos, outputs=outputs)
-        self._streaming = handle
         return Stream(self, handle, proposer, seq)
-
-    def abort(self) -> None:
-        """Stop the request `steps` is reading (from any thread): its reader sees it end."""
-        handle = self._streaming
-        if handle is not None:
-            self.owner.loop.abort(handle)
 
     def close(self) -> None:
         """Nothing is pinned: the session's pages are ordinary cache entries, evicted as needed."""
@@ -192,7 +184,6 @@ class Stream:
             self.session.owner.loop.abort(self.handle)  # the caller stopped reading: free the engine's work
         if self.seq is not None:
             self.proposer.forget(self.seq)
-        self.session._streaming = None
 
 
 class VLLMTarget:
