@@ -66,10 +66,12 @@ class DraftGate:
     server throughput. The gate times committed tokens per second over windows of `window_s` at one
     load (the active sessions): in windows "on" the budget stands, "off" it is 0. It learns both
     (on first, then off), then keeps the faster, trying the other every `explore`-th window (four
-    times as rarely when they differ by more than a quarter); a window whose load changed, or where
-    the budget wanted no draft, teaches nothing. Below `min_load` sessions the budget stands: their
-    proposals are a few requests a step. Not thread-safe by itself: the caller serialises `allow`
-    and `count`."""
+    times as rarely when they differ by more than a quarter, and each try that confirms the faster
+    one spaces the next twice as far, up to eight times); at a load it has not compared yet it
+    follows the nearest load it has within a quarter of it (sessions ending one by one do not
+    relearn at each load). A window whose load changed, or where the budget wanted no draft,
+    teaches nothing. Below `min_load` sessions the budget stands: their proposals are a few
+    requests a step. Not thread-safe by itself: the caller serialises `allow` and `count`."""
 
     def __init__(
         self,
@@ -85,7 +87,10 @@ class DraftGate:
         self.window_s, self.explore, self.min_load, self.clock = window_s, explore, min_load, clock
         self.rates: dict[tuple[int, bool], tuple[float, float]] = {}  # (load, on) -> (tokens, seconds)
         self._load: int | None = None
-        self._on, self._began, self._tokens, self._wanted, self._windows = True, 0.0, 0, False, 0
+        self._on, self._began, self._tokens, self._wanted = True, 0.0, 0, False
+        self._best: bool | None = None  # the faster mode as last compared
+        self._since = 0  # windows since the other mode was last tried
+        self._spacing = 1  # times `explore` between tries: doubles while tries confirm the faster
 
     def allow(self, load: int, wanted: bool) -> bool:
         """Whether drafts are taken now at `load` active sessions; `wanted`: the budget is above 0."""
@@ -99,7 +104,6 @@ class DraftGate:
                 decay = 0.7  # older windows count less: the load's text and contexts move on
                 tokens, seconds = decay * tokens + self._tokens, decay * seconds + now - self._began
                 self.rates[(load, self._on)] = (tokens, seconds)
-            self._windows += 1
             self._on = self._choose(load)
             self._load, self._began, self._tokens, self._wanted = load, now, 0, False
         self._wanted = self._wanted or wanted
@@ -115,9 +119,27 @@ class DraftGate:
         return tokens / seconds if seconds > 0 else None
 
     def _choose(self, load: int) -> bool:
-        on, off = self.rate(load, True), self.rate(load, False)
-        if on is None or off is None:
-            return on is None  # learn "on" first, then "off"
+        """This window's mode at `load`: the faster where both modes were measured at the nearest
+        load within a quarter of this one (this one first: a load that moves as sessions end need
+        not learn again), the other every so often; where none was, learn on, then off."""
+        near_by = max(1, load // 4)  # a quarter of the load away, at most
+        compared = [n for n in {n for n, _ in self.rates} if abs(n - load) <= near_by and self._both(n)]
+        if not compared:
+            return self.rate(load, True) is None  # learn "on" first, then "off"
+        near = min(compared, key=lambda n: (abs(n - load), -n))
+        on, off = self.rate(near, True), self.rate(near, False)
+        assert on is not None and off is not None
         best = on >= off
-        every = self.explore * (4 if max(on, off) > 1.25 * min(on, off) else 1)
-        return (not best) if self._windows % every == 0 else best
+        if best != self._best:  # first compared, or the other mode turned out faster: try again soon
+            self._best, self._spacing, self._since = best, 1, 0
+        elif self._since == 0:  # the last try confirmed the faster one: the next one twice as far
+            self._spacing = min(2 * self._spacing, 8)
+        self._since += 1
+        every = self.explore * self._spacing * (4 if max(on, off) > 1.25 * min(on, off) else 1)
+        if self._since < every:
+            return best
+        self._since = 0
+        return not best
+
+    def _both(self, load: int) -> bool:
+        return self.rate(load, True) is not None and self.rate(load, False) is not None
