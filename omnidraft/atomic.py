@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_path", "atomic_write_bytes", "fsync_dir", "recover"]
+__all__ = ["atomic_path", "atomic_write_bytes", "build_lock", "fsync_dir", "recover"]
 
 STALE_S = 3600.0
 """A hidden temporary beside a path that nothing has written for this long is a killed writer's
@@ -53,6 +53,19 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)  # the rename itself survives a power cut only once the directory is synced
+
+
+@contextmanager
+def build_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive lock for building `path` once: callers check whether `path` exists inside
+    the block, so two processes that want the same cached model at once build it once (the second
+    waits, then finds it). The lock is a small hidden file beside `path`, left in place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(path.parent / f".{path.name}.lock")):
+        yield
 
 
 @contextmanager

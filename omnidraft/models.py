@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import presets
-from .atomic import atomic_path
+from .atomic import atomic_path, build_lock
 
 __all__ = ["LoadedModel", "hf_directory", "load_model", "load_tokenizer"]
 
@@ -91,6 +91,13 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     converted = _converted_dir(path, name)
     if (converted / "config.json").exists():
         return _load_hf(str(converted), name, dtype)
+    with build_lock(converted):  # two processes loading it first at once dequantise it once
+        if (converted / "config.json").exists():
+            return _load_hf(str(converted), name, dtype)
+        return _convert_gguf(path, name, dtype, converted)
+
+
+def _convert_gguf(path: Path, name: str, dtype: torch.dtype, converted: Path) -> LoadedModel:
     started = time.perf_counter()
     log.info(
         "first load of %s: dequantising %s once (tens of seconds; cached in %s)", name, path.name, converted

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import atomic_path
+from .atomic import atomic_path, build_lock
 from .errors import CorruptFileError, MissingModelError
 
 __all__ = ["PRESETS", "Preset", "cache_dir", "gguf_path"]
@@ -119,12 +119,17 @@ def gguf_path(name: str) -> Path:
     out = cache_dir() / "gguf" / preset.gguf_name
     if out.exists():
         return out
-    if preset.layout == "assemble":  # the meta package lists its chunks (and we check its SHA-256)
-        meta = importlib.import_module(preset.packages[0].replace("-", "_"))
-        chunks = [Path(p) for p in meta.chunk_paths()]
-    else:  # raw parts, concatenated in package order; each package knows its own file
-        chunks = [Path(importlib.import_module(p.replace("-", "_")).get_part_path()) for p in preset.packages]
-    _concatenate(chunks, out, preset.sha256)
+    with build_lock(out):  # another process may be assembling it right now
+        if out.exists():
+            return out
+        if preset.layout == "assemble":  # the meta package lists its chunks (and we check its SHA-256)
+            meta = importlib.import_module(preset.packages[0].replace("-", "_"))
+            chunks = [Path(p) for p in meta.chunk_paths()]
+        else:  # raw parts, concatenated in package order; each package knows its own file
+            chunks = [
+                Path(importlib.import_module(p.replace("-", "_")).get_part_path()) for p in preset.packages
+            ]
+        _concatenate(chunks, out, preset.sha256)
     return out
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import stat
 import time
+from pathlib import Path
 
 import pytest
 
-from omnidraft.atomic import STALE_S, atomic_path, atomic_write_bytes, recover
+from omnidraft.atomic import STALE_S, atomic_path, atomic_write_bytes, build_lock, recover
 
 
 def test_new_files_get_the_umask_default_and_rewrites_keep_the_mode(tmp_path):
@@ -98,3 +100,24 @@ def test_a_killed_writers_leftovers_are_undone_by_the_next_reader_or_writer(tmp_
     os.utime(leftover_file, (old, old))
     atomic_write_bytes(tmp_path / "state.bin", b"whole")
     assert not leftover_file.exists() and (tmp_path / "state.bin").read_bytes() == b"whole"
+
+
+def _build_once(path: str, log: str) -> None:
+    with build_lock(path):
+        if not os.path.exists(path):
+            with open(log, "a") as fh:
+                fh.write("built\n")
+            time.sleep(0.3)  # long enough for the other process to arrive and wait
+            atomic_write_bytes(Path(path), b"model")
+
+
+def test_two_processes_that_want_the_same_cached_file_build_it_once(tmp_path):
+    path, log = tmp_path / "converted", tmp_path / "log"
+    spawn = multiprocessing.get_context("spawn")
+    workers = [spawn.Process(target=_build_once, args=(str(path), str(log))) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    assert [w.exitcode for w in workers] == [0, 0]
+    assert log.read_text() == "built\n" and path.read_bytes() == b"model"

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_path
+from ..atomic import atomic_path, build_lock
 from ..measured import remembered
 
 __all__ = ["WEIGHTS", "drafting_weights", "requantized"]
@@ -53,11 +53,14 @@ def requantized(path: str | os.PathLike[str], threads: int | None = None) -> Pat
         True,
         threads or cpu_threads(),
     )
-    with atomic_path(out) as tmp:
-        with suppress_stdout_stderr(disable=False):
-            failed = lc.llama_model_quantize(os.fsencode(path), os.fsencode(tmp), ctypes.byref(params))
-        if failed or not tmp.stat().st_size:
-            raise RuntimeError(f"llama.cpp could not requantize {path} to Q8_0 (code {failed})")
+    with build_lock(out):
+        if out.exists():  # another process wrote it while this one waited
+            return out
+        with atomic_path(out) as tmp:
+            with suppress_stdout_stderr(disable=False):
+                failed = lc.llama_model_quantize(os.fsencode(path), os.fsencode(tmp), ctypes.byref(params))
+            if failed or not tmp.stat().st_size:
+                raise RuntimeError(f"llama.cpp could not requantize {path} to Q8_0 (code {failed})")
     return out
 
 
