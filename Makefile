@@ -9,6 +9,9 @@ LLAMA_TAG := omnidraft.2
 WHEELS ?= $(HOME)/.cache/omnidraft/wheels
 OPTIMUM_VENV ?= .venv-optimum
 OPTIMUM_STAMP := $(OPTIMUM_VENV)/.omnidraft-installed
+# the suite runs on two pytest-xdist workers, each on its own share of the CPUs (tests/conftest.py),
+# then the tests marked `exclusive` (vLLM's engine binds its own threads) in one process
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast lint bench install clean
 SOURCES := omnidraft benchmarks tests tools
@@ -47,7 +50,8 @@ demo: $(STAMP)
 	$(VENV)/bin/omnidraft demo $(DEMO_ARGS)
 
 test: lint $(OPTIMUM_STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not exclusive"
+	$(PY) -m pytest -m exclusive
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(SOURCES)
@@ -55,7 +59,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not real"
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not real and not exclusive"
+	$(PY) -m pytest -m "exclusive and not real"
 
 bench: $(STAMP)
 	$(VENV)/bin/omnidraft bench --pair smollm2-135m:qwen2.5-coder-0.5b --dataset gsm8k --n 10

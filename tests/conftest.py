@@ -3,12 +3,42 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # the repository's own copy: nothing outside it is read
+
+
+def pytest_configure(config):
+    pin_xdist_worker()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Real-model tests first (their order kept): the two workers then end on short tests together,
+    rather than one waiting while the other runs the last long one."""
+    items.sort(key=lambda item: item.get_closest_marker("real") is None)
+
+
+def pin_xdist_worker() -> None:
+    """Under pytest-xdist (`make test` runs two workers), each worker keeps to its own share of the
+    CPUs, and so do torch, llama.cpp (its threads follow the affinity) and vLLM's OpenMP binding:
+    unpinned, two workers' spinning llama.cpp threads oversubscribe the cores and stall."""
+    worker, count = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
+    )
+    cpus = sorted(os.sched_getaffinity(0))
+    if not worker or count < 2 or len(cpus) < 2:
+        return
+    index = int(worker.removeprefix("gw"))
+    share = cpus[index::count] or [cpus[index % len(cpus)]]
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))
+    os.environ["OMP_NUM_THREADS"] = str(len(share))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, share)))
 
 
 def gsm8k_texts(split: str = "train", n: int = 1500) -> list[str]:
@@ -109,8 +139,36 @@ def tiny_drafter(draft_tokenizer):
     )
 
 
+_REAL_TARGETS: dict[str, object] = {}
+_GREEDY: dict[tuple[int, str, int], list[int]] = {}
+
+
+def real_target(name: str):
+    """A shipped model as a `LocalTarget`, the small ones loaded once per test process: real-model
+    tests share them (none changes a target; a test that patches one undoes it). The 1.5B (6 GB in
+    fp32) is loaded for each test that asks: two workers' copies would crowd the memory."""
+    from omnidraft import LocalTarget
+
+    if name.endswith("1.5b"):
+        return LocalTarget.load(name)
+    if name not in _REAL_TARGETS:
+        _REAL_TARGETS[name] = LocalTarget.load(name)
+    return _REAL_TARGETS[name]
+
+
 def target_greedy(target, prompt: str, n: int) -> list[int]:
-    """The target's own greedy continuation, by HF generate."""
+    """The target's own greedy continuation, by HF generate (remembered for the process's shared
+    real targets: several tests check pairings against the same reference)."""
+    key = (id(target), prompt, n)
+    if key in _GREEDY:
+        return list(_GREEDY[key])
+    out = _generate_greedy(target, prompt, n)
+    if any(target is t for t in _REAL_TARGETS.values()):
+        _GREEDY[key] = list(out)
+    return out
+
+
+def _generate_greedy(target, prompt: str, n: int) -> list[int]:
     ids = target.tokenizer(prompt, return_tensors="pt")["input_ids"]
     out = target.model.generate(
         ids,

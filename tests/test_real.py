@@ -14,7 +14,7 @@ from omnidraft.models import load_tokenizer
 from omnidraft.translate.codec import ByteCodec
 from omnidraft.translate.token_bytes import build_token_bytes
 
-from .conftest import DATA, target_greedy
+from .conftest import DATA, real_target, target_greedy
 from .test_translate import SAMPLES
 
 pytestmark = pytest.mark.real
@@ -76,14 +76,12 @@ PROMPTS = [
 def test_real_pairs_are_token_identical_to_target_greedy(drafter, target_name):
     """On the kernels measured fastest on this machine, with a fixed k and with the defaults (draft
     length from measured costs, rounds that decode with the target alone included)."""
-    target = od.LocalTarget.load(target_name)
+    target = real_target(target_name)
     assert target.model.kernel_plan is not None  # the chosen kernels, as the benchmark's baseline runs them
     fixed, default = drafter.pair(target, k=5, stop_confidence=0.3), drafter.pair(target)
     accepted: list[float] = []
     default.policy.probe_every = default.policy.wait = 2  # visit both kinds of round within a short test
-    for prompt in (
-        PROMPTS if target_name.endswith(("0.5b", "270m")) else PROMPTS[:2]
-    ):  # the 1.5B: code and math
+    for prompt in PROMPTS if target_name.endswith(("0.5b", "270m")) else PROMPTS[:1]:  # the 1.5B: code
         reference = target_greedy(target, prompt, 40)
         out = fixed.generate(prompt, max_new_tokens=40)
         assert out.token_ids == reference, prompt
@@ -159,7 +157,7 @@ def test_one_learning_drafter_moves_between_real_targets_and_keeps_each_profile(
     from omnidraft.profiles import ProfileStore
     from omnidraft.translate.ngram_cache import NgramCache
 
-    targets = [od.LocalTarget.load("qwen2.5-coder-0.5b"), od.LocalTarget.load("gemma3-270m")]
+    targets = [real_target("qwen2.5-coder-0.5b"), real_target("gemma3-270m")]
     store = ProfileStore(tmp_path)
     result = run_switch_bench(
         drafter, targets, prompts=PROMPTS[:2], max_new_tokens=12, user="alice", store=store, repeats=10
@@ -191,11 +189,11 @@ def test_one_learning_drafter_moves_between_real_targets_and_keeps_each_profile(
 
 @pytest.mark.parametrize("target_name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
 def test_retrieval_drafts_stay_identical_on_every_workload(drafter, target_name):
-    """Hybrid (the default) and retrieval-only drafts, one prompt of each workload; the copy-heavy
-    ones must actually retrieve."""
+    """Hybrid (the default) drafts on one prompt of each workload, retrieval-only drafts on the
+    copy-heavy ones, which must actually retrieve."""
     from omnidraft.bench.datasets import load_prompts
 
-    target = od.LocalTarget.load(target_name)
+    target = real_target(target_name)
     pairs = {d: drafter.pair(target, drafts=d) for d in ("hybrid", "retrieval")}
     workloads = ["summarize", "rag", "code-edit", "chat", "gsm8k", "humaneval"]
     # the 1.5B shares every code path with the 0.5B; its one workload is the copy-heavy edit, where
@@ -204,6 +202,8 @@ def test_retrieval_drafts_stay_identical_on_every_workload(drafter, target_name)
         (prompt,) = load_prompts(workload, 1)
         reference = target_greedy(target, prompt, 32)
         for name, pair in pairs.items():
+            if name == "retrieval" and workload not in ("summarize", "rag", "code-edit"):
+                continue
             out = pair.generate(prompt, max_new_tokens=32)
             assert out.token_ids == reference, (workload, name)
             if workload == "code-edit":
@@ -221,7 +221,7 @@ GEMMA_TEMPLATE = (
 
 @pytest.mark.parametrize("target_name", ["qwen2.5-coder-0.5b", "gemma3-270m"])
 def test_chat_renders_the_template_once_with_one_bos(drafter, target_name, monkeypatch):
-    target = od.LocalTarget.load(target_name)
+    target = real_target(target_name)
     pair = drafter.pair(target)
     messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
     if target_name.startswith("gemma"):
@@ -256,7 +256,7 @@ def test_gemma_drafts_for_qwen_with_every_head_and_stays_identical(gemma_drafter
     token byte-level BPE): the full head and each shortlist keep greedy output the target's."""
     from omnidraft.bench.datasets import load_prompts
 
-    target = od.LocalTarget.load("qwen2.5-coder-0.5b")
+    target = real_target("qwen2.5-coder-0.5b")
     gemma_drafter.use_shortlist(kind)
     try:
         pair = gemma_drafter.pair(target, k=4, objective="compute")

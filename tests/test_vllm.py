@@ -14,6 +14,8 @@ from omnidraft.targets.vllm_target import tail_rows
 
 from .conftest import chi_square_p, gsm8k_texts
 
+pytestmark = pytest.mark.exclusive  # vLLM binds its OpenMP threads itself: not on a pinned xdist worker
+
 PROMPTS = ["Question: Tom has 3 apples and buys 5 more.", "Question: A train travels 60 miles in 2 hours."]
 
 
