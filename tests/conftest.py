@@ -24,8 +24,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pin_xdist_worker() -> None:
     """Under pytest-xdist (`make test` runs two workers), each worker keeps to its own share of the
-    CPUs, and so do torch, llama.cpp (its threads follow the affinity) and vLLM's OpenMP binding:
-    unpinned, two workers' spinning llama.cpp threads oversubscribe the cores and stall."""
+    CPUs, and so do torch and llama.cpp (its threads follow the affinity): unpinned, two workers'
+    spinning llama.cpp threads oversubscribe the cores and stall. vLLM binds its own threads: its
+    tests are marked `exclusive` and run after, in one unpinned process."""
     worker, count = (
         os.environ.get("PYTEST_XDIST_WORKER"),
         int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
@@ -38,7 +39,6 @@ def pin_xdist_worker() -> None:
     os.sched_setaffinity(0, share)
     torch.set_num_threads(len(share))
     os.environ["OMP_NUM_THREADS"] = str(len(share))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, share)))
 
 
 def gsm8k_texts(split: str = "train", n: int = 1500) -> list[str]:
