@@ -263,7 +263,8 @@ def _bench_engine(args: argparse.Namespace) -> None:
                 f"{base} (total time)\n\n| row | tok/s | speedup | identical |\n|---|---|---|---|\n"
             )
             text += "".join(
-                f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['identical']}/{r['prompts']} |\n"
+                f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× "  # the row's speed
+                f"| {r['identical']}/{r['prompts']} |\n"  # and how many outputs equal the baseline's
                 for r in summarize_llama(rows, base=base)
             )
             text += "".join(f"\n- {note}" for note in notes[dataset]) + "\n"

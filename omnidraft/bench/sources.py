@@ -83,9 +83,9 @@ def markdown(result: dict[str, Any]) -> str:
         for r in res["rows"]:
             retrieved = f"{r['retrieved_share']:.0%}" if "retrieved_share" in r else "-"
             lines.append(
-                f"| {r.get('label', r['variant'])} | {r['speedup']:.2f}× | {r['tok_s']:.2f} | {r['tau']:.2f} "
-                "| "
-                f"{retrieved} | {r['identical']}/{r['prompts']} | {r.get('rouge_l', float('nan')):.3f} |"
+                f"| {r.get('label', r['variant'])} "
+                f"| {r['speedup']:.2f}× | {r['tok_s']:.2f} | {r['tau']:.2f} | {retrieved} "  # speed
+                f"| {r['identical']}/{r['prompts']} | {r.get('rouge_l', float('nan')):.3f} |"  # output
             )
         paired = [
             (f"hybrid vs {what}", res[key])
