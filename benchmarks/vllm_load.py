@@ -205,10 +205,11 @@ def _serve(
         logs = record(target, od.Drafter.load(extra["drafter"]), extra["prompts"], tokens)
     app = create_app(target, ServerConfig(max_sessions=256))
     url, stop = serve_in_thread(app)
+    passes: dict[int, int] = {}  # load -> passes run at it so far
     try:
         for n in sessions:  # a load repeated: the next pass, new prompts, on the same server
-            again = sum(1 for k in report["runs"] if k.split("#")[0] == str(n))
-            key, first = f"{n}#{again + 1}", again * max(sessions)
+            again = passes[n] = passes.get(n, 0) + 1
+            key, first = f"{n}#{again}", (again - 1) * max(sessions)
             if speculating:
                 refs = report["references"]
                 clients = [(ids[i], logs[i], refs[i], tokens) for i in range(first, first + n)]
