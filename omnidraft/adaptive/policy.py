@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .costs import CostModel
 
-__all__ = ["CostPolicy", "Hysteresis", "ModeChooser", "Outlook", "outlook"]
+__all__ = ["Acceptance", "CostPolicy", "Hysteresis", "ModeChooser", "Outlook", "outlook"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,22 +104,74 @@ def ema(old: float | None, new: float, decay: float) -> float:
     return new if old is None else decay * old + (1 - decay) * new
 
 
+class Acceptance:
+    """How a drafter's proposals fare over drafting rounds: `first`, how often a round's first
+    proposed token is accepted, and `then`, the per-token acceptance after it (accepted tokens over
+    trials, a rejection ending a trial). A draft that starts right tends to go on right, so its later
+    tokens are accepted more often than its first: one per-token rate for both undervalues longer
+    drafts and, with a cheap verify, settles on one-token drafts that measure only the hardest
+    position. Each is a ratio of sums in which a round weighs `decay` times less per round after
+    it (so a slow average is not held near its first round's value)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.rounds = self.hits = self.kept = self.tried = 0.0  # decayed sums
+
+    @property
+    def measured(self) -> bool:
+        return self.rounds > 0
+
+    @property
+    def first(self) -> float:
+        return self.hits / self.rounds if self.rounds else 0.0
+
+    @property
+    def then(self) -> float:
+        """Per-token acceptance after the first (the first's until measured), below 1."""
+        return min(0.99, self.kept / self.tried if self.tried else self.first)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed < 1:
+            return
+        d = self.decay
+        self.rounds, self.hits = d * self.rounds + 1, d * self.hits + (accepted > 0)
+        self.kept, self.tried = d * self.kept, d * self.tried
+        if accepted > 0 and proposed > 1:
+            self.kept += accepted - 1
+            self.tried += accepted - 1 + (accepted < proposed)
+
+    def expected(self, m: float) -> float:
+        """Committed tokens of a round that proposes m target tokens (the target's own included)."""
+        if m <= 0 or not self.first:
+            return 1.0
+        a = self.then
+        return 1.0 + self.first * (1 - a**m) / (1 - a)
+
+    def assume(self, other: Acceptance, rounds: float = 2.0) -> None:
+        """Start again from `other`'s averages, weighted as `rounds` rounds of this one's."""
+        scale = rounds / other.rounds if other.rounds else 0.0
+        self.rounds, self.hits = other.rounds * scale, other.hits * scale
+        self.kept, self.tried = other.kept * scale, other.tried * scale
+
+
 class CostPolicy:
     """The draft length that maximises committed tokens per second, from the pairing's measured
     costs (`CostModel`) and its observed acceptance; 0 means "do not speculate this round".
 
-    With per-token acceptance a (accepted / trials, a rejection ending a trial) and r target tokens
-    per drafted token, a draft of k drafter tokens commits E(k) = 1 + sum_{j=1..rk} a^j tokens in
-    o + k c_d + V(rk + 1) seconds (overhead, marginal drafter step, verifying rk tokens plus the
-    pending one); k = 0 commits one token in V(1) + o_0 (the round's cost beyond drafting). The
-    policy takes the k in [1, k_max] of highest rate unless k = 0 is faster by more than `margin`
-    (a knife-edge call on noisy timings would otherwise flip to not drafting and stay there); each
-    request drafts its first `fresh` rounds, since acceptance depends on the prompt. So a
-    pairing whose drafter cannot pay decodes with the target alone, and tries a draft again after
-    `probe_every` rounds (costs and acceptance drift), waiting twice as long after each probe that
-    did not pay (up to `max_wait` rounds), so a pairing that never pays loses little to probing.
-    Until the costs are measured it drafts `start` tokens, then decodes one round alone to measure
-    V(1). Mutable: one per pairing.
+    With first-token acceptance a1, per-token acceptance after it a (`Acceptance`) and r target
+    tokens per drafted token, a draft of k drafter tokens commits E(k) = 1 + a1 sum_{j=0..rk-1} a^j
+    tokens in o + k c_d + V(rk + 1) seconds (overhead, marginal drafter step, verifying rk tokens
+    plus the pending one); k = 0 commits one token in V(1) + o_0 (the round's cost beyond
+    drafting). The policy takes the k in [1, k_max] of highest rate unless k = 0 is faster by more
+    than `margin` (a knife-edge call on noisy timings would otherwise flip to not drafting and stay
+    there). Acceptance depends on the prompt: each request starts from the pairing's long-run
+    acceptance (averages over about a hundred drafting rounds, not where the last request ended:
+    one hard stretch would otherwise keep every later request from drafting) and drafts its first
+    `fresh` rounds. So a pairing whose drafter cannot pay decodes with the target alone, and tries
+    a draft again after `probe_every` rounds (costs and acceptance drift), waiting twice as long
+    after each probe that did not pay (up to `max_wait` rounds), so a pairing that never pays loses
+    little to probing. Until the costs are measured it drafts `start` tokens, then decodes one
+    round alone to measure V(1). Mutable: one per pairing.
     """
 
     def __init__(
@@ -134,13 +186,14 @@ class CostPolicy:
         max_wait: int = 256,
         fresh: int = 2,
         may_idle: bool = True,
+        long_decay: float = 0.99,
     ) -> None:
         if not 1 <= start <= k_max:
             raise ValueError(f"need 1 <= start <= k_max, got start={start}, k_max={k_max}")
-        if probe_every < 1 or not 0.0 <= decay < 1.0 or margin < 0:
+        if probe_every < 1 or not (0.0 <= decay < 1.0 and 0.0 <= long_decay < 1.0) or margin < 0:
             raise ValueError(
-                f"need probe_every >= 1, 0 <= decay < 1 and margin >= 0, got {probe_every}, {decay} and "
-                f"{margin}"
+                f"need probe_every >= 1, 0 <= decay, long_decay < 1 and margin >= 0, got {probe_every}, "
+                f"{decay}, {long_decay} and {margin}"
             )
         self.cost, self.k_max, self.start, self.probe_every, self.decay = (
             cost,
@@ -153,9 +206,8 @@ class CostPolicy:
         self.wait = probe_every  # idle rounds before the next probe
         self.fresh, self.fresh_left = fresh, 0  # rounds each request drafts before the policy may idle
         self.may_idle = may_idle  # False: never k = 0 (a ModeChooser decides per request whether to draft)
-        # EMAs per drafting round
-        self.accepted: float | None = None
-        self.trials: float | None = None
+        # EMAs per drafting round: this request's, and the pairing's long run a new request starts from
+        self.seen, self.long_run = Acceptance(decay), Acceptance(long_decay)
         self.ratio: float | None = None
         self.idle = 0  # rounds since the last draft
         self.last_rates: dict[int, float] = {}
@@ -164,9 +216,12 @@ class CostPolicy:
         return ema(old, new, self.decay)
 
     def begin_request(self) -> None:
-        """A new request: acceptance depends on the prompt, so it drafts its first `fresh` rounds
-        (measured again) before the policy may decide to decode with the target alone."""
+        """A new request: acceptance depends on the prompt, so it starts from the long-run averages
+        and drafts its first `fresh` rounds (measured again) before the policy may decide to decode
+        with the target alone."""
         self.idle, self.wait, self.fresh_left = 0, self.probe_every, self.fresh
+        if self.long_run.measured:
+            self.seen.assume(self.long_run)
 
     def observe(self, drafted: int, proposed: int, accepted: int) -> None:
         """One finished round: `drafted` drafter tokens became `proposed` target tokens, `accepted` kept."""
@@ -176,19 +231,13 @@ class CostPolicy:
         if self.idle:  # a probe: if drafting still does not pay, wait longer before the next
             self.wait = min(2 * self.wait, self.max_wait)
         self.idle = 0
-        self.accepted = self._ema(self.accepted, accepted)
-        self.trials = self._ema(self.trials, accepted + (accepted < proposed))
+        self.seen.observe(proposed, accepted)
+        self.long_run.observe(proposed, accepted)
         self.ratio = self._ema(self.ratio, proposed / drafted)
-
-    @property
-    def acceptance(self) -> float:
-        """Per-token acceptance a, below 1 so the geometric sums stay finite."""
-        return min(0.99, self.accepted / self.trials) if self.trials and self.accepted is not None else 0.0
 
     def expected_tokens(self, k: int) -> float:
         """E(k): committed tokens of a round that drafts k drafter tokens."""
-        a, m = self.acceptance, self.ratio * k if self.ratio else 0.0
-        return 1.0 + (a * (1 - a**m) / (1 - a) if a > 0 else 0.0)
+        return self.seen.expected(self.ratio * k if self.ratio else 0.0)
 
     def round_seconds(self, k: int) -> float:
         c = self.cost
@@ -202,7 +251,7 @@ class CostPolicy:
         return {k: self.expected_tokens(k) / self.round_seconds(k) for k in range(self.k_max + 1)}
 
     def next_k(self) -> int:
-        if self.trials is None or not self.cost.ready or self.cost.draft is None:
+        if self.ratio is None or not self.cost.ready or self.cost.draft is None:
             return self.start
         if (
             self.may_idle and 1 not in self.cost.verify
