@@ -45,8 +45,7 @@ class RoundPolicy:
         takes no draft now (a zero budget): it should decode the rest alone."""
         p = self.p
         model, free = p.plan.at(p.target, len(req.target.ids))  # what can pay at this context
-        rates = p.policy.last_rates if p.policy else {}
-        defer = model and req.k > 0 and req.rent.defer(rates, req.produced, remaining)
+        defer = model and req.k > 0 and req.rent.defer(p.policy.last_rates if p.policy else {}, req.produced)
         room, ask = within_budget(req.target, remaining - 1, req.k if model and not defer else 0)
         if room == 0 < remaining - 1:
             return None

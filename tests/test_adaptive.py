@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 import omnidraft as od
-from omnidraft.adaptive.policy import CostPolicy, Hysteresis
+from omnidraft.adaptive.policy import Acceptance, CostPolicy, Hysteresis
 
 from .conftest import target_greedy
 from .fakes import OracleDrafter
@@ -425,6 +425,34 @@ def test_cost_policy_starts_at_its_start_and_measures_the_target_alone_once():
     assert policy.next_k() == 0  # V(1) was never measured: one round of the target alone
     cost.observe(0, 0.0, 1, 0.02)
     assert policy.next_k() >= 1
+
+
+def test_acceptance_expects_what_drafts_that_are_right_or_wrong_from_the_start_commit():
+    seen = Acceptance(0.9999)
+    for accepted in (0, 4) * 5:  # half the drafts wrong from their first token, the rest right throughout
+        seen.observe(4, accepted)
+    assert seen.first == pytest.approx(0.5, abs=1e-3) and seen.then == 0.99
+    # such rounds commit 1 or 5 tokens (3 on average) at k = 4, 1 or 2 at k = 1; one per-token rate
+    # (20 accepted in 25 trials) would expect 3.36 and 1.8
+    assert seen.expected(4) == pytest.approx(3.0, abs=0.05)
+    assert seen.expected(1) == pytest.approx(1.5, abs=1e-3)
+    slow = Acceptance(0.99)
+    slow.observe(2, 0)  # a slow average is not held near its first round
+    for _ in range(20):
+        slow.observe(2, 2)
+    assert slow.first > 0.9
+
+
+def test_a_hard_stretch_does_not_keep_the_next_request_from_drafting():
+    policy = CostPolicy(_costs(2.0, VERIFY))
+    for _ in range(60):
+        policy.observe(4, 4, 3)  # the long run: most of each draft accepted
+    for _ in range(15):
+        policy.observe(1, 1, 0)  # the end of one request: every draft rejected
+    policy.observe(0, 0, 0)
+    assert policy.next_k() == 0 and not policy.speculating
+    policy.begin_request()
+    assert policy.next_k() >= 2 and policy.speculating  # the next starts from the long run
 
 
 def test_cost_policy_checks_its_arguments():

@@ -42,16 +42,13 @@ class ReadDeferral:
     against committing the same tokens at the model's measured rate (the cost policy's best), as
     much time as the read costs (measured per context token at each request's first draft); a
     round that beat the model's rate is credited. Renting until the rent equals the price costs
-    at most twice the better choice made in hindsight. The request's length is not all unknown,
-    though: once `evidence` deferred rounds have measured their rate, a request reads at once where
-    the tokens it may still produce would save more than the read costs at the model's rate (a
-    prompt that retrieval does not serve need not rent up to the price first). One per pairing;
-    `begin` gives a request its own `Rent`, so concurrent requests share only the read cost. On by
-    default (`RetrievalConfig.defer_read`): docs/retrieval.md has what it measured.
+    at most twice the better choice made in hindsight. One per pairing; `begin` gives a request its
+    own `Rent`, so concurrent requests share only the read cost. On by default
+    (`RetrievalConfig.defer_read`): docs/retrieval.md has what it measured.
     """
 
-    def __init__(self, decay: float = 0.7, evidence: int = 3) -> None:
-        self.decay, self.evidence = decay, evidence
+    def __init__(self, decay: float = 0.7) -> None:
+        self.decay = decay
         self.per_token: float | None = None  # seconds the drafter takes to read one context token
 
     def begin(self, context: int) -> Rent:
@@ -67,22 +64,14 @@ class Rent:
     unread: int  # the prompt's length; 0 once the request drafted (or for NO_RENT)
     regret: float = 0.0  # seconds its rounds without the model lost against model drafts so far
     rates: dict[int, float] = field(default_factory=dict)  # the cost policy's, when `defer` last asked
-    spent: tuple[int, int, float] = (0, 0, 0.0)  # its deferred rounds, their tokens and seconds
 
-    def defer(self, rates: dict[int, float], produced: int, remaining: int = 0) -> bool:
+    def defer(self, rates: dict[int, float], produced: int) -> bool:
         """Whether this round leaves the model out, by the cost policy's `rates` (committed tokens a
-        second by draft length, 0: the target alone) with `produced` tokens committed so far and
-        up to `remaining` still to come."""
+        second by draft length, 0: the target alone) with `produced` tokens committed so far."""
         if not self.unread or self.owner.per_token is None or 0 not in rates:
             return False
         self.rates = rates
-        price = self.owner.per_token * (self.unread + produced)
-        rounds, tokens, seconds = self.spent
-        best = max((v for k, v in rates.items() if k > 0), default=0.0)
-        if rounds >= self.owner.evidence and tokens and best > 0:
-            if remaining * (seconds / tokens - 1.0 / best) > price:  # the rest pays for the read
-                return False
-        return self.regret < price
+        return self.regret < self.owner.per_token * (self.unread + produced)
 
     def settle(
         self,
@@ -101,9 +90,6 @@ class Rent:
             best = max((v for k, v in self.rates.items() if k > 0), default=0.0)
             if seconds is not None and best > 0:
                 self.regret = max(0.0, self.regret + seconds - committed / best)
-            if seconds is not None:
-                rounds, tokens, spent = self.spent
-                self.spent = (rounds + 1, tokens + committed, spent + seconds)
             return
         if self.unread and drafted:  # the request's first draft read its context first
             read = max(0.0, draft_s - drafted * (step or 0.0)) / (self.unread + produced)
