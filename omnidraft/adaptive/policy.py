@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .costs import CostModel
 
-__all__ = ["Acceptance", "CostPolicy", "Hysteresis", "ModeChooser", "Outlook", "outlook"]
+__all__ = ["Acceptance", "CostPolicy", "Hysteresis", "ModeChooser", "Outlook", "committed", "outlook"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +104,12 @@ def ema(old: float | None, new: float, decay: float) -> float:
     return new if old is None else decay * old + (1 - decay) * new
 
 
+def committed(first: float, then: float, m: float) -> float:
+    """Committed tokens of a round that proposes m tokens (the target's own included), the first
+    accepted with probability `first` and each after it with `then` (< 1) while none is rejected."""
+    return 1.0 + first * (1 - then**m) / (1 - then) if m > 0 else 1.0
+
+
 class Acceptance:
     """How a drafter's proposals fare over drafting rounds: `first`, how often a round's first
     proposed token is accepted, and `then`, the per-token acceptance after it (accepted tokens over
@@ -116,10 +122,6 @@ class Acceptance:
     def __init__(self, decay: float) -> None:
         self.decay = decay
         self.rounds = self.hits = self.kept = self.tried = 0.0  # decayed sums
-
-    @property
-    def measured(self) -> bool:
-        return self.rounds > 0
 
     @property
     def first(self) -> float:
@@ -142,10 +144,7 @@ class Acceptance:
 
     def expected(self, m: float) -> float:
         """Committed tokens of a round that proposes m target tokens (the target's own included)."""
-        if m <= 0 or not self.first:
-            return 1.0
-        a = self.then
-        return 1.0 + self.first * (1 - a**m) / (1 - a)
+        return committed(self.first, self.then, m)
 
     def assume(self, other: Acceptance, rounds: float = 2.0) -> None:
         """Start again from `other`'s averages, weighted as `rounds` rounds of this one's."""
@@ -220,8 +219,7 @@ class CostPolicy:
         and drafts its first `fresh` rounds (measured again) before the policy may decide to decode
         with the target alone."""
         self.idle, self.wait, self.fresh_left = 0, self.probe_every, self.fresh
-        if self.long_run.measured:
-            self.seen.assume(self.long_run)
+        self.seen.assume(self.long_run)  # (both see every round: none yet leaves both empty)
 
     def observe(self, drafted: int, proposed: int, accepted: int) -> None:
         """One finished round: `drafted` drafter tokens became `proposed` target tokens, `accepted` kept."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..adaptive.policy import ema
+from ..adaptive.policy import committed, ema
 from .automaton import Matcher, SuffixAutomaton
 from .datastore import SEP, Datastore
 
@@ -175,8 +175,7 @@ class RetrievalStats:
 
     def expected(self, candidate: Candidate, m: int) -> float:
         """Committed tokens of a round that proposes the candidate's first m tokens."""
-        first, a = self.acceptance(candidate.source, candidate.match)
-        return 1.0 + first * (1.0 + a * (1 - a ** (m - 1)) / (1 - a)) if m > 0 else 1.0
+        return committed(*self.acceptance(candidate.source, candidate.match), m)
 
     def best(self, candidates: list[Candidate], cost: Any | None) -> tuple[Candidate, int, float] | None:
         """The candidate and length of highest expected tokens per second (`cost`: the pairing's
