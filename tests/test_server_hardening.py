@@ -634,3 +634,47 @@ def test_a_client_trickling_its_headers_is_disconnected(tiny_target, monkeypatch
             assert s.recv(64).startswith(b"HTTP/1.1 200")
     finally:
         stop()
+
+
+def test_a_session_is_never_expired_while_its_first_verify_prefills(tiny_target):
+    """Server round 3, item 1: a long prompt's first verify outlasted `fresh_ttl_s`, another
+    request's expiry sweep dropped the session mid-prefill, and its next verify was a 404. A
+    session in use never expires, and its idle time counts from the end of that prefill."""
+    from fastapi.testclient import TestClient
+
+    ids = tiny_target.tokenizer(PROMPT)["input_ids"]
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY, fresh_ttl_s=0.3))) as c:
+        service = c.app.state.service
+        sid = c.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).json()["session"]
+        chunked, swept = service.sessions[sid].inner.prefill, []
+
+        def slow_prefill(most):  # a prefill longer than the fresh TTL, swept by other requests meanwhile
+            if not swept:
+                for _ in range(3):
+                    time.sleep(0.2)
+                    swept.append(c.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).status_code)
+            return chunked(most)
+
+        service.sessions[sid].inner.prefill = slow_prefill
+        first = c.post(
+            f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=AUTH
+        )
+        assert first.status_code == 200 and swept == [200, 200, 200], first.text
+        second = c.post(
+            f"/v1/sessions/{sid}/verify",
+            json={"committed": first.json()["committed"], "proposal": []},
+            headers=AUTH,
+        )
+        assert second.status_code == 200, second.text
+
+
+def test_a_stale_verify_is_refused_before_any_model_work(client, tiny_target, monkeypatch):
+    """Server round 3, item 2: a stale verify on a fresh session paid for the whole prefill before
+    its 409. The committed length is checked first; a retry of the last request still replays."""
+    sid, ids = _open(client, tiny_target)
+    service = client.app.state.service
+    calls = []
+    inner = service.sessions[sid].inner
+    monkeypatch.setattr(inner, "prefill", lambda most: calls.append(most) or 0)
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": 1, "proposal": []}, headers=AUTH)
+    assert r.status_code == 409 and not calls

@@ -128,11 +128,36 @@ class Service(TextRoutes, SpeculateRoutes):
         except ValueError as exc:
             raise HTTPError(422, str(exc)) from exc
         proposal = tuple(request.proposal)
-        with session.lock:
+        with session.lock, self._serving(session):
             self._check_idle(session)
+            self._check_committed(session, request)  # before any model work: a stale request costs nothing
             self._prefill(session)
+            session.used = time.monotonic()  # a fresh session's idle time counts from its prefill's end
             with self.model_lock:  # one request of a session at a time: the committed check is race-free
                 return self._verify(session, request, rule, proposal)
+
+    @contextlib.contextmanager
+    def _serving(self, session: Session) -> Iterator[None]:
+        """While a request of `session` is served (its prefill included, however long), the session
+        does not expire; its idle time counts from the end of the request."""
+        with self.table_lock:
+            session.busy += 1
+        try:
+            yield
+        finally:
+            with self.table_lock:
+                session.busy -= 1
+
+    def _check_committed(self, session: Session, request: VerifyRequest) -> None:
+        """Refuse a verify that does not build on the session's committed tokens (409), unless it
+        is a retry of the request applied last (answered from `session.last`)."""
+        committed = len(session.inner.ids)
+        if request.committed != committed and not (session.last is not None and session.last[0] == request):
+            raise HTTPError(
+                409,
+                f"stale request: it builds on {request.committed} committed tokens, "
+                f"the session has {committed}",
+            )
 
     def _verify(
         self, session: Session, request: VerifyRequest, rule: Rule, proposal: tuple[int, ...]
@@ -346,7 +371,7 @@ class Service(TextRoutes, SpeculateRoutes):
         for sid in [
             s
             for s, v in self.sessions.items()
-            if now - v.used > (ttl if v.verified else min(ttl, self.config.fresh_ttl_s))
+            if not v.in_use and now - v.used > (ttl if v.verified else min(ttl, self.config.fresh_ttl_s))
         ]:
             release_session(self.sessions.pop(sid))
 

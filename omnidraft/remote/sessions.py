@@ -24,6 +24,12 @@ class Session:
     verified: bool = False  # a session that never verifies expires after `fresh_ttl_s`, not `ttl_s`
     streaming: bool = False  # a generate stream is running: other requests are refused until it ends
     rounds: Any = None  # a speculate stream's DeviceRounds, which takes the device's proposals
+    busy: int = 0  # requests being served now (a prefill, a verify): a session in use never expires
+
+    @property
+    def in_use(self) -> bool:
+        """Whether a request or a stream is being served for this session now."""
+        return self.busy > 0 or self.streaming
 
 
 class FairLock:
