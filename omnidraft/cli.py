@@ -23,6 +23,7 @@ def _generate(args: argparse.Namespace) -> None:
     for piece in pair.stream(args.prompt, max_new_tokens=args.max_new_tokens, generator=gen):
         sys.stdout.write(piece)
         sys.stdout.flush()
+    assert pair.last is not None  # a finished stream leaves its Generation
     s = pair.last.stats
     print(
         f"\n\n[{s.new_tokens} tokens, {s.tokens_per_second:.2f} tok/s, acceptance {s.acceptance_rate:.2f}, "
@@ -47,7 +48,7 @@ def _demo(args: argparse.Namespace) -> None:
     )
     for key, rows in per_prompt.items():
         for r in rows:
-            tokens, label = r["new_tokens"], f"{key.split('/')[1]} #{r['index']}"
+            tokens, label = r["new_tokens"], f"{key.rsplit('/', 1)[1]} #{r['index']}"  # key: PAIR/DATASET
             print(
                 f"{label:<16}{r['acceptance_rate']:>8.2f}{r['mean_accepted_length']:>7.2f}"
                 f"{r['ngram_hits_per_round']:>11.2f}{tokens / r['omnidraft_s']:>12.2f}"

@@ -42,6 +42,8 @@ from .translate.tables import TABLES_KEPT, pair_tables
 from .translate.translator import Translator
 
 if TYPE_CHECKING:
+    from .adaptive.acceptance_head import AcceptanceHead
+    from .adaptive.policy import CostPolicy
     from .distill.adapters import AdapterConfig
     from .distill.learner import Learner
     from .distill.trainer import TrainConfig
@@ -156,20 +158,25 @@ class Pairing:
         self.last: Generation | None = None
         self._book = threading.RLock()  # the state requests share: costs, policies, caches, stats
 
-    policy = property(
-        lambda self: self.lengths.policy,
-        doc="The cost policy that picks draft lengths (None with a fixed k, a head or hysteresis).",
-    )
-    head = property(lambda self: self.lengths.head, doc="The acceptance head (None without one).")
-    head_trainer = property(
-        lambda self: self.lengths.trainer, doc="The head's trainer (None without a head)."
-    )
+    @property
+    def policy(self) -> CostPolicy | None:
+        """The cost policy that picks draft lengths (None with a fixed k, a head or hysteresis)."""
+        return self.lengths.policy
+
+    @property
+    def head(self) -> AcceptanceHead | None:
+        """The acceptance head (None without one)."""
+        return self.lengths.head
+
+    head_trainer = property(lambda self: self.lengths.trainer, doc="The head's trainer (None without one).")
     head_ready = property(
         lambda self: self.lengths.head_ready, doc="Whether the head (not its fallback) decides."
     )
-    drafting = property(
-        lambda self: self.model_drafts or self.free_drafts, doc="Whether any draft can pay here."
-    )
+
+    @property
+    def drafting(self) -> bool:
+        """Whether any draft can pay here."""
+        return self.model_drafts or self.free_drafts
 
     @property
     def speculating(self) -> bool:

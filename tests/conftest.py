@@ -64,17 +64,20 @@ def train_bpe(vocab_size: int, texts: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
-def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 1.0):
-    """A 2-layer, 32-wide Llama with random weights (seeded); `logit_scale` sharpens its outputs."""
+def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 1.0, *, wide: bool = False):
+    """A 2-layer, 32-wide Llama with random weights (seeded); `logit_scale` sharpens its outputs.
+    `wide`: 64 wide in two heads of 32 (vLLM's CPU attention needs a head width it has kernels for)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    shape = (
+        {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+        if wide
+        else {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    )
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
+        **shape,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=False,
         eos_token_id=0,

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from .baselines import Timed
+
+if TYPE_CHECKING:
+    from ..pairing import Pairing
 
 __all__ = ["GgufDraft", "run_llama", "summarize_llama", "time_rows"]
 
@@ -65,7 +68,7 @@ def _own(llm: Any, ids: list[int], n: int, eos: frozenset[int]) -> Timed:
     return Timed(out, time.perf_counter() - started)
 
 
-def pairing_row(pair: Any, n: int, prompt: str, ids: list[int]) -> Timed:
+def pairing_row(pair: Pairing, n: int, prompt: str, ids: list[int]) -> Timed:
     """A timed row of `pair` generating `n` tokens after `prompt` (`ids`: the same, tokenized)."""
     started = time.perf_counter()
     out = pair.generate(prompt, max_new_tokens=n)

@@ -18,10 +18,14 @@ import json
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..remote.client import RemoteTarget
 from ..remote.server import ServerConfig, create_app, http_protocol
+
+if TYPE_CHECKING:
+    from ..draft import Drafter
+    from ..target import Target
 
 __all__ = ["ROWS", "LatencyClient", "run_remote", "serve_in_thread"]
 
@@ -98,15 +102,15 @@ ROWS = ("server alone", "omnidraft (latency)", "omnidraft (compute)")
 
 
 def run_remote(
-    drafter: Any,
-    target: Any,
+    drafter: Drafter,
+    target: Target,
     prompts: list[str],
     max_new_tokens: int,
     rtts: list[float],
     *,
     k: int | None = None,
-    progress: Any = lambda msg: None,
-    trace: Any = None,
+    progress: Callable[[str], object] = lambda msg: None,
+    trace: Callable[[float, int, Any], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Per round-trip time and row of ROWS: seconds per request, tok/s, speedup over the server
     alone, target forwards and bytes sent per committed token, outputs identical to the server's.

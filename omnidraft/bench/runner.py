@@ -18,6 +18,8 @@ from ..pairing import Pairing
 from .baselines import Timed, hf_assisted, prompt_lookup, stock_generate, target_alone
 
 if TYPE_CHECKING:
+    from ..draft import Drafter
+    from ..target import Target
     from ..targets.local import LocalTarget
 
 __all__ = [
@@ -130,10 +132,11 @@ def run_prompts(
 
 
 def pairing_costs(pair: Pairing, target_step_s: float) -> dict[str, Any]:
-    """What the pairing measured (ms): drafter step, round overhead, verify(m), its per-token
-    acceptance and target tokens per drafted token; and the limit check of docs/benchmarks.md:
-    a round of k drafted tokens costs k * step + verify(k + 1) + overhead for tau tokens, which
-    beats the target alone only while that is below tau * target step."""
+    """What the pairing measured (ms): drafter step, round overhead, verify(m); and, once its cost
+    policy has seen a drafting round, the first drafted token's acceptance, the per-token
+    acceptance after it, target tokens per drafted token and the expected rate of each draft length.
+    The limit check of docs/benchmarks.md: a round of k drafted tokens costs k * step + verify(k + 1)
+    + overhead for tau tokens, which beats the target alone only while that is below tau * target step."""
     cost, policy = pair.cost, pair.policy
     out: dict[str, Any] = {
         "target_step_ms": 1000 * target_step_s,
@@ -141,9 +144,10 @@ def pairing_costs(pair: Pairing, target_step_s: float) -> dict[str, Any]:
         "overhead_ms": 1000 * cost.overhead,
         "verify_ms": {m: 1000 * v for m, v in sorted(cost.verify.items())},
     }
-    if policy is not None and policy.trials:
+    if policy is not None and policy.long_run.rounds > 0 and policy.ratio is not None and cost.ready:
         out.update(
-            acceptance=policy.acceptance,
+            first_acceptance=policy.long_run.first,
+            then_acceptance=policy.long_run.then,
             target_per_drafted=policy.ratio,
             rates_tok_s={k: round(v, 2) for k, v in policy.rates().items()},
         )
@@ -338,8 +342,8 @@ _T95 = {
 
 
 def default_against_fixed_k(
-    drafter: Any,
-    target: Any,
+    drafter: Drafter,
+    target: Target,
     prompts: list[str],
     max_new_tokens: int,
     ks: list[int],

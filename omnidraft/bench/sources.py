@@ -8,10 +8,14 @@ docs/retrieval.md has the figures and the command.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .datasets import load_prompts
 from .runner import compare_pairings, paired_ratio
+
+if TYPE_CHECKING:
+    from ..draft import Drafter
+    from ..target import Target
 
 __all__ = ["RELAXED_ROW", "hybrid_against", "markdown", "run_sources"]
 
@@ -19,8 +23,8 @@ RELAXED_ROW = "omnidraft hybrid, relaxed (LOSSY)"
 
 
 def run_sources(
-    drafter: Any,
-    target: Any,
+    drafter: Drafter,
+    target: Target,
     datasets: list[str],
     n: int,
     max_new_tokens: int,

@@ -1,0 +1,112 @@
+"""What the README tells a user to run, end to end through the `omnidraft` entry point on tiny
+models with a few tokens: `omnidraft demo` and `omnidraft bench` on every target backend (PyTorch,
+llama.cpp, vLLM, --remote), each checked for its exit code and its report's rows. A change that
+breaks one of them fails here, not in a user's first minute."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from omnidraft.cli import main
+
+from .conftest import tiny_llama
+from .tiny_gguf import write_tiny_gguf
+
+FEW = ["--n", "1", "--max-new-tokens", "4"]
+MACHINE_CACHE = os.environ.get("OMNIDRAFT_CACHE")  # the shipped models' cache, before `own_cache`
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, draft_tokenizer, target_tokenizer):
+    """The tiny drafter and target as a user hands them to the CLI: HF directories and GGUF files."""
+    root = tmp_path_factory.mktemp("cli-models")
+    out = {}
+    for name, tokenizer, seed in (("drafter", draft_tokenizer, 2), ("target", target_tokenizer, 1)):
+        model = tiny_llama(len(tokenizer), seed=seed, logit_scale=30.0, wide=True)
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        out[name] = str(root / name)
+        out[f"{name}.gguf"] = str(write_tiny_gguf(model, tokenizer, root / f"{name}.gguf"))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    """Per-machine measurements and converted models of these throwaway models stay out of the
+    machine's cache."""
+    monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path_factory.getbasetemp() / "cli-cache"))
+
+
+def run_cli(argv: list[str]) -> int:
+    """`omnidraft ARGV` in this process: its exit status (0 when it returns)."""
+    try:
+        main(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0
+
+
+def test_demo_runs_to_its_table(models, capsys):
+    assert run_cli(["demo", "--drafter", models["drafter"], "--target", models["target"], *FEW]) == 0
+    out = capsys.readouterr().out
+    assert "gsm8k #0" in out and "humaneval #0" in out
+    totals = [line for line in out.splitlines() if line.startswith("total ")]
+    assert len(totals) == 2 and all(line.rstrip().endswith("100%") for line in totals)  # identical outputs
+
+
+def test_bench_on_the_pytorch_target_reports_every_row(models, tmp_path, capsys):
+    pair = f"{models['drafter']}:{models['target']}"
+    argv = ["bench", "--pair", pair, "--dataset", "gsm8k", *FEW, "--out", str(tmp_path), "--name", "b"]
+    assert run_cli(argv) == 0
+    (summary,) = json.loads((tmp_path / "b.json").read_text())["summaries"]
+    assert summary["identical_rate"] == 1.0 and summary["prompts"] == 1
+    assert {"stock_speedup", "lookup_speedup", "assisted_speedup"} <= set(summary)
+    assert summary["costs"]["target_step_ms"] > 0
+
+
+def test_bench_through_the_server_reports_every_row(models, tmp_path):
+    pair = f"{models['drafter']}:{models['target']}"
+    argv = ["bench", "--remote", "--rtt", "0", "--pair", pair, "--dataset", "gsm8k", *FEW]
+    assert run_cli([*argv, "--out", str(tmp_path), "--name", "r"]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert len(rows) >= 2 and all(r["identical"] == r["prompts"] == 1 for r in rows)
+
+
+def test_bench_on_llama_cpp_reports_every_row(models, tmp_path):
+    pair = f"{models['drafter.gguf']}:{models['target.gguf']}"
+    argv = ["bench", "--target-backend", "llama.cpp", "--pair", pair, "--dataset", "gsm8k", *FEW]
+    assert run_cli([*argv, "--out", str(tmp_path), "--name", "l"]) == 0
+    (rows,) = json.loads((tmp_path / "l.json").read_text()).values()
+    names = {r["row"] for r in rows}
+    assert "llama.cpp alone" in names and any(n.startswith("omnidraft") for n in names)
+    assert all(r["identical"] for r in rows if r["row"] != "PyTorch fp32 target alone")
+
+
+@pytest.mark.exclusive  # vLLM binds its own threads: run with the other vLLM tests
+def test_bench_on_vllm_reports_every_row(models, tmp_path):
+    pair = f"{models['drafter']}:{models['target']}"
+    argv = ["bench", "--target-backend", "vllm", "--pair", pair, "--dataset", "gsm8k", *FEW, "--no-peers"]
+    assert run_cli([*argv, "--out", str(tmp_path), "--name", "v"]) == 0
+    (rows,) = json.loads((tmp_path / "v.json").read_text()).values()
+    assert {r["row"] for r in rows} >= {"vLLM alone", "omnidraft (default)"}
+    assert all(r["identical"] for r in rows)
+
+
+@pytest.mark.real
+def test_make_demo_runs_to_its_table_on_the_shipped_models(tmp_path):
+    """`make demo`'s own command (the installed `omnidraft` script, the default pair), cut to one
+    prompt per dataset and a few tokens: it exits 0 after printing its table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "omnidraft"
+    env = {k: v for k, v in os.environ.items() if k != "OMNIDRAFT_CACHE"}
+    if MACHINE_CACHE is not None:
+        env["OMNIDRAFT_CACHE"] = MACHINE_CACHE
+    done = subprocess.run([str(script), "demo", *FEW], capture_output=True, text=True, env=env, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "total gsm8k" in done.stdout and "total humaneval" in done.stdout
