@@ -37,7 +37,7 @@ from .protocol import (
     VerifyRequest,
 )
 from .server_config import HTTPError, ServerConfig
-from .sessions import FairLock, Session, release_session
+from .sessions import FairLock, Session, release_session, serving
 from .text_routes import TextRoutes
 
 __all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service"]  # the last three re-exported
@@ -128,52 +128,40 @@ class Service(TextRoutes, SpeculateRoutes):
         except ValueError as exc:
             raise HTTPError(422, str(exc)) from exc
         proposal = tuple(request.proposal)
-        with session.lock, self._serving(session):
+        with session.lock, serving(session, self.table_lock):
             self._check_idle(session)
-            self._check_committed(session, request)  # before any model work: a stale request costs nothing
+            if not self._replays(session, request):  # before any model work: a stale request costs nothing
+                self._check_committed(session, request.committed)
             self._prefill(session)
             session.used = time.monotonic()  # a fresh session's idle time counts from its prefill's end
             with self.model_lock:  # one request of a session at a time: the committed check is race-free
                 return self._verify(session, request, rule, proposal)
 
-    @contextlib.contextmanager
-    def _serving(self, session: Session) -> Iterator[None]:
-        """While a request of `session` is served (its prefill included, however long), the session
-        does not expire; its idle time counts from the end of the request."""
-        with self.table_lock:
-            session.busy += 1
-        try:
-            yield
-        finally:
-            with self.table_lock:
-                session.busy -= 1
+    @staticmethod
+    def _replays(session: Session, request: VerifyRequest) -> bool:
+        """Whether `request` is a retry of the request the session applied last (answered again)."""
+        return session.last is not None and session.last[0] == request
 
-    def _check_committed(self, session: Session, request: VerifyRequest) -> None:
-        """Refuse a verify that does not build on the session's committed tokens (409), unless it
-        is a retry of the request applied last (answered from `session.last`)."""
-        committed = len(session.inner.ids)
-        if request.committed != committed and not (session.last is not None and session.last[0] == request):
+    @staticmethod
+    def _check_committed(session: Session, committed: int) -> None:
+        """Refuse a request that does not build on the session's committed tokens (409)."""
+        if committed != len(session.inner.ids):
             raise HTTPError(
                 409,
-                f"stale request: it builds on {request.committed} committed tokens, "
-                f"the session has {committed}",
+                f"stale request: it builds on {committed} committed tokens, "
+                f"the session has {len(session.inner.ids)}",
             )
 
     def _verify(
         self, session: Session, request: VerifyRequest, rule: Rule, proposal: tuple[int, ...]
     ) -> VerifyReply:
         """The verify itself, under the session's lock and the model lock."""
+        if session.last is not None and self._replays(session, request):
+            return session.last[
+                1
+            ]  # a retry of the request applied last (all of it): same answer, applied once
+        self._check_committed(session, request.committed)
         committed = len(session.inner.ids)
-        if request.committed != committed:
-            if session.last is not None and session.last[0] == request:
-                return session.last[
-                    1
-                ]  # a retry of the request applied last (all of it): same answer, applied once
-            raise HTTPError(
-                409,
-                f"stale request: it builds on {request.committed} committed tokens, "
-                f"the session has {committed}",
-            )
         self._check_context(committed + len(proposal) + 1, "the session")
         with self.table_lock:
             self._reserve(len(proposal) + 1, session.key)
@@ -216,12 +204,7 @@ class Service(TextRoutes, SpeculateRoutes):
         `committed`: refuse it while another stream runs, when it is stale, or past the context or
         the KV budget; else reserve its tokens (the caller marks the session streaming)."""
         self._check_idle(session)
-        if committed != len(session.inner.ids):
-            raise HTTPError(
-                409,
-                f"stale request: it builds on {committed} committed tokens, "
-                f"the session has {len(session.inner.ids)}",
-            )
+        self._check_committed(session, committed)
         self._check_context(committed + max_tokens, "the session")
         with self.table_lock:
             self._reserve(max_tokens, session.key)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from .protocol import VerifyReply, VerifyRequest
 
-__all__ = ["FairLock", "Session", "release_session"]
+__all__ = ["FairLock", "Session", "release_session", "serving"]
 
 
 @dataclass
@@ -60,3 +61,16 @@ def release_session(session: Session | None) -> None:
     """Give a dropped session's engine resources back (a llama.cpp slot; nothing on vLLM)."""
     if session is not None and (close := getattr(session.inner, "close", None)) is not None:
         close()
+
+
+@contextlib.contextmanager
+def serving(session: Session, table_lock: threading.Lock) -> Iterator[None]:
+    """While a request of `session` is served (its prefill included, however long), the session
+    counts as in use and never expires (`table_lock`: the lock its expiry sweep holds)."""
+    with table_lock:
+        session.busy += 1
+    try:
+        yield
+    finally:
+        with table_lock:
+            session.busy -= 1
