@@ -8,7 +8,8 @@ A PyTorch drafter is the only one that learns: pair with `Drafter.load(spec, bac
 to learn adapters.
 
 `drafting_twin` is what `pair()` uses: a PyTorch drafter loaded from a preset or .gguf file drafts
-through its llama.cpp twin (the same GGUF file under llama.cpp) wherever that drafts faster here
+through its llama.cpp twin (only where this machine's llama.cpp build has run that file in a
+child process: llamacpp/smoke.py) (the same GGUF file under llama.cpp) wherever that drafts faster here
 and the pairing needs nothing only the PyTorch drafter has (learning, adapters, a user profile,
 an acceptance head, a shortlisted head); `backend="torch"` at load keeps it on PyTorch.
 """
@@ -103,7 +104,11 @@ def _candidates(spec: str) -> list[str]:
         if importlib.util.find_spec("llama_cpp") is None:
             log.info("llama-cpp-python is not installed: the drafter runs on PyTorch")
         else:
-            names.append("llama.cpp")
+            from .llamacpp.loading import gguf_file
+            from .llamacpp.smoke import runs
+
+            if runs(gguf_file(spec)[0]) == "ok":  # a build that crashes here is never picked (smoke.py)
+                names.append("llama.cpp")
     return names
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .pairing import Pairing
 
 __all__ = ["DRAFTER", "TARGET", "add_decoding_args", "build_parser", "load_pair", "split_pair", "start_run"]
 
@@ -16,6 +19,8 @@ TARGET = "qwen2.5-coder-1.5b"
 
 def add_decoding_args(q: argparse.ArgumentParser) -> None:
     """The decoding options every command that builds a pairing takes."""
+    from .draft.base import BACKEND_ENV, BACKENDS
+
     q.add_argument(
         "--k",
         type=int,
@@ -39,6 +44,13 @@ def add_decoding_args(q: argparse.ArgumentParser) -> None:
     )
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument(
+        "--drafter-backend",
+        choices=list(BACKENDS),
+        default=None,
+        help="the drafter's backend: torch, llama.cpp, onnx or auto (fastest here); default: "
+        f"${BACKEND_ENV}, else PyTorch drafting through llama.cpp where that runs and is faster here",
+    )
+    q.add_argument(
         "--drafts",
         action="append",
         choices=["hybrid", "model", "retrieval"],
@@ -55,12 +67,13 @@ def split_pair(pair: str) -> tuple[str, str]:
     return drafter, target
 
 
-def load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) -> Any:
+def load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) -> Pairing:
     """Load both models and pair them with the decoding options in `args`."""
     import omnidraft as od
 
     started = time.perf_counter()
-    drafter, target = od.Drafter.load(drafter_spec), od.LocalTarget.load(target_spec)
+    drafter = od.Drafter.load(drafter_spec, backend=getattr(args, "drafter_backend", None))
+    target = od.LocalTarget.load(target_spec)
     logging.getLogger("omnidraft").info(
         "loaded %s and %s in %.1f s", drafter, target, time.perf_counter() - started
     )

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["BACKENDS", "Drafter", "pair"]
 
 BACKENDS = ("torch", "llama.cpp", "onnx", "auto")
+BACKEND_ENV = "OMNIDRAFT_DRAFTER_BACKEND"  # the backend `load` uses when none is passed
 # where each backend is defined: imported on first use (a plugin table, so this module imports none)
 BACKEND_MODULES = {
     "torch": "omnidraft.draft.torch_drafter",
@@ -120,8 +121,9 @@ class Drafter:
         under llama.cpp: a preset or .gguf path; `threads` its thread count), "onnx" (a graph from
         `omnidraft export`; the default for a .onnx path), or "auto": whichever of the installed
         backends drafts a token fastest on this machine, timed once and remembered per machine
-        (backends.py). None (default): PyTorch, whose pairings draft through the GGUF file's
-        llama.cpp twin where that is faster here and they need nothing only PyTorch has
+        (backends.py). None (default): `$OMNIDRAFT_DRAFTER_BACKEND` if set, else PyTorch, whose
+        pairings draft through the GGUF file's llama.cpp twin where this machine's llama.cpp build
+        runs it (llamacpp/smoke.py), it is faster here and they need nothing only PyTorch has
         (`backends.drafting_twin`); "torch" keeps every pairing on PyTorch.
         `quantize="int8"` (torch, default) applies dynamic int8 to its linear layers (int8.py):
         it changes only what is proposed, never what the target commits. `train_through_int8`:
@@ -131,6 +133,10 @@ class Drafter:
         """
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"drafter backend must be one of {BACKENDS}, got {backend!r}")
+        if backend is None and os.environ.get(BACKEND_ENV):
+            backend = os.environ[BACKEND_ENV]
+            if backend not in BACKENDS:
+                raise ValueError(f"${BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
         from ..devices import resolve_device, resolve_dtype
 
         where, kind = resolve_device(device), resolve_dtype(dtype)

@@ -84,13 +84,20 @@ def open_llama(
     n_batch: int = 512,
     flash_attn: bool = True,
     repack: bool = True,
+    smoke_tested: bool = False,
     **extra: Any,
 ) -> Any:
     """A `llama_cpp.Llama` with the settings every engine here uses, so that a baseline (the
     engine's own `generate`, its own speculative decoding) runs exactly as our sessions do: flash
     attention (faster on CPU here), weights repacked unless `repack=False`. swa_full: a
-    sliding-window model (Gemma 3) keeps every position, so any suffix can be removed."""
+    sliding-window model (Gemma 3) keeps every position, so any suffix can be removed. Unless
+    `smoke_tested`, the file is first run in a child process once per machine and build (smoke.py):
+    a build this CPU cannot run raises LlamaCppBrokenError instead of killing this process."""
     lc = require_llama_cpp()
+    if not smoke_tested:
+        from .smoke import check_runs
+
+        check_runs(path)
     threads = threads or cpu_threads()
     with _LOAD_LOCK, contextlib.nullcontext() if repack else _no_repack(lc):
         return lc.Llama(
