@@ -160,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--rtt", type=float, action="append", metavar="MS", help="round-trip time(s) in ms for --remote"
     )
     b.add_argument(
+        "--devices",
+        type=int,
+        action="append",
+        metavar="N",
+        help="with --remote --target-backend vllm: devices streaming at once, repeatable (default 1)",
+    )
+    b.add_argument(
+        "--no-stock",
+        action="store_true",
+        help="with --remote --target-backend vllm: skip the stock vLLM server row",
+    )
+    b.add_argument(
         "--target-backend",
         choices=["torch", "llama.cpp", "vllm"],
         default="torch",

@@ -133,6 +133,43 @@ def _bench_remote(args: argparse.Namespace) -> None:
     print(f"wrote {out / args.name}.json and .md")
 
 
+def _bench_network(args: argparse.Namespace) -> None:
+    """Devices drafting for a vLLM server across a delaying proxy (bench/network.py)."""
+    import json
+
+    from tqdm import tqdm
+
+    from ..atomic import atomic_write_bytes
+    from .datasets import load_prompts
+    from .network import markdown, run_network
+
+    out, text, results = Path(args.out), "", []
+    for pair_spec in args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]:
+        drafter_spec, target_spec = split_pair(pair_spec)
+        for dataset in args.dataset or ["mixed"]:
+            bar = tqdm(desc=f"{pair_spec} {dataset} network", file=sys.stderr)
+            rows = run_network(
+                drafter_spec,
+                target_spec,
+                load_prompts(dataset, args.n),
+                args.max_new_tokens,
+                args.rtt or [0.0, 50.0],
+                args.devices or [1],
+                stock=not args.no_stock,
+                log=str(out / f"{args.name}-servers.log"),
+                progress=bar.set_postfix_str,
+            )
+            bar.close()
+            results += [{"pair": pair_spec, "dataset": dataset, **r} for r in rows]
+            text += (
+                f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens\n\n{markdown(rows)}"
+            )
+            atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
+            atomic_write_bytes(out / f"{args.name}.md", text.encode())
+    print(text)
+    print(f"wrote {out / args.name}.json and .md")
+
+
 def _bench_k_grid(args: argparse.Namespace) -> None:
     import json
 
@@ -277,6 +314,8 @@ def _bench_engine(args: argparse.Namespace) -> None:
 def bench(args: argparse.Namespace) -> None:
     from .report import markdown_table, write_report
 
+    if args.remote and args.target_backend == "vllm":
+        return _bench_network(args)
     if args.remote:
         return _bench_remote(args)
     if args.target_backend in ("llama.cpp", "vllm"):

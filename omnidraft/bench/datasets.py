@@ -73,17 +73,19 @@ def _summarize(n: int) -> list[str]:
 def _rag(n: int) -> list[str]:
     """Three articles (150 words each, from the second half of the sample) and a question that the
     one named by i % 3 answers: which document reports its first highlight, quoted."""
-    rows, out = _cnndm()[50:], []
-    for i in range(n):
-        docs = [rows[(3 * i + j) % len(rows)] for j in range(3)]
-        answer = docs[i % 3]
-        fact = answer["highlights"].split("\n")[0].strip().rstrip(".")
-        context = "\n".join(f"[{j + 1}] {_words(d['article'], 150)}" for j, d in enumerate(docs))
-        out.append(
-            f"Documents:\n{context}\n\nQuestion: Which document reports that {fact}? Name it and quote the "
-            "sentences of that document that say so.\nAnswer:"
-        )
-    return out
+    rows = _cnndm()[50:]
+    return [_rag_prompt(rows, 3 * i, i % 3) for i in range(n)]
+
+
+def _rag_prompt(rows: list[dict], first: int, answer: int) -> str:
+    """Three articles from `rows[first:]` (150 words each) and the question document `answer` answers."""
+    docs = [rows[(first + j) % len(rows)] for j in range(3)]
+    fact = docs[answer]["highlights"].split("\n")[0].strip().rstrip(".")
+    context = "\n".join(f"[{j + 1}] {_words(d['article'], 150)}" for j, d in enumerate(docs))
+    return (
+        f"Documents:\n{context}\n\nQuestion: Which document reports that {fact}? Name it and quote the "
+        "sentences of that document that say so.\nAnswer:"
+    )
 
 
 _DOCSTRING = re.compile(r"\n\s*(\"\"\"|\'\'\')[\s\S]*?\1\n", re.M)
@@ -104,20 +106,58 @@ def _code_edit(n: int) -> list[str]:
 
 def _chat(n: int) -> list[str]:
     """A GSM8K question and its worked answer as a first turn, then a follow-up quoting a line of it."""
+    return [_chat_prompt(r) for r in _gsm8k("test")[:n]]
+
+
+def _chat_prompt(r: dict) -> str:
+    answer = _CALCULATOR.sub("", r["answer"]).replace("####", "The answer is")
+    lines = [ln for ln in answer.split("\n") if ln.strip()]
+    quoted = lines[len(lines) // 2 - 1] if len(lines) > 1 else lines[0]
+    return (
+        f'User: {r["question"]}\nAssistant: {answer}\nUser: You wrote "{quoted}" Explain that step again, '
+        "repeating your calculation.\nAssistant:"
+    )
+
+
+def _mixed(n: int, start: int) -> list[str]:
+    """Spec-Bench's six categories in turn (chat, translation, summarization, QA, math, RAG), the
+    j-th prompt of each built from the j-th item of its source (CNN/DM articles 10-49 and from 80,
+    GSM8K test problems from 200 and 300, none of which the other workloads use). "mixed" starts at
+    j = 0 and is held out (never used to tune anything); "mixed:dev" starts at j = 10."""
+    articles, problems = _cnndm(), _gsm8k("test")
     out = []
-    for r in _gsm8k("test")[:n]:
-        answer = _CALCULATOR.sub("", r["answer"]).replace("####", "The answer is")
-        lines = [ln for ln in answer.split("\n") if ln.strip()]
-        quoted = lines[len(lines) // 2 - 1] if len(lines) > 1 else lines[0]
-        out.append(
-            f'User: {r["question"]}\nAssistant: {answer}\nUser: You wrote "{quoted}" Explain that step '
-            "again, "
-            "repeating your calculation.\nAssistant:"
-        )
+    for i in range(n):
+        j = start + i // 6
+        kind = i % 6
+        if kind == 0:
+            out.append(_chat_prompt(problems[200 + j]))
+        elif kind == 1:
+            out.append(f"Translate into French:\n{_words(articles[30 + j % 20]['article'], 60)}\nFrench:")
+        elif kind == 2:
+            text = _words(articles[10 + j % 20]["article"], 200)
+            out.append(f"Article: {text}\n\nSummarize the article above in two sentences.\nSummary:")
+        elif kind == 3:
+            article = articles[30 + (j + 10) % 20]
+            first = article["highlights"].split("\n")[0].strip().rstrip(".")
+            text = _words(article["article"], 200)
+            out.append(
+                f"Article: {text}\n\nQuestion: What does the article report about this: {first}?\nAnswer:"
+            )
+        elif kind == 4:
+            out.append(_gsm8k_prompt(problems[300 + j]))
+        else:
+            out.append(_rag_prompt(articles, 80 + 3 * j, j % 3))
     return out
 
 
-WORKLOADS = {"summarize": _summarize, "rag": _rag, "code-edit": _code_edit, "chat": _chat}
+WORKLOADS = {
+    "summarize": _summarize,
+    "rag": _rag,
+    "code-edit": _code_edit,
+    "chat": _chat,
+    "mixed": lambda n: _mixed(n, 0),
+    "mixed:dev": lambda n: _mixed(n, 10),
+}
 
 
 def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:

@@ -1,0 +1,348 @@
+"""`omnidraft bench --remote --target-backend vllm`: devices drafting for a vLLM server across a real
+round trip, beside the server decoding alone and a stock vLLM server (docs/remote.md).
+
+The server (`omnidraft serve --engine vllm`) runs in a process of its own on the first CPU; the
+devices run in this process on the second, each with its own drafter pairing and HTTP
+connections; between them a proxy (delay_proxy.py, its own process) delays every byte by half the
+round trip each way. Rows, each with the same prompts, greedy, one device per concurrent stream:
+- server alone: each device streams `POST /v1/generate`, the server decoding the whole completion;
+- device drafting: `pair.stream` through `RemoteTarget` (the `/speculate` stream and its proposals);
+- stock vLLM: `python -m vllm.entrypoints.openai.api_server` on the same CPU with the same weights,
+  streamed `/v1/completions`.
+Per row: tokens/s over the wall time of all its requests, time to first token, the gaps between
+tokens (p50, p95), and on omnidraft's server its engine's seconds and steps per committed token;
+every output is compared with the server decoding alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Iterator
+
+__all__ = ["ROWS", "Timed", "run_network"]
+
+ROWS = ("server alone", "device drafting", "stock vLLM")
+SERVER_CPU, DEVICE_CPU = 0, 1
+
+
+@dataclass
+class Timed:
+    """One request: when it was sent, its token ids and when each arrived (perf_counter seconds)."""
+
+    sent: float
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+
+    def add(self, tokens: list[int]) -> None:
+        now = time.perf_counter()
+        self.tokens += tokens
+        self.times += [now] * len(tokens)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pinned(cpu: int) -> Callable[[], None]:
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+def _wait_up(url: str, path: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+@contextmanager
+def _process(argv: list[str], cpu: int, url: str, health: str, log: str) -> Iterator[subprocess.Popen]:
+    """A server process pinned to `cpu`, up once `url + health` answers; stopped on exit."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_pinned(cpu))
+    try:
+        _wait_up(url, health, proc)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextmanager
+def _proxy(upstream_port: int, rtt_ms: float) -> Iterator[str]:
+    port = _free_port()
+    argv = [sys.executable, "-m", "omnidraft.bench.delay_proxy", "--listen", str(port)]
+    argv += ["--upstream", f"127.0.0.1:{upstream_port}", "--rtt-ms", str(rtt_ms)]
+    proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL, preexec_fn=_pinned(DEVICE_CPU))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the delaying proxy did not start") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _engine_counters(url: str) -> tuple[float, float]:
+    """(engine steps, engine seconds) so far, from omnidraft's server's /metrics."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = dict(line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return float(values["omnidraft_engine_steps_total"]), float(values["omnidraft_engine_seconds_total"])
+
+
+def _stream_lines(http: Any, path: str, body: dict[str, Any]) -> Iterator[str]:
+    with http.stream("POST", path, json=body) as reply:
+        if reply.status_code >= 400:
+            reply.read()
+            raise RuntimeError(f"{path}: HTTP {reply.status_code}: {reply.text[:300]}")
+        yield from reply.iter_lines()
+
+
+def _server_alone(http: Any, ids: list[int], n: int) -> Timed:
+    run = Timed(time.perf_counter())
+    for line in _stream_lines(http, "/v1/generate", {"prompt_ids": ids, "max_tokens": n}):
+        if line.strip():
+            run.add(json.loads(line)["tokens"])
+    return run
+
+
+def _stock(http: Any, model: str, ids: list[int], n: int) -> Timed:
+    body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0, "stream": True}
+    body.update(logprobs=0, return_tokens_as_token_ids=True)
+    run = Timed(time.perf_counter())
+    for line in _stream_lines(http, "/v1/completions", body):
+        if line.startswith("data: ") and line != "data: [DONE]":
+            choice = json.loads(line[6:])["choices"][0]
+            tokens = (choice.get("logprobs") or {}).get("tokens") or []
+            run.add([int(t.removeprefix("token_id:")) for t in tokens])
+    return run
+
+
+def _device(pair: Any, prompt: str, n: int) -> Timed:
+    """`pair.stream`, timed per engine chunk (its RemoteTarget's sessions record them)."""
+    run = Timed(time.perf_counter())
+    pair.target.chunks = run
+    for _ in pair.stream(prompt, max_new_tokens=n):
+        pass
+    return run
+
+
+def _timed_remote(url: str, tokenizer: Any) -> Any:
+    """A RemoteTarget whose streamed chunks are recorded into its `chunks` (a Timed)."""
+    from ..remote.client import RemoteTarget
+
+    class Recording(RemoteTarget):
+        chunks: Timed | None = None
+
+        def begin(self, prompt_ids: list[int]) -> Any:
+            session = super().begin(prompt_ids)
+            steps, decode = session.steps, session.decode
+
+            def timed_steps(*args: Any, **kwargs: Any) -> Iterator[list[int]]:
+                for tokens in steps(*args, **kwargs):
+                    if self.chunks is not None:
+                        self.chunks.add(tokens)
+                    yield tokens
+
+            def timed_decode(*args: Any, **kwargs: Any) -> Iterator[int]:
+                for token in decode(*args, **kwargs):
+                    if self.chunks is not None:
+                        self.chunks.add([token])
+                    yield token
+
+            setattr(session, "steps", timed_steps)  # noqa: B010 - the bench's own recording wrapper
+            setattr(session, "decode", timed_decode)  # noqa: B010
+            return session
+
+    return Recording(url, tokenizer=tokenizer, timeout=600)
+
+
+def _concurrently(devices: int, jobs: list[Callable[[], Timed]]) -> tuple[list[Timed], float]:
+    """`jobs` run by `devices` threads, each taking its share in order; (results, wall seconds)."""
+    shares = [jobs[d::devices] for d in range(devices)]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(devices) as pool:
+        done = list(pool.map(lambda share: [job() for job in share], shares))
+    wall = time.perf_counter() - started
+    out: list[Timed | None] = [None] * len(jobs)
+    for d, results in enumerate(done):
+        for i, result in enumerate(results):
+            out[d + i * devices] = result
+    return [r for r in out if r is not None], wall
+
+
+def summarize_row(runs: list[Timed], wall: float, reference: list[list[int]] | None) -> dict[str, Any]:
+    """tok/s over the wall time, time to first token, inter-token gaps and identical outputs."""
+    tokens = sum(len(r.tokens) for r in runs)
+    gaps = [b - a for r in runs for a, b in zip(r.times, r.times[1:])]
+    ttft = [r.times[0] - r.sent for r in runs if r.times]
+    per = sorted(gaps) or [0.0]
+    return {
+        "requests": len(runs),
+        "tokens": tokens,
+        "tok_s": tokens / wall,
+        "ttft_s": statistics.median(ttft) if ttft else None,
+        "gap_p50_s": per[len(per) // 2],
+        "gap_p95_s": per[min(len(per) - 1, int(0.95 * len(per)))],
+        "worst_request_s_per_token": max((r.times[-1] - r.sent) / len(r.tokens) for r in runs if r.tokens),
+        "identical": sum(r.tokens == ref for r, ref in zip(runs, reference)) if reference else len(runs),
+    }
+
+
+def run_network(
+    drafter_spec: str,
+    target_spec: str,
+    prompts: list[str],
+    max_new_tokens: int,
+    rtts_ms: list[float],
+    devices: list[int],
+    *,
+    stock: bool = True,
+    log: str = "bench_out/network-servers.log",
+    progress: Callable[[str], object] = lambda _: None,
+    server_args: tuple[str, ...] = ("--dtype", "float32"),
+) -> list[dict[str, Any]]:
+    """Every row of ROWS at every round trip and device count (see the module docstring)."""
+    import httpx
+    import torch
+
+    import omnidraft as od
+
+    from ..models import hf_directory, load_tokenizer
+
+    os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
+    os.sched_setaffinity(0, {DEVICE_CPU})
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(target_spec)
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    drafter = od.Drafter.load(drafter_spec)
+    results: list[dict[str, Any]] = []
+    references: dict[int, list[list[int]]] = {}
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "omnidraft.cli", "serve", "--engine", "vllm", "--target", target_spec]
+    argv += ["--port", str(port), "--no-auth", *server_args]
+    with _process(argv, SERVER_CPU, url, "/health", log):
+        for rtt in rtts_ms:
+            with _proxy(port, rtt) as near:
+                http = httpx.Client(base_url=near, timeout=600)
+                _server_alone(http, ids[0], 8)  # warm-up
+                pairs = [drafter.pair(_timed_remote(near, tokenizer)) for _ in range(max(devices))]
+                for pair in pairs:
+                    _device(pair, prompts[0], 16)  # warm-up: connections, costs, the drafter's caches
+                for n in devices:
+                    progress(f"RTT {rtt:g} ms, {n} devices: server alone")
+                    before = _engine_counters(url)
+                    runs, wall = _concurrently(
+                        n, [partial(_server_alone, http, ids[i], max_new_tokens) for i in range(len(ids))]
+                    )
+                    references.setdefault(n, [r.tokens for r in runs])
+                    row = {
+                        **summarize_row(runs, wall, None),
+                        **_per_token(before, _engine_counters(url), runs),
+                    }
+                    results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[0], **row})
+                    progress(f"RTT {rtt:g} ms, {n} devices: device drafting")
+                    before = _engine_counters(url)
+                    runs, wall = _concurrently(
+                        n,
+                        [
+                            partial(_device, pairs[i % n], prompts[i], max_new_tokens)
+                            for i in range(len(prompts))
+                        ],
+                    )
+                    row = {
+                        **summarize_row(runs, wall, references[n]),
+                        **_per_token(before, _engine_counters(url), runs),
+                    }
+                    results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[1], **row})
+                http.close()
+                for pair in pairs:
+                    pair.target.close()
+    if stock:
+        model = hf_directory(target_spec)
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        argv += ["--port", str(port), "--dtype", "float32", "--served-model-name", "target"]
+        with _process(argv, SERVER_CPU, url, "/v1/models", log):
+            for rtt in rtts_ms:
+                with _proxy(port, rtt) as near:
+                    http = httpx.Client(base_url=near, timeout=600)
+                    _stock(http, "target", ids[0], 8)
+                    for n in devices:
+                        progress(f"RTT {rtt:g} ms, {n} devices: stock vLLM")
+                        runs, wall = _concurrently(
+                            n,
+                            [
+                                partial(_stock, http, "target", ids[i], max_new_tokens)
+                                for i in range(len(ids))
+                            ],
+                        )
+                        row = summarize_row(runs, wall, references[n])
+                        results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[2], **row})
+                    http.close()
+    alone = {(r["rtt_ms"], r["devices"]): r["tok_s"] for r in results if r["row"] == ROWS[0]}
+    for r in results:
+        r["speedup"] = r["tok_s"] / alone[(r["rtt_ms"], r["devices"])]
+    return results
+
+
+def _per_token(
+    before: tuple[float, float], after: tuple[float, float], runs: list[Timed]
+) -> dict[str, float]:
+    tokens = max(1, sum(len(r.tokens) for r in runs))
+    return {
+        "engine_steps_per_token": (after[0] - before[0]) / tokens,
+        "engine_s_per_token": (after[1] - before[1]) / tokens,
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a table (tok/s and speedup over the server alone at the same RTT and load)."""
+    head = (
+        "| RTT ms | devices | row | tok/s | speedup | TTFT s | gap p50 / p95 ms | worst s/token | "
+        "engine s/token | steps/token | identical |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+
+    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
+    return head + "".join(
+        f"| {r['rtt_ms']:g} | {r['devices']} | {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}x | "
+        f"{cell(r, 'ttft_s', '.2f')} | {1000 * r['gap_p50_s']:.0f} / {1000 * r['gap_p95_s']:.0f} | "
+        f"{r['worst_request_s_per_token']:.3f} | {cell(r, 'engine_s_per_token', '.3f')} | "
+        f"{cell(r, 'engine_steps_per_token', '.2f')} | {r['identical']}/{r['requests']} |\n"
+        for r in rows
+    )
