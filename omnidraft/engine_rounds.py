@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterator
 
-from .proposers import Round, propose
+from .proposers import MODEL, Round, propose
 from .round_loop import Request, open_request
 from .round_policy import RoundPlan, RoundPolicy
 from .stats import RoundRecord
@@ -52,6 +52,7 @@ class EngineRounds:
         self._round: Round | None = None
         self._plan: RoundPlan | None = None
         self._returned = 0.0  # when the last proposal went back to the engine
+        self._growable = False  # whether the last proposal is a model draft the drafter may draft on
         self.calls = self.proposed = self._settled = 0
 
     def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None:
@@ -72,9 +73,16 @@ class EngineRounds:
         n = len(self._ids)
         return self.request is not None and len(ids) > n and ids[:n] == self._ids
 
-    def next(self, ids: list[int], most: int, remaining: int) -> list[int]:
+    @property
+    def token_s(self) -> float | None:
+        """Seconds per drafted token on this machine, as measured so far (None before)."""
+        return self.pairing.cost.draft
+
+    def next(self, ids: list[int], most: int, remaining: int, *, k: int | None = None) -> list[int]:
         """The proposal (target ids, at most `most`) after the committed `ids`, which extend the
-        last call's; `remaining`: tokens the sequence may still produce."""
+        last call's; `remaining`: tokens the sequence may still produce. `k` drafts that many
+        tokens whatever the pairing's draft-length policy says (a device drafting ahead for a
+        server's engine: its drafting is off the server's path, the server's budget decides)."""
         now = time.perf_counter()
         self._settle(ids[len(self._ids) :], now)
         self._ids = list(ids)
@@ -86,12 +94,44 @@ class EngineRounds:
         plan = self.policy.plan(req, max(1, remaining))
         plan = RoundPlan(0, 0, False, False) if plan is None else plan
         room = max(0, min(plan.room, most))
+        if k is not None:
+            plan = RoundPlan(min(k, room), room, plan.retrieve, False)
         self._plan = RoundPlan(plan.k if room > 0 else 0, room, plan.retrieve, plan.defer)
-        self._round = propose(self.pairing, req, self._plan.k, room, plan.retrieve, started)
+        self._round = propose(
+            self.pairing, req, self._plan.k, room, plan.retrieve, started, ahead=k is not None
+        )
+        rnd = self._round
+        self._growable = bool(rnd.draft.ids) and rnd.used is None and len(rnd.draft.ids) >= self._plan.k
         self.calls += 1
         self.proposed += len(self._round.proposal)
         self._returned = time.perf_counter()
         return [int(t) for t in self._round.proposal.ids.tolist()]
+
+    def extend(self, k: int, most: int) -> list[int] | None:
+        """The last proposal with its model draft drafted `k` tokens further (at most `most` target
+        ids in all), while the engine has not yet answered it: a device drafting ahead of a server.
+        None where it cannot grow: a retrieved proposal, or a draft the drafter stopped itself
+        (a stop token, low confidence)."""
+        rnd, req = self._round, self.request
+        if rnd is None or req is None or not self._growable or len(rnd.proposal) >= most:
+            return None
+        longer = MODEL.extend(self.pairing, req, rnd, k, most)
+        if longer is None or len(longer.draft.ids) < len(rnd.draft.ids) + k:
+            self._growable = False  # the drafter stopped (a stop token, low confidence)
+        if longer is None:
+            return None
+        self._round = longer
+        self.proposed += len(longer.proposal) - len(rnd.proposal)
+        self._returned = time.perf_counter()
+        return [int(t) for t in longer.proposal.ids.tolist()]
+
+    def resume(self) -> None:
+        """Let the last proposal grow again after its draft stopped at a token of low confidence
+        (not a stop token): the server has committed part of it since, so the uncertain token is
+        within its next verify, and a continuation drafted now is there if it is accepted."""
+        rnd, req = self._round, self.request
+        if rnd is not None and req is not None and rnd.draft.ids and rnd.used is None:
+            self._growable = rnd.draft.ids[-1] not in req.drafts.stop_ids
 
     def _settle(self, new: list[int], now: float) -> None:
         """The last round's verdict, inferred: the accepted prefix of its proposal, then the

@@ -59,8 +59,10 @@ class ModelDrafts:
     """The drafter model's draft of up to k tokens (k_max once an acceptance head decides),
     stopped by the head or by the drafter's confidence, healed where lossless, translated."""
 
-    def propose(self, p: Pairing, req: Request, k: int, room: int, only: str, started: float) -> Round:
-        draft = NO_DRAFT if k == 0 else self.draft(p, req, k)
+    def propose(
+        self, p: Pairing, req: Request, k: int, room: int, only: str, started: float, *, ahead: bool = False
+    ) -> Round:
+        draft = NO_DRAFT if k == 0 else self.draft(p, req, k, ahead=ahead)
         drafted = time.perf_counter()
         skip = len(p.drafter.token_bytes.table[req.last] or b"") if draft.healed else 0
         with p._book:
@@ -68,8 +70,27 @@ class ModelDrafts:
         return Round(draft, proposal.cut(min(len(proposal), room)), None, None, started, drafted)
 
     @staticmethod
-    def draft(p: Pairing, req: Request, k: int) -> Draft:
-        k, stop_confidence, extra = p.lengths.for_draft(k, req.stopper)
+    def extend(p: Pairing, req: Request, rnd: Round, k: int, room: int) -> Round | None:
+        """`rnd` with its model draft drafted up to `k` tokens further (stopped as a draft is, by a
+        stop token or low confidence), translated again (at most `room` target ids); None where the
+        drafter proposes nothing more."""
+        _, stop_confidence, _ = p.lengths.for_draft(k, None)
+        more = req.drafts.propose(k, stop_confidence=stop_confidence, more=True)
+        if not more.ids:
+            return None
+        draft = Draft(rnd.draft.ids + more.ids, None, rnd.draft.healed)
+        skip = len(p.drafter.token_bytes.table[req.last] or b"") if draft.healed else 0
+        with p._book:
+            proposal = p.translator.translate(draft.ids, only="any", skip=skip)
+        return Round(
+            draft, proposal.cut(min(len(proposal), room)), None, None, rnd.started, time.perf_counter()
+        )
+
+    @staticmethod
+    def draft(p: Pairing, req: Request, k: int, *, ahead: bool = False) -> Draft:
+        """Up to k tokens; `ahead`: k, not an acceptance head's length (a device drafting ahead of
+        a server, whose budget decides what is verified)."""
+        k, stop_confidence, extra = p.lengths.for_draft(k, None if ahead else req.stopper)
         ids = req.target.ids
         if p.healer is not None and ids and req.rule.mode in ("greedy", "match"):
             heal = p.healer.candidates(req.last, p.target.token_bytes.table[ids[-1]])
@@ -113,7 +134,14 @@ MODEL, RETRIEVED = ModelDrafts(), RetrievedDrafts()
 
 
 def propose(
-    p: Pairing, req: Request, k: int, room: int, retrieve: bool = True, started: float | None = None
+    p: Pairing,
+    req: Request,
+    k: int,
+    room: int,
+    retrieve: bool = True,
+    started: float | None = None,
+    *,
+    ahead: bool = False,
 ) -> Round:
     """This round's proposal, at most `room` tokens: retrieved (when `retrieve` and the planner
     says so), else a model draft of up to `k` tokens run on into a retrieved continuation; with the
@@ -122,7 +150,7 @@ def propose(
     only = {"exact": "direct", "omnidraft": "aligned"}.get(req.rule.mode, "any")
     rnd = RETRIEVED.propose(p, req, k, room, only, started) if retrieve else None
     if rnd is None:
-        rnd = MODEL.propose(p, req, k, room, only, started)
+        rnd = MODEL.propose(p, req, k, room, only, started, ahead=ahead)
         if retrieve:
             rnd.proposal, rnd.used = RETRIEVED.run_on(p, req, rnd.proposal, room)
     proposal = rnd.proposal

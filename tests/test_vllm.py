@@ -283,6 +283,48 @@ def test_a_device_session_streams_while_the_engine_verifies_its_proposals(vllm_t
         stop()
 
 
+def test_a_device_drafting_across_a_round_trip_gets_the_engines_own_greedy_output(vllm_target, tiny_drafter):
+    """The device's streaming design (remote/streaming.py) across a delaying proxy of 40 ms: its
+    proposals drafted ahead and posted from their own thread, the server's lookup fallback;
+    whatever arrives when, the output is vLLM's own greedy decoding, and a proposal past the
+    committed length is refused with a 422."""
+    import httpx
+
+    from omnidraft.bench.remote import serve_in_thread
+    from omnidraft.remote.client import RemoteTarget
+    from omnidraft.remote.server import ServerConfig, create_app
+
+    from .test_streaming import delaying
+
+    url, stop = serve_in_thread(create_app(vllm_target, ServerConfig(api_key=None)))
+    port, upstream = _free_port(), int(url.rsplit(":", 1)[1])
+    try:
+        with delaying(port, upstream, 0.04):
+            remote = RemoteTarget(f"http://127.0.0.1:{port}")
+            pair = tiny_drafter.pair(remote)
+            for prompt in PROMPTS:
+                out = pair.generate(prompt, max_new_tokens=32)
+                assert out.token_ids == vllm_target.generate(_ids(vllm_target, prompt), 32)
+            http = httpx.Client(base_url=url, timeout=60)
+            ids = _ids(vllm_target, PROMPTS[0])
+            sid = http.post("/v1/sessions", json={"prompt_ids": ids}).json()["session"]
+            body = {"committed": len(ids), "max_tokens": 8}
+            with http.stream("POST", f"/v1/sessions/{sid}/speculate", json=body) as reply:
+                far = http.post(f"/v1/sessions/{sid}/proposal", json={"at": 10**9, "proposal": [5]})
+                assert far.status_code == 422 and "at most the committed" in far.text
+                reply.read()
+    finally:
+        stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.parametrize(
     "body, status",
     [

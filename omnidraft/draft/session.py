@@ -74,8 +74,11 @@ class DraftSession:
         stop_confidence: float = 0.0,
         stopper: Stopper | None = None,
         heal: torch.Tensor | None = None,
+        more: bool = False,
     ) -> Draft:
-        """Draft up to k tokens; `allowed` (Vd,) bool restricts sampling to those tokens. `heal`
+        """Draft up to k tokens; `allowed` (Vd,) bool restricts sampling to those tokens. `more`:
+        draft on after the last draft instead of after the committed text (a device drafting ahead
+        while a server verifies; `commit` then counts from the first draft's start). `heal`
         (Vd,) bool: the tokens that may replace the context's last token (token healing): when the
         drafter prefers another of them at that position, the draft starts with it (`Draft.healed`).
         Drafting stops after a stop token, after a token the drafter gave less than `stop_confidence`
@@ -88,7 +91,11 @@ class DraftSession:
                 f"{self.backend} gives no hidden states: an acceptance head needs the PyTorch drafter"
             )
         with self.lock:  # an optimizer step in another thread waits for the draft, and vice versa
-            return self._propose(k, temperature, allowed, generator, stop_confidence, stopper, heal)
+            if not more:
+                self._base = len(self.stream.ids)
+            return self._propose(
+                k, temperature, allowed, generator, stop_confidence, stopper, None if more else heal
+            )
 
     def _propose(
         self,
@@ -101,7 +108,6 @@ class DraftSession:
         heal: torch.Tensor | None,
     ) -> Draft:
         stream, hidden = self.stream, stopper is not None
-        self._base = len(stream.ids)
         ids, rows, healed = [], [], False
         for step in range(k):
             if self.head is not None:

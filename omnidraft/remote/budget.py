@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-__all__ = ["DraftGate", "draft_budget", "step_seconds"]
+__all__ = ["DraftGate", "RecentAcceptance", "draft_budget", "step_seconds"]
 
 
 def step_seconds(costs: dict[int, float], tokens: float) -> float:
@@ -143,3 +143,57 @@ class DraftGate:
 
     def _both(self, load: int) -> bool:
         return self.rate(load, True) is not None and self.rate(load, False) is not None
+
+
+class RecentAcceptance:
+    """The share of proposed draft tokens the engine accepted over recent rounds (sums in which a
+    round weighs `decay` times less per round after it), `prior` until `warm` tokens were seen; and
+    the re-measuring of a budget it drove to 0. A budget of 0 takes no drafts, so no round would
+    ever measure acceptance again: after `hold_s` seconds at 0, drafts are taken for `probe_s`
+    seconds at the budget `prior` gives, and what they measure decides after. Pure bookkeeping:
+    the caller serialises it."""
+
+    def __init__(
+        self,
+        decay: float = 0.98,
+        prior: float = 0.8,
+        warm: int = 16,
+        hold_s: float = 3.0,
+        probe_s: float = 1.0,
+    ) -> None:
+        if not (0 < decay < 1 and 0 < prior < 1) or warm < 0 or hold_s <= 0 or probe_s <= 0:
+            raise ValueError(
+                f"need 0 < decay, prior < 1, warm >= 0, hold_s, probe_s > 0; got {decay}, {prior}, {warm}, "
+                f"{hold_s}, {probe_s}"
+            )
+        self.decay, self.prior, self.warm, self.hold_s, self.probe_s = decay, prior, warm, hold_s, probe_s
+        self.accepted = self.proposed = 0.0
+        self.seen = 0
+        self._zero_since: float | None = None
+        self._probe_until = 0.0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.accepted = self.decay * self.accepted + accepted
+        self.proposed = self.decay * self.proposed + proposed
+        self.seen += proposed
+
+    @property
+    def value(self) -> float:
+        return self.accepted / self.proposed if self.seen >= self.warm and self.proposed > 0 else self.prior
+
+    def budget(self, measured: int, probe: int, now: float) -> int:
+        """The budget to grant: `measured` (from `value`), or `probe` (from `prior`) while a zero
+        budget is being re-measured."""
+        if measured > 0:
+            self._zero_since = None
+            return measured
+        if now < self._probe_until:
+            return probe
+        if self._zero_since is None:
+            self._zero_since = now
+        elif now - self._zero_since >= self.hold_s:
+            self._zero_since, self._probe_until = None, now + self.probe_s
+            return probe
+        return 0

@@ -15,6 +15,7 @@ what was committed so far (`error.partial`).
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -35,16 +36,17 @@ from .protocol import (
     OpenReply,
     OpenRequest,
     PromptGenerateRequest,
-    ProposalRequest,
     SparseRow,
     SpeculateRequest,
     VerifyReply,
     VerifyRequest,
 )
+from .streaming import ChunkReader, DraftAhead, ProposalSender
 
 __all__ = ["RemoteTarget", "call_json"]
 
 _RETRY_STATUS = (502, 503, 504)
+FIRST_BUDGET = 4  # the draft budget a device assumes while a speculate stream's prompt is prefilled
 
 
 class RemoteTarget:
@@ -240,30 +242,77 @@ class _RemoteSession:
             ):
                 yield chunk.tokens
             return
-        sid, start = self._open(), len(self.ids)
+        yield from self._speculate(max_tokens, rounds, drafter_ids)
+
+    def _speculate(self, max_tokens: int, rounds: Any, drafter_ids: list[int] | None) -> Iterator[list[int]]:
+        """The speculate stream (remote/streaming.py): a thread reads the committed chunks, the
+        device drafts ahead once after the newest of them, a thread posts each proposal."""
+        import httpx
+
+        owner, sid, start = self.owner, self._open(), len(self.ids)
         rounds.open(list(self.ids), drafter_ids)
-        budget = MAX_PROPOSAL
-
-        def offer() -> None:
-            remaining = max_tokens - (len(self.ids) - start)
-            most = min(budget, remaining - 1)
-            if most <= 0:  # the server takes no draft now: nothing to draft or send
-                return
-            proposal = rounds.next(list(self.ids), most, remaining)
-            message = ProposalRequest(at=len(self.ids), proposal=proposal)
+        path = f"/v1/sessions/{sid}/speculate"
+        content = SpeculateRequest(committed=start, max_tokens=max_tokens).model_dump_json()
+        headers = {"content-type": "application/json"}
+        with contextlib.ExitStack() as stack:
             try:
-                self.owner._call("POST", f"/v1/sessions/{sid}/proposal", message)
-            except RemoteRequestError as exc:  # 409: the stream ended meanwhile (its last chunk says so)
-                if exc.status != 409:
-                    raise
+                reply = stack.enter_context(owner.http.stream("POST", path, content=content, headers=headers))
+            except httpx.TransportError as exc:
+                raise TargetUnavailableError(f"{owner.url}{path}: {type(exc).__name__}: {exc}") from exc
+            if reply.status_code >= 400:
+                reply.read()
+                raise RemoteRequestError(
+                    f"{owner.url}{path} refused the request: HTTP {reply.status_code}: {_reason(reply)}",
+                    reply.status_code,
+                )
+            sender = ProposalSender(lambda m: owner._call("POST", f"/v1/sessions/{sid}/proposal", m))
+            stack.callback(sender.close)
+            reader = ChunkReader(reply.iter_lines())
+            stack.callback(reader.join, 5.0)
+            stack.callback(reply.close)  # (callbacks run last first: the reader's read ends with it)
+            yield from self._follow(reader, sender, DraftAhead(rounds), max_tokens, start)
 
-        message = SpeculateRequest(committed=start, max_tokens=max_tokens)
-        for chunk in self._chunks(f"/v1/sessions/{sid}/speculate", message, offer):
-            budget = MAX_PROPOSAL if chunk.budget is None else chunk.budget
-            if chunk.tokens:
-                yield chunk.tokens
-            if not chunk.done:
-                offer()
+    def _follow(
+        self, reader: ChunkReader, sender: ProposalSender, ahead: DraftAhead, max_tokens: int, start: int
+    ) -> Iterator[list[int]]:
+        """Commit the stream's chunks as they come; between them, while there is something worth
+        drafting, draft ahead and hand each proposal to the sender."""
+        import httpx
+
+        budget, idle = FIRST_BUDGET, False  # until the first chunk says the server's budget
+        while True:
+            try:
+                chunk = reader.take(block=idle)
+            except httpx.TransportError as exc:
+                raise TargetUnavailableError(f"the stream broke ({type(exc).__name__}: {exc})") from exc
+            except EOFError:
+                raise TargetUnavailableError("the stream ended before its last chunk") from None
+            if chunk is not None:
+                self._commit(chunk)
+                budget = MAX_PROPOSAL if chunk.budget is None else chunk.budget
+                if chunk.tokens:
+                    yield chunk.tokens
+                if chunk.done:
+                    return
+                idle = False
+                if reader.pending:
+                    continue
+            remaining = max_tokens - (len(self.ids) - start)
+            proposal = ahead.next_proposal(list(self.ids), budget, remaining)
+            if proposal is None:
+                idle = True
+            else:
+                sender.offer(len(self.ids), proposal)
+
+    def _commit(self, chunk: GenerateChunk) -> None:
+        """Commit a streamed chunk's tokens, checking the server agrees on the committed length."""
+        self.ids += chunk.tokens
+        self.forwards += len(chunk.tokens)
+        if chunk.committed != len(self.ids):
+            raise TargetUnavailableError(
+                f"session {self.sid} is out of step: the server has {chunk.committed} committed tokens, "
+                f"this device {len(self.ids)}"
+            )
 
     def _chunks(self, path: str, message: Any, opened: Any = None) -> Iterator[GenerateChunk]:
         """The chunks of one NDJSON stream, each committed here as it arrives (`opened()` is called
@@ -288,13 +337,7 @@ class _RemoteSession:
                     if not line.strip():
                         continue
                     chunk = GenerateChunk.model_validate_json(line)
-                    self.ids += chunk.tokens
-                    self.forwards += len(chunk.tokens)
-                    if chunk.committed != len(self.ids):
-                        raise TargetUnavailableError(
-                            f"session {self.sid} is out of step: the server has "
-                            f"{chunk.committed} committed tokens, this device {len(self.ids)}"
-                        )
+                    self._commit(chunk)
                     yield chunk
                     if chunk.done:
                         return

@@ -17,7 +17,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from .budget import DraftGate
+from .budget import DraftGate, RecentAcceptance
+from .lookup import PromptLookup
 from .metrics import Metrics
 from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
 from .server_config import HTTPError, ServerConfig
@@ -48,8 +49,14 @@ class DeviceRounds:
         self._cond = threading.Condition()
         self._proposal: tuple[int, list[int]] | None = None  # (context length it drafts after, ids)
         self._given: tuple[int, list[int]] | None = None  # the last draft handed to the engine
+        self.lookup = PromptLookup()  # drafts from the context, for steps the device has none for
+        self._looked = False  # whether the last draft handed over came from the lookup
         self._published = 0
         self._misses = 0  # asks in a row the device did not answer in time: stop waiting after two
+        self._asked: tuple[int, float] | None = None  # the committed length last asked for, and when
+        self.committed = (
+            start  # the committed length the engine has reached (a proposal builds on at most this)
+        )
         self.waited = 0.0  # seconds the engine spent waiting for this device
         self._told: float | None = None  # when the ids of the step that just ran were told
 
@@ -74,12 +81,15 @@ class DeviceRounds:
         """The device's newest proposal that continues `ids`, at most the budget's length; waits
         up to `wait_s()` for the device to propose after `ids` when it has not yet."""
         self._settle(ids)
+        self.committed = max(self.committed, len(ids))
         most = min(most, self.budget())
         draft: list[int] = []
         if most > 0:
             began = time.monotonic()
             told = self._told if self._told is not None else began
-            deadline = told + (self.wait_s() if self._misses < 2 else 0.0)
+            wait = self.wait_s()
+            self._asked = (len(ids), told + wait)
+            deadline = told + (wait if self._misses < 2 else 0.0)
             with self._cond:
                 while not (draft := self._continuing(ids)) and not self._answered(len(ids)):
                     left = deadline - time.monotonic()
@@ -88,16 +98,27 @@ class DeviceRounds:
                         break
                     self._cond.wait(left)
             self.waited += time.monotonic() - began
+        self._looked = not draft and most > 0
+        if self._looked:
+            draft = self.lookup.propose(ids, most)
         self._given = (len(ids), draft[:most])
         return draft[:most]
 
     # the device's side
     def offer(self, at: int, proposal: list[int]) -> None:
-        """The device's proposal, drafted after the first `at` committed ids."""
+        """The device's proposal, drafted after the first `at` committed ids (ValueError past the
+        committed length: a proposal for text not yet committed would shadow the ones that are).
+        Only a proposal that answers an ask in time makes the engine wait again after misses: a
+        device whose proposals arrive a step late (a long round trip) is not waited for."""
         with self._cond:
+            if at > max(self.committed, self.start + self._published):
+                raise ValueError(
+                    f"a proposal builds on at most the committed {self.committed} tokens, got at={at}"
+                )
             if self._proposal is None or at >= self._proposal[0]:
                 self._proposal = (at, list(proposal))
-            self._misses = 0
+            if self._asked is not None and at >= self._asked[0] and time.monotonic() <= self._asked[1]:
+                self._misses = 0
             self._cond.notify_all()
 
     def _answered(self, n: int) -> bool:
@@ -115,7 +136,10 @@ class DeviceRounds:
             return
         at, draft = self._given
         accepted = next((i for i, (a, b) in enumerate(zip(draft, ids[at:])) if a != b), None)
-        self.observe(len(draft), min(len(draft), len(ids) - at) if accepted is None else accepted)
+        accepted = min(len(draft), len(ids) - at) if accepted is None else accepted
+        self.observe(len(draft), accepted)
+        if self._looked:
+            self.lookup.observe(len(draft), accepted)
         self._given = None
 
 
@@ -138,6 +162,9 @@ def speculate(session: Any, rounds: DeviceRounds) -> Iterator[list[int]]:
                 ids = final
             if ids[: len(sent)] != sent[: len(ids)]:
                 raise RuntimeError("the proposer's ids disagree with the engine's output")
+            rounds.committed = max(
+                rounds.committed, rounds.start + len(ids)
+            )  # what the device may have heard
             if len(ids) > len(sent):
                 sent = list(ids)
                 yield sent
@@ -164,6 +191,7 @@ class SpeculateRoutes:
     _active: int  # sessions the last draft budget served
     gate: DraftGate  # whether the budget's drafts measured faster than none at this load
     _gate_lock: threading.Lock
+    acceptance: RecentAcceptance
 
     def speculate(self, sid: str, request: SpeculateRequest, key: int = 0) -> Iterator[bytes]:
         """Checks `request` now (a stale one is refused with its status), then returns the NDJSON
@@ -191,7 +219,10 @@ class SpeculateRoutes:
         if rounds is None:
             raise HTTPError(409, "the session is not streaming a speculate reply: open one first")
         self._check_ids(request.proposal, "proposal")
-        rounds.offer(request.at, list(request.proposal))
+        try:
+            rounds.offer(request.at, list(request.proposal))
+        except ValueError as exc:
+            raise HTTPError(422, str(exc)) from exc
         return ProposalReply(budget=self._engine_budget())
 
     def _speculating(self, session: Session, rounds: DeviceRounds, start: int) -> Iterator[bytes]:
@@ -233,3 +264,4 @@ class SpeculateRoutes:
         self.metrics.rounds += 1
         self.metrics.proposed += proposed
         self.metrics.accepted += accepted
+        self.acceptance.observe(proposed, accepted)

@@ -22,7 +22,7 @@ import torch
 
 from ..rounds import TokenLogprob, token_logprobs
 from ..target import Rule
-from .budget import DraftGate, draft_budget
+from .budget import DraftGate, RecentAcceptance, draft_budget
 from .device_rounds import SpeculateRoutes
 from .metrics import Metrics
 from .protocol import (
@@ -57,7 +57,7 @@ class Service(TextRoutes, SpeculateRoutes):
         self.target, self.config = target, config
         self.vocab = len(target.token_bytes)
         self.sessions: dict[str, Session] = {}
-        self.metrics = Metrics()
+        self.metrics = Metrics(engine=getattr(target, "loop", None))
         self.table_lock = threading.Lock()
         # one model forward at a time on an engine that runs one (PyTorch, llama.cpp); an engine that
         # batches sessions (vLLM) schedules concurrent requests itself, so only a session's own lock holds
@@ -75,6 +75,7 @@ class Service(TextRoutes, SpeculateRoutes):
         self._budgets: dict[int, tuple[float, int]] = {}  # tail -> (when, budget)
         self._active = 1  # sessions the last budget served
         self.gate, self._gate_lock = DraftGate(), threading.Lock()  # streaming sessions' drafts, measured
+        self.acceptance = RecentAcceptance()  # of the drafts verified lately: what the budget assumes
         model = getattr(target, "model", None)  # None: unbounded
         self.context: int | None = getattr(target, "context_length", None) or getattr(
             getattr(model, "config", None), "max_position_embeddings", None
@@ -178,6 +179,7 @@ class Service(TextRoutes, SpeculateRoutes):
         self.metrics.rounds += 1
         self.metrics.accepted += verdict.accepted
         self.metrics.proposed += len(proposal)
+        self.acceptance.observe(len(proposal), verdict.accepted)
         reply = VerifyReply(
             committed=len(session.inner.ids),
             accepted=verdict.accepted,
@@ -337,9 +339,10 @@ class Service(TextRoutes, SpeculateRoutes):
         with self.table_lock:
             active = sum(1 for v in self.sessions.values() if now - v.used < ACTIVE_S)
         self._active = active
-        m = self.metrics
-        acceptance = m.accepted / m.proposed if m.proposed >= 64 else 0.8
-        budget = draft_budget(self.costs, acceptance, max(1, active), MAX_PROPOSAL - 1, tail=tail)
+        sessions, most, seen = max(1, active), MAX_PROPOSAL - 1, self.acceptance
+        measured = draft_budget(self.costs, seen.value, sessions, most, tail=tail)
+        probe = draft_budget(self.costs, seen.prior, sessions, most, tail=tail) if measured == 0 else 0
+        budget = seen.budget(measured, probe, now)
         self._budgets[tail] = (now, budget)
         return budget
 

@@ -1,0 +1,181 @@
+"""A device's side of a speculate stream, built for a network between device and server.
+
+The server streams committed tokens; the device drafts after them and posts proposals, which the
+server's engine verifies in its own step (device_rounds.py). Over a real round trip three things
+keep the device's drafts useful:
+- the stream is read by a thread of its own (`ChunkReader`), so tokens are committed as they
+  arrive and the device drafts once after the newest of them, never after each of a backlog;
+- proposals go out on their own connection from a thread of their own (`ProposalSender`), newest
+  first and never waited for: reading the stream never waits a round trip;
+- each proposal drafts ahead of what the device has heard (`draft_ahead`): the server's step in
+  flight is assumed accepted, so a proposal that arrives a step late still continues the text, and
+  the server takes whatever part of it continues the committed tokens then.
+What is committed is always the server's own decoding: a late, wrong or lost proposal costs speed only.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+from ..adaptive.policy import ema
+from ..errors import RemoteRequestError, TargetError
+from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalRequest
+
+__all__ = ["ChunkReader", "DraftAhead", "ProposalSender"]
+
+_DONE = object()
+
+
+class DraftAhead:
+    """The device's proposal while it streams, drafted ahead of what it has heard.
+
+    After the committed ids change in a way the proposal did not foresee (or at the start), a new
+    round drafts `step` tokens after them (`rounds.next`); while the committed ids keep following
+    the proposal, the same draft is drafted on, `step` tokens at a time (`rounds.extend`), until
+    it reaches 2 budget + 1 tokens past the committed ones: enough for the server's step in flight
+    to accept its whole budget and emit one token, and for the step after it to find `budget`
+    more. So a proposal the server receives a step late still continues the text, and when a
+    step accepts what it verified, the next step's draft is at the server already. `next_proposal`
+    says what to send now, or None when there is nothing new (then wait for the server)."""
+
+    def __init__(self, rounds: Any, step: int = 3) -> None:
+        if step < 1:
+            raise ValueError(f"draft step must be >= 1, got {step}")
+        self.rounds, self.step = rounds, step
+        self.at = 0  # the committed length the proposal was drafted after
+        self.proposal: list[int] = []
+        self._heard = 0  # the committed length at the last call
+
+    def _remainder(self, ids: list[int]) -> list[int] | None:
+        """What of the proposal is left after `ids`, None where `ids` left it."""
+        done = len(ids) - self.at
+        if not self.proposal or done < 0 or ids[self.at :] != self.proposal[:done]:
+            return None
+        return self.proposal[done:]
+
+    def next_proposal(self, ids: list[int], budget: int, remaining: int) -> list[int] | None:
+        """The proposal to send after the committed `ids` now (target ids drafted after them; the
+        server may take `budget` a step; `remaining` tokens may still be generated), or None."""
+        ahead = min(3 * budget + 2, remaining - 1, MAX_PROPOSAL)
+        if budget <= 0 or ahead <= 0:
+            return None
+        left = self._remainder(ids)
+        heard, self._heard = self._heard, len(ids)
+        if not left:  # a new round: the server's tokens left the proposal, or used it up
+            first = min(self.step, ahead)
+            self.proposal = self.rounds.next(list(ids), ahead, remaining, k=first)
+            self.at = len(ids)
+            return list(self.proposal) or None
+        if len(left) >= ahead:
+            return None
+        if len(ids) > heard:  # the server committed part of it since: draft on past an uncertain token
+            self.rounds.resume()
+        done = len(ids) - self.at
+        longer = self.rounds.extend(self.step, done + ahead)
+        if longer is None or len(longer) <= len(self.proposal):
+            return None
+        self.proposal = longer
+        return longer[done:]
+
+
+class ProposalSender:
+    """Posts a streaming session's proposals from a thread of its own, newest only: a proposal not
+    yet sent when a newer one comes is dropped (the newer one continues the text further). `post`
+    sends one (a 409, the stream ended meanwhile, is ignored); `rtt_s` is the measured time of a
+    post (the round trip plus the server's handling)."""
+
+    def __init__(self, post: Callable[[ProposalRequest], Any]) -> None:
+        self.post = post
+        self.rtt_s: float | None = None
+        self.error: BaseException | None = None
+        self._slot: ProposalRequest | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="omnidraft-proposals", daemon=True)
+        self._thread.start()
+
+    def offer(self, at: int, proposal: list[int]) -> None:
+        with self._cond:
+            self._slot = ProposalRequest(at=at, proposal=proposal)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._slot is None and not self._closed:
+                    self._cond.wait()
+                if self._closed or self._slot is None:
+                    return
+                message, self._slot = self._slot, None
+            started = time.perf_counter()
+            try:
+                self.post(message)
+            except RemoteRequestError as exc:
+                if exc.status != 409:  # 409: the stream ended meanwhile (its last chunk says so)
+                    self.error = exc
+                    return
+            except TargetError as exc:  # the server is unreachable: the stream will say so too
+                self.error = exc
+                return
+            self.rtt_s = ema(self.rtt_s, time.perf_counter() - started, 0.7)
+
+
+class ChunkReader:
+    """The NDJSON chunks of a stream's `lines` (an iterator that blocks), read by a thread of its
+    own into a queue, taken with `take`. `step_s`: the measured time between chunks (the
+    server's step, as the device sees it)."""
+
+    def __init__(self, lines: Iterator[str]) -> None:
+        self.step_s: float | None = None
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._lines = lines
+        self._thread = threading.Thread(target=self._run, name="omnidraft-stream", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = None
+        try:
+            for line in self._lines:
+                if not line.strip():
+                    continue
+                chunk = GenerateChunk.model_validate_json(line)
+                now = time.perf_counter()
+                if last is not None and chunk.tokens:
+                    self.step_s = ema(self.step_s, now - last, 0.7)
+                last = now
+                self._queue.put(chunk)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the reading side
+            self._queue.put(exc)
+        finally:
+            self._queue.put(_DONE)
+
+    def take(self, block: bool) -> GenerateChunk | None:
+        """The next chunk; None where none has arrived yet and `block` is False. Raises the read's
+        error, or EOFError once the stream has ended."""
+        try:
+            item = self._queue.get(block=block)
+        except queue.Empty:
+            return None
+        if item is _DONE:
+            self._queue.put(_DONE)
+            raise EOFError("the stream ended")
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    @property
+    def pending(self) -> bool:
+        """Whether another chunk has arrived already (no point drafting before reading it)."""
+        return not self._queue.empty()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
