@@ -179,19 +179,24 @@ def request_rounds(
     rows: list,
     logprobs: int = 0,
 ) -> Iterator[tuple[list[int], RoundRecord]]:
-    """One greedy request on a target whose engine verifies the pairing's drafts in its own step
-    (`drafts_in_engine`: vLLM with omnidraft's proposer); the same signature as
+    """One request, greedy or match-sampled, on a target whose engine verifies the pairing's drafts
+    in its own step (`drafts_in_engine`: vLLM with omnidraft's proposer; a sampled request through
+    vLLM's rejection sampler, which takes each proposal as one-hot); the same signature as
     round_loop.request_rounds. One (ids, record) per engine step: the step's committed ids and the
     round that proposed them (a step without a draft: a record of none)."""
-    if mode != "engine" or rule.mode != "greedy" or logprobs:
-        raise ValueError("engine rounds serve greedy requests without log-probabilities only")
+    if mode != "engine" or rule.mode not in ("greedy", "match") or logprobs:
+        raise ValueError(
+            "engine rounds serve greedy or match-sampled requests without log-probabilities only"
+        )
     prompt_ids = p.target.tokenizer(prompt, add_special_tokens=special)["input_ids"]
     drafter_ids = p.drafter.tokenizer(prompt, add_special_tokens=special)["input_ids"]
     tsession: Any = p.target.begin(prompt_ids)  # a VLLMTarget session: it streams engine steps
     rounds = EngineRounds(p)
     context, last = len(prompt_ids), time.perf_counter()
     try:
-        for tokens in tsession.steps(max_new_tokens, rounds, drafter_ids):
+        for tokens in tsession.steps(
+            max_new_tokens, rounds, drafter_ids, rule=None if rule.mode == "greedy" else rule
+        ):
             now = time.perf_counter()
             record = rounds.records.popleft() if rounds.records else None
             if record is None or record.emitted != len(tokens):

@@ -134,14 +134,17 @@ def finish_request(
 
 def request_mode(p: Pairing, rule: Rule, logprobs: int) -> str:
     """How a request is served: "engine" (the target's engine verifies the pairing's drafts in its
-    own step: vLLM with omnidraft's proposer), "alone" (the target decodes it alone: drafting
-    cannot pay, or the mode chooser measured it faster) or "speculate" (the round loop). A request
-    for per-token log-probabilities speculates: each round's verify returns its rows."""
+    own step: vLLM with omnidraft's proposer, greedy or sampled without a seed), "alone" (the target
+    decodes it alone: drafting cannot pay, or the mode chooser measured it faster) or "speculate"
+    (the round loop). A request for per-token log-probabilities speculates: each round's verify
+    returns its rows; so does a seeded sampled one (the round loop keys each sample by seed and
+    position, so the output depends on the seed alone, not on which drafts reached the engine)."""
     if logprobs:
         return "speculate"
     greedy = rule.mode == "greedy"
     if greedy and not p.drafting and getattr(p.target, "generates_alone", False):
         return "alone"
-    if greedy and p.learner is None and getattr(p.target, "drafts_in_engine", False):
+    in_engine = greedy or (rule.mode == "match" and rule.seed is None)
+    if in_engine and p.learner is None and getattr(p.target, "drafts_in_engine", False):
         return "engine"
     return p.modes.choose() if p.modes is not None and greedy else "speculate"

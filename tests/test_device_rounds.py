@@ -89,7 +89,7 @@ class Session:
         self.handle, self.ended = self, False
         self.error: BaseException | None = None
 
-    def start(self, max_tokens: int, rounds: DeviceRounds, *, outputs):
+    def start(self, max_tokens: int, rounds: DeviceRounds, *, outputs, rule=None):
         generated: list[int] = []
         for i, tokens in enumerate(self.outputs):  # the whole run, queued at once
             rounds.prepare(PROMPT + (self.early[i] if self.early else generated + tokens))

@@ -212,6 +212,22 @@ def vllm_client(vllm_target):
 AUTH = {"authorization": "Bearer k"}
 
 
+def test_a_stock_openai_clients_sampled_request_is_served_in_the_engines_step(vllm_client):
+    """Server round 3, item 7: OpenAI clients sample by default (temperature 1, no top_k); on the
+    vLLM engine that was a 400 naming top_k. Now vLLM samples it in its own step; a seed gives the
+    same completion twice."""
+    for stream in (False, True):  # (the tiny tokenizer has no chat template: completions only)
+        body = {"model": "x", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.0, "stream": stream}
+        r = vllm_client.post("/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 200, r.text
+    seeded = {"model": "x", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0.8, "seed": 5}
+    texts = [
+        vllm_client.post("/v1/completions", json=seeded, headers=AUTH).json()["choices"][0]["text"]
+        for _ in range(2)
+    ]
+    assert texts[0] == texts[1]
+
+
 def test_the_vllm_server_serves_sessions_with_a_draft_budget(vllm_client, vllm_target, tiny_drafter):
     from omnidraft.remote.client import RemoteTarget
 
@@ -283,6 +299,54 @@ def test_a_device_session_streams_while_the_engine_verifies_its_proposals(vllm_t
         stop()
 
 
+class _ProposeAfter:
+    """Rounds that propose `draft` after exactly `ids` and nothing elsewhere."""
+
+    def __init__(self, ids: list[int], draft: list[int]) -> None:
+        self.ids, self.draft = ids, draft
+
+    def open(self, ids, drafter_ids=None):
+        pass
+
+    def prepare(self, ids):
+        pass
+
+    def next(self, ids, most, remaining):
+        return self.draft[:most] if list(ids) == self.ids else []
+
+
+def test_sampling_in_the_engines_own_step_follows_the_targets_distribution(vllm_target, tiny_vllm_model):
+    """A sampled request (temperature 0.3) verified by vLLM's rejection sampler in its own step
+    (one-hot proposals): the second token, among samples whose first is the most likely one,
+    follows the target's tempered softmax there, whether the proposal after that first token is
+    the likely token or an unlikely one. Chi-square over the tokens with expected count >= 5 plus a pooled bin, alpha = 0.001 per
+    proposal (a correct engine fails by chance about twice in 1,000 runs); fixed seeds."""
+    from omnidraft.target import Rule
+
+    model = tiny_vllm_model[1]
+    ids = _ids(vllm_target, PROMPTS[0])
+    temperature = 0.3
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([ids])).logits[0, -1].float() / temperature, -1)
+        top = int(first.argmax())
+        second = torch.softmax(model(torch.tensor([ids + [top]])).logits[0, -1].float() / temperature, -1)
+    likely, unlikely = int(second.argmax()), int(second.argsort()[len(second) // 2])
+    for proposal in ([likely, likely], [unlikely]):
+        counts: dict[int, int] = {}
+        for seed in range(1200):
+            rounds = _ProposeAfter(ids + [top], proposal)
+            rule = Rule(mode="match", temperature=temperature, seed=10_000 + seed)
+            out = [t for step in vllm_target.begin(ids).steps(2, rounds, rule=rule, eos=False) for t in step]
+            if out[0] == top:
+                counts[out[1]] = counts.get(out[1], 0) + 1
+        n = sum(counts.values())
+        big = [t for t in range(len(second)) if second[t] * n >= 5]
+        observed = [counts.get(t, 0) for t in big] + [n - sum(counts.get(t, 0) for t in big)]
+        expected = [float(second[t]) * n for t in big] + [n - sum(float(second[t]) * n for t in big)]
+        assert n >= 200 and len(big) >= 3, (n, len(big))
+        assert chi_square_p(observed, expected) > 1e-3, (proposal, counts)
+
+
 def test_a_device_drafting_across_a_round_trip_gets_the_engines_own_greedy_output(vllm_target, tiny_drafter):
     """The device's streaming design (remote/streaming.py) across a delaying proxy of 40 ms: its
     proposals drafted ahead and posted from their own thread, the server's lookup fallback;
@@ -305,6 +369,10 @@ def test_a_device_drafting_across_a_round_trip_gets_the_engines_own_greedy_outpu
             for prompt in PROMPTS:
                 out = pair.generate(prompt, max_new_tokens=32)
                 assert out.token_ids == vllm_target.generate(_ids(vllm_target, prompt), 32)
+            sampled = pair.generate(PROMPTS[0], max_new_tokens=24, temperature=0.7, top_p=0.95)
+            assert (
+                len(sampled.token_ids) == 24
+            )  # sampled in the engine's step (tested for its distribution above)
             http = httpx.Client(base_url=url, timeout=60)
             ids = _ids(vllm_target, PROMPTS[0])
             sid = http.post("/v1/sessions", json={"prompt_ids": ids}).json()["session"]

@@ -16,7 +16,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-__all__ = ["DraftGate", "RecentAcceptance", "draft_budget", "step_seconds"]
+__all__ = ["BUDGET_S", "DraftBudget", "DraftGate", "RecentAcceptance", "draft_budget", "step_seconds"]
+
+BUDGET_S = 0.05  # how long a computed draft budget stands
 
 
 def step_seconds(costs: dict[int, float], tokens: float) -> float:
@@ -197,3 +199,30 @@ class RecentAcceptance:
             self._zero_since, self._probe_until = None, now + self.probe_s
             return probe
         return 0
+
+
+class DraftBudget:
+    """A server's draft budget as it runs: `draft_budget` at the engine's step `costs`, the load
+    (`active()`: sessions verifying lately) and the acceptance measured lately (`acceptance`,
+    re-measured where it drove the budget to 0); recomputed at most every BUDGET_S per context
+    tail (an engine step asks it for every row). `active_n`: the load the last budget served."""
+
+    def __init__(self, costs: dict[int, float], active: Callable[[], int], most: int) -> None:
+        self.costs, self.active, self.most = costs, active, most
+        self.acceptance = RecentAcceptance()
+        self.active_n = 1
+        self._cached: dict[int, tuple[float, int]] = {}  # tail -> (when, budget)
+
+    def __call__(self, tail: int = 0) -> int:
+        """The draft tokens a session may propose next when a verify recomputes `tail` tokens."""
+        now = time.monotonic()
+        cached = self._cached.get(tail)
+        if cached is not None and now - cached[0] < BUDGET_S:
+            return cached[1]
+        self.active_n = self.active()
+        sessions, seen = max(1, self.active_n), self.acceptance
+        measured = draft_budget(self.costs, seen.value, sessions, self.most, tail=tail)
+        probe = draft_budget(self.costs, seen.prior, sessions, self.most, tail=tail) if measured == 0 else 0
+        budget = seen.budget(measured, probe, now)
+        self._cached[tail] = (now, budget)
+        return budget

@@ -227,12 +227,19 @@ class _RemoteSession:
             yield from chunk.tokens
 
     def steps(
-        self, max_tokens: int, rounds: Any = None, drafter_ids: list[int] | None = None, *, eos: bool = True
+        self,
+        max_tokens: int,
+        rounds: Any = None,
+        drafter_ids: list[int] | None = None,
+        *,
+        eos: bool = True,
+        rule: Any = None,
     ) -> Iterator[list[int]]:
-        """Greedy-decode up to `max_tokens` more tokens (stopping after an EOS) in the server's
-        engine loop, one list of committed ids per chunk; with `rounds` (an `EngineRounds`), each
-        time tokens arrive the device drafts after them and posts the proposal, which the engine
-        verifies in its own step (remote/device_rounds.py). Needs a server that `drafts_in_engine`."""
+        """Decode up to `max_tokens` more tokens (stopping after an EOS) in the server's engine
+        loop, greedy or sampled under `rule` (a `match` rule), one list of committed ids per chunk;
+        with `rounds` (an `EngineRounds`) the device drafts ahead of the tokens it hears and posts
+        proposals, which the engine verifies in its own step (remote/streaming.py,
+        remote/device_rounds.py). Needs a server that `drafts_in_engine`."""
         if not eos:
             raise ValueError("a server stream stops after an EOS; eos=False is not served")
         if rounds is None:
@@ -242,9 +249,11 @@ class _RemoteSession:
             ):
                 yield chunk.tokens
             return
-        yield from self._speculate(max_tokens, rounds, drafter_ids)
+        yield from self._speculate(max_tokens, rounds, drafter_ids, rule)
 
-    def _speculate(self, max_tokens: int, rounds: Any, drafter_ids: list[int] | None) -> Iterator[list[int]]:
+    def _speculate(
+        self, max_tokens: int, rounds: Any, drafter_ids: list[int] | None, rule: Any
+    ) -> Iterator[list[int]]:
         """The speculate stream (remote/streaming.py): a thread reads the committed chunks, the
         device drafts ahead once after the newest of them, a thread posts each proposal."""
         import httpx
@@ -252,7 +261,8 @@ class _RemoteSession:
         owner, sid, start = self.owner, self._open(), len(self.ids)
         rounds.open(list(self.ids), drafter_ids)
         path = f"/v1/sessions/{sid}/speculate"
-        content = SpeculateRequest(committed=start, max_tokens=max_tokens).model_dump_json()
+        sampling = {} if rule is None or rule.mode == "greedy" else _sampling_fields(rule)
+        content = SpeculateRequest(committed=start, max_tokens=max_tokens, **sampling).model_dump_json()
         headers = {"content-type": "application/json"}
         with contextlib.ExitStack() as stack:
             try:
@@ -356,3 +366,14 @@ class _RemoteSession:
         except (TargetUnavailableError, RemoteRequestError):
             pass  # the server is gone or already dropped it: nothing left to free
         self.sid = None
+
+
+def _sampling_fields(rule: Any) -> dict[str, Any]:
+    """A sampled rule's fields as a request carries them (protocol._Sampled)."""
+    return {
+        "temperature": rule.temperature,
+        "top_k": rule.top_k,
+        "top_p": rule.top_p,
+        "min_p": rule.min_p,
+        "seed": rule.seed,
+    }

@@ -17,11 +17,12 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from .budget import DraftGate, RecentAcceptance
+from ..target import Rule
+from .budget import DraftBudget, DraftGate
 from .lookup import PromptLookup
 from .metrics import Metrics
 from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
-from .server_config import HTTPError, ServerConfig
+from .server_config import HTTPError, ServerConfig, sampling_rule
 from .sessions import Session
 
 __all__ = ["DeviceRounds", "SpeculateRoutes", "speculate"]
@@ -143,13 +144,14 @@ class DeviceRounds:
         self._given = None
 
 
-def speculate(session: Any, rounds: DeviceRounds) -> Iterator[list[int]]:
+def speculate(session: Any, rounds: DeviceRounds, rule: Rule = Rule()) -> Iterator[list[int]]:
     """The generated ids of a streaming session as they become known: each yield is every id so far.
     vLLM's outputs arrive on `rounds.events`, beside the ids the proposer tells `rounds` earlier
     (while the budget takes drafts), which must agree with them: one queue, read here, no thread of
-    its own per session. Closing the iterator aborts the request."""
+    its own per session. Greedy, or sampled under `rule` (vLLM's rejection sampler verifies the
+    proposals). Closing the iterator aborts the request."""
     events = rounds.events
-    stream = session.start(rounds.max_tokens, rounds, outputs=events)
+    stream = session.start(rounds.max_tokens, rounds, outputs=events, rule=rule)
     final: list[int] = []
     sent: list[int] = []
     finished = False
@@ -187,11 +189,9 @@ class SpeculateRoutes:
     _session: Callable[..., Session]
     _claim_stream: Callable[[Session, int, int], None]
     _check_ids: Callable[[Any, str], None]
-    _budget_at: Callable[..., int | None]
-    _active: int  # sessions the last draft budget served
+    budget: DraftBudget | None
     gate: DraftGate  # whether the budget's drafts measured faster than none at this load
     _gate_lock: threading.Lock
-    acceptance: RecentAcceptance
 
     def speculate(self, sid: str, request: SpeculateRequest, key: int = 0) -> Iterator[bytes]:
         """Checks `request` now (a stale one is refused with its status), then returns the NDJSON
@@ -204,12 +204,13 @@ class SpeculateRoutes:
                 "(streaming speculation needs `omnidraft serve --engine vllm`)",
             )
         session = self._session(sid, key)
+        rule = sampling_rule(request)
         with session.lock:
             self._claim_stream(session, request.committed, request.max_tokens)
             start, most, eos = request.committed, request.max_tokens, self.target.eos_ids
             rounds = DeviceRounds(start, most, eos, self._engine_budget, self._wait_s, self._observe)
             session.streaming, session.rounds, session.verified = True, rounds, True
-        return self._speculating(session, rounds, start)
+        return self._speculating(session, rounds, start, rule)
 
     def propose(self, sid: str, request: ProposalRequest, key: int = 0) -> ProposalReply:
         """A streaming session's newest proposal (the engine takes it at its next step if it still
@@ -225,10 +226,10 @@ class SpeculateRoutes:
             raise HTTPError(422, str(exc)) from exc
         return ProposalReply(budget=self._engine_budget())
 
-    def _speculating(self, session: Session, rounds: DeviceRounds, start: int) -> Iterator[bytes]:
+    def _speculating(self, session: Session, rounds: DeviceRounds, start: int, rule: Rule) -> Iterator[bytes]:
         sent, done = 0, False
         try:
-            for ids in speculate(session.inner, rounds):
+            for ids in speculate(session.inner, rounds, rule):
                 session.used = time.monotonic()
                 done = len(ids) >= rounds.max_tokens or ids[-1] in rounds.eos_ids
                 chunk = GenerateChunk(
@@ -247,21 +248,22 @@ class SpeculateRoutes:
     def _engine_budget(self) -> int:
         """The draft tokens a streaming session's proposal may have now (the engine verifies them
         in its own step: no context tail is recomputed), while the gate measures that they pay."""
-        budget = self._budget_at(0)
-        if budget is None:
+        if self.budget is None:
             return MAX_PROPOSAL
+        budget = self.budget(0)
         with self._gate_lock:
-            return budget if self.gate.allow(self._active, budget > 0) else 0
+            return budget if self.gate.allow(self.budget.active_n, budget > 0) else 0
 
     def _wait_s(self) -> float:
         """How long a step waits for a streaming device's proposal: `proposal_wait_s`, at most a
         quarter of a step, shared by the active sessions (the whole batch waits)."""
         step = (self.costs or {}).get(1, 0.0)
         wait = min(self.config.proposal_wait_s, step / 4) if step else self.config.proposal_wait_s
-        return wait / max(1, self._active)
+        return wait / max(1, self.budget.active_n if self.budget is not None else 1)
 
     def _observe(self, proposed: int, accepted: int) -> None:
         self.metrics.rounds += 1
         self.metrics.proposed += proposed
         self.metrics.accepted += accepted
-        self.acceptance.observe(proposed, accepted)
+        if self.budget is not None:
+            self.budget.acceptance.observe(proposed, accepted)

@@ -107,17 +107,13 @@ class SparseRow(_Message):
         return self
 
 
-class VerifyRequest(_Message):
-    committed: int = Field(ge=1)
-    proposal: list[int] = Field(max_length=MAX_PROPOSAL)
-    mode: str = "greedy"
+class _Sampled(_Message):
+    """A request's sampling: greedy at temperature 0, else the target's distribution at
+    `temperature` filtered by `top_k`, `top_p` and `min_p` (target.Rule), drawn with `seed`."""
+
     temperature: float = Field(default=0.0, ge=0.0, le=100.0)
-    q: list[SparseRow] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    topk: int = Field(default=0, ge=0, le=MAX_TOPK)
-    top_k: int = Field(
-        default=0, ge=0, le=1_000_000
-    )  # sampling filters of the target distribution (target.Rule)
+    top_k: int = Field(default=0, ge=0, le=1_000_000)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
 
@@ -127,6 +123,14 @@ class VerifyRequest(_Message):
         if value != 0 and not value >= MIN_TEMPERATURE:
             raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
         return value
+
+
+class VerifyRequest(_Sampled):
+    committed: int = Field(ge=1)
+    proposal: list[int] = Field(max_length=MAX_PROPOSAL)
+    mode: str = "greedy"
+    q: list[SparseRow] | None = None
+    topk: int = Field(default=0, ge=0, le=MAX_TOPK)
 
 
 class VerifyReply(_Message):
@@ -145,16 +149,17 @@ class GenerateRequest(_Message):
     max_tokens: int = Field(ge=1, le=MAX_GENERATE)
 
 
-class PromptGenerateRequest(_Message):
-    """Greedy-decode up to `max_tokens` tokens after `prompt_ids` alone, with no session kept."""
+class PromptGenerateRequest(_Sampled):
+    """Decode up to `max_tokens` tokens after `prompt_ids` alone (greedy at temperature 0, else
+    sampled), with no session kept."""
 
     prompt_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT)
     max_tokens: int = Field(ge=1, le=MAX_GENERATE)
 
 
-class SpeculateRequest(_Message):
-    """Greedy-decode up to `max_tokens` more tokens in the engine's loop, verifying the device's
-    proposals (`ProposalRequest`) as they come."""
+class SpeculateRequest(_Sampled):
+    """Decode up to `max_tokens` more tokens in the engine's loop, greedy or sampled (`match` at a
+    temperature above 0), verifying the device's proposals (`ProposalRequest`) as they come."""
 
     committed: int = Field(ge=1)
     max_tokens: int = Field(ge=1, le=MAX_GENERATE)

@@ -1,11 +1,15 @@
-"""What a verification server is configured with (`ServerConfig`: keys, quotas, limits) and how
-it refuses a request (`HTTPError`: the status and the reason its reply carries)."""
+"""What a verification server is configured with (`ServerConfig`: keys, quotas, limits), how it
+refuses a request (`HTTPError`: the status and the reason its reply carries), and the rule a
+request's sampling fields ask for (`sampling_rule`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["HTTPError", "ServerConfig"]
+from ..target import Rule
+
+__all__ = ["HTTPError", "ServerConfig", "sampling_rule"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,3 +61,21 @@ class HTTPError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
+
+
+def sampling_rule(request: Any) -> Rule:
+    """The Rule of a request's sampling fields (protocol._Sampled): greedy at temperature 0, else
+    `match` under its filters and seed; a combination Rule refuses is a 422."""
+    if request.temperature == 0:
+        return Rule()
+    try:
+        return Rule(
+            mode="match",
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            min_p=request.min_p,
+            seed=request.seed,
+        )
+    except ValueError as exc:
+        raise HTTPError(422, str(exc)) from exc

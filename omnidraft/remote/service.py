@@ -22,7 +22,7 @@ import torch
 
 from ..rounds import TokenLogprob, token_logprobs
 from ..target import Rule
-from .budget import DraftGate, RecentAcceptance, draft_budget
+from .budget import DraftBudget, DraftGate
 from .device_rounds import SpeculateRoutes
 from .metrics import Metrics
 from .protocol import (
@@ -36,18 +36,24 @@ from .protocol import (
     VerifyReply,
     VerifyRequest,
 )
-from .server_config import HTTPError, ServerConfig
+from .server_config import HTTPError, ServerConfig, sampling_rule
 from .sessions import FairLock, Session, release_session, serving
 from .text_routes import TextRoutes
 
-__all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service"]  # the last three re-exported
+__all__ = [
+    "PREFILL_CHUNK",
+    "FairLock",
+    "HTTPError",
+    "ServerConfig",
+    "Service",
+    "sampling_rule",
+]  # the last three re-exported
 
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 256  # prompt tokens one model call may take: the most a long prompt holds the model at once
 PREFILL_WORK = 256 * 2048  # chunk x context: past 2,048 tokens of context a chunk shrinks (down to 32 tokens)
 ACTIVE_S = 1.0  # a session that verified within this many seconds counts in the load a draft budget serves
-BUDGET_S = 0.05  # how long a computed draft budget stands
 
 
 class Service(TextRoutes, SpeculateRoutes):
@@ -63,19 +69,15 @@ class Service(TextRoutes, SpeculateRoutes):
         # batches sessions (vLLM) schedules concurrent requests itself, so only a session's own lock holds
         self.batches = bool(getattr(target, "batches_sessions", False))
         self.model_lock: Any = contextlib.nullcontext() if self.batches else FairLock()
-        self.inflight: dict[
-            int, int
-        ] = {}  # per key: tokens of completions and /v1/generate being served (KV budget)
+        self.inflight: dict[int, int] = {}  # per key: tokens of completions and streams served (KV budget)
         costs = getattr(target, "verify_costs", None) if self.batches else None
         batch = getattr(target, "batch_costs", None) if costs is not None else None
         # step costs by tokens (remote/budget.py): one sequence's verifies, then steps over many rows
         self.costs: dict[int, float] | None = (
             None if costs is None else {**costs(), **(batch() if batch is not None else {})}
         )
-        self._budgets: dict[int, tuple[float, int]] = {}  # tail -> (when, budget)
-        self._active = 1  # sessions the last budget served
+        self.budget = DraftBudget(self.costs, self._active_sessions, MAX_PROPOSAL - 1) if self.costs else None
         self.gate, self._gate_lock = DraftGate(), threading.Lock()  # streaming sessions' drafts, measured
-        self.acceptance = RecentAcceptance()  # of the drafts verified lately: what the budget assumes
         model = getattr(target, "model", None)  # None: unbounded
         self.context: int | None = getattr(target, "context_length", None) or getattr(
             getattr(model, "config", None), "max_position_embeddings", None
@@ -179,7 +181,8 @@ class Service(TextRoutes, SpeculateRoutes):
         self.metrics.rounds += 1
         self.metrics.accepted += verdict.accepted
         self.metrics.proposed += len(proposal)
-        self.acceptance.observe(len(proposal), verdict.accepted)
+        if self.budget is not None:
+            self.budget.acceptance.observe(len(proposal), verdict.accepted)
         reply = VerifyReply(
             committed=len(session.inner.ids),
             accepted=verdict.accepted,
@@ -217,12 +220,13 @@ class Service(TextRoutes, SpeculateRoutes):
         self._check_ids(request.prompt_ids, "prompt")
         budget = len(request.prompt_ids) + request.max_tokens
         self._check_context(budget, "the completion")
+        rule = sampling_rule(request)
         release = self._hold(budget, key)
         session = Session(self.target.begin(list(request.prompt_ids)), time.monotonic(), key)
 
         def stream() -> Iterator[bytes]:
             try:
-                yield from self._decode(session, request.max_tokens)
+                yield from self._decode(session, request.max_tokens, rule)
             finally:
                 release()
 
@@ -237,9 +241,13 @@ class Service(TextRoutes, SpeculateRoutes):
         finally:
             session.streaming = False
 
-    def _decode(self, session: Session, max_tokens: int) -> Iterator[bytes]:
+    def _decode(self, session: Session, max_tokens: int, rule: Rule = Rule()) -> Iterator[bytes]:
+        """Stream up to `max_tokens` tokens decoded alone under `rule` (greedy by default)."""
+        generator = torch.Generator().manual_seed(rule.seed) if rule.seed is not None else None
         tokens = (
-            self._engine_decode(session, max_tokens) if self.batches else self._stepwise(session, max_tokens)
+            self._engine_decode(session, max_tokens, rule)
+            if self.batches
+            else self._stepwise(session, max_tokens, rule, generator)
         )
         for step, token in enumerate(tokens):
             self.metrics.rounds += 1
@@ -286,10 +294,14 @@ class Service(TextRoutes, SpeculateRoutes):
                 logprobs += token_logprobs([verdict.token], [(*verdict.topk, verdict.chosen)], top)
             yield verdict.token
 
-    def _engine_decode(self, session: Session, max_tokens: int) -> Iterator[int]:
-        """The engine's own decoding loop (one request, batched with other sessions' work); closing
-        this iterator (the client went away) aborts the request."""
-        tokens = session.inner.decode(max_tokens)
+    def _engine_decode(self, session: Session, max_tokens: int, rule: Rule = Rule()) -> Iterator[int]:
+        """The engine's own decoding loop (one request, batched with other sessions' work), greedy
+        or sampled under `rule`; closing this iterator (the client went away) aborts the request."""
+        tokens = (
+            session.inner.decode(max_tokens, rule)
+            if rule.mode != "greedy"
+            else session.inner.decode(max_tokens)
+        )
         try:
             yield from tokens
         finally:
@@ -325,26 +337,12 @@ class Service(TextRoutes, SpeculateRoutes):
     def _budget(self) -> int | None:
         """The draft tokens each session may send next round at the present load (remote/budget.py),
         on an engine that batches sessions and reports its verify costs; None (no limit) otherwise."""
-        return self._budget_at(int(getattr(self.target, "verify_tail", 0)))
+        return self.budget(int(getattr(self.target, "verify_tail", 0))) if self.budget is not None else None
 
-    def _budget_at(self, tail: int) -> int | None:
-        """The budget when a verify recomputes `tail` tokens of context; recomputed at most every
-        BUDGET_S (an engine step asks it for every row)."""
-        if self.costs is None:
-            return None
+    def _active_sessions(self) -> int:
         now = time.monotonic()
-        cached = self._budgets.get(tail)
-        if cached is not None and now - cached[0] < BUDGET_S:
-            return cached[1]
         with self.table_lock:
-            active = sum(1 for v in self.sessions.values() if now - v.used < ACTIVE_S)
-        self._active = active
-        sessions, most, seen = max(1, active), MAX_PROPOSAL - 1, self.acceptance
-        measured = draft_budget(self.costs, seen.value, sessions, most, tail=tail)
-        probe = draft_budget(self.costs, seen.prior, sessions, most, tail=tail) if measured == 0 else 0
-        budget = seen.budget(measured, probe, now)
-        self._budgets[tail] = (now, budget)
-        return budget
+            return sum(1 for v in self.sessions.values() if now - v.used < ACTIVE_S)
 
     @staticmethod
     def _check_idle(session: Session) -> None:

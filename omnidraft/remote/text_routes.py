@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -92,7 +93,8 @@ class TextRoutes:
         self._check_ids(ids, "prompt")
         budget = len(ids) + max_tokens
         self._check_context(budget, "the completion")
-        if (check := getattr(self.target, "check_rule", None)) is not None:
+        in_engine = self.batches and logprobs is None  # the engine's own loop: greedy or sampled in its step
+        if not in_engine and (check := getattr(self.target, "check_rule", None)) is not None:
             try:
                 check(rule)
             except ValueError as exc:
@@ -105,8 +107,9 @@ class TextRoutes:
 
         def tokens() -> Iterator[int]:
             try:
-                if rule.mode == "greedy" and self.batches and logprobs is None:  # the engine's own loop
-                    yield from self._engine_decode(session, max_tokens)
+                if in_engine:
+                    seeded = rule if rule.mode == "greedy" or seed is None else replace(rule, seed=seed)
+                    yield from self._engine_decode(session, max_tokens, seeded)
                     return
                 for token in self._stepwise(session, max_tokens, rule, generator, logprobs, top):
                     yield token

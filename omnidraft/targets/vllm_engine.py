@@ -4,13 +4,16 @@ vLLM's `LLMEngine` is not thread-safe: requests are added and the engine is step
 on the loop's own thread. Callers on any thread `submit` a request and wait on its handle;
 requests submitted while the engine is busy join the next step, so concurrent sessions' verifies
 are batched by vLLM's scheduler (continuous batching), never serialised by a lock of ours.
-This module knows nothing about drafting or acceptance: it moves token ids and vLLM outputs.
+Beside it: the engine arguments a verifying target needs (`engine_defaults`) and vLLM itself, or
+how to install it (`require_vllm`). This module knows nothing about drafting or acceptance: it
+moves token ids and vLLM outputs.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -18,12 +21,44 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-__all__ = ["EngineLoop", "Handle"]
+import torch
+
+__all__ = ["DEFAULT_MAX_LOGPROBS", "EngineLoop", "Handle", "engine_defaults", "require_vllm"]
 
 log = logging.getLogger(__name__)
 
 GATHER_S = 0.02  # how long a step may wait for the next requests of sessions that were just answered
 ACTIVE_S = 1.0  # a session answered within this long is one the loop waits for
+DEFAULT_MAX_LOGPROBS = 64  # top log-probabilities a request may ask for (distillation's top-k included)
+
+
+def require_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        from ..errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            "VLLMTarget needs vLLM: pip install 'omnidraft[vllm]' (the CPU build "
+            "matching the torch pin) or vLLM itself on a GPU host"
+        ) from exc
+    return vllm
+
+
+def engine_defaults(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """Engine arguments with what a verifying target needs (prefix caching, enough log-probabilities)
+    and what vLLM's CPU backend needs (blocks of 32 tokens, an explicit KV-cache size) filled in
+    where the caller left them out."""
+    args = {"enable_prefix_caching": True, "max_logprobs": DEFAULT_MAX_LOGPROBS, "seed": 0, **engine_args}
+    if not args["enable_prefix_caching"]:
+        raise ValueError(
+            "VLLMTarget needs enable_prefix_caching=True: a verify reads the context from the cache"
+        )
+    if not torch.cuda.is_available():
+        args.setdefault("block_size", 32)  # the CPU attention backend's block size is a multiple of 32
+        if "kv_cache_memory_bytes" not in args and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            args["kv_cache_memory_bytes"] = 2 << 30
+    return args
 
 
 @dataclass

@@ -34,47 +34,16 @@ from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
 from .vllm_costs import time_batches, time_verifies
-from .vllm_engine import EngineLoop
+from .vllm_engine import EngineLoop, engine_defaults, require_vllm
 from .vllm_proposer import EngineProposer, built_count, built_since, proposer_config
 
 __all__ = ["VLLMTarget", "tail_rows"]
-
-DEFAULT_MAX_LOGPROBS = 64  # top log-probabilities a request may ask for (distillation's top-k included)
 
 
 def tail_rows(prompt_len: int, num_cached: int, base: int) -> bool:
     """Whether a request over `prompt_len` tokens, `num_cached` of them read from the prefix cache,
     computed the rows a verify reads: the logits after positions base - 1 .. prompt_len - 1."""
     return base >= 1 and num_cached <= base - 1 < prompt_len
-
-
-def _vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as exc:
-        from ..errors import MissingDependencyError
-
-        raise MissingDependencyError(
-            "VLLMTarget needs vLLM: pip install 'omnidraft[vllm]' (the CPU build "
-            "matching the torch pin) or vLLM itself on a GPU host"
-        ) from exc
-    return vllm
-
-
-def engine_defaults(engine_args: dict[str, Any]) -> dict[str, Any]:
-    """Engine arguments with what a verifying target needs (prefix caching, enough log-probabilities)
-    and what vLLM's CPU backend needs (blocks of 32 tokens, an explicit KV-cache size) filled in
-    where the caller left them out."""
-    args = {"enable_prefix_caching": True, "max_logprobs": DEFAULT_MAX_LOGPROBS, "seed": 0, **engine_args}
-    if not args["enable_prefix_caching"]:
-        raise ValueError(
-            "VLLMTarget needs enable_prefix_caching=True: a verify reads the context from the cache"
-        )
-    if not torch.cuda.is_available():
-        args.setdefault("block_size", 32)  # the CPU attention backend's block size is a multiple of 32
-        if "kv_cache_memory_bytes" not in args and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            args["kv_cache_memory_bytes"] = 2 << 30
-    return args
 
 
 class _VLLMSession:
@@ -124,20 +93,30 @@ class _VLLMSession:
         self.forwards += 1
         return verdict
 
-    def decode(self, max_tokens: int) -> Iterator[int]:
-        """Greedy-decode up to `max_tokens` tokens with vLLM alone (stopping after an EOS),
-        committing each as the engine streams it: vLLM's own decoding loop."""
-        for tokens in self.steps(max_tokens):
+    def decode(self, max_tokens: int, rule: Rule | None = None) -> Iterator[int]:
+        """Decode up to `max_tokens` tokens with vLLM alone (stopping after an EOS), greedy or
+        sampled under `rule`, committing each as the engine streams it: vLLM's own decoding loop."""
+        for tokens in self.steps(max_tokens, rule=rule):
             yield from tokens
 
     def steps(
-        self, max_tokens: int, rounds: Any = None, drafter_ids: list[int] | None = None, *, eos: bool = True
+        self,
+        max_tokens: int,
+        rounds: Any = None,
+        drafter_ids: list[int] | None = None,
+        *,
+        eos: bool = True,
+        rule: Rule | None = None,
     ) -> Iterator[list[int]]:
-        """Greedy-decode up to `max_tokens` tokens (stopping after an EOS), one list of committed
-        ids per engine step. With `rounds` (an `EngineRounds`) and an engine built with omnidraft's
+        """Decode up to `max_tokens` tokens (stopping after an EOS), one list of committed ids per
+        engine step: greedy, or sampled under `rule` (a `match` rule: temperature, top_k, top_p,
+        min_p, seed). With `rounds` (an `EngineRounds`) and an engine built with omnidraft's
         proposer, the engine's speculative step verifies the drafts `rounds` proposes
-        (targets/vllm_proposer.py), so a step may commit several tokens."""
-        stream, done = self.start(max_tokens, rounds, drafter_ids, eos=eos), False
+        (targets/vllm_proposer.py), so a step may commit several tokens; a sampled request is
+        verified by vLLM's rejection sampler, which takes a proposal as one-hot (accepted with the
+        target's probability of it, else a token drawn from the rest): the output follows the
+        target's own distribution whatever is proposed."""
+        stream, done = self.start(max_tokens, rounds, drafter_ids, eos=eos, rule=rule), False
         try:
             for out in stream.handle.stream():
                 yield stream.take(out)
@@ -153,13 +132,16 @@ class _VLLMSession:
         *,
         eos: bool = True,
         outputs: queue.Queue | None = None,
+        rule: Rule | None = None,
     ) -> Stream:
         """Submit what `steps` reads, for a caller that reads the engine's outputs itself (from
         `outputs`, a queue it also waits on for other news); it passes each to `Stream.take`."""
         proposer = self.owner.proposer if rounds is not None else None
         seq = proposer.expect(self.ids, rounds, max_tokens, drafter_ids) if proposer is not None else None
         submit = self.owner.submit
-        handle = submit(self.ids, self.salt, max_tokens=max_tokens, stream=True, eos=eos, outputs=outputs)
+        handle = submit(
+            self.ids, self.salt, max_tokens=max_tokens, stream=True, eos=eos, outputs=outputs, rule=rule
+        )
         return Stream(self, handle, proposer, seq)
 
     def close(self) -> None:
@@ -240,7 +222,7 @@ class VLLMTarget:
         to that many tokens and verifies them in its own step (vllm_proposer.py; a server's
         streaming device sessions use it too); 0: a plain engine, where a verify is a request of
         its own."""
-        _vllm()
+        require_vllm()
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -298,15 +280,28 @@ class VLLMTarget:
         cached: bool = True,
         eos: bool | None = None,
         outputs: queue.Queue | None = None,
+        rule: Rule | None = None,
     ) -> Any:
-        """Queue one greedy request on the engine loop; returns its handle. `eos`: stop after an EOS
-        (default: a stream does, a verify does not); `outputs`: as for `EngineLoop.submit`."""
+        """Queue one request on the engine loop, greedy or sampled under `rule`'s temperature and
+        filters (its seed, if any, seeds the request's own generator); returns its handle. `eos`:
+        stop after an EOS (default: a stream does, a verify does not); `outputs`: as for
+        `EngineLoop.submit`."""
         eos = stream if eos is None else eos
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        sampled = rule is not None and rule.mode != "greedy"
+        sampling: dict[str, Any] = {}
+        if rule is not None and sampled:
+            sampling = {
+                "top_p": rule.top_p,
+                "top_k": rule.top_k or -1,
+                "min_p": rule.min_p,
+                "seed": rule.seed,
+            }
         params = SamplingParams(
-            temperature=0.0,
+            temperature=rule.temperature if rule is not None and sampled else 0.0,
+            **sampling,
             max_tokens=max_tokens,
             detokenize=False,
             skip_reading_prefix_cache=not cached,
