@@ -143,7 +143,8 @@ def _bench_network(args: argparse.Namespace) -> None:
     from .datasets import load_prompts
     from .network import markdown, run_network
 
-    out, text, results = Path(args.out), "", []
+    out, text = Path(args.out), ""
+    results: list[dict[str, Any]] = []
     for pair_spec in args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]:
         drafter_spec, target_spec = split_pair(pair_spec)
         for dataset in args.dataset or ["mixed"]:
@@ -158,6 +159,9 @@ def _bench_network(args: argparse.Namespace) -> None:
                 stock=not args.no_stock,
                 log=str(out / f"{args.name}-servers.log"),
                 progress=bar.set_postfix_str,
+                done=lambda rows: atomic_write_bytes(
+                    out / f"{args.name}.partial.json", json.dumps([*results, *rows], indent=1).encode()
+                ),
             )
             bar.close()
             results += [{"pair": pair_spec, "dataset": dataset, **r} for r in rows]

@@ -234,8 +234,10 @@ def run_network(
     log: str = "bench_out/network-servers.log",
     progress: Callable[[str], object] = lambda _: None,
     server_args: tuple[str, ...] = ("--dtype", "float32"),
+    done: Callable[[list[dict[str, Any]]], object] = lambda _: None,
 ) -> list[dict[str, Any]]:
-    """Every row of ROWS at every round trip and device count (see the module docstring)."""
+    """Every row of ROWS at every round trip and device count (see the module docstring);
+    `done` sees the rows so far after each one."""
     import httpx
     import torch
 
@@ -275,6 +277,7 @@ def run_network(
                         **_per_token(before, _engine_counters(url), runs),
                     }
                     results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[0], **row})
+                    done(results)
                     progress(f"RTT {rtt:g} ms, {n} devices: device drafting")
                     before = _engine_counters(url)
                     runs, wall = _concurrently(
@@ -289,6 +292,7 @@ def run_network(
                         **_per_token(before, _engine_counters(url), runs),
                     }
                     results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[1], **row})
+                    done(results)
                 http.close()
                 for pair in pairs:
                     pair.target.close()
@@ -296,6 +300,12 @@ def run_network(
         model = hf_directory(target_spec)
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
         argv += ["--port", str(port), "--dtype", "float32", "--served-model-name", "target"]
+        argv += [
+            "--block-size",
+            "32",
+            "--kv-cache-memory-bytes",
+            str(2 << 30),
+        ]  # as VLLMTarget.load sets them
         with _process(argv, SERVER_CPU, url, "/v1/models", log):
             for rtt in rtts_ms:
                 with _proxy(port, rtt) as near:
@@ -312,6 +322,7 @@ def run_network(
                         )
                         row = summarize_row(runs, wall, references[n])
                         results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[2], **row})
+                        done(results)
                     http.close()
     alone = {(r["rtt_ms"], r["devices"]): r["tok_s"] for r in results if r["row"] == ROWS[0]}
     for r in results:

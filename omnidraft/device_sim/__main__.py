@@ -45,6 +45,21 @@ def _parser() -> argparse.ArgumentParser:
             q.add_argument("--png", required=True, help="where to write the plot")
             q.add_argument("--max-rtt", type=float, default=200.0)
     sub.add_parser("list", help="list the profiles and their sources")
+    s = sub.add_parser(
+        "stream",
+        help="devices drafting ahead for a batched server across a network (device_sim/streaming.py)",
+    )
+    s.add_argument("--server", required=True, help="the server's profile (its target_ms)")
+    s.add_argument("--device", required=True, help="the device's profile (its drafter_ms)")
+    s.add_argument("--rtt", type=float, action="append", required=True, metavar="MS")
+    s.add_argument("--devices", type=int, action="append", metavar="N", help="devices at once (default 1)")
+    s.add_argument(
+        "--acceptance", type=float, required=True, help="per-token acceptance of the device's guesses"
+    )
+    s.add_argument("--budget", type=int, default=6, help="draft tokens the server takes a step")
+    s.add_argument("--tokens", type=int, default=128)
+    s.add_argument("--shared-cpu", action="store_true", help="every device drafts on one CPU (this machine)")
+    s.add_argument("--seeds", type=int, default=8, help="runs averaged (the text's right guesses differ)")
     g = sub.add_parser(
         "gpu-profile", help="server profiles from a GPU check JSON (python -m benchmarks.gpu_check)"
     )
@@ -90,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(f"{d['name']}: target_ms {d['target_ms']}" for d in devices))
         print(f"wrote {args.out}")
         return
+    if args.command == "stream":
+        return _stream(args, cat)
     if args.command == "list":
         profiles: list[DeviceProfile | NetworkProfile] = [*cat.devices.values(), *cat.networks.values()]
         for p in profiles:
@@ -175,3 +192,37 @@ def _validate(runs, args, cat) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _stream(args: argparse.Namespace, cat: object) -> None:
+    from .streaming import simulate_streaming
+
+    devices, server = getattr(cat, "devices"), args.server
+    for name in (server, args.device):
+        if name not in devices:
+            raise SystemExit(f"unknown device profile {name!r}; known: {', '.join(sorted(devices))}")
+    print(
+        f"{'RTT ms':>7}{'devices':>8}{'device tok/s':>14}{'server tok/s':>14}{'alone tok/s':>13}"
+        f"{'speedup':>9}{'steps/token':>13}"
+    )
+    for rtt in args.rtt:
+        for n in args.devices or [1]:
+            runs = [
+                simulate_streaming(
+                    devices[server],
+                    devices[args.device],
+                    rtt_ms=rtt,
+                    devices=n,
+                    acceptance=args.acceptance,
+                    budget=args.budget,
+                    tokens=args.tokens,
+                    shared_cpu=args.shared_cpu,
+                    seed=seed,
+                )
+                for seed in range(args.seeds)
+            ]
+            mean = lambda key: sum(getattr(r, key) for r in runs) / len(runs)  # noqa: E731
+            print(
+                f"{rtt:>7g}{n:>8}{mean('device_tok_s'):>14.2f}{mean('server_tok_s'):>14.2f}"
+                f"{mean('alone_tok_s'):>13.2f}{mean('speedup'):>8.2f}x{mean('steps_per_token'):>13.2f}"
+            )
