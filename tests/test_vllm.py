@@ -319,8 +319,9 @@ def test_sampling_in_the_engines_own_step_follows_the_targets_distribution(vllm_
     """A sampled request (temperature 0.3) verified by vLLM's rejection sampler in its own step
     (one-hot proposals): the second token, among samples whose first is the most likely one,
     follows the target's tempered softmax there, whether the proposal after that first token is
-    the likely token or an unlikely one. Chi-square over the tokens with expected count >= 5 plus a pooled bin, alpha = 0.001 per
-    proposal (a correct engine fails by chance about twice in 1,000 runs); fixed seeds."""
+    the likely token or an unlikely one. Chi-square over the tokens with expected count >= 5 plus
+    a pooled bin, alpha = 0.001 per proposal (a correct engine fails by chance about twice in
+    1,000 runs); fixed seeds."""
     from omnidraft.target import Rule
 
     model = tiny_vllm_model[1]
