@@ -52,6 +52,7 @@ class RemoteRequestError(TargetError):
     """A remote target refused a request (4xx); the message carries the server's reason and
     `status` its HTTP status."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, committed: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.committed = committed  # a 409's: the length the server's session has committed

@@ -136,9 +136,19 @@ def call_json(http: Any, url: str, method: str, path: str, content: str | None, 
             raise RemoteRequestError(
                 f"{url}{path} refused the request: HTTP {response.status_code}: {_reason(response)}",
                 response.status_code,
+                _committed(response),
             )
         return response.json()
     raise TargetUnavailableError(f"{url}{path} unreachable after {retries + 1} attempts ({last})")
+
+
+def _committed(response: Any) -> int | None:
+    """A stale request's 409 names the session's committed length; None elsewhere."""
+    try:
+        value = response.json().get("committed")
+    except ValueError:
+        return None
+    return value if isinstance(value, int) else None
 
 
 def _reason(response: Any) -> str:
@@ -274,6 +284,7 @@ class _RemoteSession:
                 raise RemoteRequestError(
                     f"{owner.url}{path} refused the request: HTTP {reply.status_code}: {_reason(reply)}",
                     reply.status_code,
+                    _committed(reply),
                 )
             sender = ProposalSender(lambda m: owner._call("POST", f"/v1/sessions/{sid}/proposal", m))
             stack.callback(sender.close)
@@ -340,6 +351,7 @@ class _RemoteSession:
                     raise RemoteRequestError(
                         f"{owner.url}{path} refused the request: HTTP {reply.status_code}: {_reason(reply)}",
                         reply.status_code,
+                        _committed(reply),
                     )
                 if opened is not None:
                     opened()

@@ -23,9 +23,11 @@ from .lookup import PromptLookup
 from .metrics import Metrics
 from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
 from .server_config import HTTPError, ServerConfig, sampling_rule
-from .sessions import Session
+from .sessions import Session, ended
 
 __all__ = ["DeviceRounds", "SpeculateRoutes", "speculate"]
+
+CANCELLED = object()  # on a stream's events: its session was deleted
 
 
 class DeviceRounds:
@@ -105,6 +107,10 @@ class DeviceRounds:
         self._given = (len(ids), draft[:most])
         return draft[:most]
 
+    def cancel(self) -> None:
+        """The session was deleted: the stream ends at once, its engine request aborted."""
+        self.events.put(CANCELLED)
+
     # the device's side
     def offer(self, at: int, proposal: list[int]) -> None:
         """The device's proposal, drafted after the first `at` committed ids (ValueError past the
@@ -157,6 +163,8 @@ def speculate(session: Any, rounds: DeviceRounds, rule: Rule = Rule()) -> Iterat
     finished = False
     try:
         while (item := events.get()) is not None:
+            if item is CANCELLED:  # the session was deleted: abort (finally, unfinished)
+                return
             if isinstance(item, list):  # told early by the proposer
                 ids = item
             else:  # the engine's output: the record
@@ -187,7 +195,7 @@ class SpeculateRoutes:
     metrics: Metrics
     costs: dict[int, float] | None
     _session: Callable[..., Session]
-    _claim_stream: Callable[[Session, int, int], None]
+    _claim_stream: Callable[[Session, int, int], Callable[[], None]]
     _check_ids: Callable[[Any, str], None]
     budget: DraftBudget | None
     gate: DraftGate  # whether the budget's drafts measured faster than none at this load
@@ -206,11 +214,11 @@ class SpeculateRoutes:
         session = self._session(sid, key)
         rule = sampling_rule(request)
         with session.lock:
-            self._claim_stream(session, request.committed, request.max_tokens)
+            end = self._claim_stream(session, request.committed, request.max_tokens)
             start, most, eos = request.committed, request.max_tokens, self.target.eos_ids
             rounds = DeviceRounds(start, most, eos, self._engine_budget, self._wait_s, self._observe)
-            session.streaming, session.rounds, session.verified = True, rounds, True
-        return self._speculating(session, rounds, start, rule)
+            session.rounds, session.verified = rounds, True
+        return ended(self._speculating(session, rounds, start, rule, end), end)
 
     def propose(self, sid: str, request: ProposalRequest, key: int = 0) -> ProposalReply:
         """A streaming session's newest proposal (the engine takes it at its next step if it still
@@ -226,7 +234,9 @@ class SpeculateRoutes:
             raise HTTPError(422, str(exc)) from exc
         return ProposalReply(budget=self._engine_budget())
 
-    def _speculating(self, session: Session, rounds: DeviceRounds, start: int, rule: Rule) -> Iterator[bytes]:
+    def _speculating(
+        self, session: Session, rounds: DeviceRounds, start: int, rule: Rule, end: Callable[[], None]
+    ) -> Iterator[bytes]:
         sent, done = 0, False
         try:
             for ids in speculate(session.inner, rounds, rule):
@@ -243,7 +253,8 @@ class SpeculateRoutes:
                 last = GenerateChunk(tokens=[], committed=start + sent, done=True)
                 yield last.model_dump_json().encode() + b"\n"
         finally:
-            session.streaming, session.rounds = False, None
+            session.rounds = None
+            end()
 
     def _engine_budget(self) -> int:
         """The draft tokens a streaming session's proposal may have now (the engine verifies them

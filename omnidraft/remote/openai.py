@@ -77,7 +77,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """The subset of OpenAI's completion request this server implements."""
 
-    prompt: list[StrictInt] | str
+    prompt: list[StrictInt] | str = Field(min_length=1)  # an empty prompt is a 400, never a 500
     max_tokens: int = Field(16, ge=0, le=4096)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

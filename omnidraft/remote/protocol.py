@@ -185,3 +185,4 @@ class GenerateChunk(_Message):
 
 class ErrorReply(_Message):
     error: str
+    committed: int | None = None  # a stale request's 409: the session's committed length

@@ -50,7 +50,7 @@ from .protocol import (
 )
 from .service import HTTPError, ServerConfig, Service
 
-__all__ = ["HEADER_TIMEOUT_S", "ServerConfig", "create_app", "http_protocol"]
+__all__ = ["HEADER_TIMEOUT_S", "Auth", "ServerConfig", "create_app", "http_protocol"]
 
 log = logging.getLogger(__name__)
 
@@ -102,19 +102,54 @@ def http_protocol() -> type:
     return HeaderDeadline
 
 
+class Auth:
+    """The API key check, as plain ASGI middleware (one written with `@app.middleware` wraps
+    `receive`, and a route then never learns that its client left): a request's key index goes to
+    `request.state.key` (`key_of`: None for no valid key); /v1 routes and /metrics (unless
+    `open_metrics`) without one get `refuse`'s 401. An exception no route handled gets `crashed`'s
+    reply when no reply has started (and is not raised further: the server keeps serving)."""
+
+    def __init__(self, app: Any, *, key_of: Any, refuse: Any, crashed: Any, open_metrics: bool) -> None:
+        self.app, self.key_of, self.refuse, self.open_metrics = app, key_of, refuse, open_metrics
+        self.crashed = crashed
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        path, key = request.url.path, self.key_of(request)
+        scope.setdefault("state", {})["key"] = key
+        if key is None and (path.startswith("/v1/") or (path == "/metrics" and not self.open_metrics)):
+            reply = self.refuse(401, "missing or wrong API key (send Authorization: Bearer <key>)", path)
+            return await reply(scope, receive, send)
+        started = False
+
+        async def sending(message: Any) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if started:
+                raise
+            await self.crashed(request, exc)(scope, receive, send)
+
+
 def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     """The ASGI app serving `target` (a LocalTarget)."""
     service = Service(target, config)
     app = FastAPI(title="omnidraft verification server", version=str(VERSION))
     app.state.service = service
 
-    def fail(status: int, message: str, path: str = "") -> JSONResponse:
+    def fail(status: int, message: str, path: str = "", fields: dict | None = None) -> JSONResponse:
         if status != 404:
             service.metrics.rejected_requests += 1
         if path in OPENAI_PATHS:  # what an OpenAI client parses; an invalid request is its 400
             status = 400 if status == 422 else status
             return JSONResponse(error_body(status, message), status_code=status)
-        return JSONResponse({"version": VERSION, "error": message}, status_code=status)
+        return JSONResponse({"version": VERSION, "error": message, **(fields or {})}, status_code=status)
 
     def key_of(request: Request) -> int | None:
         """Which key the request carries (0 without keys), None for none of them; every key is
@@ -152,24 +187,20 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             )
             raise HTTPError(422, f"invalid {model.__name__}: {reasons}") from exc
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Any:
-        """Auth, and the one place a refusal (`HTTPError`, raised anywhere below) becomes its reply."""
-        guarded = request.url.path.startswith("/v1/") or (
-            request.url.path == "/metrics" and not config.open_metrics
-        )
-        request.state.key = key_of(request)
-        if guarded and request.state.key is None:
-            return fail(401, "missing or wrong API key (send Authorization: Bearer <key>)", request.url.path)
-        try:
-            return await call_next(request)
-        except HTTPError as exc:
-            return fail(exc.status, exc.message, request.url.path)
-        except Exception:  # a bug, never expected: logged, and the client is told to reconnect
-            log.exception("unhandled error serving %s %s", request.method, request.url.path)
-            reply = fail(500, "internal server error (logged on the server)")
-            reply.headers["connection"] = "close"
-            return reply
+    async def refused(request: Request, exc: Exception) -> JSONResponse:
+        """The one place a refusal (`HTTPError`, raised anywhere below a route) becomes its reply."""
+        assert isinstance(exc, HTTPError)
+        return fail(exc.status, exc.message, request.url.path, exc.fields)
+
+    def crashed(request: Request, exc: Exception) -> JSONResponse:
+        """A bug, never expected: logged, and the client is told to reconnect."""
+        log.error("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)
+        reply = fail(500, "internal server error (logged on the server)")
+        reply.headers["connection"] = "close"
+        return reply
+
+    app.add_exception_handler(HTTPError, refused)
+    app.add_middleware(Auth, key_of=key_of, refuse=fail, crashed=crashed, open_metrics=config.open_metrics)
 
     @app.get("/health")
     async def health(request: Request) -> dict:
@@ -199,9 +230,8 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.post("/v1/sessions/{sid}/verify")
     async def verify(sid: str, request: Request) -> Any:
-        reply = await run_in_threadpool(
-            service.verify, sid, await body(request, VerifyRequest), request.state.key
-        )
+        parsed = await body(request, VerifyRequest)
+        reply = await until_disconnect(request, service.verify, sid, parsed, request.state.key)
         return reply.model_dump(exclude_none=True)
 
     @app.post("/v1/sessions/{sid}/generate")

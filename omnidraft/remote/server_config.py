@@ -1,15 +1,18 @@
 """What a verification server is configured with (`ServerConfig`: keys, quotas, limits), how it
-refuses a request (`HTTPError`: the status and the reason its reply carries), and the rule a
-request's sampling fields ask for (`sampling_rule`)."""
+refuses a request (`HTTPError`: the status and the reason its reply carries), and what a
+request's fields ask for, checked: the rule of its sampling fields (`sampling_rule`), its token
+ids (`check_ids`) and its draft rows as a distribution (`draft_rows`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..target import Rule
 
-__all__ = ["HTTPError", "ServerConfig", "sampling_rule"]
+__all__ = ["HTTPError", "ServerConfig", "check_ids", "draft_rows", "sampling_rule"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,9 +61,12 @@ class ServerConfig:
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    """A refusal: its HTTP `status`, the `message` its reply's "error" carries, and `fields` the
+    reply carries beside it (a stale request's 409 says the session's `committed` length)."""
+
+    def __init__(self, status: int, message: str, **fields: Any) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.fields = status, message, fields
 
 
 def sampling_rule(request: Any) -> Rule:
@@ -79,3 +85,22 @@ def sampling_rule(request: Any) -> Rule:
         )
     except ValueError as exc:
         raise HTTPError(422, str(exc)) from exc
+
+
+def check_ids(ids: Any, vocab: int, what: str) -> None:
+    """Refuse (422) token ids outside [0, vocab), naming `what` holds them."""
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise HTTPError(422, f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+
+def draft_rows(request: Any, vocab: int) -> torch.Tensor:
+    """(K, Vt) float: a verify's sparse draft rows q, one per proposed token, each made a
+    distribution (whatever it summed to); 422 where rows are missing or name foreign ids."""
+    if request.q is None or len(request.q) != len(request.proposal):
+        raise HTTPError(422, f"mode {request.mode!r} needs one draft row q per proposed token")
+    q = torch.zeros(len(request.q), vocab, dtype=torch.float64)
+    for i, row in enumerate(request.q):
+        check_ids(row.ids, vocab, "q")
+        q[i, torch.tensor(row.ids, dtype=torch.long)] = torch.tensor(row.probs, dtype=torch.float64)
+    return (q / q.sum(-1, keepdim=True)).float()

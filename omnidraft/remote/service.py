@@ -14,7 +14,6 @@ import tempfile
 import threading
 import time
 import uuid
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -36,18 +35,12 @@ from .protocol import (
     VerifyReply,
     VerifyRequest,
 )
-from .server_config import HTTPError, ServerConfig, sampling_rule
-from .sessions import FairLock, Session, release_session, serving
+from .server_config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule
+from .sessions import FairLock, Session, ended, release_session, serving
 from .text_routes import TextRoutes
 
-__all__ = [
-    "PREFILL_CHUNK",
-    "FairLock",
-    "HTTPError",
-    "ServerConfig",
-    "Service",
-    "sampling_rule",
-]  # the last three re-exported
+# the last three re-exported
+__all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service", "sampling_rule"]
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +110,10 @@ class Service(TextRoutes, SpeculateRoutes):
             self.metrics.opened += 1
         return OpenReply(session=sid, committed=len(request.prompt_ids))
 
-    def verify(self, sid: str, request: VerifyRequest, key: int = 0) -> VerifyReply:
+    def verify(
+        self, sid: str, request: VerifyRequest, key: int = 0, cancel: threading.Event | None = None
+    ) -> VerifyReply:
+        """Verify a proposal; `cancel` set (the client left) stops a long prefill between chunks."""
         session = self._session(sid, key)
         self._check_ids(request.proposal, "proposal")
         try:
@@ -135,7 +131,7 @@ class Service(TextRoutes, SpeculateRoutes):
             self._check_idle(session)
             if not self._replays(session, request):  # before any model work: a stale request costs nothing
                 self._check_committed(session, request.committed)
-            self._prefill(session)
+            self._prefill(session, cancel)
             session.used = time.monotonic()  # a fresh session's idle time counts from its prefill's end
             with self.model_lock:  # one request of a session at a time: the committed check is race-free
                 return self._verify(session, request, rule, proposal)
@@ -153,6 +149,7 @@ class Service(TextRoutes, SpeculateRoutes):
                 409,
                 f"stale request: it builds on {committed} committed tokens, "
                 f"the session has {len(session.inner.ids)}",
+                committed=len(session.inner.ids),
             )
 
     def _verify(
@@ -168,7 +165,7 @@ class Service(TextRoutes, SpeculateRoutes):
         self._check_context(committed + len(proposal) + 1, "the session")
         with self.table_lock:
             self._reserve(len(proposal) + 1, session.key)
-        q = self._dense(request) if rule.mode in ("exact", "omnidraft") and proposal else None
+        q = draft_rows(request, self.vocab) if rule.mode in ("exact", "omnidraft") and proposal else None
         generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         started = time.perf_counter()
         try:
@@ -200,19 +197,26 @@ class Service(TextRoutes, SpeculateRoutes):
         so other sessions' verifies interleave."""
         session = self._session(sid, key)
         with session.lock:
-            self._claim_stream(session, request.committed, request.max_tokens)
-            session.streaming = True
-        return self._stream(session, request.max_tokens)
+            end = self._claim_stream(session, request.committed, request.max_tokens)
+        return ended(self._stream(session, request.max_tokens, end), end)
 
-    def _claim_stream(self, session: Session, committed: int, max_tokens: int) -> None:
+    def _claim_stream(self, session: Session, committed: int, max_tokens: int) -> Callable[[], None]:
         """Under the session's lock, for a stream of up to `max_tokens` more tokens after
         `committed`: refuse it while another stream runs, when it is stale, or past the context or
-        the KV budget; else reserve its tokens (the caller marks the session streaming)."""
+        the KV budget; else mark the session streaming and hold its tokens in the key's share for
+        the stream's life. Returns the stream's end (once, however often called)."""
         self._check_idle(session)
         self._check_committed(session, committed)
         self._check_context(committed + max_tokens, "the session")
-        with self.table_lock:
-            self._reserve(max_tokens, session.key)
+        release = self._hold(max_tokens, session.key)
+        session.streaming = True
+        session.cancelled.clear()
+
+        def end() -> None:
+            release()
+            session.streaming = False
+
+        return end
 
     def generate_alone(self, request: PromptGenerateRequest, key: int = 0) -> Iterator[bytes]:
         """A whole completion decoded alone with no session kept (what a device that will not
@@ -230,16 +234,14 @@ class Service(TextRoutes, SpeculateRoutes):
             finally:
                 release()
 
-        chunks = stream()
-        weakref.finalize(chunks, release)
-        return chunks
+        return ended(stream(), release)
 
-    def _stream(self, session: Session, max_tokens: int) -> Iterator[bytes]:
+    def _stream(self, session: Session, max_tokens: int, end: Callable[[], None]) -> Iterator[bytes]:
         """The session's stream; while it runs the session refuses other requests (409)."""
         try:
             yield from self._decode(session, max_tokens)
         finally:
-            session.streaming = False
+            end()
 
     def _decode(self, session: Session, max_tokens: int, rule: Rule = Rule()) -> Iterator[bytes]:
         """Stream up to `max_tokens` tokens decoded alone under `rule` (greedy by default)."""
@@ -250,6 +252,8 @@ class Service(TextRoutes, SpeculateRoutes):
             else self._stepwise(session, max_tokens, rule, generator)
         )
         for step, token in enumerate(tokens):
+            if session.cancelled.is_set():  # its session was deleted: stop (closing `tokens` aborts)
+                return
             self.metrics.rounds += 1
             session.last, session.used = None, time.monotonic()
             done = token in self.target.eos_ids or step == max_tokens - 1
@@ -258,13 +262,15 @@ class Service(TextRoutes, SpeculateRoutes):
             if done:
                 return
 
-    def _prefill(self, session: Session) -> None:
+    def _prefill(self, session: Session, cancel: threading.Event | None = None) -> None:
         """Feed a session's uncached prompt at most PREFILL_CHUNK tokens per model call (fewer past
         2,048 tokens of context, PREFILL_WORK), taking the model lock per call, so other sessions'
         verifies interleave with a long prompt's prefill (an engine that batches sessions chunks
-        prefills itself)."""
+        prefills itself). Stops (499) between chunks once `cancel` is set or the session deleted."""
         step = getattr(session.inner, "prefill", None)
         while step is not None and not self.batches:
+            if session.cancelled.is_set() or (cancel is not None and cancel.is_set()):
+                raise HTTPError(499, "the client or its session went away during the prefill")
             with self.model_lock:  # a chunk's cost grows with the context it attends to: keep it about level
                 if step(max(32, min(PREFILL_CHUNK, PREFILL_WORK // max(1, session.inner.cached)))) == 0:
                     return
@@ -308,9 +314,13 @@ class Service(TextRoutes, SpeculateRoutes):
             tokens.close()
 
     def close(self, sid: str, key: int = 0) -> None:
+        """Drop a session; a stream it runs ends at its next token (its engine request aborted)."""
         self._session(sid, key)  # 404 unless it is there for this key
         with self.table_lock:
-            release_session(self.sessions.pop(sid, None))
+            session = self.sessions.pop(sid, None)
+        if session is not None:
+            session.cancel()
+        release_session(session)
 
     def _session(self, sid: str, key: int = 0) -> Session:
         with self.table_lock:
@@ -383,15 +393,4 @@ class Service(TextRoutes, SpeculateRoutes):
             )
 
     def _check_ids(self, ids: Any, what: str) -> None:
-        bad = [i for i in ids if not 0 <= i < self.vocab]
-        if bad:
-            raise HTTPError(422, f"{what} has token ids outside the vocabulary [0, {self.vocab}): {bad[:5]}")
-
-    def _dense(self, request: VerifyRequest) -> torch.Tensor:
-        if request.q is None or len(request.q) != len(request.proposal):
-            raise HTTPError(422, f"mode {request.mode!r} needs one draft row q per proposed token")
-        q = torch.zeros(len(request.q), self.vocab, dtype=torch.float64)
-        for i, row in enumerate(request.q):
-            self._check_ids(row.ids, "q")
-            q[i, torch.tensor(row.ids, dtype=torch.long)] = torch.tensor(row.probs, dtype=torch.float64)
-        return (q / q.sum(-1, keepdim=True)).float()  # a distribution, whatever the rows summed to
+        check_ids(ids, self.vocab, what)

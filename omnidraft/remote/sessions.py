@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .protocol import VerifyReply, VerifyRequest
 
-__all__ = ["FairLock", "Session", "release_session", "serving"]
+__all__ = ["FairLock", "Session", "ended", "release_session", "serving"]
 
 
 @dataclass
@@ -26,6 +27,13 @@ class Session:
     streaming: bool = False  # a generate stream is running: other requests are refused until it ends
     rounds: Any = None  # a speculate stream's DeviceRounds, which takes the device's proposals
     busy: int = 0  # requests being served now (a prefill, a verify): a session in use never expires
+    cancelled: threading.Event = field(default_factory=threading.Event)  # deleted: its stream stops
+
+    def cancel(self) -> None:
+        """The session was deleted: a stream it runs stops at its next token."""
+        self.cancelled.set()
+        if self.rounds is not None:
+            self.rounds.cancel()
 
     @property
     def in_use(self) -> bool:
@@ -74,3 +82,10 @@ def serving(session: Session, table_lock: threading.Lock) -> Iterator[None]:
     finally:
         with table_lock:
             session.busy -= 1
+
+
+def ended(stream: Iterator[bytes], end: Callable[[], None]) -> Iterator[bytes]:
+    """`stream` with `end` called when it is garbage-collected, should it never run to its own end
+    (a client that left before the first chunk was read): its hold and its session are freed."""
+    weakref.finalize(stream, end)
+    return stream

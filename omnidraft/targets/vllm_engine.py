@@ -46,14 +46,18 @@ def require_vllm() -> Any:
 
 
 def engine_defaults(engine_args: dict[str, Any]) -> dict[str, Any]:
-    """Engine arguments with what a verifying target needs (prefix caching, enough log-probabilities)
-    and what vLLM's CPU backend needs (blocks of 32 tokens, an explicit KV-cache size) filled in
-    where the caller left them out."""
+    """Engine arguments with what a verifying target needs (prefix caching, enough log-probabilities),
+    what a server of many streams needs (a bound on a long prefill's tokens per step) and what
+    vLLM's CPU backend needs (blocks of 32 tokens, an explicit KV-cache size) filled in where the
+    caller left them out."""
     args = {"enable_prefix_caching": True, "max_logprobs": DEFAULT_MAX_LOGPROBS, "seed": 0, **engine_args}
     if not args["enable_prefix_caching"]:
         raise ValueError(
             "VLLMTarget needs enable_prefix_caching=True: a verify reads the context from the cache"
         )
+    # a long prompt's prefill takes at most this many tokens a step while other requests run (vLLM
+    # lifts the cap when it runs alone), so streaming sessions keep moving during it
+    args.setdefault("long_prefill_token_threshold", 512 if torch.cuda.is_available() else 64)
     if not torch.cuda.is_available():
         args.setdefault("block_size", 32)  # the CPU attention backend's block size is a multiple of 32
         if "kv_cache_memory_bytes" not in args and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
