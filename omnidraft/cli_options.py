@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target", default=TARGET)
     d.add_argument("--drafter", default=DRAFTER)
     d.add_argument("--n", type=int, default=2, help="prompts per dataset")
+    d.add_argument(
+        "--target-backend",
+        choices=["auto", "llama.cpp", "torch"],
+        default="auto",
+        help="the engine the target runs on and is compared with (auto: llama.cpp for a GGUF target its "
+        "build runs here, the fastest way to run those weights on a CPU; else PyTorch)",
+    )
     add_decoding_args(d)
 
     b = sub.add_parser("bench", help="omnidraft vs target alone vs HF assisted generation")
@@ -166,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --remote --target-backend vllm: devices streaming at once, repeatable (default 1)",
     )
+    b.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="with --remote --target-backend vllm: every row samples at this temperature (0: greedy)",
+    )
+    b.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the top-p filter")
     b.add_argument(
         "--no-stock",
         action="store_true",

@@ -157,6 +157,7 @@ def _bench_network(args: argparse.Namespace) -> None:
                 args.rtt or [0.0, 50.0],
                 args.devices or [1],
                 stock=not args.no_stock,
+                sampling={"temperature": args.temperature, "top_p": args.top_p} if args.temperature else None,
                 log=str(out / f"{args.name}-servers.log"),
                 progress=bar.set_postfix_str,
                 done=lambda rows: atomic_write_bytes(
@@ -301,10 +302,11 @@ def _bench_engine(args: argparse.Namespace) -> None:
             results[f"{pair_spec}/{dataset}"] = rows
             text += (
                 f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens; speedup over "
-                f"{base} (total time)\n\n| row | tok/s | speedup | identical |\n|---|---|---|---|\n"
+                f"{base} (total time; worst: the slowest request against {base} on the same prompt)\n\n"
+                "| row | tok/s | speedup | worst request | identical |\n|---|---|---|---|---|\n"
             )
             text += "".join(
-                f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× "  # the row's speed
+                f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['worst']:.2f}× "  # speed, floor
                 f"| {r['identical']}/{r['prompts']} |\n"  # and how many outputs equal the baseline's
                 for r in summarize_llama(rows, base=base)
             )

@@ -181,18 +181,27 @@ def time_rows(
 
 
 def summarize_llama(results: list[dict[str, Any]], base: str = "llama.cpp alone") -> list[dict[str, Any]]:
-    """Per row: tok/s over all prompts, speedup over the `base` row (total time), identical count."""
+    """Per row: tok/s over all prompts, speedup over the `base` row (total time), the worst
+    request's speedup (its tok/s over the base row's on the same prompt: the per-request floor)
+    and the identical count."""
     base_rows = [r for r in results if r["row"] == base]
     base_rate = sum(r["tokens"] for r in base_rows) / sum(r["seconds"] for r in base_rows)
+    base_of = {r["prompt"]: r["tokens"] / r["seconds"] for r in base_rows if r["tokens"]}
     out = []
     for name in dict.fromkeys(r["row"] for r in results):
         mine = [r for r in results if r["row"] == name]
         rate = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+        each = [
+            r["tokens"] / r["seconds"] / base_of[r["prompt"]]
+            for r in mine
+            if r["tokens"] and r["prompt"] in base_of
+        ]
         out.append(
             {
                 "row": name,
                 "tok_s": rate,
                 "speedup": rate / base_rate,
+                "worst": min(each, default=float("nan")),
                 "identical": sum(r["identical"] for r in mine),
                 "prompts": len(mine),
             }

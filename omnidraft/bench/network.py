@@ -131,16 +131,23 @@ def _stream_lines(http: Any, path: str, body: dict[str, Any]) -> Iterator[str]:
         yield from reply.iter_lines()
 
 
-def _server_alone(http: Any, ids: list[int], n: int) -> Timed:
+def _server_alone(http: Any, ids: list[int], n: int, sampling: dict[str, Any] | None = None) -> Timed:
     run = Timed(time.perf_counter())
-    for line in _stream_lines(http, "/v1/generate", {"prompt_ids": ids, "max_tokens": n}):
+    for line in _stream_lines(http, "/v1/generate", {"prompt_ids": ids, "max_tokens": n, **(sampling or {})}):
         if line.strip():
             run.add(json.loads(line)["tokens"])
     return run
 
 
-def _stock(http: Any, model: str, ids: list[int], n: int) -> Timed:
-    body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0, "stream": True}
+def _stock(http: Any, model: str, ids: list[int], n: int, sampling: dict[str, Any] | None = None) -> Timed:
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": n,
+        "temperature": 0.0,
+        "stream": True,
+        **(sampling or {}),
+    }
     body.update(logprobs=0, return_tokens_as_token_ids=True)
     run = Timed(time.perf_counter())
     for line in _stream_lines(http, "/v1/completions", body):
@@ -151,11 +158,11 @@ def _stock(http: Any, model: str, ids: list[int], n: int) -> Timed:
     return run
 
 
-def _device(pair: Any, prompt: str, n: int) -> Timed:
+def _device(pair: Any, prompt: str, n: int, sampling: dict[str, Any] | None = None) -> Timed:
     """`pair.stream`, timed per engine chunk (its RemoteTarget's sessions record them)."""
     run = Timed(time.perf_counter())
     pair.target.chunks = run
-    for _ in pair.stream(prompt, max_new_tokens=n):
+    for _ in pair.stream(prompt, max_new_tokens=n, **(sampling or {})):
         pass
     return run
 
@@ -218,7 +225,7 @@ def summarize_row(runs: list[Timed], wall: float, reference: list[list[int]] | N
         "gap_p50_s": per[len(per) // 2],
         "gap_p95_s": per[min(len(per) - 1, int(0.95 * len(per)))],
         "worst_request_s_per_token": max((r.times[-1] - r.sent) / len(r.tokens) for r in runs if r.tokens),
-        "identical": sum(r.tokens == ref for r, ref in zip(runs, reference)) if reference else len(runs),
+        "identical": sum(r.tokens == ref for r, ref in zip(runs, reference)) if reference else None,
     }
 
 
@@ -235,9 +242,11 @@ def run_network(
     progress: Callable[[str], object] = lambda _: None,
     server_args: tuple[str, ...] = ("--dtype", "float32"),
     done: Callable[[list[dict[str, Any]]], object] = lambda _: None,
+    sampling: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Every row of ROWS at every round trip and device count (see the module docstring);
-    `done` sees the rows so far after each one."""
+    `done` sees the rows so far after each one. `sampling` (temperature, top_p, ...): every row
+    samples instead of decoding greedily (outputs then differ by chance: identical is not counted)."""
     import httpx
     import torch
 
@@ -269,11 +278,16 @@ def run_network(
                     progress(f"RTT {rtt:g} ms, {n} devices: server alone")
                     before = _engine_counters(url)
                     runs, wall = _concurrently(
-                        n, [partial(_server_alone, http, ids[i], max_new_tokens) for i in range(len(ids))]
+                        n,
+                        [
+                            partial(_server_alone, http, ids[i], max_new_tokens, sampling)
+                            for i in range(len(ids))
+                        ],
                     )
-                    references.setdefault(n, [r.tokens for r in runs])
+                    if sampling is None:
+                        references.setdefault(n, [r.tokens for r in runs])
                     row = {
-                        **summarize_row(runs, wall, None),
+                        **summarize_row(runs, wall, references.get(n)),
                         **_per_token(before, _engine_counters(url), runs),
                     }
                     results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[0], **row})
@@ -283,12 +297,12 @@ def run_network(
                     runs, wall = _concurrently(
                         n,
                         [
-                            partial(_device, pairs[i % n], prompts[i], max_new_tokens)
+                            partial(_device, pairs[i % n], prompts[i], max_new_tokens, sampling)
                             for i in range(len(prompts))
                         ],
                     )
                     row = {
-                        **summarize_row(runs, wall, references[n]),
+                        **summarize_row(runs, wall, references.get(n)),
                         **_per_token(before, _engine_counters(url), runs),
                     }
                     results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[1], **row})
@@ -316,11 +330,11 @@ def run_network(
                         runs, wall = _concurrently(
                             n,
                             [
-                                partial(_stock, http, "target", ids[i], max_new_tokens)
+                                partial(_stock, http, "target", ids[i], max_new_tokens, sampling)
                                 for i in range(len(ids))
                             ],
                         )
-                        row = summarize_row(runs, wall, references[n])
+                        row = summarize_row(runs, wall, references.get(n))
                         results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[2], **row})
                         done(results)
                     http.close()
@@ -354,6 +368,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"| {r['rtt_ms']:g} | {r['devices']} | {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}x | "
         f"{cell(r, 'ttft_s', '.2f')} | {1000 * r['gap_p50_s']:.0f} / {1000 * r['gap_p95_s']:.0f} | "
         f"{r['worst_request_s_per_token']:.3f} | {cell(r, 'engine_s_per_token', '.3f')} | "
-        f"{cell(r, 'engine_steps_per_token', '.2f')} | {r['identical']}/{r['requests']} |\n"
+        f"{cell(r, 'engine_steps_per_token', '.2f')} | "
+        f"{'-' if r['identical'] is None else r['identical']}/{r['requests']} |\n"
         for r in rows
     )

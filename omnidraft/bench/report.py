@@ -22,6 +22,7 @@ COLUMNS = [
     ("omnidraft tok/s", "omnidraft_tok_s", "{:.2f}"),
     ("target alone tok/s", "target_tok_s", "{:.2f}"),
     ("omnidraft speedup", "speedup", "{:.2f}×"),
+    ("worst request", "worst_speedup", "{:.2f}×"),
     ("stock-kernel HF", "stock_speedup", "{:.2f}×"),
     ("prompt lookup", "lookup_speedup", "{:.2f}×"),
     ("HF assisted", "assisted_speedup", "{:.2f}×"),

@@ -181,6 +181,7 @@ def summarize(results: list[PromptResult]) -> dict[str, Any]:
         "target_tok_s": tokens / target_s,
         "speedup": target_s / omni_s,
         "median_speedup": median(r.speedup for r in results),
+        "worst_speedup": min(r.speedup for r in results),  # the per-request floor
         "drafted_per_round": sum(r.drafted_per_round for r in results) / len(results),
         "speculating": sum(r.speculating for r in results) / len(results),
         "time_split": split,

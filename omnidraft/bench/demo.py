@@ -1,0 +1,102 @@
+"""`omnidraft demo`: a few GSM8K and HumanEval prompts, the default pairing against the fastest way
+to run the same target weights on this machine, side by side, per request and in total.
+
+The engine compared with is llama.cpp where the target is a GGUF file (a preset or a path) this
+machine's llama.cpp build runs (llamacpp/smoke.py): on a CPU it decodes those weights several times
+faster than PyTorch. Elsewhere (a Hugging Face model, no llama.cpp) it is the PyTorch target on its
+fastest kernels (bench/runner.py). Each request runs the engine alone, then the pairing, greedy;
+every output is compared with the engine's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+from typing import Any
+
+__all__ = ["demo_engine", "run_demo"]
+
+
+def demo_engine(target_spec: str, choice: str = "auto") -> str:
+    """ "llama.cpp" or "torch": `choice`, or for "auto" the fastest engine this machine has for
+    `target_spec` (llama.cpp for a GGUF file its build runs, else PyTorch)."""
+    if choice != "auto":
+        return choice
+    from ..presets import PRESETS
+
+    if not (target_spec in PRESETS or target_spec.endswith(".gguf")) or not importlib.util.find_spec(
+        "llama_cpp"
+    ):
+        return "torch"
+    from ..llamacpp.loading import gguf_file
+    from ..llamacpp.smoke import runs
+
+    return "llama.cpp" if runs(gguf_file(target_spec)[0]) == "ok" else "torch"
+
+
+def run_demo(args: argparse.Namespace, datasets: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    """(the engine compared with, one row per request: dataset, index, tokens, the engine's and
+    omnidraft's tokens/s, identical, acceptance, tau)."""
+    engine = demo_engine(args.target, getattr(args, "target_backend", "auto"))
+    if engine == "llama.cpp":
+        return "llama.cpp", _on_llama(args, datasets)
+    return "PyTorch (its fastest kernels here)", _on_torch(args, datasets)
+
+
+def _on_torch(args: argparse.Namespace, datasets: list[str]) -> list[dict[str, Any]]:
+    from .commands import run_pair
+
+    _, per_prompt = run_pair(f"{args.drafter}:{args.target}", datasets, args, peers=(), trace=None)
+    rows = []
+    for key, results in per_prompt.items():
+        for r in results:
+            rows.append(
+                {
+                    "dataset": key.rsplit("/", 1)[1],  # key: PAIR/DATASET
+                    "index": r["index"],
+                    "engine_tok_s": r["new_tokens"] / r["target_s"],
+                    "omnidraft_tok_s": r["new_tokens"] / r["omnidraft_s"],
+                    "tokens": r["new_tokens"],
+                    "identical": r["identical"],
+                    "acceptance": r["acceptance_rate"],
+                    "tau": r["mean_accepted_length"],
+                }
+            )
+    return rows
+
+
+def _on_llama(args: argparse.Namespace, datasets: list[str]) -> list[dict[str, Any]]:
+    import omnidraft as od
+
+    from ..llamacpp.loading import open_llama
+    from .datasets import load_prompts
+    from .llama import _own
+
+    target = od.LlamaCppTarget(args.target)
+    drafter = od.Drafter.load(args.drafter, backend=args.drafter_backend)
+    pair = drafter.pair(target, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy)
+    alone = open_llama(target.engine.path, n_ctx=4096)
+    warm = load_prompts(datasets[0], 1)[0]
+    pair.generate(warm, max_new_tokens=8)
+    _own(alone, target.tokenizer(warm)["input_ids"], 8, target.eos_ids)
+    rows = []
+    for dataset in datasets:
+        for i, prompt in enumerate(load_prompts(dataset, args.n)):
+            ref = _own(alone, target.tokenizer(prompt)["input_ids"], args.max_new_tokens, target.eos_ids)
+            started = time.perf_counter()
+            out = pair.generate(prompt, max_new_tokens=args.max_new_tokens)
+            seconds = time.perf_counter() - started
+            rows.append(
+                {
+                    "dataset": dataset,
+                    "index": i,
+                    "engine_tok_s": len(ref.token_ids) / ref.seconds,
+                    "omnidraft_tok_s": len(out.token_ids) / seconds,
+                    "tokens": len(out.token_ids),
+                    "identical": out.token_ids == ref.token_ids,
+                    "acceptance": out.stats.acceptance_rate,
+                    "tau": out.stats.mean_accepted_length,
+                }
+            )
+    return rows
