@@ -153,3 +153,21 @@ def test_a_prefill_stops_when_its_client_leaves(tiny_target):
         assert len(chunks) == seen and seen < 20  # stopped, long before its 29 chunks
     finally:
         stop()
+
+
+def test_a_stream_ended_by_the_garbage_collector_inside_a_locked_section_does_not_deadlock(tiny_target):
+    """A stream dropped unread is released by a finalizer (`sessions.ended`), which the garbage
+    collector may run at any allocation, also while the same thread holds the session table's
+    lock (it did, inside `_reserve`, and the fuzz test hung): the release must go through."""
+    from omnidraft.remote.service import Service
+
+    service = Service(tiny_target, ServerConfig())
+    release, done = service._hold(5, 0), threading.Event()
+
+    def inside() -> None:
+        with service.table_lock:
+            release()  # what the finalizer does when the collector runs here
+        done.set()
+
+    threading.Thread(target=inside, daemon=True).start()
+    assert done.wait(10) and service.inflight[0] == 0

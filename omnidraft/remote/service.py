@@ -57,7 +57,9 @@ class Service(TextRoutes, SpeculateRoutes):
         self.vocab = len(target.token_bytes)
         self.sessions: dict[str, Session] = {}
         self.metrics = Metrics(engine=getattr(target, "loop", None))
-        self.table_lock = threading.Lock()
+        # re-entrant: a stream's end may run from the garbage collector (sessions.ended) at any
+        # allocation, in a thread that holds this lock already
+        self.table_lock = threading.RLock()
         # one model forward at a time on an engine that runs one (PyTorch, llama.cpp); an engine that
         # batches sessions (vLLM) schedules concurrent requests itself, so only a session's own lock holds
         self.batches = bool(getattr(target, "batches_sessions", False))

@@ -72,7 +72,7 @@ def release_session(session: Session | None) -> None:
 
 
 @contextlib.contextmanager
-def serving(session: Session, table_lock: threading.Lock) -> Iterator[None]:
+def serving(session: Session, table_lock: threading.RLock) -> Iterator[None]:
     """While a request of `session` is served (its prefill included, however long), the session
     counts as in use and never expires (`table_lock`: the lock its expiry sweep holds)."""
     with table_lock:
