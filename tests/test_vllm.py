@@ -13,6 +13,7 @@ from omnidraft.target import Rule
 from omnidraft.targets.vllm_target import tail_rows
 
 from .conftest import chi_square_p, gsm8k_texts
+from .route_fuzz import EXAMPLES, ROUTES, fuzz_route, route_poster
 
 pytestmark = pytest.mark.exclusive  # vLLM binds its OpenMP threads itself: not on a pinned xdist worker
 
@@ -448,3 +449,30 @@ def test_the_default_pairing_on_the_real_05b_served_by_vllm_is_vllms_own_greedy_
             assert out.token_ids == want[: len(out.token_ids)] and len(out.token_ids) in (48, len(want))
     finally:
         target.close()
+
+
+@pytest.mark.parametrize("route", ROUTES + ("verify",))
+def test_fuzzed_bodies_on_every_route_of_the_vllm_server_never_get_a_5xx(vllm_client, vllm_target, route):
+    """Every request route of the vLLM engine's server fuzzed (tests/route_fuzz.py; proposals
+    while a speculate stream of their session runs): no 5xx, and the engine still decodes its own
+    greedy output afterwards."""
+    ids, vocab = _ids(vllm_target, PROMPTS[0]), vllm_client.app.state.service.vocab
+    sid, streaming = None, None
+    if route == "proposal":
+        sid = vllm_client.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).json()["session"]
+        body = {"committed": len(ids), "max_tokens": 900}
+        streaming = threading.Thread(
+            target=vllm_client.post,
+            args=(f"/v1/sessions/{sid}/speculate",),
+            kwargs={"json": body, "headers": AUTH},
+        )
+        streaming.start()
+    post, bodies = route_poster(vllm_client, route, vocab, ids, AUTH, sid=sid)
+    fuzz_route(post, bodies, max(20, EXAMPLES // 3))
+    if streaming is not None:
+        streaming.join(timeout=120)
+        assert not streaming.is_alive()
+    r = vllm_client.post(
+        "/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0}, headers=AUTH
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
