@@ -146,3 +146,45 @@ def test_traces_that_mix_sources_charge_the_drafter_for_drafted_tokens_only(tmp_
     assert r.seconds == pytest.approx(0.332) and r.tokens == 6
     (k2,) = [row for row in sweep_k(read_trace(path), Scenario(device=DEVICE), range(2, 3))]
     assert k2[0] == 2  # model part: 2 target tokens from 2 drafted, so k = 2 proposes 2
+
+
+def test_the_streaming_simulation_bounds_and_the_round_trip():
+    """device_sim/streaming.py: wrong guesses never cost a step per token less than decoding alone
+    and never commit more than one token a step; right guesses commit several a step; a longer round
+    trip never helps; a measured time to first token slows both modes alike."""
+    from omnidraft.device_sim.streaming import simulate_streaming
+
+    costs = tuple(150.0 + 5 * n for n in range(16))
+    server = DeviceProfile(name="s", source="t", drafter_ms=1.0, target_ms=costs, prefill_ms_per_token=0.4)
+    device = DeviceProfile(
+        name="d", source="t", drafter_ms=10.0, target_ms=(100.0,), prefill_ms_per_token=0.4
+    )
+    wrong = simulate_streaming(server, device, rtt_ms=50, acceptance=0.0, tokens=64)
+    assert wrong.steps_per_token == 1.0 and wrong.speedup <= 1.0
+    speedups = [
+        simulate_streaming(server, device, rtt_ms=rtt, acceptance=0.8, tokens=64, seed=1).speedup
+        for rtt in (0, 50, 200, 600)
+    ]
+    assert speedups[0] > 1.5 and all(a >= b for a, b in zip(speedups, speedups[1:]))
+    right = simulate_streaming(
+        server, device, rtt_ms=0, acceptance=1.0, tokens=64, devices=4, shared_cpu=True
+    )
+    assert right.steps_per_token < 0.25
+    base = simulate_streaming(server, device, rtt_ms=50, acceptance=0.8, tokens=64)
+    slow = simulate_streaming(server, device, rtt_ms=50, acceptance=0.8, tokens=64, ttft_s=2.0)
+    assert slow.device_tok_s < base.device_tok_s and slow.alone_tok_s < base.alone_tok_s
+    assert base.alone_tok_s == pytest.approx(1000 / 150)
+    with pytest.raises(ValueError, match="ttft_s"):
+        simulate_streaming(server, device, rtt_ms=50, ttft_s=-1)
+
+
+def test_the_stream_command_prints_its_table(capsys):
+    from omnidraft.device_sim.__main__ import main
+
+    main(
+        ["stream", "--server", "this-machine:vllm-1cpu:qwen2.5-coder-0.5b", "--device",
+         "this-machine:vllm-1cpu:qwen2.5-coder-0.5b", "--rtt", "50", "--acceptance", "0.7",
+         "--tokens", "32", "--seeds", "2", "--ttft", "1.5"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "speedup" in out and out.strip().splitlines()[-1].split()[0] == "50"

@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--budget", type=int, default=6, help="draft tokens the server takes a step")
     s.add_argument("--tokens", type=int, default=128)
+    s.add_argument(
+        "--ttft", type=float, default=0.0, metavar="S", help="seconds to each request's first token (prefill)"
+    )
     s.add_argument("--shared-cpu", action="store_true", help="every device drafts on one CPU (this machine)")
     s.add_argument("--seeds", type=int, default=8, help="runs averaged (the text's right guesses differ)")
     g = sub.add_parser(
@@ -190,10 +193,6 @@ def _validate(runs, args, cat) -> None:
         print(f"{label:<44}{predicted:>12.2f}{measured:>12.2f}{(predicted - measured) / measured:>+8.1%}")
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _stream(args: argparse.Namespace, cat: object) -> None:
     from .streaming import simulate_streaming
 
@@ -218,6 +217,7 @@ def _stream(args: argparse.Namespace, cat: object) -> None:
                     tokens=args.tokens,
                     shared_cpu=args.shared_cpu,
                     seed=seed,
+                    ttft_s=args.ttft,
                 )
                 for seed in range(args.seeds)
             ]
@@ -226,3 +226,7 @@ def _stream(args: argparse.Namespace, cat: object) -> None:
                 f"{rtt:>7g}{n:>8}{mean('device_tok_s'):>14.2f}{mean('server_tok_s'):>14.2f}"
                 f"{mean('alone_tok_s'):>13.2f}{mean('speedup'):>8.2f}x{mean('steps_per_token'):>13.2f}"
             )
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,9 @@ machine does), where their drafting queues.
 Acceptance: at each position of a stream's text the device's greedy guess, given the right text
 before it, is right with probability `acceptance` (independently; a fitted per-token rate), so a
 proposal drafted after committed position m is right up to the first wrong guess from m on. The
-server decoding alone commits one token per row a step. Pure Python, no torch, seeded.
+server decoding alone commits one token per row a step. `ttft_s`, the time to a request's first
+token (its prefill, measured), is added to every request in both modes. Pure Python, no torch,
+seeded.
 """
 
 from __future__ import annotations
@@ -78,12 +80,21 @@ def simulate_streaming(
     first: int = 3,
     shared_cpu: bool = False,
     seed: int = 0,
+    ttft_s: float = 0.0,
 ) -> StreamResult:
     """N = `devices` streams of `tokens` tokens each, all starting at once (see the module doc)."""
-    if devices < 1 or tokens < 1 or budget < 0 or first < 1 or not 0 <= acceptance <= 1 or rtt_ms < 0:
+    if (
+        devices < 1
+        or tokens < 1
+        or budget < 0
+        or first < 1
+        or not 0 <= acceptance <= 1
+        or rtt_ms < 0
+        or ttft_s < 0
+    ):
         raise ValueError(
-            f"need devices, tokens, first >= 1, budget >= 0, 0 <= acceptance <= 1, rtt_ms >= 0; got "
-            f"{devices}, {tokens}, {first}, {budget}, {acceptance}, {rtt_ms}"
+            f"need devices, tokens, first >= 1, budget >= 0, 0 <= acceptance <= 1, rtt_ms, ttft_s >= 0; "
+            f"got {devices}, {tokens}, {first}, {budget}, {acceptance}, {rtt_ms}, {ttft_s}"
         )
     rng = random.Random(seed)
     streams = [_Stream([rng.random() < acceptance for _ in range(tokens + 64)]) for _ in range(devices)]
@@ -148,10 +159,10 @@ def simulate_streaming(
             if s.committed >= tokens:
                 s.done_s = now
             push(now + half, "hear", i, (s.committed, 0))
-    alone_step = server.target_cost(devices) / 1000
+    alone_s = ttft_s + tokens * server.target_cost(devices) / 1000
     return StreamResult(
-        device_tok_s=sum(tokens / s.done_s for s in streams) / devices,
-        server_tok_s=committed / now,
+        device_tok_s=sum(tokens / (ttft_s + s.done_s) for s in streams) / devices,
+        server_tok_s=committed / (ttft_s + now),
         steps_per_token=steps * devices / committed,
-        alone_tok_s=devices / alone_step,
+        alone_tok_s=devices * tokens / alone_s,
     )
