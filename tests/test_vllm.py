@@ -5,6 +5,7 @@ sampling, refused rules and bad input to the server."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -333,12 +334,17 @@ def test_sampling_in_the_engines_own_step_follows_the_targets_distribution(vllm_
         top = int(first.argmax())
         second = torch.softmax(model(torch.tensor([ids + [top]])).logits[0, -1].float() / temperature, -1)
     likely, unlikely = int(second.argmax()), int(second.argsort()[len(second) // 2])
+
+    def sample(proposal: list[int], seed: int) -> list[int]:
+        rounds = _ProposeAfter(ids + [top], proposal)
+        rule = Rule(mode="match", temperature=temperature, seed=10_000 + seed)
+        return [t for step in vllm_target.begin(ids).steps(2, rounds, rule=rule, eos=False) for t in step]
+
     for proposal in ([likely, likely], [unlikely]):
         counts: dict[int, int] = {}
-        for seed in range(1200):
-            rounds = _ProposeAfter(ids + [top], proposal)
-            rule = Rule(mode="match", temperature=temperature, seed=10_000 + seed)
-            out = [t for step in vllm_target.begin(ids).steps(2, rounds, rule=rule, eos=False) for t in step]
+        with ThreadPoolExecutor(16) as pool:  # concurrent requests: vLLM batches them in its steps
+            outs = list(pool.map(lambda seed: sample(proposal, seed), range(1200)))
+        for out in outs:
             if out[0] == top:
                 counts[out[1]] = counts.get(out[1], 0) + 1
         n = sum(counts.values())
