@@ -35,10 +35,11 @@ class DraftAhead:
     After the committed ids change in a way the proposal did not foresee (or at the start), a new
     round drafts `step` tokens after them (`rounds.next`); while the committed ids keep following
     the proposal, the same draft is drafted on, `step` tokens at a time (`rounds.extend`), until
-    it reaches 2 budget + 1 tokens past the committed ones: enough for the server's step in flight
-    to accept its whole budget and emit one token, and for the step after it to find `budget`
-    more. So a proposal the server receives a step late still continues the text, and when a
-    step accepts what it verified, the next step's draft is at the server already. `next_proposal`
+    it reaches 3 budget + 2 tokens past the committed ones: enough for the server's step in flight
+    and the one after it to each accept a whole budget and emit one token, and for the step after
+    those to find `budget` more (a round trip up to about two steps). So a proposal the server
+    receives a step or two late still continues the text, and when a step accepts what it
+    verified, the next step's draft is at the server already. `next_proposal`
     says what to send now, or None when there is nothing new (then wait for the server)."""
 
     def __init__(self, rounds: Any, step: int = 3) -> None:
