@@ -130,32 +130,36 @@ def call_json(http: Any, url: str, method: str, path: str, content: str | None, 
             last = f"{type(exc).__name__}: {exc}"
             continue
         if response.status_code in _RETRY_STATUS:
-            last = f"HTTP {response.status_code}: {_reason(response)}"
+            last = f"HTTP {response.status_code}: {_reason(response, _error_body(response))}"
             continue
         if response.status_code >= 400:
-            raise RemoteRequestError(
-                f"{url}{path} refused the request: HTTP {response.status_code}: {_reason(response)}",
-                response.status_code,
-                _committed(response),
-            )
+            raise _refused(url, path, response)
         return response.json()
     raise TargetUnavailableError(f"{url}{path} unreachable after {retries + 1} attempts ({last})")
 
 
-def _committed(response: Any) -> int | None:
-    """A stale request's 409 names the session's committed length; None elsewhere."""
+def _refused(url: str, path: str, response: Any) -> RemoteRequestError:
+    """The error for a refused request (its body read once): the server's reason, and for a stale
+    request's 409 the session's committed length (None elsewhere)."""
+    body = _error_body(response)
+    committed = body.get("committed") if body is not None else None
+    return RemoteRequestError(
+        f"{url}{path} refused the request: HTTP {response.status_code}: {_reason(response, body)}",
+        response.status_code,
+        committed if isinstance(committed, int) else None,
+    )
+
+
+def _error_body(response: Any) -> dict[str, Any] | None:
     try:
-        value = response.json().get("committed")
+        body = response.json()
     except ValueError:
         return None
-    return value if isinstance(value, int) else None
+    return body if isinstance(body, dict) else None
 
 
-def _reason(response: Any) -> str:
-    try:
-        return str(response.json().get("error", response.text))
-    except ValueError:
-        return response.text[:200]
+def _reason(response: Any, body: dict[str, Any] | None) -> str:
+    return str(body.get("error", response.text)) if body is not None else response.text[:200]
 
 
 class _RemoteSession:
@@ -207,11 +211,7 @@ class _RemoteSession:
         self.ids += ids[: reply.accepted] + [reply.token]
         self.forwards += 1
         self.budget = reply.budget
-        if reply.committed != len(self.ids):
-            raise TargetUnavailableError(
-                f"session {self.sid} is out of step: the server has {reply.committed} "
-                f"committed tokens, this device {len(self.ids)}"
-            )
+        self._check_step(reply.committed)
         top = None
         if reply.topk_ids is not None and reply.topk_logp is not None:
             top = (torch.tensor(reply.topk_ids, dtype=torch.long), torch.tensor(reply.topk_logp))
@@ -281,11 +281,7 @@ class _RemoteSession:
                 raise TargetUnavailableError(f"{owner.url}{path}: {type(exc).__name__}: {exc}") from exc
             if reply.status_code >= 400:
                 reply.read()
-                raise RemoteRequestError(
-                    f"{owner.url}{path} refused the request: HTTP {reply.status_code}: {_reason(reply)}",
-                    reply.status_code,
-                    _committed(reply),
-                )
+                raise _refused(owner.url, path, reply)
             sender = ProposalSender(lambda m: owner._call("POST", f"/v1/sessions/{sid}/proposal", m))
             stack.callback(sender.close)
             reader = ChunkReader(reply.iter_lines())
@@ -329,15 +325,18 @@ class _RemoteSession:
         """Commit a streamed chunk's tokens, checking the server agrees on the committed length."""
         self.ids += chunk.tokens
         self.forwards += len(chunk.tokens)
-        if chunk.committed != len(self.ids):
+        self._check_step(chunk.committed)
+
+    def _check_step(self, committed: int) -> None:
+        """The server's committed length after a reply must be this device's."""
+        if committed != len(self.ids):
             raise TargetUnavailableError(
-                f"session {self.sid} is out of step: the server has {chunk.committed} committed tokens, "
+                f"session {self.sid} is out of step: the server has {committed} committed tokens, "
                 f"this device {len(self.ids)}"
             )
 
-    def _chunks(self, path: str, message: Any, opened: Any = None) -> Iterator[GenerateChunk]:
-        """The chunks of one NDJSON stream, each committed here as it arrives (`opened()` is called
-        once the server has accepted the request); one request, no retry."""
+    def _chunks(self, path: str, message: Any) -> Iterator[GenerateChunk]:
+        """The chunks of one NDJSON stream, each committed here as it arrives; one request, no retry."""
         import httpx
 
         owner = self.owner
@@ -348,13 +347,7 @@ class _RemoteSession:
             ) as reply:
                 if reply.status_code >= 400:
                     reply.read()
-                    raise RemoteRequestError(
-                        f"{owner.url}{path} refused the request: HTTP {reply.status_code}: {_reason(reply)}",
-                        reply.status_code,
-                        _committed(reply),
-                    )
-                if opened is not None:
-                    opened()
+                    raise _refused(owner.url, path, reply)
                 for line in reply.iter_lines():
                     if not line.strip():
                         continue
