@@ -12,7 +12,7 @@ import torch
 
 from ..target import Rule
 
-__all__ = ["HTTPError", "ServerConfig", "check_ids", "draft_rows", "sampling_rule"]
+__all__ = ["HTTPError", "ServerConfig", "check_ids", "checked_rule", "draft_rows", "sampling_rule"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,15 +74,20 @@ def sampling_rule(request: Any) -> Rule:
     `match` under its filters and seed; a combination Rule refuses is a 422."""
     if request.temperature == 0:
         return Rule()
+    return checked_rule(
+        mode="match",
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        min_p=request.min_p,
+        seed=request.seed,
+    )
+
+
+def checked_rule(**fields: Any) -> Rule:
+    """`Rule(**fields)`; a combination Rule refuses is a 422 naming why."""
     try:
-        return Rule(
-            mode="match",
-            temperature=request.temperature,
-            top_k=request.top_k,
-            top_p=request.top_p,
-            min_p=request.min_p,
-            seed=request.seed,
-        )
+        return Rule(**fields)
     except ValueError as exc:
         raise HTTPError(422, str(exc)) from exc
 

@@ -35,7 +35,7 @@ from .protocol import (
     VerifyReply,
     VerifyRequest,
 )
-from .server_config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule
+from .server_config import HTTPError, ServerConfig, check_ids, checked_rule, draft_rows, sampling_rule
 from .sessions import FairLock, Session, ended, release_session, serving
 from .text_routes import TextRoutes
 
@@ -118,16 +118,13 @@ class Service(TextRoutes, SpeculateRoutes):
         """Verify a proposal; `cancel` set (the client left) stops a long prefill between chunks."""
         session = self._session(sid, key)
         self._check_ids(request.proposal, "proposal")
-        try:
-            rule = Rule(
-                mode=request.mode,
-                temperature=request.temperature,
-                top_k=request.top_k,
-                top_p=request.top_p,
-                min_p=request.min_p,
-            )
-        except ValueError as exc:
-            raise HTTPError(422, str(exc)) from exc
+        rule = checked_rule(
+            mode=request.mode,
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            min_p=request.min_p,
+        )
         proposal = tuple(request.proposal)
         with session.lock, serving(session, self.table_lock):
             self._check_idle(session)
