@@ -306,8 +306,8 @@ def _bench_engine(args: argparse.Namespace) -> None:
                 "| row | tok/s | speedup | worst request | identical |\n|---|---|---|---|---|\n"
             )
             text += "".join(
-                f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['worst']:.2f}× "  # speed, floor
-                f"| {r['identical']}/{r['prompts']} |\n"  # and how many outputs equal the baseline's
+                f"| {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}× | {r['worst']:.2f}× "
+                f"| {r['identical']}/{r['prompts']} |\n"
                 for r in summarize_llama(rows, base=base)
             )
             text += "".join(f"\n- {note}" for note in notes[dataset]) + "\n"

@@ -38,7 +38,7 @@ def demo_engine(target_spec: str, choice: str = "auto") -> str:
 def run_demo(args: argparse.Namespace, datasets: list[str]) -> tuple[str, list[dict[str, Any]]]:
     """(the engine compared with, one row per request: dataset, index, tokens, the engine's and
     omnidraft's tokens/s, identical, acceptance, tau)."""
-    engine = demo_engine(args.target, getattr(args, "target_backend", "auto"))
+    engine = demo_engine(args.target, args.target_backend)
     if engine == "llama.cpp":
         return "llama.cpp", _on_llama(args, datasets)
     return "PyTorch (its fastest kernels here)", _on_torch(args, datasets)
@@ -71,7 +71,7 @@ def _on_llama(args: argparse.Namespace, datasets: list[str]) -> list[dict[str, A
 
     from ..llamacpp.loading import open_llama
     from .datasets import load_prompts
-    from .llama import _own
+    from .llama import engine_generate
 
     target = od.LlamaCppTarget(args.target)
     drafter = od.Drafter.load(args.drafter, backend=args.drafter_backend)
@@ -79,11 +79,13 @@ def _on_llama(args: argparse.Namespace, datasets: list[str]) -> list[dict[str, A
     alone = open_llama(target.engine.path, n_ctx=4096)
     warm = load_prompts(datasets[0], 1)[0]
     pair.generate(warm, max_new_tokens=8)
-    _own(alone, target.tokenizer(warm)["input_ids"], 8, target.eos_ids)
+    engine_generate(alone, target.tokenizer(warm)["input_ids"], 8, target.eos_ids)
     rows = []
     for dataset in datasets:
         for i, prompt in enumerate(load_prompts(dataset, args.n)):
-            ref = _own(alone, target.tokenizer(prompt)["input_ids"], args.max_new_tokens, target.eos_ids)
+            ref = engine_generate(
+                alone, target.tokenizer(prompt)["input_ids"], args.max_new_tokens, target.eos_ids
+            )
             started = time.perf_counter()
             out = pair.generate(prompt, max_new_tokens=args.max_new_tokens)
             seconds = time.perf_counter() - started

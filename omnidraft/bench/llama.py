@@ -30,7 +30,7 @@ from .baselines import Timed
 if TYPE_CHECKING:
     from ..pairing import Pairing
 
-__all__ = ["GgufDraft", "run_llama", "summarize_llama", "time_rows"]
+__all__ = ["GgufDraft", "engine_generate", "run_llama", "summarize_llama", "time_rows"]
 
 SPEC_MAX, SPEC_P_MIN = 16, 0.75  # llama.cpp's speculative defaults (draft-max, draft-p-min)
 
@@ -55,7 +55,7 @@ def GgufDraft(engine: Any, n_max: int = SPEC_MAX, p_min: float = SPEC_P_MIN) -> 
     return _GgufDraft()
 
 
-def _own(llm: Any, ids: list[int], n: int, eos: frozenset[int]) -> Timed:
+def engine_generate(llm: Any, ids: list[int], n: int, eos: frozenset[int]) -> Timed:
     """llama-cpp-python's `generate`, greedy, on a fresh context: its default reuses the prefix the
     last request left, whose entries were computed in other batches, so its output would depend on
     the request before (and no row would be comparable with another)."""
@@ -106,7 +106,7 @@ def run_llama(
         "torch int8": od.Drafter.load(drafter_spec, backend="torch"),
     }
     rows: dict[str, Callable[[str, list[int]], Timed]] = {
-        "llama.cpp alone": lambda p, ids: _own(plain, ids, max_new_tokens, target.eos_ids)
+        "llama.cpp alone": lambda p, ids: engine_generate(plain, ids, max_new_tokens, target.eos_ids)
     }
     drafts: dict[str, Any] = {}
     if same_vocab_draft:
@@ -119,7 +119,7 @@ def run_llama(
     def with_draft(draft: Any) -> Callable[[str, list[int]], Timed]:
         def row(p: str, ids: list[int]) -> Timed:
             spec.draft_model = draft
-            return _own(spec, ids, max_new_tokens, target.eos_ids)
+            return engine_generate(spec, ids, max_new_tokens, target.eos_ids)
 
         return row
 

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.out}")
         return
     if args.command == "stream":
-        return _stream(args, cat)
+        return _stream(args, cat.devices)
     if args.command == "list":
         profiles: list[DeviceProfile | NetworkProfile] = [*cat.devices.values(), *cat.networks.values()]
         for p in profiles:
@@ -193,10 +193,10 @@ def _validate(runs, args, cat) -> None:
         print(f"{label:<44}{predicted:>12.2f}{measured:>12.2f}{(predicted - measured) / measured:>+8.1%}")
 
 
-def _stream(args: argparse.Namespace, cat: object) -> None:
+def _stream(args: argparse.Namespace, devices: dict[str, DeviceProfile]) -> None:
     from .streaming import simulate_streaming
 
-    devices, server = getattr(cat, "devices"), args.server
+    server = args.server
     for name in (server, args.device):
         if name not in devices:
             raise SystemExit(f"unknown device profile {name!r}; known: {', '.join(sorted(devices))}")

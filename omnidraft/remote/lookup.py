@@ -21,9 +21,8 @@ class PromptLookup:
                 f"need n >= 1, 0 <= floor < 1, retry_every >= 1; got {n}, {floor}, {retry_every}"
             )
         self.n, self.floor, self.retry_every = n, floor, retry_every
-        self._follows: dict[
-            tuple[int, ...], int
-        ] = {}  # n-gram -> where what followed its latest occurrence starts
+        # n-gram -> where what followed its latest occurrence starts
+        self._follows: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams indexed so far: those starting before this position
         self.accepted = self.proposed = 0.0  # decayed sums of the lookup's own drafts
         self._skipped = 0
