@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterator
 
-__all__ = ["ROWS", "Timed", "run_network"]
+__all__ = ["ROWS", "Timed", "free_port", "pinned", "run_network", "server_process", "wait_up"]
 
 ROWS = ("server alone", "device drafting", "stock vLLM")
 SERVER_CPU, DEVICE_CPU = 0, 1
@@ -49,17 +49,20 @@ class Timed:
         self.times += [now] * len(tokens)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that is free now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _pinned(cpu: int) -> Callable[[], None]:
+def pinned(cpu: int) -> Callable[[], None]:
+    """A child process's `preexec_fn` that pins it to `cpu`."""
     return lambda: os.sched_setaffinity(0, {cpu})
 
 
-def _wait_up(url: str, path: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
+def wait_up(url: str, path: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
+    """Return once `url + path` answers 200; raise if `proc` exits or `timeout` passes first."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -76,13 +79,13 @@ def _wait_up(url: str, path: str, proc: subprocess.Popen, timeout: float = 900.0
 
 
 @contextmanager
-def _process(argv: list[str], cpu: int, url: str, health: str, log: str) -> Iterator[subprocess.Popen]:
+def server_process(argv: list[str], cpu: int, url: str, health: str, log: str) -> Iterator[subprocess.Popen]:
     """A server process pinned to `cpu`, up once `url + health` answers; stopped on exit."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_pinned(cpu))
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=pinned(cpu))
     try:
-        _wait_up(url, health, proc)
+        wait_up(url, health, proc)
         yield proc
     finally:
         proc.terminate()
@@ -94,10 +97,10 @@ def _process(argv: list[str], cpu: int, url: str, health: str, log: str) -> Iter
 
 @contextmanager
 def _proxy(upstream_port: int, rtt_ms: float) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "omnidraft.bench.delay_proxy", "--listen", str(port)]
     argv += ["--upstream", f"127.0.0.1:{upstream_port}", "--rtt-ms", str(rtt_ms)]
-    proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL, preexec_fn=_pinned(DEVICE_CPU))
+    proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL, preexec_fn=pinned(DEVICE_CPU))
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -262,11 +265,11 @@ def run_network(
     drafter = od.Drafter.load(drafter_spec)
     results: list[dict[str, Any]] = []
     references: dict[int, list[list[int]]] = {}
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "omnidraft.cli", "serve", "--engine", "vllm", "--target", target_spec]
     argv += ["--port", str(port), "--no-auth", *server_args]
-    with _process(argv, SERVER_CPU, url, "/health", log):
+    with server_process(argv, SERVER_CPU, url, "/health", log):
         for rtt in rtts_ms:
             with _proxy(port, rtt) as near:
                 http = httpx.Client(base_url=near, timeout=600)
@@ -320,7 +323,7 @@ def run_network(
             "--kv-cache-memory-bytes",
             str(2 << 30),
         ]  # as VLLMTarget.load sets them
-        with _process(argv, SERVER_CPU, url, "/v1/models", log):
+        with server_process(argv, SERVER_CPU, url, "/v1/models", log):
             for rtt in rtts_ms:
                 with _proxy(port, rtt) as near:
                     http = httpx.Client(base_url=near, timeout=600)
