@@ -8,7 +8,8 @@ CPU, the clients on the second (docs/remote.md, "Long prompts and clients that l
 verifies one token at a time and a third streams; the long session's second verify must answer,
 and the report gives the longest the others waited for a reply or a streamed token.
 `disconnect`: each route is sent a request that would run for minutes, its client leaves once it
-is running, and the server process's CPU time (children included) says when its work stopped.
+is running, and the server process's CPU time (children included) says when its work stopped
+(`busy_before`: the share of a core it used while the client was there, which shows it ran).
 """
 
 from __future__ import annotations
@@ -226,14 +227,22 @@ def disconnect(args: argparse.Namespace) -> dict[str, Any]:
             routes["session speculate"] = session_route("speculate")
         http.post("/v1/completions", json={"prompt": SHORT, "max_tokens": 4, "temperature": 0})  # warm-up
         for name, make in routes.items():
-            path, body = make()
-            _stopped_after(proc, time.perf_counter(), watch=1.0)  # settled
-            s = _raw_request(url, path, body)
-            time.sleep(args.run_for)
-            s.close()
-            left = time.perf_counter()
-            results[name] = round(_stopped_after(proc, left), 2)
-            print(f"{name}: stopped {results[name]} s after its client left", file=sys.stderr, flush=True)
+            for _ in range(args.repeat):
+                path, body = make()
+                _stopped_after(proc, time.perf_counter(), watch=1.0)  # settled
+                s = _raw_request(url, path, body)
+                started, cpu = time.perf_counter(), _cpu_seconds(proc)
+                time.sleep(args.run_for)
+                busy = (_cpu_seconds(proc) - cpu) / (time.perf_counter() - started)
+                s.close()
+                left = time.perf_counter()
+                stopped = round(_stopped_after(proc, left), 2)
+                results.setdefault(name, []).append({"stopped_s": stopped, "busy_before": round(busy, 2)})
+                print(
+                    f"{name}: {busy:.0%} of a core busy, stopped {stopped} s after its client left",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return results
 
 
@@ -251,6 +260,7 @@ def main() -> None:
         default=3.0,
         help="disconnect: seconds a request runs before its client leaves",
     )
+    p.add_argument("--repeat", type=int, default=3, help="disconnect: trials per route")
     p.add_argument("--log", default="bench_out/server-limits.log")
     p.add_argument("--json", default=None, help="write the report here too")
     args = p.parse_args()
