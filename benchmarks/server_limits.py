@@ -23,6 +23,9 @@ import time
 from typing import Any, Callable
 
 TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+ENDLESS = "# the first 2,000 lines of a table of squares\n" + "".join(
+    f"{i} * {i} = {i * i}\n" for i in range(1, 6)
+)
 SHORT = "Question: Tom has 3 apples and buys 5 more. How many apples does he have now? Answer:"
 SERVER_CPU, CLIENT_CPU = 0, 1
 
@@ -74,7 +77,8 @@ def long_prompt(args: argparse.Namespace) -> dict[str, Any]:
         committed = b.post(
             f"/v1/sessions/{sid_b}/verify", json={"committed": len(short), "proposal": []}
         ).json()["committed"]
-        sid_c = c.post("/v1/sessions", json={"prompt_ids": short}).json()["session"]
+        endless = tokenizer(ENDLESS)["input_ids"]
+        sid_c = c.post("/v1/sessions", json={"prompt_ids": endless}).json()["session"]
         route = "speculate" if args.engine == "vllm" else "generate"
         stop, done = threading.Event(), threading.Event()
         streamer = threading.Thread(
@@ -82,7 +86,7 @@ def long_prompt(args: argparse.Namespace) -> dict[str, Any]:
             args=(
                 c,
                 f"/v1/sessions/{sid_c}/{route}",
-                {"committed": len(short), "max_tokens": 4096},
+                {"committed": len(endless), "max_tokens": 4096},
                 stream_gaps,
                 stop,
             ),
@@ -173,7 +177,7 @@ def disconnect(args: argparse.Namespace) -> dict[str, Any]:
     from omnidraft.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
-    ids = tokenizer(SHORT)["input_ids"]
+    ids = tokenizer(ENDLESS)["input_ids"]
     long_ids = (tokenizer(TEXT)["input_ids"] * 4096)[:4096]
     n = 4096
     url, server = _serve(args, ["--max-model-len", "8192"] if args.engine == "vllm" else [])
@@ -189,10 +193,10 @@ def disconnect(args: argparse.Namespace) -> dict[str, Any]:
             return sid, int(reply.json()["committed"])
 
         def completions(stream: bool) -> tuple[str, dict[str, Any]]:
-            return "/v1/completions", {"prompt": SHORT, "max_tokens": n, "temperature": 0, "stream": stream}
+            return "/v1/completions", {"prompt": ENDLESS, "max_tokens": n, "temperature": 0, "stream": stream}
 
         def chat(stream: bool) -> tuple[str, dict[str, Any]]:
-            messages = [{"role": "user", "content": "Write a very long story about apples."}]
+            messages = [{"role": "user", "content": "Continue this table for 2,000 lines:\n" + ENDLESS}]
             return "/v1/chat/completions", {
                 "messages": messages,
                 "max_tokens": n,
