@@ -8,8 +8,9 @@ CPU, the clients on the second (docs/remote.md, "Long prompts and clients that l
 verifies one token at a time and a third streams; the long session's second verify must answer,
 and the report gives the longest the others waited for a reply or a streamed token.
 `disconnect`: each route is sent a request that would run for minutes, its client leaves once it
-is running, and the server process's CPU time (children included) says when its work stopped
-(`busy_before`: the share of a core it used while the client was there, which shows it ran).
+is running, and a counter of the server's work says when it stopped: vLLM's engine steps (from
+/metrics), else the server process's CPU time (`work_per_s_before`: the counter's growth in the
+second before the client left, which shows the request ran: steps, or CPU seconds, per second).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from functools import partial
 from typing import Any, Callable
 
 TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
@@ -144,17 +146,26 @@ def _cpu_seconds(proc: Any) -> float:
     return total
 
 
-def _stopped_after(proc: Any, left: float, watch: float = 6.0, tick: float = 0.05) -> float:
-    """Seconds from `left` (perf_counter) to the end of the last tick after it in which the server
-    used over a third of a core, watched for `watch` seconds."""
-    last_busy, before = left, _cpu_seconds(proc)
-    end = left + watch
-    while (now := time.perf_counter()) < end:
+def _engine_steps(url: str) -> float:
+    """The vLLM engine's steps so far, from the server's /metrics."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(
+        next(line.split()[1] for line in text.splitlines() if line.startswith("omnidraft_engine_steps"))
+    )
+
+
+def _stopped_after(work: Callable[[], float], floor: float, left: float, watch: float = 6.0) -> float:
+    """Seconds from `left` (perf_counter) to the end of the last 50 ms tick after it in which the
+    server's `work` counter grew by more than `floor`, watched for `watch` seconds."""
+    tick, last_busy, before = 0.05, left, work()
+    while time.perf_counter() < left + watch:
         time.sleep(tick)
-        cpu, now = _cpu_seconds(proc), time.perf_counter()
-        if cpu - before > tick / 3:
+        done, now = work(), time.perf_counter()
+        if done - before > floor:
             last_busy = now
-        before = cpu
+        before = done
     return last_busy - left
 
 
@@ -184,6 +195,13 @@ def disconnect(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"engine": args.engine}
     with server as proc_handle, httpx.Client(base_url=url, timeout=600) as http:
         proc = psutil.Process(proc_handle.pid)
+        # what says the server works: vLLM's engine steps (its process keeps a core busy even idle),
+        # else the server's CPU time (over a third of a core in a tick)
+        work, floor = (
+            (partial(_engine_steps, url), 0.0)
+            if args.engine == "vllm"
+            else (partial(_cpu_seconds, proc), 0.05 / 3)
+        )
 
         def session(prompt: list[int], verify: bool = True) -> tuple[str, int]:
             sid = http.post("/v1/sessions", json={"prompt_ids": prompt}).json()["session"]
@@ -233,17 +251,20 @@ def disconnect(args: argparse.Namespace) -> dict[str, Any]:
         for name, make in routes.items():
             for _ in range(args.repeat):
                 path, body = make()
-                _stopped_after(proc, time.perf_counter(), watch=1.0)  # settled
+                _stopped_after(work, floor, time.perf_counter(), watch=1.0)  # settled
                 s = _raw_request(url, path, body)
-                started, cpu = time.perf_counter(), _cpu_seconds(proc)
-                time.sleep(args.run_for)
-                busy = (_cpu_seconds(proc) - cpu) / (time.perf_counter() - started)
+                time.sleep(args.run_for - 1.0)
+                before = work()
+                time.sleep(1.0)
+                rate = work() - before  # the work counter's growth in the last second with its client
                 s.close()
                 left = time.perf_counter()
-                stopped = round(_stopped_after(proc, left), 2)
-                results.setdefault(name, []).append({"stopped_s": stopped, "busy_before": round(busy, 2)})
+                stopped = round(_stopped_after(work, floor, left), 2)
+                results.setdefault(name, []).append(
+                    {"stopped_s": stopped, "work_per_s_before": round(rate, 2)}
+                )
                 print(
-                    f"{name}: {busy:.0%} of a core busy, stopped {stopped} s after its client left",
+                    f"{name}: {rate:.2f} work/s before, stopped {stopped} s after its client left",
                     file=sys.stderr,
                     flush=True,
                 )
