@@ -35,8 +35,11 @@ def record(target: Any, drafter: Any, prompts: list[str], tokens: int) -> list[d
 
     logs: list[dict[int, list[int]]] = []
 
+    from omnidraft.target import Capabilities
+
     class Recording:
-        drafts_in_engine = False  # a verify per round: each proposal passes through `verify` here
+        # a verify per round (no drafts in the engine's step): each proposal passes through `verify` here
+        capabilities = Capabilities(decodes_alone=True, batches_sessions=True)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(target, name)

@@ -13,9 +13,11 @@ from importlib import import_module
 from typing import Any
 
 __all__ = [
+    "Capabilities",
     "DecodeConfig",
     "DraftSession",
     "Drafter",
+    "Engine",
     "HeadConfig",
     "Generation",
     "LlamaCppDrafter",
@@ -30,16 +32,24 @@ __all__ = [
     "RemoteTarget",
     "RetrievalConfig",
     "Rule",
+    "SessionBase",
+    "TargetBase",
     "TorchDrafter",
     "TrainConfig",
     "VLLMTarget",
     "load_model",
     "pair",
+    "register_engine",
 ]
 __version__ = "0.1.0"
 
 _WHERE = {
+    "Capabilities": "target",
     "DecodeConfig": "decode_config",
+    "Engine": "targets.registry",
+    "register_engine": "targets.registry",
+    "SessionBase": "target",
+    "TargetBase": "target",
     "Drafter": "draft",
     "TorchDrafter": "draft.torch_drafter",
     "OrtDrafter": "export.ort_drafter",

@@ -90,10 +90,12 @@ def pairing_outlook(drafter: Any, target: Any, config: Any) -> Any:
     that chooses draft lengths for speed; None otherwise (the pairing then measures as it goes)."""
     from .adaptive.policy import outlook
 
-    verify_costs = getattr(target, "verify_costs", None)
-    if verify_costs is None or config.k is not None or config.objective != "latency":
+    if config.k is not None or config.objective != "latency":
         return None
-    return outlook(verify_costs(), drafting_cost(drafter) if config.drafts != "retrieval" else 0.0)
+    costs = target.verify_costs()
+    if costs is None:
+        return None
+    return outlook(costs, drafting_cost(drafter) if config.drafts != "retrieval" else 0.0)
 
 
 def _candidates(spec: str) -> list[str]:

@@ -139,9 +139,8 @@ def _serve(args: argparse.Namespace) -> None:
     uvicorn = require("uvicorn", "omnidraft serve")
     require("fastapi", "omnidraft serve")
 
-    import omnidraft as od
-
     from .remote.server import ServerConfig, create_app, http_protocol
+    from .targets.registry import engine
 
     key = api_keys(args)
     config = ServerConfig(
@@ -150,12 +149,10 @@ def _serve(args: argparse.Namespace) -> None:
         ttl_s=args.ttl,
         max_sessions_per_key=args.max_sessions_per_key,
     )
-    if args.engine == "vllm":
-        target = od.VLLMTarget.load(args.target, **engine_args(args))  # with the proposer: /speculate
-    elif args.engine == "llama.cpp":
-        target = od.LlamaCppTarget(args.target, slots=args.slots, n_ctx=args.n_ctx)
-    else:
-        target = od.LocalTarget.load(args.target, device=args.device, dtype=args.dtype)
+    try:
+        target = engine(args.engine).load(args.target, vars(args))
+    except ValueError as exc:
+        raise SystemExit(f"omnidraft serve: {exc}") from None
     print(
         f"omnidraft serve: {target.name} on {args.engine} at http://{args.host}:{args.port} - device "
         "sessions at "
@@ -203,27 +200,6 @@ def api_keys(args: argparse.Namespace) -> str | tuple[str, ...] | None:
             f"{where} is empty: put the API key in it (several: one per line, or comma-separated)"
         )
     return keys[0] if len(keys) == 1 else keys
-
-
-def engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    """vLLM engine arguments from serve's flags: the named ones, then each --engine-arg KEY=VALUE
-    (VALUE parsed as JSON where it is JSON, else kept as a string)."""
-    named = {
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "pipeline_parallel_size": args.pipeline_parallel_size,
-    }
-    out = {k: v for k, v in named.items() if v is not None}
-    for item in args.engine_arg:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--engine-arg takes KEY=VALUE, got {item!r}")
-        try:
-            out[key.replace("-", "_")] = json.loads(value)
-        except ValueError:
-            out[key.replace("-", "_")] = value
-    return out
 
 
 def _profiles(args: argparse.Namespace) -> None:

@@ -72,8 +72,10 @@ def load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) -> 
     import omnidraft as od
 
     started = time.perf_counter()
+    from .targets.registry import engine
+
     drafter = od.Drafter.load(drafter_spec, backend=getattr(args, "drafter_backend", None))
-    target = od.LocalTarget.load(target_spec)
+    target = engine(getattr(args, "target_backend", "torch")).load(target_spec, {})
     logging.getLogger("omnidraft").info(
         "loaded %s and %s in %.1f s", drafter, target, time.perf_counter() - started
     )
@@ -107,6 +109,7 @@ def start_run(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The `omnidraft` command's arguments, every subcommand's."""
     from . import __version__
+    from .targets.registry import ENGINES, engine_names
 
     p = argparse.ArgumentParser(prog="omnidraft", description="Cross-vocabulary speculative decoding.")
     p.add_argument("--version", action="version", version=f"omnidraft {__version__}")
@@ -187,11 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--target-backend",
-        choices=["torch", "llama.cpp", "vllm"],
+        choices=engine_names(),
         default="torch",
-        help="llama.cpp: the target on llama.cpp, against llama.cpp alone, its own speculative decoding and "
-        "prompt lookup (with --remote: the server runs the target on llama.cpp); vllm: the target on "
-        "vLLM, against vLLM alone and vLLM's n-gram speculative decoding",
+        help="the target's engine (targets/registry.py). llama.cpp: against llama.cpp alone, its own "
+        "speculative decoding and prompt lookup (with --remote: the server runs the target on llama.cpp); "
+        "vllm: against vLLM alone and vLLM's n-gram speculative decoding; another engine: the pairing "
+        "against the target decoding alone",
     )
     b.add_argument(
         "--relaxed",
@@ -258,10 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         "--backend",
         dest="engine",
-        choices=["torch", "llama.cpp", "vllm"],
+        choices=engine_names(),
         default="torch",
-        help="run the target on PyTorch (fp32), on llama.cpp (the preset's or .gguf file's own weights) or "
-        "on vLLM (sessions batched by its scheduler; pip install 'omnidraft[vllm]')",
+        help="the engine the target runs on: "
+        + "; ".join(f"{e.name}: {e.summary}" for e in ENGINES.values()),
     )
     v.add_argument(
         "--dtype", default=None, help="torch, vllm: the weights' dtype (float32, bfloat16, float16)"

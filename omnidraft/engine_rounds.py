@@ -21,7 +21,7 @@ from .proposers import MODEL, Round, propose
 from .round_loop import Request, open_request
 from .round_policy import RoundPlan, RoundPolicy
 from .stats import RoundRecord
-from .target import Rule
+from .target import Rule, SessionBase
 
 if TYPE_CHECKING:
     from .pairing import Pairing
@@ -31,7 +31,7 @@ __all__ = ["Committed", "EngineRounds", "request_rounds"]
 GREEDY = Rule()
 
 
-class Committed:
+class Committed(SessionBase):
     """The stand-in target session the round loop reads: the committed ids."""
 
     def __init__(self, ids: list[int]) -> None:
@@ -215,5 +215,4 @@ def request_rounds(
             yield tokens, replace(record, context=context)
             context, last = context + len(tokens), now
     finally:
-        if (close := getattr(tsession, "close", None)) is not None:
-            close()
+        tsession.close()

@@ -73,10 +73,12 @@ class Pairing:
         store: ProfileStore | None = None,
     ) -> None:
         from .profiles import ProfileStore
+        from .target import check_target
 
+        check_target(target)
         self.drafter, self.target, self.config, self.user = drafter, target, config, user
         if config.mode == RELAXED:
-            if not getattr(target, "in_process", False):
+            if not target.capabilities.in_process:
                 raise ValueError(
                     f"relaxed-lossy verification needs an in-process target; {target!r} verifies remotely"
                 )

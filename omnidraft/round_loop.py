@@ -177,5 +177,4 @@ def request_rounds(
         topk = max(p.learner.config.topk if p.learner is not None else 0, logprobs)
         yield from run(p, request, max_new_tokens, topk, rows)
     finally:
-        if (close := getattr(tsession, "close", None)) is not None:
-            close()  # a remote session frees its server-side KV cache now
+        tsession.close()  # a remote session frees its server-side KV cache now

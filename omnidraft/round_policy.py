@@ -142,9 +142,10 @@ def request_mode(p: Pairing, rule: Rule, logprobs: int) -> str:
     if logprobs:
         return "speculate"
     greedy = rule.mode == "greedy"
-    if greedy and not p.drafting and getattr(p.target, "generates_alone", False):
+    can = p.target.capabilities
+    if greedy and not p.drafting and can.decodes_alone:
         return "alone"
     in_engine = greedy or (rule.mode == "match" and rule.seed is None)
-    if in_engine and p.learner is None and getattr(p.target, "drafts_in_engine", False):
+    if in_engine and p.learner is None and can.drafts_in_engine:
         return "engine"
     return p.modes.choose() if p.modes is not None and greedy else "speculate"

@@ -105,7 +105,7 @@ def decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int]
 def within_budget(tsession: Any, room: int, k: int) -> tuple[int, int]:
     """(room, k) for this round's proposal, each capped by the draft budget the target session's
     server gave in its last reply (remote/budget.py: a server under load takes fewer draft tokens)."""
-    cap = getattr(tsession, "budget", None)
+    cap = tsession.budget
     return (room, k) if cap is None else (min(room, cap), min(k, cap))
 
 
@@ -147,7 +147,7 @@ def from_generation_config(
     the default, its `stop_strings` where the call gave none. A field the pairing cannot reproduce
     exactly (beams, repetition penalties, ...) away from its neutral value is refused by name."""
     if isinstance(config, str) and config == "target":
-        config = getattr(getattr(target, "model", None), "generation_config", None)
+        config = target.generation_config
         if config is None:
             raise ValueError(f"generation_config='target': {target.name} carries no generation_config")
     if not hasattr(config, "do_sample") or not hasattr(config, "to_dict"):

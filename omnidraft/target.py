@@ -1,17 +1,19 @@
-"""The target protocol: `Target` and `TargetSession` (what every target implements: vLLM, llama.cpp,
+"""The target interface: `Target` and `TargetSession` (what every target implements: vLLM, llama.cpp,
 a remote server, an HF model in this process; targets/__init__.py lists where each lives), the
-acceptance `Rule` of a request and `judge`, which applies it to the target's logits (verify.py has
-the maths).
+`Capabilities` a target declares, `TargetBase` and `SessionBase` (the defaults a new engine
+inherits), the acceptance `Rule` of a request and `judge`, which applies it to the target's logits
+(verify.py has the maths).
 
 A target session holds the committed target tokens and the target's KV cache. `verify` scores the
 pending token and the proposal, applies the rule, keeps the accepted tokens (rollback of the rest)
-and appends the emitted token.
+and appends the emitted token. Whatever else a target can do it declares in `capabilities`; the
+pairing and the server read that record and call the members it promises, never probe for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -19,7 +21,21 @@ from . import verify as V
 from .translate.codec import ByteCodec
 from .translate.token_bytes import TokenBytes
 
-__all__ = ["MODES", "Rule", "Target", "TargetSession", "judge"]
+__all__ = [
+    "MODES",
+    "BatchingTarget",
+    "Capabilities",
+    "ChunkedSession",
+    "DecodingSession",
+    "Rule",
+    "ScoringSession",
+    "SessionBase",
+    "Target",
+    "TargetBase",
+    "TargetSession",
+    "check_target",
+    "judge",
+]
 
 MODES = ("greedy", "match", "exact", "omnidraft")
 MIN_TEMPERATURE = 1e-3  # sampling temperatures below this overflow exp(logits / T)
@@ -67,11 +83,42 @@ class Rule:
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a target can do besides verifying a proposal, declared once (`Target.capabilities`).
+
+    in_process: it verifies in this process, so a round without a draft costs what one decode step
+        costs: drafting is decided round by round (a remote or engine target decides per request);
+    decodes_alone: its sessions decode greedily with the target alone (`TargetSession.decode`);
+    drafts_in_engine: its engine verifies a pairing's drafts in its own step (the session's
+        `steps`; vLLM with omnidraft's proposer, or a server running one);
+    batches_sessions: concurrent sessions share its engine's steps (a server takes no model lock);
+    prefills_in_chunks: its sessions feed a long prompt in bounded pieces (`prefill(most)`, `cached`)
+        so that a server interleaves other sessions' work with it;
+    scores_positions: its sessions return rows of logits (`scores(new, keep)`), which the server's
+        echo and log-probability completions read."""
+
+    in_process: bool = False
+    decodes_alone: bool = False
+    drafts_in_engine: bool = False
+    batches_sessions: bool = False
+    prefills_in_chunks: bool = False
+    scores_positions: bool = False
+
+
 @runtime_checkable
 class TargetSession(Protocol):
-    """One generation on a target. `ids` are the committed target tokens (prompt included)."""
+    """One generation on a target. `ids` are the committed target tokens (prompt included);
+    `budget`: the most draft tokens the target takes in the next round (a server under load), None
+    for no limit; `close` frees what the session holds (a KV slot, a server-side session)."""
 
-    ids: list[int]
+    @property
+    def ids(self) -> list[int]: ...
+
+    @property
+    def budget(self) -> int | None: ...
+
+    def close(self) -> None: ...
 
     def verify(
         self,
@@ -89,7 +136,10 @@ class TargetSession(Protocol):
 
 @runtime_checkable
 class Target(Protocol):
-    """Anything that can verify: a tokenizer's byte view plus sessions."""
+    """Anything that can verify: a tokenizer's byte view plus sessions, and what it declares it can
+    do (`capabilities`). `context_length`: the longest session in tokens (None: not bounded here);
+    `verify_costs`: seconds to verify n tokens as measured on this machine (None: not measured);
+    `check_rule` refuses, naming why, a sampling rule it cannot verify losslessly."""
 
     name: str
     tokenizer: Any
@@ -97,7 +147,126 @@ class Target(Protocol):
     codec: ByteCodec
     eos_ids: frozenset[int]
 
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    def context_length(self) -> int | None: ...
+
     def begin(self, prompt_ids: list[int]) -> TargetSession: ...
+
+    def verify_costs(self, context: int | None = None) -> dict[int, float] | None: ...
+
+    def check_rule(self, rule: Rule) -> None: ...
+
+    def engine_counters(self) -> tuple[int, float] | None: ...
+
+
+class SessionBase:
+    """What a target session inherits unless it says otherwise: no draft budget, nothing to free."""
+
+    budget: int | None = None
+
+    def close(self) -> None:
+        """The generation is over: nothing to free."""
+
+
+class TargetBase:
+    """What a target inherits unless it says otherwise (a new engine subclasses it; see
+    docs/architecture.md): no capability beyond verifying, no bound on a session's length, no
+    measured verify costs, every rule accepted, no engine counters."""
+
+    capabilities = Capabilities()
+    context_length: int | None = None
+    generation_config: Any = None  # the model's own `transformers.GenerationConfig`, where it has one
+
+    def verify_costs(self, context: int | None = None) -> dict[int, float] | None:
+        """Seconds to verify n tokens (n = 1 ..) measured on this machine; None: not measured."""
+        return None
+
+    def check_rule(self, rule: Rule) -> None:
+        """Refuse (ValueError, naming why) a rule this target cannot verify losslessly."""
+
+    def engine_counters(self) -> tuple[int, float] | None:
+        """(engine steps, seconds the engine was busy) so far, where an engine loop counts them."""
+        return None
+
+    @property
+    def generates_alone(self) -> bool:
+        """Alias of `capabilities.decodes_alone`."""
+        return self.capabilities.decodes_alone
+
+    @property
+    def in_process(self) -> bool:
+        """Alias of `capabilities.in_process`."""
+        return self.capabilities.in_process
+
+    @property
+    def drafts_in_engine(self) -> bool:
+        """Alias of `capabilities.drafts_in_engine`."""
+        return self.capabilities.drafts_in_engine
+
+
+TARGET_MEMBERS = (
+    "name",
+    "tokenizer",
+    "token_bytes",
+    "codec",
+    "eos_ids",
+    "capabilities",
+    "context_length",
+    "begin",
+    "verify_costs",
+    "check_rule",
+    "engine_counters",
+)
+
+
+def check_target(target: Any) -> None:
+    """Refuse, naming what is missing, an object that does not implement `Target`: what a pairing
+    and a server check once, where a target comes in."""
+    missing = [m for m in TARGET_MEMBERS if not hasattr(target, m)]
+    if missing or not isinstance(target.capabilities, Capabilities):
+        lacks = ", ".join(missing) or "a Capabilities record"
+        raise TypeError(
+            f"{type(target).__name__} is not a target: it lacks {lacks} "
+            "(a target subclasses omnidraft.TargetBase and declares its capabilities; docs/architecture.md)"
+        )
+
+
+class DecodingSession(TargetSession, Protocol):
+    """A session of a target with `capabilities.decodes_alone`."""
+
+    def decode(self, max_tokens: int) -> Iterator[int]:
+        """Greedy-decode up to `max_tokens` tokens with the target alone (stopping after an EOS)."""
+        ...
+
+
+class ChunkedSession(TargetSession, Protocol):
+    """A session of a target with `capabilities.prefills_in_chunks`: `cached` tokens are in its
+    KV cache; `prefill(most)` feeds up to `most` more of its uncached prompt, returning how many."""
+
+    cached: int
+
+    def prefill(self, most: int) -> int: ...
+
+
+class ScoringSession(TargetSession, Protocol):
+    """A session of a target with `capabilities.scores_positions`."""
+
+    def scores(self, new: list[int], keep: int) -> torch.Tensor:
+        """Append `new` and return the logits (keep, V) after the sequence's last `keep` tokens."""
+        ...
+
+
+class BatchingTarget(Target, Protocol):
+    """A target with `capabilities.batches_sessions`, as a server's draft budget reads it:
+    `batch_costs` (seconds of an engine step by rows, across sessions) and `verify_tail` (tokens a
+    verify recomputes besides its own)."""
+
+    verify_tail: int
+
+    def batch_costs(self) -> dict[int, float]: ...
 
 
 def judge(

@@ -244,8 +244,11 @@ def test_rouge_l():
 
 
 def test_relaxed_verification_refuses_a_remote_target(tiny_drafter):
-    class Remote:
-        name = "remote"
+    class Remote(od.TargetBase):  # declares nothing: not in process
+        name, tokenizer, token_bytes, codec, eos_ids = "remote", None, None, None, frozenset()
+
+        def begin(self, ids):
+            raise AssertionError("never begun")
 
     with pytest.raises(ValueError, match="needs an in-process target"):
         od.Pairing(tiny_drafter, Remote(), od.DecodeConfig(mode="relaxed-lossy"))

@@ -68,15 +68,16 @@ def plan_drafting(drafter: Any, target: Any, config: Any, learn: bool) -> Drafti
             target.name,
             seen.reason(),
         )
-    per_round = config.drafts != "model" and getattr(target, "in_process", False)
+    can = target.capabilities
+    per_round = config.drafts != "model" and can.in_process
     modes = (
         ModeChooser()
         if config.objective == "latency"
         and config.mode == "greedy"
         and config.k is None
         and not learn
-        and getattr(target, "generates_alone", False)
-        and not getattr(target, "drafts_in_engine", False)  # its engine's step decides per round
+        and can.decodes_alone
+        and not can.drafts_in_engine  # its engine's step decides per round
         and (model or free)
         and not per_round
         else None

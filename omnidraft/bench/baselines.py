@@ -50,7 +50,9 @@ def target_alone(target: Any, prompt: str, max_new_tokens: int) -> Timed:
     """The target's own greedy decoding, one token per forward (HF generate), on the same model
     object and kernel plan that verifies for the pairing: the fair baseline. A target that is not
     a PyTorch model (llama.cpp) decodes alone through its own session (its engine's plain loop)."""
-    if getattr(target, "model", None) is None:
+    from ..targets.local import LocalTarget
+
+    if not isinstance(target, LocalTarget):
         ids = target.tokenizer(prompt)["input_ids"]
         started = time.perf_counter()
         out = list(target.begin(ids).decode(max_new_tokens))

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from ..cli_options import DRAFTER, TARGET, load_pair, split_pair
 from .pairs import loaded_pairs
 
-__all__ = ["bench", "run_pair"]
+__all__ = ["bench", "bench_engine", "bench_network", "run_pair"]
 
 
 def run_pair(
@@ -25,10 +25,13 @@ def run_pair(
     from tqdm import tqdm
 
     from ..stats import write_trace
+    from ..targets.local import LocalTarget
     from .datasets import load_prompts
     from .runner import pairing_costs, run_prompts, summarize
 
     pair = load_pair(*split_pair(pair_spec), args)
+    if not isinstance(pair.target, LocalTarget):  # the HF peers run the target's own PyTorch model
+        peers = ()
     summaries: list[dict[str, Any]] = []
     per_prompt: dict[str, Any] = {}
     for dataset in datasets:
@@ -133,7 +136,7 @@ def _bench_remote(args: argparse.Namespace) -> None:
     print(f"wrote {out / args.name}.json and .md")
 
 
-def _bench_network(args: argparse.Namespace) -> None:
+def bench_network(args: argparse.Namespace) -> None:
     """Devices drafting for a vLLM server across a delaying proxy (bench/network.py)."""
     import json
 
@@ -251,7 +254,7 @@ def _bench_sources(args: argparse.Namespace) -> None:
     print(f"wrote {out / args.name}.json and .md")
 
 
-def _bench_engine(args: argparse.Namespace) -> None:
+def bench_engine(args: argparse.Namespace) -> None:
     """The target on llama.cpp or vLLM: every contender on that engine in one run (bench/llama.py,
     bench/vllm.py), against the engine alone."""
     import json
@@ -317,15 +320,23 @@ def _bench_engine(args: argparse.Namespace) -> None:
     print(f"wrote {out / args.name}.json and .md")
 
 
+# the built-in engines' own comparisons (a registered engine may bring its own: targets/registry.py)
+ENGINE_BENCHES: dict[str, Callable[[argparse.Namespace], None]] = {
+    "llama.cpp": bench_engine,
+    "vllm": bench_engine,
+}
+REMOTE_BENCHES: dict[str, Callable[[argparse.Namespace], None]] = {"vllm": bench_network}
+
+
 def bench(args: argparse.Namespace) -> None:
+    from ..targets.registry import engine
     from .report import markdown_table, write_report
 
-    if args.remote and args.target_backend == "vllm":
-        return _bench_network(args)
+    chosen = engine(args.target_backend)
     if args.remote:
-        return _bench_remote(args)
-    if args.target_backend in ("llama.cpp", "vllm"):
-        return _bench_engine(args)
+        return (chosen.bench_remote or REMOTE_BENCHES.get(chosen.name, _bench_remote))(args)
+    if (own := chosen.bench or ENGINE_BENCHES.get(chosen.name)) is not None:
+        return own(args)
     if args.k_grid:
         return _bench_k_grid(args)
     if args.drafts and len(args.drafts) > 1:

@@ -47,7 +47,8 @@ def run_demo(args: argparse.Namespace, datasets: list[str]) -> tuple[str, list[d
 def _on_torch(args: argparse.Namespace, datasets: list[str]) -> list[dict[str, Any]]:
     from .commands import run_pair
 
-    _, per_prompt = run_pair(f"{args.drafter}:{args.target}", datasets, args, peers=(), trace=None)
+    on_torch = argparse.Namespace(**{**vars(args), "target_backend": "torch"})
+    _, per_prompt = run_pair(f"{args.drafter}:{args.target}", datasets, on_torch, peers=(), trace=None)
     rows = []
     for key, results in per_prompt.items():
         for r in results:

@@ -17,16 +17,12 @@ def loaded_pairs(
     specs: list[str] | None, default: str, target_backend: str = "torch"
 ) -> Iterator[tuple[str, Drafter, Target]]:
     """(spec, drafter, target) for each DRAFTER:TARGET spec, loaded one pair at a time; the target
-    on PyTorch, or (`target_backend`) on "llama.cpp" or "vllm"."""
+    on the engine called `target_backend` (targets/registry.py), with its default options."""
     import omnidraft as od
+
+    from ..targets.registry import engine
 
     for pair_spec in specs or [default]:
         drafter_spec, target_spec = split_pair(pair_spec)
-        target: Target = (
-            od.LlamaCppTarget(target_spec)
-            if target_backend == "llama.cpp"
-            else od.VLLMTarget.load(target_spec)
-            if target_backend == "vllm"
-            else od.LocalTarget.load(target_spec)
-        )
+        target: Target = engine(target_backend).load(target_spec, {})
         yield pair_spec, od.Drafter.load(drafter_spec), target

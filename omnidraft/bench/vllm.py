@@ -43,7 +43,7 @@ def _outputs(
     if row == "omnidraft (default)":
         target = od.VLLMTarget.load(target_spec, dtype=dtype)
         pair = od.Drafter.load(drafter_spec).pair(target)
-        notes.append(f"{row}: drafts verified in vLLM's step: {target.drafts_in_engine}")
+        notes.append(f"{row}: drafts verified in vLLM's step: {target.capabilities.drafts_in_engine}")
         run: Callable[[str, list[int]], Timed] = partial(pairing_row, pair, n)
     else:
         extra = {"speculative_config": NGRAM} if row == "vLLM n-gram speculative" else {}

@@ -20,6 +20,7 @@ import torch
 
 from ..atomic import atomic_write_bytes
 from ..errors import CorruptFileError, IncompatibleError
+from ..target import SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import TokenBytes
 from ..verify import Verdict
@@ -153,7 +154,7 @@ def load_traces(path: str | os.PathLike[str], fingerprint: str | None = None) ->
     return traces
 
 
-class _ReplaySession:
+class _ReplaySession(SessionBase):
     def __init__(self, trace: TargetTrace) -> None:
         self.trace, self.ids, self._n = trace, list(trace.prompt_ids), 0
         self.forwards = 0
@@ -193,7 +194,7 @@ class _ReplaySession:
         return Verdict(n, truth[n], rows)
 
 
-class ReplayTarget:
+class ReplayTarget(TargetBase):
     """A `Target` that answers from recorded traces: same tokens and acceptance as the live one."""
 
     def __init__(

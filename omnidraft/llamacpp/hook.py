@@ -21,6 +21,7 @@ import numpy as np
 from llama_cpp.llama_speculative import LlamaDraftModel
 
 from ..engine_rounds import EngineRounds
+from .llama_target import LlamaCppTarget
 
 __all__ = ["OmnidraftDraftModel"]
 
@@ -38,7 +39,7 @@ class OmnidraftDraftModel(LlamaDraftModel):
         self.pairing = pair(drafter, target, **options)
         # llama-cpp-python verifies a draft in one call: keep it within what this engine evaluates
         # exactly at the context's length (no draft where no batch is exact)
-        self.engine = getattr(target, "engine", None)
+        self.engine = target.engine if isinstance(target, LlamaCppTarget) else None
         self.max_draft = max_draft
         self.rounds = EngineRounds(self.pairing)
 

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import IncompatibleError
 from ..models import load_tokenizer
-from ..target import Rule, judge
+from ..target import Capabilities, Rule, SessionBase, TargetBase, judge
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
@@ -29,7 +29,7 @@ __all__ = ["LlamaCppTarget"]
 PROBE = "def f(x):\n    return x * 2  # 1,234 \u00e9t\u00e9 \u4f60\u597d\n<|im_start|>user\nHi<|im_end|>\n"
 
 
-class _LlamaSession:
+class _LlamaSession(SessionBase):
     def __init__(self, owner: LlamaCppTarget, prompt_ids: list[int]) -> None:
         self.owner, self.ids = owner, list(prompt_ids)
         self.prompt = len(self.ids)
@@ -80,7 +80,7 @@ class _LlamaSession:
                 return
 
 
-class LlamaCppTarget:
+class LlamaCppTarget(TargetBase):
     """A preset or .gguf file under llama.cpp, verifying in this process.
 
     `tokenizer`: the HF tokenizer for the same vocabulary (default: converted from the GGUF file);
@@ -89,8 +89,7 @@ class LlamaCppTarget:
     side by side (a server's concurrent sessions; see LlamaEngine); a session that lost its slot
     evaluates its sequence afresh, so its output never depends on who ran before."""
 
-    generates_alone = True
-    in_process = True
+    capabilities = Capabilities(in_process=True, decodes_alone=True, scores_positions=True)
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import IncompatibleError, RemoteRequestError, TargetUnavailableError
 from ..optional import require
+from ..target import Capabilities, SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
@@ -49,12 +50,11 @@ _RETRY_STATUS = (502, 503, 504)
 FIRST_BUDGET = 4  # the draft budget a device assumes while a speculate stream's prompt is prefilled
 
 
-class RemoteTarget:
+class RemoteTarget(TargetBase):
     """A target served by `omnidraft serve` (see remote/server.py). Its sessions can hand the rest
-    of a completion to the server (`generates_alone`), which a latency-objective pairing does when
-    speculating measures slower than the server decoding alone."""
-
-    generates_alone = True
+    of a completion to the server (`capabilities.decodes_alone`), which a latency-objective pairing
+    does when speculating measures slower than the server decoding alone; where the server's engine
+    verifies drafts in its own step, a request streams (`capabilities.drafts_in_engine`)."""
 
     def __init__(
         self,
@@ -75,8 +75,7 @@ class RemoteTarget:
         self.http.headers.update(headers)
         info = InfoReply.model_validate(self._call("GET", "/v1/info"))
         self.name, self.eos_ids = info.name, frozenset(info.eos_ids)
-        # the server's engine verifies drafts in its own step: a greedy request streams (`steps`)
-        self.drafts_in_engine = info.drafts_in_engine
+        self.capabilities = Capabilities(decodes_alone=True, drafts_in_engine=info.drafts_in_engine)
         self.tokenizer = tokenizer if tokenizer is not None else self._fetch_tokenizer()
         self.token_bytes = build_token_bytes(self.tokenizer, info.vocab_size)
         if self.token_bytes.fingerprint != info.fingerprint:
@@ -162,7 +161,7 @@ def _reason(response: Any, body: dict[str, Any] | None) -> str:
     return str(body.get("error", response.text)) if body is not None else response.text[:200]
 
 
-class _RemoteSession:
+class _RemoteSession(SessionBase):
     def __init__(self, owner: RemoteTarget, ids: list[int]) -> None:
         self.owner, self.ids = owner, ids
         self.sid: str | None = None  # the server's session, opened by the first verify

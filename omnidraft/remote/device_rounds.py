@@ -205,7 +205,7 @@ class SpeculateRoutes:
         """Checks `request` now (a stale one is refused with its status), then returns the NDJSON
         stream of the session's continuation, decoded in the engine's loop while the engine
         verifies the proposals the device posts to `propose`."""
-        if not getattr(self.target, "drafts_in_engine", False):
+        if not self.target.capabilities.drafts_in_engine:
             raise HTTPError(
                 409,
                 "this server's engine verifies one request per round: use /verify "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Callable
 
 __all__ = ["Metrics"]
 
@@ -21,7 +21,8 @@ class Metrics:
     rejected_requests: int = 0
     latency: list[int] = field(default_factory=lambda: [0] * (len(_BUCKETS) + 1))
     latency_sum: float = 0.0
-    engine: Any = None  # an engine loop that counts its steps and their seconds (vLLM), or None
+    # (engine steps, busy seconds) so far, from a target whose engine loop counts them (vLLM)
+    counters: Callable[[], tuple[int, float] | None] = lambda: None
 
     def observe(self, seconds: float) -> None:
         self.latency[next((i for i, b in enumerate(_BUCKETS) if seconds <= b), len(_BUCKETS))] += 1
@@ -49,11 +50,11 @@ class Metrics:
             f"omnidraft_verify_seconds_sum {self.latency_sum:.6f}",
             f"omnidraft_verify_seconds_count {running}",
         ]
-        if self.engine is not None:  # what a benchmark reads to count the engine's work per token
+        if (counted := self.counters()) is not None:  # what a benchmark reads: engine work per token
             lines += [
                 "# TYPE omnidraft_engine_steps_total counter",
-                f"omnidraft_engine_steps_total {self.engine.steps}",
+                f"omnidraft_engine_steps_total {counted[0]}",
                 "# TYPE omnidraft_engine_seconds_total counter",
-                f"omnidraft_engine_seconds_total {self.engine.busy:.6f}",
+                f"omnidraft_engine_seconds_total {counted[1]:.6f}",
             ]
         return "\n".join(lines) + "\n"

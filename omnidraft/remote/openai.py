@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ..errors import IncompatibleError, RemoteRequestError
 from ..optional import require
+from ..target import SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
@@ -114,7 +115,7 @@ def complete(
     lock: Any = None,
     cancel: Any = None,
 ) -> dict[str, Any]:
-    """Run one greedy completion on LocalTarget `target` and shape the OpenAI reply.
+    """Run one greedy completion on `target` (one that `scores_positions`) and shape the OpenAI reply.
 
     Memory is bounded whatever the request: an echoed prompt is scored ECHO_CHUNK positions per
     forward, and every row of logits is reduced at once to the token's log-probability and its
@@ -160,9 +161,7 @@ def complete(
                 _score(rows[j], ids[start + j + 1], k) for j in range(len(rows)) if start + j + 1 < len(ids)
             ]
     else:
-        while (
-            getattr(session, "prefill", None) is not None
-        ):  # a long prompt holds the model one chunk at a time
+        while target.capabilities.prefills_in_chunks:  # a long prompt holds the model a chunk at a time
             with lock:
                 if session.prefill(ECHO_CHUNK) == 0:
                     break
@@ -210,7 +209,7 @@ def _score(row: torch.Tensor, token: int, k: int | None) -> tuple[float, torch.T
     return float(logp[token]), top[0], top[1]
 
 
-class OpenAICompletionsTarget:
+class OpenAICompletionsTarget(TargetBase):
     """A greedy-verifying `Target` over any OpenAI-compatible /v1/completions endpoint.
 
     `tokenizer` is the served model's tokenizer (these servers do not ship it); `model` the name the
@@ -346,7 +345,7 @@ class OpenAICompletionsTarget:
         return f"OpenAICompletionsTarget({self.model!r} at {self.url})"
 
 
-class _CompletionSession:
+class _CompletionSession(SessionBase):
     def __init__(self, owner: OpenAICompletionsTarget, ids: list[int]) -> None:
         self.owner, self.ids = owner, ids
         self.forwards = 0

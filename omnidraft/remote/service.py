@@ -15,12 +15,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 
 from ..rounds import TokenLogprob, token_logprobs
-from ..target import Rule
+from ..target import BatchingTarget, ChunkedSession, Rule, check_target
 from .budget import DraftBudget, DraftGate
 from .device_rounds import SpeculateRoutes
 from .metrics import Metrics
@@ -44,8 +44,9 @@ __all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service", 
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 256  # prompt tokens one model call may take: the most a long prompt holds the model at once
-PREFILL_WORK = 256 * 2048  # chunk x context: past 2,048 tokens of context a chunk shrinks (down to 32 tokens)
+PREFILL_CHUNK = 512  # prompt tokens one model call may take at most
+PREFILL_FIRST = 32  # a prefill's first call: later ones are sized to PREFILL_SLICE_S by the last one's time
+PREFILL_SLICE_S = 0.25  # seconds one prefill call aims to hold the model: what another session waits at most
 ACTIVE_S = 1.0  # a session that verified within this many seconds counts in the load a draft budget serves
 
 
@@ -56,27 +57,25 @@ class Service(TextRoutes, SpeculateRoutes):
         self.target, self.config = target, config
         self.vocab = len(target.token_bytes)
         self.sessions: dict[str, Session] = {}
-        self.metrics = Metrics(engine=getattr(target, "loop", None))
+        check_target(target)
+        can = target.capabilities
+        self.metrics = Metrics(counters=target.engine_counters)
         # re-entrant: a stream's end may run from the garbage collector (sessions.ended) at any
         # allocation, in a thread that holds this lock already
         self.table_lock = threading.RLock()
         # one model forward at a time on an engine that runs one (PyTorch, llama.cpp); an engine that
         # batches sessions (vLLM) schedules concurrent requests itself, so only a session's own lock holds
-        self.batches = bool(getattr(target, "batches_sessions", False))
+        self.batches = can.batches_sessions
         self.model_lock: Any = contextlib.nullcontext() if self.batches else FairLock()
         self.inflight: dict[int, int] = {}  # per key: tokens of completions and streams served (KV budget)
-        costs = getattr(target, "verify_costs", None) if self.batches else None
-        batch = getattr(target, "batch_costs", None) if costs is not None else None
+        costs = target.verify_costs() if self.batches else None
         # step costs by tokens (remote/budget.py): one sequence's verifies, then steps over many rows
         self.costs: dict[int, float] | None = (
-            None if costs is None else {**costs(), **(batch() if batch is not None else {})}
+            None if costs is None else {**costs, **cast(BatchingTarget, target).batch_costs()}
         )
         self.budget = DraftBudget(self.costs, self._active_sessions, MAX_PROPOSAL - 1) if self.costs else None
         self.gate, self._gate_lock = DraftGate(), threading.Lock()  # streaming sessions' drafts, measured
-        model = getattr(target, "model", None)  # None: unbounded
-        self.context: int | None = getattr(target, "context_length", None) or getattr(
-            getattr(model, "config", None), "max_position_embeddings", None
-        )
+        self.context: int | None = target.context_length  # None: unbounded
         with tempfile.TemporaryDirectory() as tmp:
             target.tokenizer.save_pretrained(tmp)
             self.tokenizer_files = {
@@ -89,7 +88,7 @@ class Service(TextRoutes, SpeculateRoutes):
             vocab_size=self.vocab,
             fingerprint=self.target.token_bytes.fingerprint,
             eos_ids=sorted(self.target.eos_ids),
-            drafts_in_engine=bool(getattr(self.target, "drafts_in_engine", False)),
+            drafts_in_engine=self.target.capabilities.drafts_in_engine,
         )
 
     def open(self, request: OpenRequest, key: int = 0) -> OpenReply:
@@ -262,17 +261,23 @@ class Service(TextRoutes, SpeculateRoutes):
                 return
 
     def _prefill(self, session: Session, cancel: threading.Event | None = None) -> None:
-        """Feed a session's uncached prompt at most PREFILL_CHUNK tokens per model call (fewer past
-        2,048 tokens of context, PREFILL_WORK), taking the model lock per call, so other sessions'
-        verifies interleave with a long prompt's prefill (an engine that batches sessions chunks
-        prefills itself). Stops (499) between chunks once `cancel` is set or the session deleted."""
-        step = getattr(session.inner, "prefill", None)
-        while step is not None and not self.batches:
+        """Feed a session's uncached prompt in model calls of about PREFILL_SLICE_S seconds each
+        (each call sized by the last one's time, as a chunk's cost grows with the context it attends
+        to; at most PREFILL_CHUNK tokens), taking the model lock per call, so other sessions' verifies
+        interleave with a long prompt's prefill (an engine that batches sessions chunks prefills
+        itself). Stops (499) between calls once `cancel` is set or the session deleted."""
+        if not self.target.capabilities.prefills_in_chunks or self.batches:
+            return
+        inner, most = cast(ChunkedSession, session.inner), PREFILL_FIRST
+        while True:
             if session.cancelled.is_set() or (cancel is not None and cancel.is_set()):
                 raise HTTPError(499, "the client or its session went away during the prefill")
-            with self.model_lock:  # a chunk's cost grows with the context it attends to: keep it about level
-                if step(max(32, min(PREFILL_CHUNK, PREFILL_WORK // max(1, session.inner.cached)))) == 0:
+            with self.model_lock:
+                started = time.perf_counter()
+                if inner.prefill(most) == 0:
                     return
+                took = time.perf_counter() - started
+            most = max(8, min(PREFILL_CHUNK, 2 * most, int(most * PREFILL_SLICE_S / max(took, 1e-4))))
 
     def _stepwise(
         self,
@@ -346,7 +351,7 @@ class Service(TextRoutes, SpeculateRoutes):
     def _budget(self) -> int | None:
         """The draft tokens each session may send next round at the present load (remote/budget.py),
         on an engine that batches sessions and reports its verify costs; None (no limit) otherwise."""
-        return self.budget(int(getattr(self.target, "verify_tail", 0))) if self.budget is not None else None
+        return None if self.budget is None else self.budget(cast(BatchingTarget, self.target).verify_tail)
 
     def _active_sessions(self) -> int:
         now = time.monotonic()

@@ -67,8 +67,8 @@ class FairLock:
 
 def release_session(session: Session | None) -> None:
     """Give a dropped session's engine resources back (a llama.cpp slot; nothing on vLLM)."""
-    if session is not None and (close := getattr(session.inner, "close", None)) is not None:
-        close()
+    if session is not None:
+        session.inner.close()
 
 
 @contextlib.contextmanager

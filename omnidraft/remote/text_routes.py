@@ -38,11 +38,12 @@ class TextRoutes:
         """The OpenAI-compatible /v1/completions (greedy, stateless; see remote/openai.py)."""
         from .openai import MAX_PROMPT_CHARS, complete
 
-        if self.batches:
+        if not self.target.capabilities.scores_positions:
             raise HTTPError(
                 501,
-                "/v1/completions is not served on the vllm engine: use /v1/generate, or "
-                "vLLM's own OpenAI server for plain completions",
+                f"/v1/completions with echo or log-probabilities is not served on {self.target.name}'s "
+                "engine (its sessions return no rows of logits): use /v1/generate, or the engine's own "
+                "OpenAI server",
             )
         if isinstance(request.prompt, str):  # reserved by its tokens, not its characters
             if len(request.prompt) > MAX_PROMPT_CHARS:
@@ -94,9 +95,9 @@ class TextRoutes:
         budget = len(ids) + max_tokens
         self._check_context(budget, "the completion")
         in_engine = self.batches and logprobs is None  # the engine's own loop: greedy or sampled in its step
-        if not in_engine and (check := getattr(self.target, "check_rule", None)) is not None:
+        if not in_engine:
             try:
-                check(rule)
+                self.target.check_rule(rule)
             except ValueError as exc:
                 raise HTTPError(422, str(exc)) from None
         release = self._hold(budget, key)

@@ -19,7 +19,7 @@ from ..devices import resolve_device, resolve_dtype
 from ..kernels import use_kernels
 from ..models import load_model
 from ..static_runner import StaticRunner, measure_graphs, static_cache_supported
-from ..target import Rule, judge
+from ..target import Capabilities, Rule, SessionBase, TargetBase, judge
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
@@ -27,7 +27,7 @@ from ..verify import Verdict
 __all__ = ["LocalTarget"]
 
 
-class _LocalSession:
+class _LocalSession(SessionBase):
     def __init__(
         self,
         model: Any,
@@ -99,12 +99,14 @@ class _LocalSession:
         return verdict
 
 
-class LocalTarget:
-    """An HF causal LM in this process, used as a target. Its sessions can decode alone
-    (`generates_alone`): a latency-objective pairing does so where drafting measured slower."""
+class LocalTarget(TargetBase):
+    """An HF causal LM in this process, used as a target. Its sessions can decode alone, which a
+    latency-objective pairing does where drafting measured slower, prefill a long prompt in pieces
+    and return rows of logits (a server's completions)."""
 
-    generates_alone = True
-    in_process = True  # a round without a draft costs what decoding one token alone costs
+    capabilities = Capabilities(
+        in_process=True, decodes_alone=True, prefills_in_chunks=True, scores_positions=True
+    )
 
     def __init__(
         self,
@@ -121,6 +123,7 @@ class LocalTarget:
         self.codec = ByteCodec(tokenizer, self.token_bytes)
         self.eos_ids = frozenset(_eos_ids(model, tokenizer))
         self.device = next(model.parameters()).device
+        self.context_length: int | None = getattr(model.config, "max_position_embeddings", None)
         if graphs and self.device.type != "cuda":
             raise ValueError(f"graphs=True needs a CUDA device; this target is on {self.device}")
         if graphs and not static_cache_supported(model):
@@ -132,6 +135,11 @@ class LocalTarget:
         self._slot: StaticRunner | None = None
         self._slot_owner: Callable[[], Any] | None = None
         self._slot_lock = threading.Lock()  # two sessions begun at once must not share the slot
+
+    @property
+    def generation_config(self) -> Any:  # type: ignore[override]
+        """The model's own `transformers.GenerationConfig` (None where it has none)."""
+        return getattr(self.model, "generation_config", None)
 
     @property
     def graphs(self) -> bool:

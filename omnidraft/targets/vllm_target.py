@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..target import Rule, judge
+from ..target import Capabilities, Rule, SessionBase, TargetBase, judge
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from ..verify import Verdict
@@ -46,7 +46,7 @@ def tail_rows(prompt_len: int, num_cached: int, base: int) -> bool:
     return base >= 1 and num_cached <= base - 1 < prompt_len
 
 
-class _VLLMSession:
+class _VLLMSession(SessionBase):
     def __init__(self, owner: VLLMTarget, prompt_ids: list[int]) -> None:
         self.owner, self.ids = owner, list(prompt_ids)
         self.salt = uuid.uuid4().hex  # this session's own prefix-cache pages
@@ -168,18 +168,12 @@ class Stream:
             self.proposer.forget(self.seq)
 
 
-class VLLMTarget:
+class VLLMTarget(TargetBase):
     """A vLLM engine in this process, used as a target (see the module docstring).
 
     `engine`: a vLLM `LLMEngine` (or anything with its add_request / step / abort_request);
     `tokenizer`: the HF tokenizer of the same vocabulary. Use `load` to build both from a preset,
     a local directory or an HF id."""
-
-    generates_alone = True
-    # a request-level choice, as for a remote target: each request either speculates or lets vLLM
-    # decode alone, whichever measured faster (a round on the engine is a request, not a forward)
-    in_process = False
-    batches_sessions = True  # concurrent sessions' requests share engine steps: no lock around them
 
     def __init__(
         self,
@@ -209,9 +203,18 @@ class VLLMTarget:
         self._batch: dict[int, float] | None = None
 
     @property
-    def drafts_in_engine(self) -> bool:
-        """Whether a pairing's drafts are verified inside the engine's own speculative step."""
-        return self.proposer is not None
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """Sessions decode alone on vLLM; concurrent sessions share engine steps (no lock around
+        them); with omnidraft's proposer a pairing's drafts are verified in the engine's own step.
+        Not in process: a round on the engine is a request, not a forward, so each request either
+        speculates or lets vLLM decode alone, whichever measured faster."""
+        return Capabilities(
+            decodes_alone=True, batches_sessions=True, drafts_in_engine=self.proposer is not None
+        )
+
+    def engine_counters(self) -> tuple[int, float]:
+        """(engine steps, seconds the engine was busy) so far."""
+        return self.loop.steps, self.loop.busy
 
     @classmethod
     def load(cls, spec: str, *, draft_tokens: int = 8, **engine_args: Any) -> VLLMTarget:
@@ -338,7 +341,7 @@ class VLLMTarget:
         if self._batch is None:
             from ..measured import remembered
 
-            key = f"{self.key}|{self.drafts_in_engine}"
+            key = f"{self.key}|{self.capabilities.drafts_in_engine}"
             value = remembered("vllm-batch-costs", key, partial(time_batches, self))
             self._batch = {int(n): float(s) for n, s in value.items()}
         return dict(self._batch)

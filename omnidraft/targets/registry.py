@@ -1,0 +1,106 @@
+"""Target engines by name: the one list `omnidraft serve --engine`, `omnidraft bench
+--target-backend` and the bench's pairs read (docs/architecture.md, "Add a target engine").
+
+An `Engine` loads a target from a spec (a preset name, a file, an HF id) and the serve command's
+options, each engine reading those it knows. `bench` is its own comparison for `omnidraft bench
+--target-backend NAME`, `bench_remote` its own for `--remote`; without them the bench runs its own
+for the engine (llama.cpp and vLLM against their own speculative decoding: bench/commands.py) or
+the generic ones (the pairing against the target decoding alone, in process or through a server
+on loopback).
+
+    register_engine(Engine("my-engine", "my engine, in this process", lambda spec, options: MyTarget(spec)))
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from ..target import Target
+
+__all__ = ["ENGINES", "Engine", "engine", "engine_names", "register_engine", "vllm_engine_args"]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A target engine: `name` (what --engine and --target-backend take), `summary` (one line of
+    help), `load(spec, options)` -> a target, and optionally its own `bench` and `bench_remote`
+    commands (each given the bench's parsed arguments)."""
+
+    name: str
+    summary: str
+    load: Callable[[str, Mapping[str, Any]], Target]
+    bench: Callable[[argparse.Namespace], None] | None = None
+    bench_remote: Callable[[argparse.Namespace], None] | None = None
+
+
+ENGINES: dict[str, Engine] = {}
+
+
+def register_engine(engine: Engine) -> None:
+    """Add `engine` (or replace the one of its name): serve and bench accept its name from now on."""
+    if not engine.name or any(c.isspace() for c in engine.name):
+        raise ValueError(f"an engine's name is one word, got {engine.name!r}")
+    ENGINES[engine.name] = engine
+
+
+def engine(name: str) -> Engine:
+    """The engine called `name`, or a ValueError naming the ones there are."""
+    if name not in ENGINES:
+        raise ValueError(f"no target engine {name!r}; the engines are {', '.join(engine_names())}")
+    return ENGINES[name]
+
+
+def engine_names() -> list[str]:
+    """Every registered engine's name, the built-in ones first."""
+    return list(ENGINES)
+
+
+def vllm_engine_args(options: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM engine arguments from serve's options: the named ones, then each `engine_arg` KEY=VALUE
+    (VALUE parsed as JSON where it is JSON, else kept as a string)."""
+    named = ("dtype", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size")
+    out = {k: options[k] for k in named if options.get(k) is not None}
+    for item in options.get("engine_arg") or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg takes KEY=VALUE, got {item!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except ValueError:
+            out[key.replace("-", "_")] = value
+    return out
+
+
+def _torch(spec: str, options: Mapping[str, Any]) -> Target:
+    from .local import LocalTarget
+
+    return LocalTarget.load(spec, device=options.get("device"), dtype=options.get("dtype"))
+
+
+def _llama(spec: str, options: Mapping[str, Any]) -> Target:
+    from ..llamacpp.llama_target import LlamaCppTarget
+
+    return LlamaCppTarget(spec, slots=options.get("slots") or 1, n_ctx=options.get("n_ctx") or 4096)
+
+
+def _vllm(spec: str, options: Mapping[str, Any]) -> Target:
+    from .vllm_target import VLLMTarget
+
+    return VLLMTarget.load(spec, **vllm_engine_args(options))  # with omnidraft's proposer: /speculate
+
+
+for _builtin in (
+    Engine("torch", "PyTorch in this process (fp32 on a CPU; --device, --dtype)", _torch),
+    Engine("llama.cpp", "llama.cpp on the preset's or .gguf file's own weights (--slots, --n-ctx)", _llama),
+    Engine(
+        "vllm",
+        "vLLM, sessions batched by its scheduler (pip install 'omnidraft[vllm]'; --max-model-len, "
+        "--engine-arg)",
+        _vllm,
+    ),
+):
+    register_engine(_builtin)
