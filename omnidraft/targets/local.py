@@ -137,7 +137,7 @@ class LocalTarget(TargetBase):
         self._slot_lock = threading.Lock()  # two sessions begun at once must not share the slot
 
     @property
-    def generation_config(self) -> Any:  # type: ignore[override]
+    def generation_config(self) -> Any:
         """The model's own `transformers.GenerationConfig` (None where it has none)."""
         return getattr(self.model, "generation_config", None)
 
