@@ -21,6 +21,10 @@ class OmnidraftError(Exception):
     """Base class of every domain failure raised by omnidraft."""
 
 
+class Cancelled(OmnidraftError):
+    """Work stopped because whoever asked for it went away (a client that disconnected)."""
+
+
 class MissingModelError(OmnidraftError):
     """A preset's model package is not installed; the message names the pip command to run."""
 

@@ -12,6 +12,7 @@ pairing and the server read that record and call the members it promises, never 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Protocol, runtime_checkable
 
@@ -163,9 +164,12 @@ class Target(Protocol):
 
 
 class SessionBase:
-    """What a target session inherits unless it says otherwise: no draft budget, nothing to free."""
+    """What a target session inherits unless it says otherwise: no draft budget, nothing to free.
+    `cancel`: set by whoever runs the session's next call (a server whose client may leave); a
+    session whose engine computes a call elsewhere stops it once that is set (raising Cancelled)."""
 
     budget: int | None = None
+    cancel: threading.Event | None = None
 
     def close(self) -> None:
         """The generation is over: nothing to free."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from ..errors import IncompatibleError, RemoteRequestError
+from ..errors import Cancelled, IncompatibleError, RemoteRequestError
 from ..optional import require
 from ..target import SessionBase, TargetBase
 from ..translate.codec import ByteCodec
@@ -48,10 +48,6 @@ MAX_LOGPROBS = 20
 
 
 PROBE_TEXT = "def f(x):\n    return x + 1  # caf\u00e9"
-
-
-class Cancelled(Exception):
-    """A completion stopped because its client disconnected (`complete`'s `cancel` was set)."""
 
 
 class SamplingFields(BaseModel):

@@ -96,7 +96,7 @@ def respond(
     as_ids = bool(getattr(request, "return_tokens_as_token_ids", False))
     shape = partial(_logprobs, logprobs, target.token_bytes, chat, as_ids) if logprobs is not None else None
     if request.stream:
-        return _sse(pieces, base, chat, shape)
+        return _then_close(_sse(pieces, base, chat, shape), tokens)
     text, reason, count = "", "length", 0
     for piece, reason, count in pieces:
         text += piece
@@ -171,6 +171,17 @@ def _texts(
             yield text[shown:upto], reason, len(ids)
             shown = upto
     yield text[shown:], reason, len(ids)
+
+
+def _then_close(chunks: Iterator[bytes], source: Iterator[int]) -> Iterator[bytes]:
+    """`chunks`, with `source` (the decoding behind them) closed as soon as they end or are closed:
+    its clean-up (an engine request aborted) runs then, not whenever it is garbage-collected."""
+    try:
+        yield from chunks
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
 
 
 def _sse(

@@ -29,12 +29,12 @@ import hmac
 import logging
 import threading
 from functools import partial
-from typing import Any
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.concurrency import run_in_threadpool
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from ..target import Rule
@@ -56,6 +56,23 @@ log = logging.getLogger(__name__)
 
 
 HEADER_TIMEOUT_S = 10.0  # a connection's request line and headers must arrive within this
+
+
+def streamed(stream: Iterator[bytes], media_type: str) -> StreamingResponse:
+    """A streamed reply that closes `stream` as soon as it ends, its client gone included: closing
+    runs the stream's own clean-up (an engine request aborted, a hold on the KV budget freed) at
+    once, where an abandoned generator waits for the garbage collector, seconds later on vLLM."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in iterate_in_threadpool(stream):
+                yield chunk
+        finally:  # reached on the end, an error, or the cancellation of a client that left
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+
+    return StreamingResponse(body(), media_type=media_type)
 
 
 def http_protocol() -> type:
@@ -239,14 +256,14 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         stream = await run_in_threadpool(
             service.generate, sid, await body(request, GenerateRequest), request.state.key
         )
-        return StreamingResponse(stream, media_type="application/x-ndjson")
+        return streamed(stream, "application/x-ndjson")
 
     @app.post("/v1/sessions/{sid}/speculate")
     async def speculate(sid: str, request: Request) -> Any:
         stream = await run_in_threadpool(
             service.speculate, sid, await body(request, SpeculateRequest), request.state.key
         )
-        return StreamingResponse(stream, media_type="application/x-ndjson")
+        return streamed(stream, "application/x-ndjson")
 
     @app.post("/v1/sessions/{sid}/proposal")
     async def proposal(sid: str, request: Request) -> Any:
@@ -258,7 +275,7 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         stream = await run_in_threadpool(
             service.generate_alone, await body(request, PromptGenerateRequest), request.state.key
         )
-        return StreamingResponse(stream, media_type="application/x-ndjson")
+        return streamed(stream, "application/x-ndjson")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -306,7 +323,7 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
                 service.sample, ids, rule, limit, parsed.seed, key, None, logprobs, top or 0
             )
             chunks = respond(tokens, parsed, target, len(ids), logprobs)
-            return StreamingResponse(chunks, media_type="text/event-stream")
+            return streamed(chunks, "text/event-stream")
 
         def whole(cancel: threading.Event) -> Any:
             tokens = service.sample(ids, rule, limit, parsed.seed, key, cancel, logprobs, top or 0)

@@ -114,25 +114,25 @@ class Service(TextRoutes, SpeculateRoutes):
     def verify(
         self, sid: str, request: VerifyRequest, key: int = 0, cancel: threading.Event | None = None
     ) -> VerifyReply:
-        """Verify a proposal; `cancel` set (the client left) stops a long prefill between chunks."""
+        """Verify a proposal; `cancel` set (its client left) stops its prefill or its engine's work."""
         session = self._session(sid, key)
         self._check_ids(request.proposal, "proposal")
         rule = checked_rule(
-            mode=request.mode,
-            temperature=request.temperature,
-            top_k=request.top_k,
-            top_p=request.top_p,
-            min_p=request.min_p,
+            **{f: getattr(request, f) for f in ("mode", "temperature", "top_k", "top_p", "min_p")}
         )
         proposal = tuple(request.proposal)
         with session.lock, serving(session, self.table_lock):
             self._check_idle(session)
             if not self._replays(session, request):  # before any model work: a stale request costs nothing
                 self._check_committed(session, request.committed)
-            self._prefill(session, cancel)
-            session.used = time.monotonic()  # a fresh session's idle time counts from its prefill's end
-            with self.model_lock:  # one request of a session at a time: the committed check is race-free
-                return self._verify(session, request, rule, proposal)
+            session.inner.cancel = cancel  # an engine computing elsewhere (vLLM) stops when it is set
+            try:
+                self._prefill(session, cancel)
+                session.used = time.monotonic()  # a fresh session's idle time counts from its prefill's end
+                with self.model_lock:  # one request of a session at a time: the committed check is race-free
+                    return self._verify(session, request, rule, proposal)
+            finally:
+                session.inner.cancel = None
 
     @staticmethod
     def _replays(session: Session, request: VerifyRequest) -> bool:
@@ -264,9 +264,9 @@ class Service(TextRoutes, SpeculateRoutes):
         """Feed a session's uncached prompt in model calls of about PREFILL_SLICE_S seconds each
         (each call sized by the last one's time, as a chunk's cost grows with the context it attends
         to; at most PREFILL_CHUNK tokens), taking the model lock per call, so other sessions' verifies
-        interleave with a long prompt's prefill (an engine that batches sessions chunks prefills
-        itself). Stops (499) between calls once `cancel` is set or the session deleted."""
-        if not self.target.capabilities.prefills_in_chunks or self.batches:
+        interleave with a long prompt's prefill (on an engine that batches sessions, each call is a
+        request of its own beside theirs). Stops (499) once `cancel` is set or the session deleted."""
+        if not self.target.capabilities.prefills_in_chunks:
             return
         inner, most = cast(ChunkedSession, session.inner), PREFILL_FIRST
         while True:

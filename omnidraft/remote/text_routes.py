@@ -3,10 +3,11 @@ completion, or the target alone sampling a prompt; mixed into `Service`."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator, cast
 
 import torch
 
@@ -110,14 +111,16 @@ class TextRoutes:
             try:
                 if in_engine:
                     seeded = rule if rule.mode == "greedy" or seed is None else replace(rule, seed=seed)
-                    yield from self._engine_decode(session, max_tokens, seeded)
-                    return
-                for token in self._stepwise(session, max_tokens, rule, generator, logprobs, top):
-                    yield token
-                    if token in self.target.eos_ids:
-                        return
-                    if cancel is not None and cancel.is_set():
-                        raise Cancelled("the client went away")
+                    steps = self._engine_decode(session, max_tokens, seeded)
+                else:
+                    steps = self._stepwise(session, max_tokens, rule, generator, logprobs, top)
+                with contextlib.closing(cast(Generator[int, None, None], steps)):  # aborts an engine request
+                    for token in steps:
+                        yield token
+                        if token in self.target.eos_ids:
+                            return
+                        if cancel is not None and cancel.is_set():
+                            raise Cancelled("the client went away")
             finally:
                 release()
                 release_session(session)

@@ -19,9 +19,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+
+from ..errors import Cancelled
 
 __all__ = ["DEFAULT_MAX_LOGPROBS", "EngineLoop", "Handle", "engine_defaults", "require_vllm"]
 
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 
 GATHER_S = 0.02  # how long a step may wait for the next requests of sessions that were just answered
 ACTIVE_S = 1.0  # a session answered within this long is one the loop waits for
+CANCEL_POLL_S = 0.05  # how often a waiting request looks whether its client left
 DEFAULT_MAX_LOGPROBS = 64  # top log-probabilities a request may ask for (distillation's top-k included)
 
 
@@ -74,6 +77,7 @@ class Handle:
     tag: str | None = None  # who asked (a session): the loop waits briefly for a session's next request
     outputs: queue.Queue = field(default_factory=queue.Queue)
     error: BaseException | None = None
+    abort: Callable[[Handle], None] | None = field(default=None, repr=False)  # its loop's abort
 
     def stream(self, timeout: float | None = None) -> Iterator[Any]:
         """Each output as it arrives; raises the engine's error, if it failed."""
@@ -82,11 +86,34 @@ class Handle:
         if self.error is not None:
             raise self.error
 
-    def result(self, timeout: float | None = None) -> Any:
-        """The last output of a request (its final one when the request asked for FINAL_ONLY)."""
+    def result(self, timeout: float | None = None, cancel: threading.Event | None = None) -> Any:
+        """The last output of a request (its final one when the request asked for FINAL_ONLY).
+        `cancel` set while it waits (its client left): the request is aborted, Cancelled raised."""
+        if cancel is not None:
+            return self._until(cancel)
         last = None
         for last in self.stream(timeout):
             pass
+        if last is None:
+            raise RuntimeError(f"vLLM request {self.request_id} ended without output (aborted)")
+        return last
+
+    def _until(self, cancel: threading.Event) -> Any:
+        last = None
+        while True:
+            try:
+                item = self.outputs.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                if cancel.is_set():
+                    if self.abort is not None:
+                        self.abort(self)
+                    raise Cancelled(f"vLLM request {self.request_id}: its client went away") from None
+                continue
+            if item is None:
+                break
+            last = item
+        if self.error is not None:
+            raise self.error
         if last is None:
             raise RuntimeError(f"vLLM request {self.request_id} ended without output (aborted)")
         return last
@@ -119,7 +146,7 @@ class EngineLoop:
         queue for more than this request (default: a queue of its own)."""
         if self._closed:
             raise RuntimeError("the vLLM engine loop is closed")
-        handle = Handle(f"od-{next(self._ids)}", tag)
+        handle = Handle(f"od-{next(self._ids)}", tag, abort=self.abort)
         if outputs is not None:
             handle.outputs = outputs
         self._inbox.put(("add", handle, prompt, params))

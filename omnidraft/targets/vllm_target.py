@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import uuid
 from functools import partial
 from typing import Any, Iterator
@@ -52,6 +53,25 @@ class _VLLMSession(SessionBase):
         self.salt = uuid.uuid4().hex  # this session's own prefix-cache pages
         self.forwards = 0
         self.recomputed = 0  # verifies that had to recompute rows the cache had served
+        self.cached = 0  # prompt tokens a `prefill` put in the prefix cache (it may evict them: no matter)
+        self.started = False  # whether a verify or a stream of this session reached the engine
+
+    def prefill(self, most: int) -> int:
+        """Put up to `most` more prompt tokens (whole cache blocks) into the engine's prefix cache,
+        as one request of its own that `cancel` stops; returns how many remain. vLLM computes a
+        request running alone in one step however long: a server feeds a long prompt this way so
+        that a client that left, or a waiting session, never waits for the whole of it."""
+        if self.started:  # past its first request the engine has read the prompt
+            return 0
+        block = max(1, self.owner.block_size)
+        last = len(self.ids) - 1  # the last prompt token stays for the verify (its rows are asked)
+        end = min(last, self.cached + max(block, most))
+        if end < last:
+            end -= end % block
+        if end > self.cached:
+            self.owner.request(self.ids[:end], self.salt, self.cancel, max_tokens=1)
+            self.cached = end
+        return last - self.cached
 
     def verify(
         self,
@@ -68,12 +88,21 @@ class _VLLMSession(SessionBase):
         owner.check_rule(rule)
         draft = [int(t) for t in proposal.tolist()]
         base, m = len(self.ids), len(draft)
+        self.started = True
         width = max(1, topk, rule.top_k if rule.mode == "match" else 1)
-        out = owner.request(self.ids + draft, self.salt, max_tokens=1, logprobs=width, prompt_logprobs=m > 0)
+        out = owner.request(
+            self.ids + draft, self.salt, self.cancel, max_tokens=1, logprobs=width, prompt_logprobs=m > 0
+        )
         if m and not tail_rows(len(out.prompt_token_ids), out.num_cached_tokens or 0, base):
             self.recomputed += 1
             out = owner.request(
-                self.ids + draft, self.salt, max_tokens=1, logprobs=width, prompt_logprobs=True, cached=False
+                self.ids + draft,
+                self.salt,
+                self.cancel,
+                max_tokens=1,
+                logprobs=width,
+                prompt_logprobs=True,
+                cached=False,
             )
         dicts = [out.prompt_logprobs[base + i] for i in range(m)] + [out.outputs[0].logprobs[0]]
         ids, logp = _top(dicts, width)
@@ -135,7 +164,14 @@ class _VLLMSession(SessionBase):
         rule: Rule | None = None,
     ) -> Stream:
         """Submit what `steps` reads, for a caller that reads the engine's outputs itself (from
-        `outputs`, a queue it also waits on for other news); it passes each to `Stream.take`."""
+        `outputs`, a queue it also waits on for other news); it passes each to `Stream.take`.
+        A seeded sampled request on a CPU has its prompt read first (`prefill`): vLLM's CPU
+        sampler cannot rewind a seeded generator after a prefill piece (it fails the whole engine
+        step), so such a request must reach the engine with its prompt already cached."""
+        if rule is not None and rule.seed is not None and not torch.cuda.is_available():
+            while self.prefill(4096) > 0:
+                pass
+        self.started = True
         proposer = self.owner.proposer if rounds is not None else None
         seq = proposer.expect(self.ids, rounds, max_tokens, drafter_ids) if proposer is not None else None
         submit = self.owner.submit
@@ -192,7 +228,8 @@ class VLLMTarget(TargetBase):
         self.max_logprobs = int(config.max_logprobs)
         cache = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
         # tokens a verify recomputes on average besides its own: the context's last, partial block
-        self.verify_tail = int(getattr(cache, "block_size", 0) or 0) // 2
+        self.block_size = int(getattr(cache, "block_size", 0) or 0)
+        self.verify_tail = self.block_size // 2
         self.token_bytes = build_token_bytes(tokenizer, self.vocab)
         self.token_bytes.require_byte_coverage(name)
         self.codec = ByteCodec(tokenizer, self.token_bytes)
@@ -209,7 +246,10 @@ class VLLMTarget(TargetBase):
         Not in process: a round on the engine is a request, not a forward, so each request either
         speculates or lets vLLM decode alone, whichever measured faster."""
         return Capabilities(
-            decodes_alone=True, batches_sessions=True, drafts_in_engine=self.proposer is not None
+            decodes_alone=True,
+            batches_sessions=True,
+            prefills_in_chunks=True,
+            drafts_in_engine=self.proposer is not None,
         )
 
     def engine_counters(self) -> tuple[int, float]:
@@ -317,9 +357,11 @@ class VLLMTarget(TargetBase):
         prompt = {"prompt_token_ids": list(ids), "cache_salt": salt}
         return self.loop.submit(prompt, params, tag=salt, outputs=outputs)
 
-    def request(self, ids: list[int], salt: str, **options: Any) -> Any:
-        """One request, waited for: its final RequestOutput."""
-        return self.submit(ids, salt, **options).result()
+    def request(
+        self, ids: list[int], salt: str, cancel: threading.Event | None = None, **options: Any
+    ) -> Any:
+        """One request, waited for: its final RequestOutput; aborted (Cancelled) once `cancel` is set."""
+        return self.submit(ids, salt, **options).result(cancel=cancel)
 
     def verify_costs(self, context: int | None = None) -> dict[int, float]:
         """Seconds to verify n tokens (n = 1 .. 8) after a context, measured on this machine once
