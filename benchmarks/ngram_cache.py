@@ -29,7 +29,7 @@ import torch
 
 from omnidraft.bench.datasets import load_references
 from omnidraft.distill.trace_store import TargetTrace
-from omnidraft.draft import Draft
+from omnidraft.draft.picking import Draft
 from omnidraft.translate.codec import ByteCodec
 from omnidraft.translate.ngram_cache import NgramCache
 from omnidraft.translate.token_bytes import TokenBytes, build_token_bytes

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from .distill.adapters import AdapterConfig
     from .distill.learner import Learner
     from .distill.trainer import TrainConfig
-    from .draft import Drafter
+    from .draft.base import Drafter
     from .profiles import ProfileStore
     from .target import Target
 

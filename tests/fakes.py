@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from itertools import accumulate
 
-from omnidraft.draft import Draft
+from omnidraft.draft.picking import Draft
 
 
 class OracleDrafter:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Iterator
 from ..cli_options import split_pair
 
 if TYPE_CHECKING:
-    from ..draft import Drafter
+    from ..draft.base import Drafter
     from ..target import Target
 
 __all__ = ["loaded_pairs"]

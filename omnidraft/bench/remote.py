@@ -24,7 +24,7 @@ from ..remote.client import RemoteTarget
 from ..remote.server import ServerConfig, create_app, http_protocol
 
 if TYPE_CHECKING:
-    from ..draft import Drafter
+    from ..draft.base import Drafter
     from ..target import Target
 
 __all__ = ["ROWS", "LatencyClient", "run_remote", "serve_in_thread"]

@@ -18,7 +18,7 @@ from ..pairing import Pairing
 from .baselines import Timed, hf_assisted, prompt_lookup, stock_generate, target_alone
 
 if TYPE_CHECKING:
-    from ..draft import Drafter
+    from ..draft.base import Drafter
     from ..target import Target
     from ..targets.local import LocalTarget
 

@@ -14,7 +14,7 @@ from .datasets import load_prompts
 from .runner import compare_pairings, paired_ratio
 
 if TYPE_CHECKING:
-    from ..draft import Drafter
+    from ..draft.base import Drafter
     from ..target import Target
 
 __all__ = ["RELAXED_ROW", "hybrid_against", "markdown", "run_sources"]

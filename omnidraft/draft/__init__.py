@@ -7,10 +7,8 @@
   llama.cpp backend is `llamacpp/drafting.py`, ONNX Runtime's `export/ort_drafter.py`.
 """
 
-from .base import BACKENDS, Drafter
-from .picking import NO_DRAFT, Adaptable, Draft, confidence, heal_pick, pick, restrict
-from .session import DraftSession, Stream
-from .torch_drafter import TorchDrafter
+from importlib import import_module
+from typing import Any
 
 __all__ = [
     "Adaptable",
@@ -26,3 +24,21 @@ __all__ = [
     "pick",
     "restrict",
 ]
+
+_WHERE = {  # each name's module, imported on first use: importing one module here loads no other
+    "BACKENDS": "base",
+    "Drafter": "base",
+    "TorchDrafter": "torch_drafter",
+    "DraftSession": "session",
+    "Stream": "session",
+    **{
+        n: "picking"
+        for n in ("Adaptable", "Draft", "NO_DRAFT", "confidence", "heal_pick", "pick", "restrict")
+    },
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,8 +9,15 @@ and `drafting.py` put the target and drafter protocols on it; `hook.py` offers a
 llama-cpp-python's own speculative decoding (`Llama(..., draft_model=...)`).
 """
 
-from .drafting import LlamaCppDrafter
-from .engine import LlamaEngine
-from .llama_target import LlamaCppTarget
+from importlib import import_module
+from typing import Any
 
 __all__ = ["LlamaCppDrafter", "LlamaCppTarget", "LlamaEngine"]
+
+_WHERE = {"LlamaCppDrafter": "drafting", "LlamaCppTarget": "llama_target", "LlamaEngine": "engine"}
+
+
+def __getattr__(name: str) -> Any:  # each name's module on first use: one module loads no other
+    if name in _WHERE:
+        return getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

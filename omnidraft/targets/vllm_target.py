@@ -24,184 +24,18 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import uuid
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
-import torch
-
-from ..target import Capabilities, Rule, SessionBase, TargetBase, judge
+from ..target import Capabilities, Rule, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
-from ..verify import Verdict
 from .vllm_costs import time_batches, time_verifies
 from .vllm_engine import EngineLoop, engine_defaults, require_vllm
 from .vllm_proposer import EngineProposer, built_count, built_since, proposer_config
+from .vllm_session import VLLMSession, tail_rows
 
 __all__ = ["VLLMTarget", "tail_rows"]
-
-
-def tail_rows(prompt_len: int, num_cached: int, base: int) -> bool:
-    """Whether a request over `prompt_len` tokens, `num_cached` of them read from the prefix cache,
-    computed the rows a verify reads: the logits after positions base - 1 .. prompt_len - 1."""
-    return base >= 1 and num_cached <= base - 1 < prompt_len
-
-
-class _VLLMSession(SessionBase):
-    def __init__(self, owner: VLLMTarget, prompt_ids: list[int]) -> None:
-        self.owner, self.ids = owner, list(prompt_ids)
-        self.salt = uuid.uuid4().hex  # this session's own prefix-cache pages
-        self.forwards = 0
-        self.recomputed = 0  # verifies that had to recompute rows the cache had served
-        self.cached = 0  # prompt tokens a `prefill` put in the prefix cache (it may evict them: no matter)
-        self.started = False  # whether a verify or a stream of this session reached the engine
-
-    def prefill(self, most: int) -> int:
-        """Put up to `most` more prompt tokens (whole cache blocks) into the engine's prefix cache,
-        as one request of its own that `cancel` stops; returns how many remain. vLLM computes a
-        request running alone in one step however long: a server feeds a long prompt this way so
-        that a client that left, or a waiting session, never waits for the whole of it."""
-        if self.started:  # past its first request the engine has read the prompt
-            return 0
-        block = max(1, self.owner.block_size)
-        last = len(self.ids) - 1  # the last prompt token stays for the verify (its rows are asked)
-        end = min(last, self.cached + max(block, most))
-        if end < last:
-            end -= end % block
-        if end > self.cached:
-            self.owner.request(self.ids[:end], self.salt, self.cancel, max_tokens=1)
-            self.cached = end
-        return last - self.cached
-
-    def verify(
-        self,
-        proposal: torch.Tensor,
-        rule: Rule,
-        q: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-        *,
-        topk: int = 0,
-    ) -> Verdict:
-        """proposal (M,) int64 target ids. All or nothing: the session changes only once the
-        verdict is known."""
-        owner = self.owner
-        owner.check_rule(rule)
-        draft = [int(t) for t in proposal.tolist()]
-        base, m = len(self.ids), len(draft)
-        self.started = True
-        width = max(1, topk, rule.top_k if rule.mode == "match" else 1)
-        out = owner.request(
-            self.ids + draft, self.salt, self.cancel, max_tokens=1, logprobs=width, prompt_logprobs=m > 0
-        )
-        if m and not tail_rows(len(out.prompt_token_ids), out.num_cached_tokens or 0, base):
-            self.recomputed += 1
-            out = owner.request(
-                self.ids + draft,
-                self.salt,
-                self.cancel,
-                max_tokens=1,
-                logprobs=width,
-                prompt_logprobs=True,
-                cached=False,
-            )
-        dicts = [out.prompt_logprobs[base + i] for i in range(m)] + [out.outputs[0].logprobs[0]]
-        ids, logp = _top(dicts, width)
-        if rule.mode == "greedy":
-            best = ids[:, 0].clone()
-            best[m] = out.outputs[0].token_ids[0]  # vLLM's own greedy choice after the whole proposal
-            ok = (best[:m] == proposal).long().cumprod(0)
-            verdict = Verdict(int(ok.sum()), int(best[int(ok.sum())]))
-        else:  # match, on the distribution the top log-probabilities describe exactly (check_rule)
-            dense = torch.full((m + 1, owner.vocab), float("-inf"))
-            dense.scatter_(1, ids, logp)
-            verdict = judge(dense, proposal, rule, None, generator, base)
-        if topk:
-            n = verdict.accepted + 1
-            verdict = Verdict(verdict.accepted, verdict.token, (ids[:n, :topk], logp[:n, :topk]))
-        self.ids = self.ids + draft[: verdict.accepted] + [verdict.token]
-        self.forwards += 1
-        return verdict
-
-    def decode(self, max_tokens: int, rule: Rule | None = None) -> Iterator[int]:
-        """Decode up to `max_tokens` tokens with vLLM alone (stopping after an EOS), greedy or
-        sampled under `rule`, committing each as the engine streams it: vLLM's own decoding loop."""
-        for tokens in self.steps(max_tokens, rule=rule):
-            yield from tokens
-
-    def steps(
-        self,
-        max_tokens: int,
-        rounds: Any = None,
-        drafter_ids: list[int] | None = None,
-        *,
-        eos: bool = True,
-        rule: Rule | None = None,
-    ) -> Iterator[list[int]]:
-        """Decode up to `max_tokens` tokens (stopping after an EOS), one list of committed ids per
-        engine step: greedy, or sampled under `rule` (a `match` rule: temperature, top_k, top_p,
-        min_p, seed). With `rounds` (an `EngineRounds`) and an engine built with omnidraft's
-        proposer, the engine's speculative step verifies the drafts `rounds` proposes
-        (targets/vllm_proposer.py), so a step may commit several tokens; a sampled request is
-        verified by vLLM's rejection sampler, which takes a proposal as one-hot (accepted with the
-        target's probability of it, else a token drawn from the rest): the output follows the
-        target's own distribution whatever is proposed."""
-        stream, done = self.start(max_tokens, rounds, drafter_ids, eos=eos, rule=rule), False
-        try:
-            for out in stream.handle.stream():
-                yield stream.take(out)
-            done = True
-        finally:
-            stream.end(done)
-
-    def start(
-        self,
-        max_tokens: int,
-        rounds: Any = None,
-        drafter_ids: list[int] | None = None,
-        *,
-        eos: bool = True,
-        outputs: queue.Queue | None = None,
-        rule: Rule | None = None,
-    ) -> Stream:
-        """Submit what `steps` reads, for a caller that reads the engine's outputs itself (from
-        `outputs`, a queue it also waits on for other news); it passes each to `Stream.take`.
-        A seeded sampled request on a CPU has its prompt read first (`prefill`): vLLM's CPU
-        sampler cannot rewind a seeded generator after a prefill piece (it fails the whole engine
-        step), so such a request must reach the engine with its prompt already cached."""
-        if rule is not None and rule.seed is not None and not torch.cuda.is_available():
-            while self.prefill(4096) > 0:
-                pass
-        self.started = True
-        proposer = self.owner.proposer if rounds is not None else None
-        seq = proposer.expect(self.ids, rounds, max_tokens, drafter_ids) if proposer is not None else None
-        submit = self.owner.submit
-        handle = submit(
-            self.ids, self.salt, max_tokens=max_tokens, stream=True, eos=eos, outputs=outputs, rule=rule
-        )
-        return Stream(self, handle, proposer, seq)
-
-    def close(self) -> None:
-        """Nothing is pinned: the session's pages are ordinary cache entries, evicted as needed."""
-
-
-class Stream:
-    """One streamed request of a session (`_VLLMSession.start`): `take` commits an output's ids,
-    `end` finishes it (aborting the engine's work when the reader stopped early)."""
-
-    def __init__(self, session: _VLLMSession, handle: Any, proposer: Any, seq: Any) -> None:
-        self.session, self.handle, self.proposer, self.seq = session, handle, proposer, seq
-
-    def take(self, out: Any) -> list[int]:
-        tokens = [int(t) for t in out.outputs[0].token_ids]
-        self.session.ids.extend(tokens)
-        self.session.forwards += 1
-        return tokens
-
-    def end(self, done: bool) -> None:
-        if not done:
-            self.session.owner.loop.abort(self.handle)  # the caller stopped reading: free the engine's work
-        if self.seq is not None:
-            self.proposer.forget(self.seq)
 
 
 class VLLMTarget(TargetBase):
@@ -288,12 +122,12 @@ class VLLMTarget(TargetBase):
             engine, load_tokenizer(spec), name=spec.rstrip("/").rsplit("/", 1)[-1], key=key, proposer=proposer
         )
 
-    def begin(self, prompt_ids: list[int]) -> _VLLMSession:
+    def begin(self, prompt_ids: list[int]) -> VLLMSession:
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
         if any(not 0 <= int(i) < self.vocab for i in prompt_ids):
             raise ValueError(f"prompt ids must be in [0, {self.vocab})")
-        return _VLLMSession(self, list(prompt_ids))
+        return VLLMSession(self, list(prompt_ids))
 
     def check_rule(self, rule: Rule) -> None:
         """Refuse, naming why, a rule this target cannot verify losslessly."""
@@ -397,15 +231,6 @@ class VLLMTarget(TargetBase):
 
     def __repr__(self) -> str:
         return f"VLLMTarget({self.name!r}, vocab {self.vocab})"
-
-
-def _top(dicts: list[dict[int, Any]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, log-probs), each (rows, width), most probable first, from vLLM's per-position dicts
-    (which may hold one extra entry: the token actually at that position)."""
-    rows = [sorted(d.items(), key=lambda kv: -kv[1].logprob)[:width] for d in dicts]
-    ids = torch.tensor([[t for t, _ in row] for row in rows], dtype=torch.long)
-    logp = torch.tensor([[lp.logprob for _, lp in row] for row in rows], dtype=torch.float32)
-    return ids, logp
 
 
 def _eos_ids(config: Any, tokenizer: Any) -> set[int]:
