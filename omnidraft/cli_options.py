@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .pairing import Pairing
@@ -107,15 +107,29 @@ def start_run(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `omnidraft` command's arguments, every subcommand's."""
+    """The `omnidraft` command's arguments, every subcommand's (one function each, below)."""
     from . import __version__
-    from .targets.registry import ENGINES, engine_names
 
     p = argparse.ArgumentParser(prog="omnidraft", description="Cross-vocabulary speculative decoding.")
     p.add_argument("--version", action="version", version=f"omnidraft {__version__}")
     p.add_argument("--debug", action="store_true", help="on an error, print the whole traceback")
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (
+        _generate_args,
+        _demo_args,
+        _bench_args,
+        _export_args,
+        _serve_args,
+        _profiles_args,
+        _doctor_args,
+        _simulate_args,
+    ):
+        add(sub)
+    return p
 
+
+def _generate_args(sub: Any) -> None:
+    """`omnidraft generate`: stream one speculative generation."""
     g = sub.add_parser("generate", help="stream one speculative generation")
     g.add_argument("prompt")
     g.add_argument(
@@ -126,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     add_decoding_args(g)
 
+
+def _demo_args(sub: Any) -> None:
+    """`omnidraft demo`: the default pairing against the fastest engine alone."""
     d = sub.add_parser("demo", help="a few GSM8K and HumanEval prompts, omnidraft vs the target alone")
     d.add_argument("--target", default=TARGET)
     d.add_argument("--drafter", default=DRAFTER)
@@ -138,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
         "build runs here, the fastest way to run those weights on a CPU; else PyTorch)",
     )
     add_decoding_args(d)
+
+
+def _bench_args(sub: Any) -> None:
+    """`omnidraft bench`: every contender on the chosen target engine (bench/)."""
+    from .targets.registry import engine_names
 
     b = sub.add_parser("bench", help="omnidraft vs target alone vs HF assisted generation")
     b.add_argument("--pair", action="append", help="DRAFTER:TARGET, repeatable")
@@ -203,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with several --drafts: also the hybrid under relaxed verification, a LOSSY row, with ROUGE-L",
     )
     add_decoding_args(b)
+
+
+def _export_args(sub: Any) -> None:
+    """`omnidraft export`: a drafter to ONNX."""
     e = sub.add_parser("export", help="export the drafter (with a pairing's adapter merged) to ONNX")
     e.add_argument("--drafter", default=DRAFTER)
     e.add_argument("--target", default=None, help="merge this target's adapter and prune for this pairing")
@@ -240,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a Python with optimum-onnx (default: the OMNIDRAFT_OPTIMUM_PYTHON variable)",
     )
+
+
+def _serve_args(sub: Any) -> None:
+    """`omnidraft serve`: a verification server on a registered engine."""
+    from .targets.registry import ENGINES, engine_names
 
     v = sub.add_parser("serve", help="a verification server for remote pairing (RemoteTarget)")
     v.add_argument("--target", default=TARGET)
@@ -292,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp: the longest session, in tokens")
     v.add_argument("--ttl", type=float, default=600.0, help="seconds an idle session is kept")
 
+
+def _profiles_args(sub: Any) -> None:
+    """`omnidraft profiles`: users' pairing profiles."""
     f = sub.add_parser("profiles", help="users' pairing profiles: list, show, export, import, delete")
     f.add_argument("action", choices=["list", "show", "export", "import", "delete"])
     f.add_argument("--drafter", default=DRAFTER)
@@ -304,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--store", default=None, help="profile store directory (default: $OMNIDRAFT_CACHE/profiles)"
     )
 
+
+def _doctor_args(sub: Any) -> None:
+    """`omnidraft doctor`: what this machine offers and measured."""
     o = sub.add_parser(
         "doctor", help="what this machine offers: backends, presets, and what was measured on it"
     )
@@ -314,8 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--reset", action="store_true", help="forget every per-machine measurement (timed again at next use)"
     )
 
+
+def _simulate_args(sub: Any) -> None:
+    """`omnidraft simulate`: device_sim's command line."""
     s = sub.add_parser(
         "simulate", help="python -m omnidraft.device_sim with the same arguments", add_help=False
     )
     s.add_argument("rest", nargs=argparse.REMAINDER)
-    return p
