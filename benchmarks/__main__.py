@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from omnidraft.cli_options import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
+from omnidraft.cli.options import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
 
 from . import commands
 
@@ -279,7 +279,7 @@ def _parser() -> argparse.ArgumentParser:
 def _calibrate(args: argparse.Namespace) -> None:
     import json
 
-    from omnidraft.atomic import atomic_write_bytes
+    from omnidraft.store.atomic import atomic_write_bytes
 
     from .calibrate import calibrate
 

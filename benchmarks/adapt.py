@@ -31,8 +31,8 @@ import torch
 from omnidraft.distill.buffer import build_example
 from omnidraft.distill.trace_store import ReplayTarget, TargetTrace
 from omnidraft.distill.trainer import OnlineTrainer, TrainConfig
-from omnidraft.int8 import quantize_int8
-from omnidraft.models import load_model
+from omnidraft.runtime.int8 import quantize_int8
+from omnidraft.store.models import load_model
 from omnidraft.translate.ngram_cache import NgramCache, NgramCacheConfig
 from omnidraft.translate.vocab_map import build_vocab_map
 
@@ -288,7 +288,7 @@ def profile_footprint(drafter: Any, target: Any, adapter: str) -> dict[str, int]
     import tempfile
 
     from omnidraft.distill.adapters import adapter_state
-    from omnidraft.profiles import PairingProfile, ProfileStore
+    from omnidraft.store.profiles import PairingProfile, ProfileStore
 
     tensors = adapter_state(drafter.trainable, adapter)
     with tempfile.TemporaryDirectory() as tmp:

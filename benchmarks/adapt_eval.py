@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from omnidraft.bench.datasets import load_prompts
+from omnidraft.decode.stats import GenerationStats
 from omnidraft.distill.buffer import VerifiedRequest, build_example
 from omnidraft.distill.trace_store import TargetTrace, load_traces, record_many, save_traces
 from omnidraft.distill.trainer import TrainConfig
-from omnidraft.int8 import fake_int8
 from omnidraft.pairing import DecodeConfig, Pairing
-from omnidraft.stats import GenerationStats
+from omnidraft.runtime.int8 import fake_int8
 from omnidraft.translate.ngram_cache import NgramCache, NgramCacheConfig
 
 __all__ = ["MARGINS", "agreement", "evaluate", "prompts_for", "request_of", "traces_for"]

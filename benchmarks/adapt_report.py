@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omnidraft.atomic import atomic_write_bytes
+from omnidraft.store.atomic import atomic_write_bytes
 
 FULL = frozenset({"full", "full-spans"})  # variants that fine-tune every weight instead of a LoRA adapter
 NO_GAIN = 0.01  # τ: a full cache gaining less than this has no gain to share out

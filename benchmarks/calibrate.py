@@ -13,7 +13,7 @@ import time
 from statistics import median
 from typing import Any, Callable
 
-from omnidraft.causal_runner import CausalRunner
+from omnidraft.runtime.causal_runner import CausalRunner
 
 __all__ = ["calibrate"]
 

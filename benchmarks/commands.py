@@ -1,8 +1,9 @@
 """The experiment commands of `omnidraft`: adapt, bench-cache, bench-draft, bench-drafters, bench-replay
 and bench-switch.
 
-Each turns parsed arguments (cli.py's parser) into one run of its bench/ module and prints the
-report. Split from cli.py, which keeps the parser and the commands a user runs day to day.
+Each turns parsed arguments (omnidraft/cli/options.py's parser) into one run of its bench/
+module and prints the report. Split from omnidraft/cli/, which keeps the parser and the
+commands a user runs day to day.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sys
 from pathlib import Path
 
 from omnidraft.bench.pairs import loaded_pairs
-from omnidraft.cli_options import DRAFTER, split_pair
-from omnidraft.decode_config import K_START
+from omnidraft.cli.options import DRAFTER, split_pair
+from omnidraft.decode.config import K_START
 
 __all__ = ["adapt", "bench_cache", "bench_draft", "bench_drafters", "bench_replay", "bench_switch"]
 
@@ -135,7 +136,7 @@ def bench_drafters(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     import omnidraft as od
-    from omnidraft.models import load_model
+    from omnidraft.store.models import load_model
 
     from .drafters import markdown, run_drafters
 
@@ -243,7 +244,7 @@ def bench_replay(args: argparse.Namespace) -> None:
 def bench_cache(args: argparse.Namespace) -> None:
     import json
 
-    from omnidraft.atomic import atomic_write_bytes
+    from omnidraft.store.atomic import atomic_write_bytes
 
     from .ngram_cache import load_end, markdown, run_cache_bench
 
@@ -268,9 +269,9 @@ def bench_switch(args: argparse.Namespace) -> None:
     import tempfile
 
     import omnidraft as od
-    from omnidraft.atomic import atomic_write_bytes
     from omnidraft.bench.datasets import load_prompts
-    from omnidraft.profiles import ProfileStore
+    from omnidraft.store.atomic import atomic_write_bytes
+    from omnidraft.store.profiles import ProfileStore
 
     from .switch import markdown, run_switch_bench
 

@@ -22,10 +22,10 @@ import torch
 
 from omnidraft.adaptive.acceptance_head import HeadConfig
 from omnidraft.adaptive.policy import Hysteresis
-from omnidraft.atomic import atomic_write_bytes
 from omnidraft.bench.datasets import load_prompts
 from omnidraft.bench.runner import compare_pairings, paired_ratio
 from omnidraft.distill.trace_store import ReplayTarget
+from omnidraft.store.atomic import atomic_write_bytes
 
 from .adapt_eval import prompts_for, traces_for
 

@@ -15,8 +15,8 @@ import json
 
 def main() -> None:
     import omnidraft as od
-    from omnidraft.backends import draft_ms
     from omnidraft.bench.datasets import load_prompts
+    from omnidraft.runtime.backends import draft_ms
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.draft_ms")
     p.add_argument("--onnx", action="append", default=[], help="LABEL=FILE.onnx (repeatable)")

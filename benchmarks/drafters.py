@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from omnidraft.atomic import atomic_write_bytes
-from omnidraft.backends import draft_ms
 from omnidraft.bench.datasets import load_prompts
 from omnidraft.bench.runner import compare_pairings
+from omnidraft.runtime.backends import draft_ms
+from omnidraft.store.atomic import atomic_write_bytes
 
 __all__ = ["run_drafters"]
 

@@ -10,7 +10,7 @@ bf16: a forward over k = 1, 2, 4, 8, 16 new tokens (k = 1: one decoding step) af
 and 4,000 tokens of context, eager (dynamic KV cache) and graph-captured (omnidraft's StaticRunner:
 a static KV cache replaying CUDA graphs, what LocalTarget verifies with); for the shapes named by
 --compile also gpt-fast's way (static cache under `torch.compile(mode="reduce-overhead")`); HF
-`generate` alone as the baseline step. Imports torch, transformers and omnidraft.static_runner.
+`generate` alone as the baseline step. Imports torch, transformers and omnidraft.runtime.static_runner.
 One JSON out, rewritten after each shape so that a run cut short keeps what it measured.
 """
 
@@ -96,7 +96,7 @@ def eager(model: Any, contexts: list[int], ks: list[int], device: torch.device, 
 def graphs(model: Any, contexts: list[int], ks: list[int], device: torch.device, reps: int) -> dict[str, Any]:
     """The same forwards through omnidraft's StaticRunner (what LocalTarget verifies with on a GPU):
     a static cache whose feeds of up to 16 tokens replay a CUDA graph captured once per shape."""
-    from omnidraft.static_runner import StaticRunner
+    from omnidraft.runtime.static_runner import StaticRunner
 
     vocab = model.config.vocab_size
     runner = StaticRunner(model, [], capacity=max(contexts) + max(ks) + 1, graphs=device.type == "cuda")

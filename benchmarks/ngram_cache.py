@@ -71,7 +71,7 @@ def load_end(spec: str) -> TextEnd:
     """A tokenizer by the name of a shared vocabulary ("llama-2", "llama-3"), a preset, a .gguf
     path or an HF directory (models.load_tokenizer)."""
     from omnidraft.bench.datasets import data_dir
-    from omnidraft.models import load_tokenizer
+    from omnidraft.store.models import load_tokenizer
 
     path = data_dir() / "tokenizers" / VOCABULARIES[spec] if spec in VOCABULARIES else None
     if path is not None and not path.is_file():

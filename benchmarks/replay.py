@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from omnidraft.atomic import atomic_write_bytes
-from omnidraft.backends import draft_ms
 from omnidraft.bench.datasets import load_prompts
+from omnidraft.decode.stats import GenerationStats
 from omnidraft.distill.trace_store import ReplayTarget
-from omnidraft.stats import GenerationStats
+from omnidraft.runtime.backends import draft_ms
+from omnidraft.store.atomic import atomic_write_bytes
 
 from .adapt_eval import prompts_for, traces_for
 
@@ -58,7 +58,7 @@ def parse_decode(text: str) -> dict[str, Any]:
 def drafter_for(scheme: str, fp32: Any) -> Any:
     """A Drafter of the loaded fp32 drafter model under `scheme` (the model itself for fp32)."""
     from omnidraft.draft.torch_drafter import TorchDrafter as Drafter
-    from omnidraft.int8 import quantize_int8
+    from omnidraft.runtime.int8 import quantize_int8
 
     if scheme not in SCHEMES:
         raise ValueError(f"unknown drafter scheme {scheme!r}; use one of {SCHEMES}")
@@ -112,7 +112,7 @@ def run_replay(
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Every (dataset, scheme, decode variant) on the first `n` traces of each dataset."""
-    from omnidraft.models import load_model
+    from omnidraft.store.models import load_model
 
     fp32 = load_model(drafter_spec)
     drafters = {scheme: drafter_for(scheme, fp32) for scheme in schemes}

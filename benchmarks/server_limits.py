@@ -63,7 +63,7 @@ def _stream_gaps(
 def long_prompt(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    from omnidraft.models import load_tokenizer
+    from omnidraft.store.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
     long_ids = (tokenizer(TEXT)["input_ids"] * args.prompt)[: args.prompt]
@@ -185,7 +185,7 @@ def disconnect(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
     import psutil
 
-    from omnidraft.models import load_tokenizer
+    from omnidraft.store.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
     ids = tokenizer(ENDLESS)["input_ids"]

@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from omnidraft.atomic import atomic_write_bytes
 from omnidraft.bench.datasets import load_prompts
+from omnidraft.store.atomic import atomic_write_bytes
 
 __all__ = ["run_shortlists"]
 

@@ -23,7 +23,7 @@ import torch
 from omnidraft.bench.baselines import target_alone
 from omnidraft.distill.adapters import adapter_state
 from omnidraft.distill.trainer import TrainConfig
-from omnidraft.profiles import ProfileStore
+from omnidraft.store.profiles import ProfileStore
 from omnidraft.translate.vocab_map import build_vocab_map
 
 __all__ = ["markdown", "rss_bytes", "run_switch_bench"]

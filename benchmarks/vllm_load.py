@@ -255,7 +255,7 @@ def main() -> None:
     sessions = args.sessions or [1, 4, 16]
 
     from omnidraft.bench.datasets import load_prompts
-    from omnidraft.models import load_tokenizer
+    from omnidraft.store.models import load_tokenizer
 
     passes = max(sessions.count(n) for n in sessions)
     prompts = load_prompts(args.dataset, passes * max(sessions))

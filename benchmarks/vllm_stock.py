@@ -32,7 +32,7 @@ def main() -> None:
     import httpx
 
     import omnidraft as od
-    from omnidraft.models import hf_directory, load_tokenizer
+    from omnidraft.store.models import hf_directory, load_tokenizer
 
     path, tokenizer = hf_directory(args.target), load_tokenizer(args.target)
     with socket.socket() as s:

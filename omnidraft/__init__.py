@@ -45,7 +45,7 @@ __version__ = "0.1.0"
 
 _WHERE = {
     "Capabilities": "target",
-    "DecodeConfig": "decode_config",
+    "DecodeConfig": "decode.config",
     "Engine": "targets.registry",
     "register_engine": "targets.registry",
     "SessionBase": "target",
@@ -62,14 +62,14 @@ _WHERE = {
     "OmnidraftError": "errors",
     "OpenAICompletionsTarget": "remote.openai",
     "Pairing": "pairing",
-    "PRESETS": "presets",
-    "ProfileStore": "profiles",
+    "PRESETS": "store.presets",
+    "ProfileStore": "store.profiles",
     "RemoteTarget": "remote.client",
     "RetrievalConfig": "retrieve",
     "Rule": "target",
     "TrainConfig": "distill.trainer",
     "VLLMTarget": "targets.vllm_target",
-    "load_model": "models",
+    "load_model": "store.models",
     "pair": "draft.base",
 }
 

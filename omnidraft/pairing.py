@@ -16,15 +16,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, overload
 
 import torch
 
-from . import engine_rounds, round_loop
 from .adaptive.costs import CostModel
 from .adaptive.lengths import DraftLengths, plan_drafting
-from .decode_config import K_START, RELAXED, DecodeConfig
-from .distill.attach import attach_adapter
-from .errors import TargetError
-from .retrieve.retriever import Retriever
-from .round_policy import finish_request, request_mode
-from .rounds import (
+from .decode import engine_rounds, round_loop
+from .decode.config import K_START, RELAXED, DecodeConfig
+from .decode.round_policy import finish_request, request_mode
+from .decode.rounds import (
     MAX_NEW_TOKENS,
     Generation,
     check_logprobs,
@@ -36,7 +33,10 @@ from .rounds import (
     token_logprobs,
     verified,
 )
-from .stats import GenerationStats, RoundRecord
+from .decode.stats import GenerationStats, RoundRecord
+from .distill.attach import attach_adapter
+from .errors import TargetError
+from .retrieve.retriever import Retriever
 from .translate.ngram_cache import NgramCache
 from .translate.tables import TABLES_KEPT, pair_tables
 from .translate.translator import Translator
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .distill.learner import Learner
     from .distill.trainer import TrainConfig
     from .draft.base import Drafter
-    from .profiles import ProfileStore
+    from .store.profiles import ProfileStore
     from .target import Target
 
 __all__ = ["K_START", "TABLES_KEPT", "DecodeConfig", "Generation", "Pairing", "pair_tables"]
@@ -72,7 +72,7 @@ class Pairing:
         adapter: AdapterConfig | str | None = None,
         store: ProfileStore | None = None,
     ) -> None:
-        from .profiles import ProfileStore
+        from .store.profiles import ProfileStore
         from .target import check_target
 
         check_target(target)
@@ -101,7 +101,8 @@ class Pairing:
             )
         self.translator = Translator(drafter.codec, target.codec, vmap, cache, strategy=config.strategy)
         self.healer = healer
-        self._shared = vmap.d2t >= 0
+        # drafter ids with a target id of the same bytes (exact mode drafts only these)
+        self.shared_vocab = vmap.d2t >= 0
         self.metrics: list[dict[str, Any]] = list(profile.metrics) if profile else []
         self._steps0 = profile.steps if profile else 0
         self.adapter = attach_adapter(
@@ -113,12 +114,8 @@ class Pairing:
             saved=profile.tensors.get("adapter") if profile else None,
         )
         self.plan = plan = plan_drafting(drafter, target, config, learn)
-        self.outlook, self.model_drafts, self.free_drafts, self.modes = (
-            plan.outlook,
-            plan.model,
-            plan.free,
-            plan.modes,
-        )
+        self.outlook, self.modes = plan.outlook, plan.modes
+        self.model_drafts, self.free_drafts = plan.model, plan.free
         self.cost = CostModel(
             verify=plan.outlook.verify if plan.outlook else None
         )  # measured costs, if the target has them
@@ -139,7 +136,7 @@ class Pairing:
             may_idle=plan.may_idle,
             hidden_size=drafter.hidden_size if config.head else None,
             saved_head=profile.tensors.get("head") if profile else None,
-            shared=self._shared,
+            shared=self.shared_vocab,
             label=f"{drafter.name} -> {target.name}",
         )
         self.learner: Learner | None = None
@@ -158,7 +155,7 @@ class Pairing:
                 start_step=self._steps0,
             )
         self.last: Generation | None = None
-        self._book = threading.RLock()  # the state requests share: costs, policies, caches, stats
+        self.shared_lock = threading.RLock()  # the state requests share: costs, policies, caches, stats
 
     @property
     def policy(self) -> CostPolicy | None:
@@ -210,7 +207,7 @@ class Pairing:
     def save(self) -> Path:
         """Write this user's profile (adapter, head, n-gram cache, datastore, metrics) atomically;
         returns its directory."""
-        from .profiles import pairing_profile
+        from .store.profiles import pairing_profile
 
         if self.user is None:
             raise ValueError("this pairing has no user profile: pair(target, user=...) to save one")
@@ -353,7 +350,7 @@ class Pairing:
         tts = learner.config.tts_every if learner is not None else 0
         if learner is not None:
             learner.begin_request()
-        with self._book:
+        with self.shared_lock:
             mode = request_mode(self, rule, logprobs)
         rounds_of = engine_rounds.request_rounds if mode == "engine" else round_loop.request_rounds
         try:
@@ -390,7 +387,7 @@ class Pairing:
         per_token = token_logprobs(out, rows, logprobs) if logprobs else None
         self.last = result = Generation(text, out, stats, rounds, reason, per_token)
         done.append(result)
-        with self._book:
+        with self.shared_lock:
             finish_request(self, mode, out, rounds, stats)
         if self.learner is not None and out:
             self.learner.observe(

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 
-from . import verify as V
+from .decode import verify as V
 from .translate.codec import ByteCodec
 from .translate.token_bytes import TokenBytes
 

@@ -121,7 +121,7 @@ def test_an_adapter_added_after_the_twin_drafts_and_trains_through_it(drafter):
 
 def test_a_second_target_reuses_the_int8_drafters_twin(draft_tokenizer, tmp_path):
     from omnidraft import TorchDrafter as Drafter
-    from omnidraft.int8 import quantize_int8
+    from omnidraft.runtime.int8 import quantize_int8
 
     fp32 = tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0)
     fp32.save_pretrained(tmp_path)  # where adding the first adapter reloads the fp32 weights from

@@ -55,7 +55,7 @@ from omnidraft.adaptive.acceptance_head import (  # noqa: E402
 )
 from omnidraft.adaptive.costs import CostModel, _line  # noqa: E402
 from omnidraft.adaptive.head_trainer import HeadTrainer, round_labels  # noqa: E402
-from omnidraft.profiles import ProfileStore  # noqa: E402
+from omnidraft.store.profiles import ProfileStore  # noqa: E402
 
 
 class FixedHead(AcceptanceHead):

@@ -96,7 +96,7 @@ def test_pair_takes_a_config_or_overrides_not_both(tiny_drafter, tiny_target):
 
 
 def test_probability_filters():
-    from omnidraft.verify import probabilities
+    from omnidraft.decode.verify import probabilities
 
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
     assert torch.allclose(probabilities(logits, 1.0), torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
@@ -116,7 +116,7 @@ def test_probability_filters():
 def test_filtered_sampling_reproduces_the_filtered_target_distribution(mode):
     """First token over 1,200 generations against the target's softmax with top-k 8 and top-p 0.9
     applied; chi-square as in test_pairing. "per-call": a greedy pairing sampling for one call."""
-    from omnidraft.verify import probabilities
+    from omnidraft.decode.verify import probabilities
 
     from .conftest import gsm8k_texts, tiny_llama, train_bpe
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from omnidraft.atomic import STALE_S, atomic_path, atomic_write_bytes, build_lock, recover
+from omnidraft.store.atomic import STALE_S, atomic_path, atomic_write_bytes, build_lock, recover
 
 
 def test_new_files_get_the_umask_default_and_rewrites_keep_the_mode(tmp_path):

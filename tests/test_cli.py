@@ -45,7 +45,7 @@ def test_a_missing_optional_dependency_names_the_extra(monkeypatch):
 def test_profiles_list_show_export_import_delete(tmp_path, capsys):
     """A profile exported from one store (one machine) and imported into another gives the same
     profile back; delete removes it."""
-    from omnidraft.profiles import ProfileStore
+    from omnidraft.store.profiles import ProfileStore
 
     from .test_profiles import _profile
 

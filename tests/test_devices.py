@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omnidraft import Drafter, LocalTarget
-from omnidraft.devices import resolve_device, resolve_dtype
+from omnidraft.runtime.devices import resolve_device, resolve_dtype
 
 from .conftest import tiny_llama
 

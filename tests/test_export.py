@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import omnidraft as od
-from omnidraft.causal_runner import CausalRunner
 from omnidraft.errors import CorruptFileError, IncompatibleError
 from omnidraft.export.graphs import Gemma3Graph, LlamaGraph, drafter_graph
 from omnidraft.export.onnx import export_drafter
 from omnidraft.export.ort_drafter import OrtDrafter
+from omnidraft.runtime.causal_runner import CausalRunner
 
 from .conftest import target_greedy, tiny_gemma3
 from .test_pairing import PROMPTS
@@ -212,7 +212,7 @@ def test_a_gathering_graph_evaluates_just_the_support(
     support its logits are the full head's (fp32: the same rows; int8: the rows `int8_rows` gives the
     head, dequantized); static and EvoSpec keep the target's greedy output; DynaSpec, whose support
     depends on the graph's own hidden state, is refused; without a shortlist every row is gathered."""
-    from omnidraft.int8 import int8_rows
+    from omnidraft.runtime.int8 import int8_rows
 
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     out = tmp_path / "gather.onnx"

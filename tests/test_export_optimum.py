@@ -152,7 +152,7 @@ def test_where_optimum_lives_and_what_it_reads_are_explained(monkeypatch, tiny_d
 @pytest.mark.real
 @pytest.mark.parametrize("spec", ["gemma3-270m"])  # SmolLM2's architecture: the tiny Llama above
 def test_the_real_drafters_exported_through_optimum_match_pytorch(spec, tmp_path):
-    from omnidraft.models import load_model
+    from omnidraft.store.models import load_model
 
     loaded = load_model(spec)
     prompts = [loaded.tokenizer(p)["input_ids"] for p in PROMPTS[:1]]

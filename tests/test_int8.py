@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omnidraft.distill.adapters import AdapterConfig, add_adapter, int8_twin
-from omnidraft.int8 import FakeInt8Linear, fake_int8, quantize_int8, smooth_mlps
+from omnidraft.runtime.int8 import FakeInt8Linear, fake_int8, quantize_int8, smooth_mlps
 
 from .conftest import tiny_llama
 

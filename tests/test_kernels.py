@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from omnidraft import kernels as K
-from omnidraft import measured
+from omnidraft.runtime import kernels as K
+from omnidraft.runtime import measured
 
 from .conftest import tiny_llama
 
@@ -139,7 +139,7 @@ def test_baseline_and_engine_run_the_same_model_objects_and_kernels(tiny_drafter
 def test_doctor_names_each_llama_cpp_drafters_weights_from_the_memo(tmp_path, monkeypatch):
     """`omnidraft doctor` reports what a llama.cpp drafter file runs here, without timing anything,
     and names an unreadable memo entry instead of failing."""
-    from omnidraft import doctor
+    from omnidraft.cli import doctor
 
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     assert not [line for line in doctor.report() if line.startswith("llama.cpp drafter")]
@@ -169,8 +169,8 @@ def test_doctor_names_each_llama_cpp_drafters_weights_from_the_memo(tmp_path, mo
 def test_grouped_attention_verifies_with_the_same_logits(tmp_path, monkeypatch, grouped_faster):
     """A verify's attention on the cache's own key/value heads (attention.py) gives transformers'
     numbers bit for bit, after a crop too; where it timed slower the model is left stock."""
-    from omnidraft import attention as A
-    from omnidraft.causal_runner import CausalRunner
+    from omnidraft.runtime import attention as A
+    from omnidraft.runtime.causal_runner import CausalRunner
 
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(

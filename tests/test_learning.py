@@ -11,7 +11,7 @@ from omnidraft.distill.adapters import AdapterConfig, adapter_state
 from omnidraft.distill.buffer import VerifiedRequest, build_example
 from omnidraft.distill.losses import direct_kl, ngram_nll
 from omnidraft.distill.trainer import OnlineTrainer, TrainConfig
-from omnidraft.profiles import ProfileStore
+from omnidraft.store.profiles import ProfileStore
 from omnidraft.translate.vocab_map import build_vocab_map
 
 from .conftest import target_greedy, tiny_llama
@@ -657,7 +657,7 @@ def test_adapt_replays_the_dataset_prompts_even_when_the_tokenizer_adds_bos(text
 def test_an_int8_drafter_learns_through_the_weights_it_drafts_with(
     draft_tokenizer, tiny_target, tmp_path, through_int8
 ):
-    from omnidraft.int8 import FakeInt8Linear, quantize_int8
+    from omnidraft.runtime.int8 import FakeInt8Linear, quantize_int8
 
     fp32 = tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0)
     fp32.save_pretrained(tmp_path / "drafter")  # where training reloads the fp32 weights from

@@ -17,10 +17,10 @@ from omnidraft.bench.datasets import load_prompts
 from omnidraft.errors import MissingDependencyError
 from omnidraft.llamacpp.hook import OmnidraftDraftModel
 from omnidraft.llamacpp.loading import gguf_file, open_llama
-from omnidraft.models import load_tokenizer
-from omnidraft.presets import gguf_path
 from omnidraft.remote.client import RemoteTarget
 from omnidraft.remote.server import ServerConfig, create_app
+from omnidraft.store.models import load_tokenizer
+from omnidraft.store.presets import gguf_path
 from omnidraft.target import Rule
 
 from .conftest import target_greedy
@@ -208,8 +208,8 @@ def test_the_server_backend_serves_the_engines_greedy_output_and_keeps_its_guara
 
 
 def test_auto_picks_the_faster_drafter_backend_once_per_machine(tmp_path, monkeypatch):
-    from omnidraft import backends
     from omnidraft.llamacpp import drafting as llama_drafter
+    from omnidraft.runtime import backends
 
     monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(

@@ -1,10 +1,11 @@
-"""Per-machine measurements (omnidraft/measured.py): kept once, shared safely, shown and forgotten."""
+"""Per-machine measurements (omnidraft/runtime/measured.py): kept once, shared safely, shown and forgotten."""
 
 from __future__ import annotations
 
 import multiprocessing
 
-from omnidraft import doctor, measured
+from omnidraft.cli import doctor
+from omnidraft.runtime import measured
 
 
 def _write_keys(root: str, prefix: str) -> None:

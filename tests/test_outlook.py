@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-import omnidraft.backends
-from omnidraft import measured
+import omnidraft.runtime.backends
 from omnidraft.adaptive.policy import outlook
+from omnidraft.runtime import measured
 from tests.conftest import target_greedy
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
@@ -41,7 +41,7 @@ CHEAP = {n: 0.02 * (1 + 0.1 * (n - 1)) for n in range(1, 9)}  # memory-bound: dr
 
 @pytest.fixture(autouse=True)
 def drafter_cost(monkeypatch):
-    monkeypatch.setattr(omnidraft.backends, "drafting_cost", lambda drafter: 0.005)
+    monkeypatch.setattr(omnidraft.runtime.backends, "drafting_cost", lambda drafter: 0.005)
 
 
 def test_the_outlook_of_linear_cheap_and_costly_drafts():
@@ -75,7 +75,7 @@ def test_where_drafting_cannot_pay_the_pairing_decodes_alone_and_says_why(tiny_d
 
 
 def test_where_only_free_drafts_can_pay_no_model_token_is_drafted(tiny_drafter, tiny_target, monkeypatch):
-    monkeypatch.setattr(omnidraft.backends, "drafting_cost", lambda drafter: 0.05)
+    monkeypatch.setattr(omnidraft.runtime.backends, "drafting_cost", lambda drafter: 0.05)
     pairing = tiny_drafter.pair(CostedTarget(tiny_target, CHEAP))
     assert pairing.free_drafts and not pairing.model_drafts and pairing.drafting
     prompt = PROMPT + " " + PROMPT  # something to copy
@@ -134,14 +134,14 @@ def test_a_pairing_drafts_through_the_faster_llama_cpp_twin_unless_it_needs_pyto
     slower twin keep it on PyTorch; `backend="torch"` (no twin_spec) always does."""
     import omnidraft as od
     from omnidraft.adaptive.acceptance_head import HeadConfig
-    from omnidraft.decode_config import DecodeConfig
+    from omnidraft.decode.config import DecodeConfig
 
     twin = od.TorchDrafter(tiny_drafter.model, tiny_drafter.tokenizer, "twin")
     costs = {id(twin): 0.005, id(tiny_drafter): 0.02}
-    monkeypatch.setattr(omnidraft.backends, "_candidates", lambda spec: ["torch", "llama.cpp"])
-    monkeypatch.setattr(omnidraft.backends, "drafting_cost", lambda d: costs[id(d)])
+    monkeypatch.setattr(omnidraft.runtime.backends, "_candidates", lambda spec: ["torch", "llama.cpp"])
+    monkeypatch.setattr(omnidraft.runtime.backends, "drafting_cost", lambda d: costs[id(d)])
     monkeypatch.setattr(tiny_drafter, "llama_twin", lambda: twin)
-    choose = omnidraft.backends.drafting_twin
+    choose = omnidraft.runtime.backends.drafting_twin
     plain = DecodeConfig()
     assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is tiny_drafter  # no twin_spec
     monkeypatch.setattr(tiny_drafter, "twin_spec", "smollm2-135m")

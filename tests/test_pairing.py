@@ -299,7 +299,7 @@ def test_healing_acts_only_where_it_is_lossless():
 def test_a_sliding_window_drafter_crops_back_past_its_window():
     """Gemma 3's sliding-window layers: a draft rejected after the window filled is cropped back
     (token healing re-feeds too), and the logits stay a full forward's."""
-    from omnidraft.causal_runner import CausalRunner
+    from omnidraft.runtime.causal_runner import CausalRunner
 
     torch.manual_seed(0)
     model = tiny_gemma3(4)

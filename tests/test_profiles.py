@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from omnidraft.errors import CorruptFileError, IncompatibleError
-from omnidraft.profiles import PairingProfile, ProfileStore
+from omnidraft.store.profiles import PairingProfile, ProfileStore
 from omnidraft.translate.ngram_cache import NgramCache
 
 
@@ -46,7 +46,7 @@ def test_save_load_round_trip(tmp_path):
 def test_a_save_killed_midway_leaves_the_previous_profile_loadable(tmp_path, monkeypatch):
     store = ProfileStore(tmp_path)
     store.save(_profile(steps=1))
-    import omnidraft.profiles as profiles
+    import omnidraft.store.profiles as profiles
 
     real = profiles.atomic_write_bytes
 
@@ -116,7 +116,7 @@ def test_any_user_id_maps_injectively_to_a_safe_directory(tmp_path):
 
 def test_hf_ids_and_paths_as_model_names_get_their_own_profile_directories(tmp_path):
     """Any model spec works with user=: "Qwen/Qwen2.5-0.5B" used to fail the name check."""
-    from omnidraft.profiles import model_dir_name
+    from omnidraft.store.profiles import model_dir_name
 
     store = ProfileStore(tmp_path)
     specs = [

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import omnidraft as od
-from omnidraft import presets
 from omnidraft.errors import MissingModelError
-from omnidraft.models import load_tokenizer
+from omnidraft.store import presets
+from omnidraft.store.models import load_tokenizer
 from omnidraft.translate.codec import ByteCodec
 from omnidraft.translate.token_bytes import build_token_bytes
 
@@ -105,7 +105,7 @@ def test_smollm2_onnx_export_drafts_like_pytorch(tmp_path):
     """fp32 export of the real drafter: the export-time parity check and the engine over ORT."""
     from omnidraft.bench.datasets import load_prompts
     from omnidraft.export.onnx import export_drafter
-    from omnidraft.models import load_model
+    from omnidraft.store.models import load_model
 
     loaded = load_model("smollm2-135m")
     prompts = [
@@ -154,7 +154,7 @@ def test_one_learning_drafter_moves_between_real_targets_and_keeps_each_profile(
     reported by `python -m benchmarks switch`, never asserted."""
     from benchmarks.switch import run_switch_bench
     from omnidraft.distill.adapters import adapter_state
-    from omnidraft.profiles import ProfileStore
+    from omnidraft.store.profiles import ProfileStore
     from omnidraft.translate.ngram_cache import NgramCache
 
     targets = [real_target("qwen2.5-coder-0.5b"), real_target("gemma3-270m")]

@@ -73,7 +73,7 @@ def test_remote_verdicts_carry_topk_rows_for_learning(http, draft_tokenizer, tin
     from omnidraft import TorchDrafter as Drafter
     from omnidraft.distill.adapters import AdapterConfig
     from omnidraft.distill.trainer import TrainConfig
-    from omnidraft.profiles import ProfileStore
+    from omnidraft.store.profiles import ProfileStore
 
     from .conftest import tiny_llama
 
@@ -355,7 +355,7 @@ def test_openai_target_feeds_learning_with_top_rows(http, draft_tokenizer, tiny_
     from omnidraft import TorchDrafter as Drafter
     from omnidraft.distill.adapters import AdapterConfig
     from omnidraft.distill.trainer import TrainConfig
-    from omnidraft.profiles import ProfileStore
+    from omnidraft.store.profiles import ProfileStore
 
     from .conftest import tiny_llama
 
@@ -498,3 +498,14 @@ def test_mode_chooser_probes_a_far_slower_mode_rarely():
     )  # the server alone measured 37.5% slower: a probe costs that much of a request
     with pytest.raises(ValueError, match="probe_cost > 0"):
         ModeChooser(probe_cost=0)
+
+
+def test_a_sampled_stream_without_rounds_is_refused_not_decoded_greedily():
+    """`steps(rule=sampled)` without rounds sent a session's generate, which decodes greedily: the
+    rule was dropped. It is refused, naming why, before any request."""
+    from omnidraft.remote.client import _RemoteSession
+    from omnidraft.target import Rule
+
+    session = _RemoteSession(owner=None, ids=[1, 2, 3])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="greedy only"):
+        next(session.steps(4, rule=Rule(mode="match", temperature=1.0)))

@@ -214,7 +214,7 @@ def test_relaxed_verification_is_its_own_lossy_mode(tiny_drafter, tiny_target):
 
 
 def test_relaxed_rule_accepts_a_near_miss_copy_only_when_the_target_carries_it_on():
-    from omnidraft.verify import greedy, relaxed
+    from omnidraft.decode.verify import greedy, relaxed
 
     logits = torch.full((4, 10), -5.0)
     logits[0, 1], logits[0, 2] = 3.0, 2.9  # position 0: argmax 1, proposal 2 is second

@@ -116,7 +116,7 @@ def test_an_echoed_prompt_holds_at_most_one_chunk_of_logits(tiny_target, monkeyp
     """Memory bound of one /v1/completions request: rows of logits alive at once <= ECHO_CHUNK,
     however long the echoed prompt (it used to keep one row per prompt position, +3.56 GB at 2,048
     prompt tokens on the 0.5B). The scores equal a single full forward's."""
-    from omnidraft.causal_runner import CausalRunner
+    from omnidraft.runtime.causal_runner import CausalRunner
 
     rows = []
     real = CausalRunner.forward
@@ -411,7 +411,7 @@ def test_an_exception_after_the_forward_leaves_the_session_and_a_retry_works(
 
 def test_a_tiny_top_p_keeps_the_most_probable_token():
     """top_p below the top token's probability keeps that one token (as HF's min_tokens_to_keep)."""
-    from omnidraft.verify import probabilities
+    from omnidraft.decode.verify import probabilities
 
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
     for top_p in (1e-300, 1e-9, 0.01):

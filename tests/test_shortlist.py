@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import omnidraft as od
-from omnidraft.int8 import quantize_int8
+from omnidraft.runtime.int8 import quantize_int8
 from omnidraft.shortlist.shortlisted_head import ShortlistHead, install
 from omnidraft.shortlist.supports import Dyna, Evo, Static
 

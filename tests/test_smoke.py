@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from omnidraft import backends
 from omnidraft.llamacpp import smoke
+from omnidraft.runtime import backends
 
 CRASH = "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"
 
@@ -39,7 +39,7 @@ def test_a_build_that_runs_is_remembered_as_running(tmp_path, monkeypatch):
 
 def test_the_drafter_backend_comes_from_the_flag_or_the_environment(monkeypatch, tiny_drafter, tmp_path):
     import omnidraft as od
-    from omnidraft.cli_options import build_parser
+    from omnidraft.cli.options import build_parser
 
     monkeypatch.setenv("OMNIDRAFT_DRAFTER_BACKEND", "llama")
     with pytest.raises(ValueError, match=r"\$OMNIDRAFT_DRAFTER_BACKEND must be one of .*got 'llama'"):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnidraft.causal_runner import CausalRunner
-from omnidraft.static_runner import StaticRunner, static_cache_supported
+from omnidraft.runtime.causal_runner import CausalRunner
+from omnidraft.runtime.static_runner import StaticRunner, static_cache_supported
 
 from .conftest import tiny_gemma3, tiny_llama
 

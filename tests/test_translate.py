@@ -164,7 +164,7 @@ def test_truncated_or_foreign_cache_is_refused_and_previous_file_survives(tmp_pa
         NgramCache.load(tmp_path / "foreign.json")
     with pytest.raises(IncompatibleError, match="another drafter/target pairing"):
         NgramCache.load(path, fingerprint="x:y")
-    import omnidraft.atomic as atomic
+    import omnidraft.store.atomic as atomic
 
     def crash(*args):
         raise KeyboardInterrupt

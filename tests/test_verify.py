@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnidraft import verify as V
+from omnidraft.decode import verify as V
 
 from .conftest import chi_square_p
 

@@ -56,7 +56,7 @@ def plan_drafting(drafter: Any, target: Any, config: Any, learn: bool) -> Drafti
     remote target) a mode chooser decides it per request from measured throughput: per request it
     compared different prompts, and kept whole requests from retrieved drafts that paid
     (docs/benchmarks.md)."""
-    from ..backends import pairing_outlook
+    from ..runtime.backends import pairing_outlook
 
     seen = None if learn else pairing_outlook(drafter, target, config)
     model = config.drafts != "retrieval" and (seen is None or seen.model_pays)

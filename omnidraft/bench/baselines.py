@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..kernels import stock_kernels
+from ..runtime.kernels import stock_kernels
 
 __all__ = ["LOOKUP_TOKENS", "Timed", "hf_assisted", "prompt_lookup", "stock_generate", "target_alone"]
 

@@ -1,5 +1,5 @@
 """The `omnidraft bench` command: the headline benchmark (omnidraft beside the target alone and the
-peers), and its remote, k-grid and draft-source variants. Argument parsing lives in cli.py."""
+peers), and its remote, k-grid and draft-source variants. Argument parsing lives in cli/options.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from ..cli_options import DRAFTER, TARGET, load_pair, split_pair
+from ..cli.options import DRAFTER, TARGET, load_pair, split_pair
 from .pairs import loaded_pairs
 
 __all__ = ["bench", "bench_engine", "bench_network", "run_pair"]
@@ -24,7 +24,7 @@ def run_pair(
 ) -> tuple[list, dict]:
     from tqdm import tqdm
 
-    from ..stats import write_trace
+    from ..decode.stats import write_trace
     from ..targets.local import LocalTarget
     from .datasets import load_prompts
     from .runner import pairing_costs, run_prompts, summarize
@@ -80,8 +80,8 @@ def _bench_remote(args: argparse.Namespace) -> None:
 
     from tqdm import tqdm
 
-    from ..atomic import atomic_write_bytes
-    from ..stats import write_trace
+    from ..decode.stats import write_trace
+    from ..store.atomic import atomic_write_bytes
     from .datasets import load_prompts
     from .remote import run_remote
 
@@ -142,7 +142,7 @@ def bench_network(args: argparse.Namespace) -> None:
 
     from tqdm import tqdm
 
-    from ..atomic import atomic_write_bytes
+    from ..store.atomic import atomic_write_bytes
     from .datasets import load_prompts
     from .network import markdown, run_network
 
@@ -183,7 +183,7 @@ def _bench_k_grid(args: argparse.Namespace) -> None:
 
     from tqdm import tqdm
 
-    from ..atomic import atomic_write_bytes
+    from ..store.atomic import atomic_write_bytes
     from .datasets import load_prompts
     from .runner import default_against_fixed_k
 
@@ -226,7 +226,7 @@ def _bench_sources(args: argparse.Namespace) -> None:
 
     from tqdm import tqdm
 
-    from ..atomic import atomic_write_bytes
+    from ..store.atomic import atomic_write_bytes
     from .sources import markdown, run_sources
 
     out, results = Path(args.out), {}
@@ -261,7 +261,7 @@ def bench_engine(args: argparse.Namespace) -> None:
 
     from tqdm import tqdm
 
-    from ..atomic import atomic_write_bytes
+    from ..store.atomic import atomic_write_bytes
     from .datasets import load_prompts
     from .llama import run_llama, summarize_llama
     from .vllm import run_vllm

@@ -23,7 +23,7 @@ def demo_engine(target_spec: str, choice: str = "auto") -> str:
     `target_spec` (llama.cpp for a GGUF file its build runs, else PyTorch)."""
     if choice != "auto":
         return choice
-    from ..presets import PRESETS
+    from ..store.presets import PRESETS
 
     if not (target_spec in PRESETS or target_spec.endswith(".gguf")) or not importlib.util.find_spec(
         "llama_cpp"

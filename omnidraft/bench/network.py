@@ -255,7 +255,7 @@ def run_network(
 
     import omnidraft as od
 
-    from ..models import hf_directory, load_tokenizer
+    from ..store.models import hf_directory, load_tokenizer
 
     os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
     os.sched_setaffinity(0, {DEVICE_CPU})

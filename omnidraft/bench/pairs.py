@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from ..cli_options import split_pair
+from ..cli.options import split_pair
 
 if TYPE_CHECKING:
     from ..draft.base import Drafter

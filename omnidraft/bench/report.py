@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write_bytes
+from ..store.atomic import atomic_write_bytes
 
 __all__ = ["gap_table", "markdown_table", "write_report"]
 

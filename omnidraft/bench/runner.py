@@ -209,7 +209,7 @@ def compare_pairings(
     target (or last, when the machine has drifted most). Rows: acceptance, τ, drafted/round,
     retrieved share, tok/s, speedup, identical, and each prompt's seconds (`prompt_s`, for paired
     comparisons: `paired_ratio`)."""
-    from ..stats import GenerationStats
+    from ..decode.stats import GenerationStats
 
     unknown = set(peers) - set(PEERS)
     if unknown:

@@ -1,6 +1,7 @@
 """Replay recorded rounds under a scenario: exact arithmetic on the profile's costs, no wall clock.
 
-Traces are omnidraft's per-round JSONL (`omnidraft.stats`, which imports nothing heavy). Each round costs:
+Traces are omnidraft's per-round JSONL (`omnidraft.decode.stats`, which imports nothing heavy).
+Each round costs:
 drafting (device), one target forward over the pending token plus the proposal
 (the first round also prefills the prompt), the bookkeeping, and in a remote placement one network
 exchange. The target-alone baseline is charged the same prefill and one forward per token; in a
@@ -17,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omnidraft.stats import RoundRecord as TraceRound
-from omnidraft.stats import read_trace
+from omnidraft.decode.stats import RoundRecord as TraceRound
+from omnidraft.decode.stats import read_trace
 
 from .hardware import LOCAL, DeviceProfile, NetworkProfile
 

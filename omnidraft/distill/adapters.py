@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..atomic import atomic_path, recover
+from ..store.atomic import atomic_path, recover
 
 __all__ = [
     "AdapterConfig",
@@ -163,7 +163,7 @@ def load_peft(directory: str | os.PathLike[str]) -> tuple[AdapterConfig, dict[st
 def int8_twin(model: Any, tokenizer: Any | None = None) -> Any:
     """An int8 copy of a peft model for drafting that shares its LoRA modules (see module doc);
     with `tokenizer`, its MLPs are smoothed before quantizing (int8.py)."""
-    from ..int8 import quantize_int8
+    from ..runtime.int8 import quantize_int8
 
     twin = _share_lora(copy.deepcopy(model), model)
     base_linears = {n for n, m in twin.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in n}
@@ -174,7 +174,7 @@ def int8_learner(twin: Any) -> Any:
     """The model to train an int8 twin's adapters through: the twin with its int8 linears emulated
     in fp32 (int8.fake_int8) and the same LoRA modules. Training on the fp32 base instead would fit
     the adapter to weights the drafter never drafts with (SmolLM2: int8 alone costs ~7% τ)."""
-    from ..int8 import fake_int8
+    from ..runtime.int8 import fake_int8
 
     return _share_lora(fake_int8(twin), twin)
 

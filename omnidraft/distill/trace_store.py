@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from ..atomic import atomic_write_bytes
+from ..decode.verify import Verdict
 from ..errors import CorruptFileError, IncompatibleError
+from ..store.atomic import atomic_write_bytes
 from ..target import SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import TokenBytes
-from ..verify import Verdict
 
 __all__ = ["ReplayTarget", "TargetTrace", "load_traces", "record", "record_many", "save_traces"]
 

@@ -23,11 +23,11 @@ from ..translate.token_bytes import TokenBytes, build_token_bytes
 from .session import DraftSession, Stream
 
 if TYPE_CHECKING:
-    from ..decode_config import DecodeConfig
+    from ..decode.config import DecodeConfig
     from ..distill.adapters import AdapterConfig
     from ..distill.trainer import TrainConfig
     from ..pairing import Pairing
-    from ..profiles import ProfileStore
+    from ..store.profiles import ProfileStore
     from ..target import Target
 
 __all__ = ["BACKENDS", "Drafter", "pair"]
@@ -137,13 +137,13 @@ class Drafter:
             backend = os.environ[BACKEND_ENV]
             if backend not in BACKENDS:
                 raise ValueError(f"${BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
-        from ..devices import resolve_device, resolve_dtype
+        from ..runtime.devices import resolve_device, resolve_dtype
 
         where, kind = resolve_device(device), resolve_dtype(dtype)
         if (where.type != "cpu" or kind != torch.float32) and backend not in (None, "torch"):
             raise ValueError(f"device and dtype apply to the torch backend, not {backend!r}")
         if backend == "auto":
-            from ..backends import fastest_drafter
+            from ..runtime.backends import fastest_drafter
 
             return fastest_drafter(
                 os.fspath(spec),
@@ -200,9 +200,9 @@ def pair(
     datastore of past outputs, LoRA adapter, metrics. `learn=True` distils every verified request
     into the pairing's adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA
     shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp twin (backends.py)."""
-    from ..backends import drafting_twin
-    from ..decode_config import DecodeConfig
+    from ..decode.config import DecodeConfig
     from ..pairing import Pairing
+    from ..runtime.backends import drafting_twin
 
     if config is not None and overrides:
         raise ValueError(f"pass a DecodeConfig or keyword overrides, not both (got {sorted(overrides)})")

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..causal_runner import CausalRunner
-from ..int8 import quantize_int8
-from ..models import load_model
-from ..presets import PRESETS
+from ..runtime.causal_runner import CausalRunner
+from ..runtime.int8 import quantize_int8
+from ..store.models import load_model
+from ..store.presets import PRESETS
 from .base import Drafter
 
 if TYPE_CHECKING:

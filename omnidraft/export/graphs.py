@@ -78,7 +78,7 @@ class LlamaGraph(nn.Module):
             # one)
             self.lm_head_t = nn.Parameter(weight.T.contiguous(), requires_grad=False)
         elif head == "gather":
-            from ..int8 import int8_rows as quantized_rows
+            from ..runtime.int8 import int8_rows as quantized_rows
 
             rows, scales = quantized_rows(weight) if int8_rows else (weight.clone(), None)
             self.head_rows = nn.Parameter(

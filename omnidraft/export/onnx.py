@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..atomic import atomic_path, atomic_write_bytes
+from ..store.atomic import atomic_path, atomic_write_bytes
 from .graphs import HEADS, LlamaGraph, drafter_graph
 from .sidecar import SIDECAR_FORMAT, file_sha256, sidecar_path
 
@@ -87,7 +87,7 @@ def parity(
 ) -> dict[str, Any]:
     """Greedy drafting with the ORT graph vs the PyTorch model over `prompts`, `steps` tokens each;
     `head`: the LM head a graph without one is read through."""
-    from ..causal_runner import CausalRunner
+    from ..runtime.causal_runner import CausalRunner
     from .ort_drafter import OrtGraph
 
     graph = OrtGraph(onnx_path)
@@ -175,7 +175,7 @@ def export_drafter(
     bar.set_postfix_str("merging the adapter" if adapter is not None else "preparing the model")
     model = _merged_model(model, adapter, adapter_config)
     if quantize == "int8":  # same function in fp32; int8 loses less of it (int8.py)
-        from ..int8 import smooth_mlps
+        from ..runtime.int8 import smooth_mlps
 
         smooth_mlps(model, tokenizer)
     if keep_ids is not None:

@@ -278,7 +278,7 @@ def _load_head(path: Path, sidecar: dict[str, Any]) -> torch.nn.Module:
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     head.weight = torch.nn.Parameter(weight, requires_grad=False)
     if sidecar.get("quantization") == "int8":
-        from ..int8 import quantize_int8
+        from ..runtime.int8 import quantize_int8
 
         head = quantize_int8(torch.nn.Sequential(head), inplace=True)[0]
     return head

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..draft.base import Drafter
-from ..models import load_tokenizer
+from ..store.models import load_tokenizer
 from .engine import LlamaEngine
 from .loading import gguf_file
 from .requant import drafting_weights

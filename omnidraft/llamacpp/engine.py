@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..measured import remembered
+from ..runtime.measured import remembered
 from .loading import cpu_threads, open_llama, require_llama_cpp
 
 __all__ = ["LlamaEngine"]

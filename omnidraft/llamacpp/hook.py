@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from llama_cpp.llama_speculative import LlamaDraftModel
 
-from ..engine_rounds import EngineRounds
+from ..decode.engine_rounds import EngineRounds
 from .llama_target import LlamaCppTarget
 
 __all__ = ["OmnidraftDraftModel"]

@@ -14,12 +14,12 @@ from typing import Any, Iterator
 
 import torch
 
+from ..decode.verify import Verdict
 from ..errors import IncompatibleError
-from ..models import load_tokenizer
+from ..store.models import load_tokenizer
 from ..target import Capabilities, Rule, SessionBase, TargetBase, judge
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
-from ..verify import Verdict
 from .engine import COST_CONTEXT, LlamaEngine
 from .loading import gguf_file
 

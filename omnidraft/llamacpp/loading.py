@@ -39,7 +39,7 @@ def require_llama_cpp() -> Any:
 
 def gguf_file(spec: str | os.PathLike[str]) -> tuple[Path, str]:
     """(path, name) of a preset name or a .gguf path."""
-    from ..presets import PRESETS, gguf_path
+    from ..store.presets import PRESETS, gguf_path
 
     spec = os.fspath(spec)
     if spec in PRESETS:

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_path, build_lock
-from ..measured import remembered
+from ..runtime.measured import remembered
+from ..store.atomic import atomic_path, build_lock
 
 __all__ = ["WEIGHTS", "drafting_weights", "requantized"]
 
@@ -37,7 +37,7 @@ TEXT = (
 def requantized(path: str | os.PathLike[str], threads: int | None = None) -> Path:
     """`path` with its sub-8-bit tensors rewritten as Q8_0: made once under the cache directory
     (atomically: a crash leaves no partial file behind) and reused."""
-    from ..presets import cache_dir
+    from ..store.presets import cache_dir
     from .loading import cpu_threads, require_llama_cpp
 
     path = Path(path)

@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .. import measured
 from ..errors import OmnidraftError
+from ..runtime import measured
 
 __all__ = ["LlamaCppBrokenError", "check_runs", "runs"]
 

@@ -23,12 +23,12 @@ from typing import Any, Iterator
 
 import torch
 
+from ..decode.verify import Verdict
 from ..errors import IncompatibleError, RemoteRequestError, TargetUnavailableError
 from ..optional import require
 from ..target import Capabilities, SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
-from ..verify import Verdict
 from .protocol import (
     MAX_PROPOSAL,
     GenerateChunk,
@@ -251,6 +251,11 @@ class _RemoteSession(SessionBase):
         remote/device_rounds.py). Needs a server that `drafts_in_engine`."""
         if not eos:
             raise ValueError("a server stream stops after an EOS; eos=False is not served")
+        if rounds is None and rule is not None and rule.mode != "greedy":
+            raise ValueError(
+                "a sampled stream without rounds is not served by a session's generate (greedy only): "
+                "pass rounds, or sample with pair.generate"
+            )
         if rounds is None:
             for chunk in self._chunks(
                 f"/v1/sessions/{self._open()}/generate",

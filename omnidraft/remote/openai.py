@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from ..decode.verify import Verdict
 from ..errors import Cancelled, IncompatibleError, RemoteRequestError
 from ..optional import require
 from ..target import SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
-from ..verify import Verdict
 from .client import call_json
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, cast
 
 import torch
 
-from ..rounds import TokenLogprob, token_logprobs
+from ..decode.rounds import TokenLogprob, token_logprobs
 from ..target import BatchingTarget, ChunkedSession, Rule, check_target
 from .budget import DraftBudget, DraftGate
 from .device_rounds import SpeculateRoutes

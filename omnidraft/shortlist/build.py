@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..atomic import atomic_write_bytes
+from ..store.atomic import atomic_write_bytes
 from .shortlisted_head import dense_weight
 
 __all__ = ["FORMAT", "POLICIES", "check_fits", "cluster_rows", "corpus", "frequent_ids", "shortlist"]
@@ -82,7 +82,7 @@ FORMAT = 4
 
 
 def _cache_path(name: str, fingerprint: str, kind: str, size: int, m: int) -> Any:
-    from ..presets import cache_dir
+    from ..store.presets import cache_dir
 
     return cache_dir() / "shortlists" / f"{name}-{fingerprint[:16]}-{kind}-{size}-{m}.pt"
 

@@ -12,17 +12,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import measured
-from ..attention import use_grouped_attention
-from ..causal_runner import CausalRunner
-from ..devices import resolve_device, resolve_dtype
-from ..kernels import use_kernels
-from ..models import load_model
-from ..static_runner import StaticRunner, measure_graphs, static_cache_supported
+from ..decode.verify import Verdict
+from ..runtime import measured
+from ..runtime.attention import use_grouped_attention
+from ..runtime.causal_runner import CausalRunner
+from ..runtime.devices import resolve_device, resolve_dtype
+from ..runtime.kernels import use_kernels
+from ..runtime.static_runner import StaticRunner, measure_graphs, static_cache_supported
+from ..store.models import load_model
 from ..target import Capabilities, Rule, SessionBase, TargetBase, judge
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
-from ..verify import Verdict
 
 __all__ = ["LocalTarget"]
 

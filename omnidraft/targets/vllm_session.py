@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from ..decode.verify import Verdict
 from ..target import Rule, SessionBase, judge
-from ..verify import Verdict
 
 if TYPE_CHECKING:
     from .vllm_target import VLLMTarget

@@ -103,7 +103,7 @@ class VLLMTarget(TargetBase):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from ..models import hf_directory, load_tokenizer
+        from ..store.models import hf_directory, load_tokenizer
 
         os.environ.setdefault(
             "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
@@ -202,7 +202,7 @@ class VLLMTarget(TargetBase):
         and remembered (measured.py): what a pairing reads to decide whether drafting can
         pay here. A verify costs about the same at any context (the cache serves it)."""
         if self._costs is None:
-            from ..measured import remembered
+            from ..runtime.measured import remembered
 
             costs = remembered("vllm-verify-costs", self.key, partial(time_verifies, self))
             self._costs = {int(n): float(s) for n, s in costs.items()}
@@ -215,7 +215,7 @@ class VLLMTarget(TargetBase):
         (measured.py): with `verify_costs`, the step costs a server's draft budget reads
         (remote/budget.py)."""
         if self._batch is None:
-            from ..measured import remembered
+            from ..runtime.measured import remembered
 
             key = f"{self.key}|{self.capabilities.drafts_in_engine}"
             value = remembered("vllm-batch-costs", key, partial(time_batches, self))

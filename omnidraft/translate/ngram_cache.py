@@ -21,8 +21,8 @@ from pathlib import Path
 
 import cachetools
 
-from ..atomic import atomic_write_bytes
 from ..errors import CorruptFileError, IncompatibleError
+from ..store.atomic import atomic_write_bytes
 
 __all__ = ["NgramCache", "NgramCacheConfig"]
 

@@ -88,7 +88,7 @@ def pairing_outlook(drafter: Any, target: Any, config: Any) -> Any:
     """What drafting could gain at best for this pair on this machine (adaptive/policy.py
     `Outlook`), for a target that reports measured verify costs (`verify_costs()`) and a config
     that chooses draft lengths for speed; None otherwise (the pairing then measures as it goes)."""
-    from .adaptive.policy import outlook
+    from ..adaptive.policy import outlook
 
     if config.k is not None or config.objective != "latency":
         return None
@@ -99,15 +99,15 @@ def pairing_outlook(drafter: Any, target: Any, config: Any) -> Any:
 
 
 def _candidates(spec: str) -> list[str]:
-    from .presets import PRESETS
+    from ..store.presets import PRESETS
 
     names = ["torch"]
     if spec in PRESETS or spec.endswith(".gguf"):
         if importlib.util.find_spec("llama_cpp") is None:
             log.info("llama-cpp-python is not installed: the drafter runs on PyTorch")
         else:
-            from .llamacpp.loading import gguf_file
-            from .llamacpp.smoke import runs
+            from ..llamacpp.loading import gguf_file
+            from ..llamacpp.smoke import runs
 
             if runs(gguf_file(spec)[0]) == "ok":  # a build that crashes here is never picked (smoke.py)
                 names.append("llama.cpp")

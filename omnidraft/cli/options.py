@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .pairing import Pairing
+    from ..pairing import Pairing
 
 __all__ = ["DRAFTER", "TARGET", "add_decoding_args", "build_parser", "load_pair", "split_pair", "start_run"]
 
@@ -19,7 +19,7 @@ TARGET = "qwen2.5-coder-1.5b"
 
 def add_decoding_args(q: argparse.ArgumentParser) -> None:
     """The decoding options every command that builds a pairing takes."""
-    from .draft.base import BACKEND_ENV, BACKENDS
+    from ..draft.base import BACKEND_ENV, BACKENDS
 
     q.add_argument(
         "--k",
@@ -72,7 +72,7 @@ def load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) -> 
     import omnidraft as od
 
     started = time.perf_counter()
-    from .targets.registry import engine
+    from ..targets.registry import engine
 
     drafter = od.Drafter.load(drafter_spec, backend=getattr(args, "drafter_backend", None))
     target = engine(getattr(args, "target_backend", "torch")).load(target_spec, {})
@@ -81,7 +81,7 @@ def load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) -> 
     )
     extra = {"mode": getattr(args, "mode", "greedy"), "temperature": getattr(args, "temperature", 0.0)}
     if args.adaptive_k is not None:
-        from .adaptive.policy import Hysteresis
+        from ..adaptive.policy import Hysteresis
 
         extra["adaptive"] = Hysteresis(k_min=2, k_max=args.adaptive_k)
     return drafter.pair(
@@ -108,7 +108,7 @@ def start_run(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `omnidraft` command's arguments, every subcommand's (one function each, below)."""
-    from . import __version__
+    from .. import __version__
 
     p = argparse.ArgumentParser(prog="omnidraft", description="Cross-vocabulary speculative decoding.")
     p.add_argument("--version", action="version", version=f"omnidraft {__version__}")
@@ -159,7 +159,7 @@ def _demo_args(sub: Any) -> None:
 
 def _bench_args(sub: Any) -> None:
     """`omnidraft bench`: every contender on the chosen target engine (bench/)."""
-    from .targets.registry import engine_names
+    from ..targets.registry import engine_names
 
     b = sub.add_parser("bench", help="omnidraft vs target alone vs HF assisted generation")
     b.add_argument("--pair", action="append", help="DRAFTER:TARGET, repeatable")
@@ -270,7 +270,7 @@ def _export_args(sub: Any) -> None:
 
 def _serve_args(sub: Any) -> None:
     """`omnidraft serve`: a verification server on a registered engine."""
-    from .targets.registry import ENGINES, engine_names
+    from ..targets.registry import ENGINES, engine_names
 
     v = sub.add_parser("serve", help="a verification server for remote pairing (RemoteTarget)")
     v.add_argument("--target", default=TARGET)

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 from .rounds import within_budget
 
 if TYPE_CHECKING:
-    from .pairing import Pairing
+    from ..pairing import Pairing
+    from ..target import Rule
     from .proposers import Round
     from .round_loop import Request
     from .stats import GenerationStats, RoundRecord
-    from .target import Rule
 
 __all__ = ["RoundPlan", "RoundPolicy", "finish_request", "request_mode"]
 
@@ -59,7 +59,7 @@ class RoundPolicy:
         p = self.p
         draft, proposal = rnd.draft, rnd.proposal
         retrieved = rnd.retrieved_among(accepted)
-        with p._book:
+        with p.shared_lock:
             held = (
                 (p.drafter.token_bytes.table[req.last] or b"") if draft.healed else b""
             )  # the draft's start
@@ -83,7 +83,7 @@ class RoundPolicy:
     ) -> None:
         """What the round says about deferring the drafter's read of the prompt (`seconds`: the
         round's time, None for the first, which also prefilled)."""
-        with self.p._book:
+        with self.p.shared_lock:
             req.rent.settle(
                 plan.defer,
                 committed,
@@ -108,7 +108,7 @@ class RoundPolicy:
         """A new round starts at `now`: the cost model observes the previous round's costs."""
         if req.pending is not None:
             drafted, t_draft, verified, t_verify, started = req.pending
-            with self.p._book:
+            with self.p.shared_lock:
                 self.p.cost.observe(
                     drafted, t_draft, verified, t_verify, (now - started) - t_draft - t_verify
                 )

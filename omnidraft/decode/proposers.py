@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .draft.picking import NO_DRAFT, Draft
+from ..draft.picking import NO_DRAFT, Draft
+from ..translate.translator import Proposal, Source
 from .rounds import draft_rows
-from .translate.translator import Proposal, Source
 
 if TYPE_CHECKING:
-    from .pairing import Pairing
+    from ..pairing import Pairing
     from .round_loop import Request
 
 __all__ = ["MODEL", "RETRIEVED", "ModelDrafts", "Proposer", "RetrievedDrafts", "Round", "propose"]
@@ -65,7 +65,7 @@ class ModelDrafts:
         draft = NO_DRAFT if k == 0 else self.draft(p, req, k, ahead=ahead)
         drafted = time.perf_counter()
         skip = len(p.drafter.token_bytes.table[req.last] or b"") if draft.healed else 0
-        with p._book:
+        with p.shared_lock:
             proposal = p.translator.translate(draft.ids, only=only, skip=skip)
         return Round(draft, proposal.cut(min(len(proposal), room)), None, None, started, drafted)
 
@@ -80,7 +80,7 @@ class ModelDrafts:
             return None
         draft = Draft(rnd.draft.ids + more.ids, None, rnd.draft.healed)
         skip = len(p.drafter.token_bytes.table[req.last] or b"") if draft.healed else 0
-        with p._book:
+        with p.shared_lock:
             proposal = p.translator.translate(draft.ids, only="any", skip=skip)
         return Round(
             draft, proposal.cut(min(len(proposal), room)), None, None, rnd.started, time.perf_counter()
@@ -96,7 +96,7 @@ class ModelDrafts:
             heal = p.healer.candidates(req.last, p.target.token_bytes.table[ids[-1]])
             if heal is not None:
                 extra["heal"] = heal  # the target's last token lets a longer drafter token replace `last`
-        allowed = p._shared if req.rule.mode == "exact" else None
+        allowed = p.shared_vocab if req.rule.mode == "exact" else None
         return req.drafts.propose(
             k,
             temperature=req.rule.temperature,
@@ -114,7 +114,7 @@ class RetrievedDrafts:
     def propose(self, p: Pairing, req: Request, k: int, room: int, only: str, started: float) -> Round | None:
         if req.index is None or p.retriever is None:
             return None
-        with p._book:
+        with p.shared_lock:
             rates = p.policy.last_rates if p.policy else {}
             used = p.retriever.plan(req.index, p.cost, rates, room, drafting=k > 0)
             if used is None:
@@ -126,7 +126,7 @@ class RetrievedDrafts:
     def run_on(self, p: Pairing, req: Request, proposal: Proposal, room: int) -> tuple[Proposal, Any]:
         if req.index is None or p.retriever is None:
             return proposal, None
-        with p._book:
+        with p.shared_lock:
             return p.retriever.extend(req.index, proposal, room)
 
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import CorruptFileError, IncompatibleError
 from .atomic import atomic_write_bytes, fsync_dir
-from .errors import CorruptFileError, IncompatibleError
 
 __all__ = ["KEEP", "PairingProfile", "ProfileStore", "model_dir_name", "pairing_profile"]
 
@@ -73,7 +73,7 @@ def pairing_profile(pair: Any) -> PairingProfile:
     datastore of past outputs, metrics and optimizer steps (the caller waits for training first)."""
     import torch
 
-    from .distill.adapters import adapter_state
+    from ..distill.adapters import adapter_state
 
     tensors = {"head": head} if (head := pair.lengths.state()) is not None else {}
     if pair.adapter is not None:
@@ -362,6 +362,6 @@ def _from_files(files: dict[str, bytes], where: str) -> PairingProfile:
 
 
 def _library_version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__

@@ -17,14 +17,14 @@ from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ..target import Rule, SessionBase
 from .proposers import MODEL, Round, propose
 from .round_loop import Request, open_request
 from .round_policy import RoundPlan, RoundPolicy
 from .stats import RoundRecord
-from .target import Rule, SessionBase
 
 if TYPE_CHECKING:
-    from .pairing import Pairing
+    from ..pairing import Pairing
 
 __all__ = ["Committed", "EngineRounds", "request_rounds"]
 

@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from .draft.picking import Adaptable
-from .draft.session import DraftSession
+from ..draft.picking import Adaptable
+from ..draft.session import DraftSession
+from ..retrieve.retriever import NO_RENT, Rent
+from ..translate.translator import Source
 from .proposers import propose
-from .retrieve.retriever import NO_RENT, Rent
 from .round_policy import RoundPolicy
 from .rounds import decode_alone, relaxation
 from .stats import RoundRecord
-from .translate.translator import Source
 
 if TYPE_CHECKING:
-    from .adaptive.acceptance_head import Stopper
-    from .pairing import Pairing
-    from .retrieve import ContextIndex
-    from .target import Rule
+    from ..adaptive.acceptance_head import Stopper
+    from ..pairing import Pairing
+    from ..retrieve import ContextIndex
+    from ..target import Rule
 
 __all__ = ["Request", "open_request", "request_rounds", "run"]
 
@@ -66,7 +66,7 @@ def open_request(
 ) -> Request:
     """A request's drafting side: the drafter session (with the pairing's adapter), the retrieval
     index, the first draft length and the acceptance head's stopping rule."""
-    with p._book:  # begin() also moves the shared acceptance history
+    with p.shared_lock:  # begin() also moves the shared acceptance history
         index = p.retriever.begin(prompt_ids) if p.retriever is not None and p.free_drafts else None
         k, stopper = p.lengths.begin_request()
     if isinstance(p.drafter, Adaptable):  # a fake or an exported graph has no adapters

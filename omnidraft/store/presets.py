@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CorruptFileError, MissingModelError
 from .atomic import atomic_path, build_lock
-from .errors import CorruptFileError, MissingModelError
 
 __all__ = ["PRESETS", "Preset", "cache_dir", "gguf_path"]
 

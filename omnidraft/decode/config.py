@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .adaptive.acceptance_head import HeadConfig
-from .adaptive.policy import Hysteresis
-from .retrieve import DRAFT_SOURCES, RetrievalConfig
-from .target import Rule
-from .translate.ngram_cache import NgramCacheConfig
+from ..adaptive.acceptance_head import HeadConfig
+from ..adaptive.policy import Hysteresis
+from ..retrieve import DRAFT_SOURCES, RetrievalConfig
+from ..target import Rule
+from ..translate.ngram_cache import NgramCacheConfig
 
 __all__ = ["K_START", "RELAXED", "DecodeConfig"]
 

@@ -12,8 +12,9 @@ from typing import Sequence
 
 import torch
 
-from . import measured, presets
-from .kernels import BUCKETS
+from ..runtime import measured
+from ..runtime.kernels import BUCKETS
+from ..store import presets
 
 __all__ = ["report", "reset"]
 
@@ -92,9 +93,9 @@ def report(targets: Sequence[str] = ()) -> list[str]:
     lines += [f"preset {name}: {_preset_state(name)}" for name in sorted(presets.PRESETS)]
     lines += _measurements() + _drafter_weights()
     for spec in targets:
-        from .attention import attention_choice
-        from .kernels import use_kernels
-        from .models import load_model
+        from ..runtime.attention import attention_choice
+        from ..runtime.kernels import use_kernels
+        from ..store.models import load_model
 
         model = load_model(spec).model
         lines.append(f"{spec}: {attention_choice(model)}")

@@ -10,9 +10,9 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .decode_config import RELAXED
+from ..translate.translator import Proposal, Source, Translator
+from .config import RELAXED
 from .stats import GenerationStats, RoundRecord
-from .translate.translator import Proposal, Source, Translator
 
 __all__ = [
     "Generation",
@@ -185,7 +185,7 @@ def first_stop(text: str, start: int, stop: tuple[str, ...]) -> int | None:
 
 def verified(prompt: str, out: list[int], rounds: list[RoundRecord], rows: list, width: int) -> Any:
     """A finished request as distillation input (committed tokens with the target's top `width` rows)."""
-    from .distill.buffer import VerifiedRequest
+    from ..distill.buffer import VerifiedRequest
 
     ids, logp = (torch.cat([row[part] for row in rows])[: len(out), :width] for part in (0, 1))
     positions = [j + 1 for r in rounds for j in range(r.emitted)][: len(out)]

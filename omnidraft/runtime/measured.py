@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from filelock import FileLock
 
-from .atomic import atomic_write_bytes
+from ..store.atomic import atomic_write_bytes
 
 __all__ = ["directory", "entries", "machine_key", "read", "remembered", "reset", "update"]
 
@@ -46,7 +46,7 @@ def directory(root: Path | None = None) -> Path:
     """Where the measurements live: `root`, or `$OMNIDRAFT_CACHE/measured`."""
     if root is not None:
         return root
-    from .presets import cache_dir
+    from ..store.presets import cache_dir
 
     return cache_dir() / "measured"
 

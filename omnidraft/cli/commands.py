@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cli_options import build_parser, load_pair, split_pair, start_run
-from .errors import OmnidraftError
+from ..errors import OmnidraftError
+from .options import build_parser, load_pair, split_pair, start_run
 
 __all__ = ["main"]
 
@@ -33,7 +33,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from .bench.demo import run_demo
+    from ..bench.demo import run_demo
 
     engine, rows = run_demo(args, ["gsm8k", "humaneval"])
     print(
@@ -64,11 +64,11 @@ def _demo(args: argparse.Namespace) -> None:
 def _export(args: argparse.Namespace) -> None:
     import json
 
-    from .bench.datasets import load_prompts
-    from .distill.adapters import config_from_state
-    from .export.onnx import export_drafter
-    from .models import load_model
-    from .translate.token_bytes import build_token_bytes
+    from ..bench.datasets import load_prompts
+    from ..distill.adapters import config_from_state
+    from ..export.onnx import export_drafter
+    from ..store.models import load_model
+    from ..translate.token_bytes import build_token_bytes
 
     if args.prune and not args.target:
         raise SystemExit("--prune needs --target: pruning keeps the tokens that pairing can use")
@@ -112,8 +112,8 @@ def _pairing_for_export(
     """(adapter tensors, adapter id, kept token ids) of the (drafter, target, user) profile for export."""
     import omnidraft as od
 
-    from .profiles import ProfileStore
-    from .translate.vocab_map import build_vocab_map
+    from ..store.profiles import ProfileStore
+    from ..translate.vocab_map import build_vocab_map
 
     target = od.LocalTarget.load(args.target, kernels=False)
     fingerprint = f"{token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
@@ -134,13 +134,13 @@ def _pairing_for_export(
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from .optional import require
+    from ..optional import require
 
     uvicorn = require("uvicorn", "omnidraft serve")
     require("fastapi", "omnidraft serve")
 
-    from .remote.server import ServerConfig, create_app, http_protocol
-    from .targets.registry import engine
+    from ..remote.server import ServerConfig, create_app, http_protocol
+    from ..targets.registry import engine
 
     key = api_keys(args)
     config = ServerConfig(
@@ -203,7 +203,7 @@ def api_keys(args: argparse.Namespace) -> str | tuple[str, ...] | None:
 
 
 def _profiles(args: argparse.Namespace) -> None:
-    from .profiles import ProfileStore
+    from ..store.profiles import ProfileStore
 
     store = ProfileStore(args.store)
     if args.action == "list":
@@ -250,7 +250,7 @@ def _doctor(args: argparse.Namespace) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> None:
-    from .device_sim.__main__ import main as simulate_main
+    from ..device_sim.__main__ import main as simulate_main
 
     simulate_main(args.rest)
 
@@ -258,13 +258,13 @@ def _simulate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["simulate"]:  # every argument, --help included, is device_sim's
-        from .device_sim.__main__ import main as simulate_main
+        from ..device_sim.__main__ import main as simulate_main
 
         simulate_main(argv[1:])
         return
     args = build_parser().parse_args(argv)
     start_run(args)
-    from .bench.commands import bench
+    from ..bench.commands import bench
 
     commands = {
         "generate": _generate,
@@ -286,7 +286,3 @@ def main(argv: list[str] | None = None) -> None:
         if args.debug:
             raise
         raise SystemExit(f"omnidraft {args.command}: error: {exc} (--debug shows the traceback)") from None
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,5 @@
+"""`python -m omnidraft.cli ...`: the `omnidraft` command."""
+
+from .commands import main
+
+main()
