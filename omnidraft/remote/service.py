@@ -9,7 +9,6 @@ that batches sessions (vLLM) there is no model lock: each session's own lock ord
 from __future__ import annotations
 
 import contextlib
-import logging
 import tempfile
 import threading
 import time
@@ -42,10 +41,8 @@ from .text_routes import TextRoutes
 # the last three re-exported
 __all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service", "sampling_rule"]
 
-log = logging.getLogger(__name__)
-
 PREFILL_CHUNK = 512  # prompt tokens one model call may take at most
-PREFILL_FIRST = 32  # a prefill's first call: later ones are sized to PREFILL_SLICE_S by the last one's time
+PREFILL_FIRST = 64  # a prefill's first and smallest call (fewer tokens pay a call's fixed cost for little)
 PREFILL_SLICE_S = 0.25  # seconds one prefill call aims to hold the model: what another session waits at most
 ACTIVE_S = 1.0  # a session that verified within this many seconds counts in the load a draft budget serves
 
@@ -277,7 +274,9 @@ class Service(TextRoutes, SpeculateRoutes):
                 if inner.prefill(most) == 0:
                     return
                 took = time.perf_counter() - started
-            most = max(8, min(PREFILL_CHUNK, 2 * most, int(most * PREFILL_SLICE_S / max(took, 1e-4))))
+            most = max(
+                PREFILL_FIRST, min(PREFILL_CHUNK, 2 * most, int(most * PREFILL_SLICE_S / max(took, 1e-4)))
+            )
 
     def _stepwise(
         self,
