@@ -102,7 +102,9 @@ def test_serve_and_bench_accept_a_registered_engine(toy_engine, models, tmp_path
         reply = client.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []})
         assert reply.status_code == 200 and toy_engine[0].verifies == 1
         echo = {"prompt": ids, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
-        assert client.post("/v1/completions", json=echo).status_code == 501  # it scores no positions
+        assert (
+            client.post("/v1/completions", json=echo).status_code == 400
+        )  # it scores no positions: refused, not a 5xx
 
     pair = f"{models['drafter']}:{models['target']}"
     argv = ["bench", "--target-backend", "toy", "--pair", pair, "--dataset", "gsm8k", *FEW]

@@ -41,7 +41,7 @@ class TextRoutes:
 
         if not self.target.capabilities.scores_positions:
             raise HTTPError(
-                501,
+                400,
                 f"/v1/completions with echo or log-probabilities is not served on {self.target.name}'s "
                 "engine (its sessions return no rows of logits): use /v1/generate, or the engine's own "
                 "OpenAI server",
@@ -95,6 +95,8 @@ class TextRoutes:
         self._check_ids(ids, "prompt")
         budget = len(ids) + max_tokens
         self._check_context(budget, "the completion")
+        if max_tokens <= 0:  # OpenAI's max_tokens 0: nothing to decode (an engine refuses a request of 0)
+            return iter(())
         in_engine = self.batches and logprobs is None  # the engine's own loop: greedy or sampled in its step
         if not in_engine:
             try:
