@@ -147,13 +147,10 @@ def _cpu_seconds(proc: Any) -> float:
 
 
 def _engine_steps(url: str) -> float:
-    """The vLLM engine's steps so far, from the server's /metrics."""
-    import httpx
+    """The vLLM engine's steps so far (the server's /metrics)."""
+    from omnidraft.bench.network import engine_counters
 
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return float(
-        next(line.split()[1] for line in text.splitlines() if line.startswith("omnidraft_engine_steps"))
-    )
+    return engine_counters(url)[0]
 
 
 def _stopped_after(work: Callable[[], float], floor: float, left: float, watch: float = 6.0) -> float:

@@ -29,7 +29,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterator
 
-__all__ = ["ROWS", "Timed", "free_port", "pinned", "run_network", "server_process", "wait_up"]
+__all__ = [
+    "ROWS",
+    "Timed",
+    "engine_counters",
+    "free_port",
+    "pinned",
+    "run_network",
+    "server_process",
+    "wait_up",
+]
 
 ROWS = ("server alone", "device drafting", "stock vLLM")
 SERVER_CPU, DEVICE_CPU = 0, 1
@@ -117,7 +126,7 @@ def _proxy(upstream_port: int, rtt_ms: float) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
-def _engine_counters(url: str) -> tuple[float, float]:
+def engine_counters(url: str) -> tuple[float, float]:
     """(engine steps, engine seconds) so far, from omnidraft's server's /metrics."""
     import httpx
 
@@ -279,7 +288,7 @@ def run_network(
                     _device(pair, prompts[0], 16)  # warm-up: connections, costs, the drafter's caches
                 for n in devices:
                     progress(f"RTT {rtt:g} ms, {n} devices: server alone")
-                    before = _engine_counters(url)
+                    before = engine_counters(url)
                     runs, wall = _concurrently(
                         n,
                         [
@@ -291,12 +300,12 @@ def run_network(
                         references.setdefault(n, [r.tokens for r in runs])
                     row = {
                         **summarize_row(runs, wall, references.get(n)),
-                        **_per_token(before, _engine_counters(url), runs),
+                        **_per_token(before, engine_counters(url), runs),
                     }
                     results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[0], **row})
                     done(results)
                     progress(f"RTT {rtt:g} ms, {n} devices: device drafting")
-                    before = _engine_counters(url)
+                    before = engine_counters(url)
                     runs, wall = _concurrently(
                         n,
                         [
@@ -306,7 +315,7 @@ def run_network(
                     )
                     row = {
                         **summarize_row(runs, wall, references.get(n)),
-                        **_per_token(before, _engine_counters(url), runs),
+                        **_per_token(before, engine_counters(url), runs),
                     }
                     results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[1], **row})
                     done(results)

@@ -12,7 +12,15 @@ import torch
 
 from ..target import Rule
 
-__all__ = ["HTTPError", "ServerConfig", "check_ids", "checked_rule", "draft_rows", "sampling_rule"]
+__all__ = [
+    "HTTPError",
+    "ServerConfig",
+    "check_ids",
+    "checked_rule",
+    "draft_rows",
+    "sampling_rule",
+    "verify_rule",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +89,18 @@ def sampling_rule(request: Any) -> Rule:
         top_p=request.top_p,
         min_p=request.min_p,
         seed=request.seed,
+    )
+
+
+def verify_rule(request: Any) -> Rule:
+    """The Rule a verify request (protocol.VerifyRequest) names: its mode under its temperature and
+    filters; a combination Rule refuses is a 422."""
+    return checked_rule(
+        mode=request.mode,
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        min_p=request.min_p,
     )
 
 

@@ -34,7 +34,7 @@ from .protocol import (
     VerifyReply,
     VerifyRequest,
 )
-from .server_config import HTTPError, ServerConfig, check_ids, checked_rule, draft_rows, sampling_rule
+from .server_config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule, verify_rule
 from .sessions import FairLock, Session, ended, release_session, serving
 from .text_routes import TextRoutes
 
@@ -114,9 +114,7 @@ class Service(TextRoutes, SpeculateRoutes):
         """Verify a proposal; `cancel` set (its client left) stops its prefill or its engine's work."""
         session = self._session(sid, key)
         self._check_ids(request.proposal, "proposal")
-        rule = checked_rule(
-            **{f: getattr(request, f) for f in ("mode", "temperature", "top_k", "top_p", "min_p")}
-        )
+        rule = verify_rule(request)
         proposal = tuple(request.proposal)
         with session.lock, serving(session, self.table_lock):
             self._check_idle(session)

@@ -79,44 +79,35 @@ class Handle:
     error: BaseException | None = None
     abort: Callable[[Handle], None] | None = field(default=None, repr=False)  # its loop's abort
 
-    def stream(self, timeout: float | None = None) -> Iterator[Any]:
-        """Each output as it arrives; raises the engine's error, if it failed."""
-        while (item := self.outputs.get(timeout=timeout)) is not None:
+    def stream(self, timeout: float | None = None, cancel: threading.Event | None = None) -> Iterator[Any]:
+        """Each output as it arrives; raises the engine's error, if it failed. `cancel` set while it
+        waits (its client left): the request is aborted and Cancelled raised."""
+        while (item := self._next(timeout, cancel)) is not None:
             yield item
         if self.error is not None:
             raise self.error
 
     def result(self, timeout: float | None = None, cancel: threading.Event | None = None) -> Any:
-        """The last output of a request (its final one when the request asked for FINAL_ONLY).
-        `cancel` set while it waits (its client left): the request is aborted, Cancelled raised."""
-        if cancel is not None:
-            return self._until(cancel)
+        """The last output of a request (its final one when the request asked for FINAL_ONLY);
+        `cancel` as for `stream`."""
         last = None
-        for last in self.stream(timeout):
+        for last in self.stream(timeout, cancel):
             pass
         if last is None:
             raise RuntimeError(f"vLLM request {self.request_id} ended without output (aborted)")
         return last
 
-    def _until(self, cancel: threading.Event) -> Any:
-        last = None
-        while True:
+    def _next(self, timeout: float | None, cancel: threading.Event | None) -> Any:
+        if cancel is None:
+            return self.outputs.get(timeout=timeout)
+        while True:  # wait in short slices, looking at `cancel` between them
             try:
-                item = self.outputs.get(timeout=CANCEL_POLL_S)
+                return self.outputs.get(timeout=CANCEL_POLL_S)
             except queue.Empty:
                 if cancel.is_set():
                     if self.abort is not None:
                         self.abort(self)
                     raise Cancelled(f"vLLM request {self.request_id}: its client went away") from None
-                continue
-            if item is None:
-                break
-            last = item
-        if self.error is not None:
-            raise self.error
-        if last is None:
-            raise RuntimeError(f"vLLM request {self.request_id} ended without output (aborted)")
-        return last
 
 
 class EngineLoop:
