@@ -7,7 +7,6 @@ acceptance maths verify.py, the vocabulary work translate/.
 from __future__ import annotations
 
 import codecs
-import logging
 import os
 import threading
 import time
@@ -19,10 +18,12 @@ import torch
 from .adaptive.costs import CostModel
 from .adaptive.lengths import DraftLengths, plan_drafting
 from .decode import engine_rounds, round_loop
-from .decode.config import K_START, RELAXED, DecodeConfig
+from .decode.config import K_START, RELAXED, DecodeConfig, warn_relaxed
+from .decode.proposers import Proposer, default_proposer
 from .decode.round_policy import finish_request, request_mode
 from .decode.rounds import (
     MAX_NEW_TOKENS,
+    Call,
     Generation,
     check_logprobs,
     check_request,
@@ -53,8 +54,6 @@ if TYPE_CHECKING:
 
 __all__ = ["K_START", "TABLES_KEPT", "DecodeConfig", "Generation", "Pairing", "pair_tables"]
 
-log = logging.getLogger(__name__)
-
 
 class Pairing:
     """A drafter and a target with their translator (direct map + n-gram cache) and, per user, a
@@ -71,6 +70,7 @@ class Pairing:
         train: TrainConfig | None = None,
         adapter: AdapterConfig | str | None = None,
         store: ProfileStore | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         from .store.profiles import ProfileStore
         from .target import check_target
@@ -78,84 +78,80 @@ class Pairing:
         check_target(target)
         self.drafter, self.target, self.config, self.user = drafter, target, config, user
         if config.mode == RELAXED:
-            if not target.capabilities.in_process:
-                raise ValueError(
-                    f"relaxed-lossy verification needs an in-process target; {target!r} verifies remotely"
-                )
-            log.warning(
-                "%s -> %s: relaxed-lossy verification; outputs may differ from the target's own greedy "
-                "output",
-                drafter.name,
-                target.name,
-            )
+            warn_relaxed(drafter, target)
         vmap, healer = pair_tables(drafter, target, healing=config.healing)
         self.fingerprint = f"{drafter.token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
         self.store = store or ProfileStore()
         profile = (
             self.store.load(drafter.name, target.name, user, fingerprint=self.fingerprint) if user else None
         )
-        cache = NgramCache(config.ngram, fingerprint=self.fingerprint)
-        if profile is not None and profile.ngram is not None:
-            cache = NgramCache.from_doc(
-                profile.ngram, where=f"profile of {user!r}", fingerprint=self.fingerprint, config=config.ngram
-            )
-        self.translator = Translator(drafter.codec, target.codec, vmap, cache, strategy=config.strategy)
+        self.translator = self._translator(vmap, profile)
         self.healer = healer
         # drafter ids with a target id of the same bytes (exact mode drafts only these)
         self.shared_vocab = vmap.d2t >= 0
         self.metrics: list[dict[str, Any]] = list(profile.metrics) if profile else []
         self._steps0 = profile.steps if profile else 0
+        saved = profile.tensors if profile else {}
         self.adapter = attach_adapter(
-            drafter,
-            target.name,
-            user,
-            learn=learn,
-            adapter=adapter,
-            saved=profile.tensors.get("adapter") if profile else None,
+            drafter, target.name, user, learn=learn, adapter=adapter, saved=saved.get("adapter")
         )
         self.plan = plan = plan_drafting(drafter, target, config, learn)
         self.outlook, self.modes = plan.outlook, plan.modes
         self.model_drafts, self.free_drafts = plan.model, plan.free
-        self.cost = CostModel(
-            verify=plan.outlook.verify if plan.outlook else None
-        )  # measured costs, if the target has them
-        self.retriever = (
-            Retriever.for_user(
+        # measured costs, from the target's own where it has them
+        self.cost = CostModel(verify=plan.outlook.verify if plan.outlook else None)
+        self.retriever: Retriever | None = None
+        if config.drafts != "model":
+            history = profile.history if profile else None
+            self.retriever = Retriever.for_user(
                 config.retrieval,
                 user,
-                profile.history if profile else None,
+                history,
                 target.token_bytes.fingerprint,
                 model=config.drafts == "hybrid" and plan.model,
             )
-            if config.drafts != "model"
-            else None
-        )
         self.lengths = DraftLengths(
             config,
             self.cost,
             may_idle=plan.may_idle,
             hidden_size=drafter.hidden_size if config.head else None,
-            saved_head=profile.tensors.get("head") if profile else None,
+            saved_head=saved.get("head"),
             shared=self.shared_vocab,
             label=f"{drafter.name} -> {target.name}",
         )
-        self.learner: Learner | None = None
-        if learn:
-            if self.adapter is None:
-                raise ValueError(f"learn=True: {drafter.name} carries no adapter to learn into")
-            from .distill import learner as learning
-            from .distill.trainer import TrainConfig
-
-            self.learner = learning.Learner(
-                drafter,
-                self.adapter,
-                vmap.t2d,
-                target.token_bytes,
-                train or TrainConfig(),
-                start_step=self._steps0,
-            )
+        self.learner: Learner | None = self._learner(train, vmap) if learn else None
         self.last: Generation | None = None
         self.shared_lock = threading.RLock()  # the state requests share: costs, policies, caches, stats
+        # where each round's proposed target ids come from (decode/proposers.py)
+        self.proposer: Proposer = proposer if proposer is not None else default_proposer(self)
+
+    def _translator(self, vmap: Any, profile: Any) -> Translator:
+        """The translator: the direct map, and the n-gram cache (the user's profile's, if saved)."""
+        config = self.config
+        cache = NgramCache(config.ngram, fingerprint=self.fingerprint)
+        if profile is not None and profile.ngram is not None:
+            where = f"profile of {self.user!r}"
+            cache = NgramCache.from_doc(
+                profile.ngram, where=where, fingerprint=self.fingerprint, config=config.ngram
+            )
+        codecs_ = self.drafter.codec, self.target.codec
+        return Translator(*codecs_, vmap, cache, strategy=config.strategy)
+
+    def _learner(self, train: TrainConfig | None, vmap: Any) -> Learner:
+        """The online distillation into the pairing's adapter (`learn=True`)."""
+        if self.adapter is None:
+            raise ValueError(f"learn=True: {self.drafter.name} carries no adapter to learn into")
+        from .distill import learner as learning
+        from .distill.trainer import TrainConfig
+
+        return learning.Learner(
+            self.drafter,
+            self.adapter,
+            vmap.t2d,
+            self.target.token_bytes,
+            train or TrainConfig(),
+            start_step=self._steps0,
+        )
 
     @property
     def policy(self) -> CostPolicy | None:
@@ -352,11 +348,12 @@ class Pairing:
             learner.begin_request()
         with self.shared_lock:
             mode = request_mode(self, rule, logprobs)
-        rounds_of = engine_rounds.request_rounds if mode == "engine" else round_loop.request_rounds
+        rounds_of = {"engine": engine_rounds.request_rounds, "alone": round_loop.alone_rounds}.get(
+            mode, round_loop.request_rounds
+        )
+        call = Call(prompt, rule, max_new_tokens, generator, special, logprobs)
         try:
-            for new, record in rounds_of(
-                self, prompt, rule, max_new_tokens, generator, mode, special, rows, logprobs
-            ):
+            for new, record in rounds_of(self, call, rows):
                 rounds.append(record)
                 out += new
                 if learner is not None and len(rounds) % tts == 0:

@@ -233,3 +233,26 @@ def test_the_hybrid_is_paired_against_model_drafts_and_the_fastest_other_row():
     assert hybrid_against([r for r in rows if r["variant"] != "omnidraft hybrid"]) == {}
     text = markdown({"datasets": {"rag": {"target_tok_s": 1.0, "rows": rows, **paired}}})
     assert "hybrid vs the fastest other row (HF prompt lookup (10)), paired: 0.935×" in text
+
+
+def test_the_paired_before_after_report_gives_a_median_ratio_and_checks_outputs():
+    """benchmarks/paired.py's report: per prompt, the before tree's seconds over the after tree's
+    (median of repeats); a prompt whose outputs differ is counted against "outputs identical"."""
+    import argparse
+
+    from benchmarks.paired import report
+
+    def run(seconds: list[float], ids: list[list[int]]) -> list[dict]:
+        return [
+            {"workload": "w", "prompt": i, "seconds": s, "ids": x}
+            for i, (s, x) in enumerate(zip(seconds, ids))
+        ]
+
+    same = [[1, 2], [3, 4], [5, 6]]
+    runs = {
+        "before": [run([2.0, 2.0, 2.0], same), run([2.0, 2.0, 2.0], same)],
+        "after": [run([1.0, 1.0, 1.0], same), run([1.0, 1.0, 1.0], [[1, 2], [3, 4], [9]])],
+    }
+    args = argparse.Namespace(pair="a:b", engine="torch", n=3, max_new_tokens=2, repeats=2, workload=["w"])
+    row = report(runs, args).splitlines()[-1]
+    assert row.startswith("| w | 1.00 | 2.00 | 2.000 | 2.000-2.000 | 2/3 |"), row

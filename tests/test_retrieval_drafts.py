@@ -11,7 +11,7 @@ import torch
 import omnidraft as od
 from omnidraft.errors import IncompatibleError
 from omnidraft.retrieve import Datastore, RetrievalConfig
-from omnidraft.retrieve.retriever import NO_RENT, ReadDeferral
+from omnidraft.retrieve.retriever import NO_READ, ReadDeferral
 
 from .conftest import assert_first_tokens_follow, gsm8k_texts, target_greedy, tiny_llama, train_bpe
 
@@ -61,22 +61,22 @@ def test_retrieval_only_never_runs_the_drafter(tiny_drafter, tiny_target):
         assert pair.generate(prompt, max_new_tokens=30).token_ids == target_greedy(tiny_target, prompt, 30)
 
 
-def test_the_drafters_read_is_rented_until_the_rounds_without_it_have_lost_what_it_costs():
+def test_the_drafters_read_is_deferred_until_the_rounds_without_it_have_lost_what_it_costs():
     deferral = ReadDeferral()
     rates = {0: 10.0, 4: 20.0}  # the target alone: 0.1 s a token; drafting: 0.05
     assert not deferral.begin(100).defer(rates, 0)  # nothing measured yet: draft as ever
     deferral.per_token = 0.001  # reading 100 tokens: 0.1 s
-    rent = deferral.begin(100)
-    assert not rent.defer({}, 0)  # the cost policy has no rates yet
-    assert rent.defer(rates, 0)
-    rent.settle(
+    read = deferral.begin(100)
+    assert not read.defer({}, 0)  # the cost policy has no rates yet
+    assert read.defer(rates, 0)
+    read.settle(
         True, committed=1, seconds=None, drafted=0, draft_s=0.0, step=0.01, produced=0
     )  # the prefill round
-    assert rent.regret == 0
+    assert read.regret == 0
     for _ in range(2):  # two plain rounds lose 0.05 s each: the read is paid for after them
-        assert rent.defer(rates, 0)
-        rent.settle(True, committed=1, seconds=0.1, drafted=0, draft_s=0.0, step=0.01, produced=0)
-    assert rent.regret == pytest.approx(0.1) and not rent.defer(rates, 0)
+        assert read.defer(rates, 0)
+        read.settle(True, committed=1, seconds=0.1, drafted=0, draft_s=0.0, step=0.01, produced=0)
+    assert read.regret == pytest.approx(0.1) and not read.defer(rates, 0)
     again = deferral.begin(100)
     assert again.defer(rates, 0)
     again.settle(
@@ -101,7 +101,7 @@ def test_the_drafters_read_is_rented_until_the_rounds_without_it_have_lost_what_
     for _ in range(50):
         assert slow.defer({0: 10.0, 4: 5.0}, 0)
         slow.settle(True, committed=1, seconds=0.1, drafted=0, draft_s=0.0, step=0.01, produced=0)
-    assert not NO_RENT.defer(rates, 0)
+    assert not NO_READ.defer(rates, 0)
 
 
 class _CountingDrafter(_NoForward):

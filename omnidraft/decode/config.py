@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,9 @@ from ..retrieve import DRAFT_SOURCES, RetrievalConfig
 from ..target import Rule
 from ..translate.ngram_cache import NgramCacheConfig
 
-__all__ = ["K_START", "RELAXED", "DecodeConfig"]
+__all__ = ["K_START", "RELAXED", "DecodeConfig", "warn_relaxed"]
+
+log = logging.getLogger(__name__)
 
 
 K_START = 6  # a cost-driven pairing's first draft length, before any cost is measured
@@ -145,3 +148,16 @@ class DecodeConfig:
     def healing(self) -> bool:
         """Whether token healing acts under this config (see `heal`)."""
         return self.heal and self.strategy == "text" and self.mode in ("greedy", "match")
+
+
+def warn_relaxed(drafter: Any, target: Any) -> None:
+    """Relaxed-lossy verification: refused on a remote target, warned of elsewhere."""
+    if not target.capabilities.in_process:
+        raise ValueError(
+            f"relaxed-lossy verification needs an in-process target; {target!r} verifies remotely"
+        )
+    log.warning(
+        "%s -> %s: relaxed-lossy verification; outputs may differ from the target's own greedy output",
+        drafter.name,
+        target.name,
+    )

@@ -1,103 +1,208 @@
 """Proposers: where a round's proposed target ids come from (as HF's candidate generators and
 vLLM's proposers are for one vocabulary).
 
+A proposer answers three calls, made by a request's `Speculation` (speculation.py):
+`begin(request)` gives the request the proposer's own state, `propose(state, budget)` proposes up to
+`budget.room` target ids after the committed text (a `Round`, or None for nothing worth proposing),
+and `settle(state, rnd, verdict)` learns what the target committed. The pairing's `RoundPolicy`
+only sizes each budget. docs/architecture.md has the recipe for a proposer of your own.
+
 - `ModelDrafts`: the drafter model drafts up to k tokens, translated into the target's ids;
 - `RetrievedDrafts`: a continuation copied from the request's context or the user's past outputs
-  (retrieve/), in the target's ids already, with the planner deciding when it beats drafting;
-- `propose`: their combination, the hybrid the pairing runs: a retrieved draft where the planner
-  prefers it, else a model draft run on into a retrieved continuation.
+  (retrieve/), in the target's ids already, where the retrieval planner expects it to pay;
+- `HybridDrafts`: the pairing's default: a retrieved draft where the planner prefers it, else a
+  model draft run on into a retrieved continuation.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from ..draft.picking import NO_DRAFT, Draft
+from ..draft.picking import NO_DRAFT, Adaptable, Draft
 from ..translate.translator import Proposal, Source
-from .rounds import draft_rows
 
 if TYPE_CHECKING:
+    from ..draft.session import DraftSession
     from ..pairing import Pairing
-    from .round_loop import Request
+    from ..retrieve import ContextIndex
+    from .speculation import Request
 
-__all__ = ["MODEL", "RETRIEVED", "ModelDrafts", "Proposer", "RetrievedDrafts", "Round", "propose"]
+__all__ = [
+    "Budget",
+    "Extendable",
+    "HybridDrafts",
+    "ModelDrafts",
+    "Proposer",
+    "RetrievedDrafts",
+    "Round",
+    "Verdict",
+    "default_proposer",
+]
 
 
 @dataclass
 class Round:
     """One round's proposal: the model draft (NO_DRAFT when none), the proposal in target ids, the
     retrieval plan it used (None: none), the rows rejection sampling verifies against, and when
-    the round began and its draft was done (perf_counter seconds)."""
+    the round began, its draft was done and its proposal was ready (perf_counter seconds; the
+    speculation fills in what a proposer leaves at 0)."""
 
     draft: Draft
     proposal: Proposal
-    used: Any
-    q: torch.Tensor | None
-    started: float
-    drafted: float
+    used: Any = None
+    q: torch.Tensor | None = None
+    started: float = 0.0
+    drafted: float = 0.0
+    ready: float = 0.0
+
+    @classmethod
+    def copied(cls, ids: list[int]) -> Round:
+        """A round proposing target ids copied from elsewhere (no drafter model under them)."""
+        return cls(NO_DRAFT, Proposal.copied(ids))
 
     def retrieved_among(self, accepted: int) -> int:
         """How many of the first `accepted` proposed tokens were retrieved ones."""
         return sum(1 for s in self.proposal.sources[:accepted] if s == Source.RETRIEVED)
 
+    def cached_among(self, accepted: int) -> int:
+        """How many of the first `accepted` proposed tokens the n-gram cache translated."""
+        return sum(1 for s in self.proposal.sources[:accepted] if s == Source.NGRAM)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a round may propose: up to `k` model-drafted tokens (0: none), at most `room` target ids
+    in all, retrieved tokens or not; `only`: which translations the request's verification accepts
+    (translate/translator.py); `ahead`: draft k tokens whatever an acceptance head says (a device
+    drafting ahead for a server's engine, whose budget decides what is verified)."""
+
+    k: int
+    room: int
+    retrieve: bool = True
+    only: str = "any"
+    ahead: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The target's answer to a round: `new`, the target ids it committed, of which the first
+    `accepted` are proposed tokens (then the target's own token, unless the request ended)."""
+
+    new: list[int]
+    accepted: int
+
 
 class Proposer(Protocol):
-    """Proposes up to `room` target ids after the request's committed text (a `Round`, its rows
-    for rejection sampling not filled in yet), or None where it has nothing worth proposing.
-    `only`: which translations the request's verification accepts (translate/translator.py)."""
+    """Proposes a round's target ids; see the module docstring."""
 
-    def propose(
-        self, p: Pairing, req: Request, k: int, room: int, only: str, started: float
-    ) -> Round | None: ...
+    def begin(self, request: Request) -> Any:
+        """A new request: the proposer's state for it (whatever `propose` and `settle` need)."""
+        ...
+
+    def propose(self, state: Any, budget: Budget) -> Round | None:
+        """Up to `budget.room` target ids after the committed text (`state`'s request's target
+        ids), or None: nothing worth proposing this round."""
+        ...
+
+    def settle(self, state: Any, rnd: Round, verdict: Verdict) -> None:
+        """The target's verdict on `rnd`: learn from it, and follow the committed text."""
+        ...
+
+
+@runtime_checkable
+class Extendable(Protocol):
+    """A proposer whose last proposal can grow while its verify is still out (a device drafting
+    ahead of a server's engine, remote/streaming.py)."""
+
+    def extend(self, state: Any, rnd: Round, k: int, room: int) -> Round | None: ...
+
+    def may_resume(self, state: Any, rnd: Round) -> bool: ...
+
+
+@dataclass
+class ModelState:
+    """A request's model-draft side: its drafter session, and the drafter context's last token
+    (token healing may let the next draft replace it)."""
+
+    request: Request
+    drafts: DraftSession
+    last: int
 
 
 class ModelDrafts:
     """The drafter model's draft of up to k tokens (k_max once an acceptance head decides),
     stopped by the head or by the drafter's confidence, healed where lossless, translated."""
 
-    def propose(
-        self, p: Pairing, req: Request, k: int, room: int, only: str, started: float, *, ahead: bool = False
-    ) -> Round:
-        draft = NO_DRAFT if k == 0 else self.draft(p, req, k, ahead=ahead)
-        drafted = time.perf_counter()
-        skip = len(p.drafter.token_bytes.table[req.last] or b"") if draft.healed else 0
-        with p.shared_lock:
-            proposal = p.translator.translate(draft.ids, only=only, skip=skip)
-        return Round(draft, proposal.cut(min(len(proposal), room)), None, None, started, drafted)
+    def __init__(self, pairing: Pairing) -> None:
+        self.p = pairing
 
-    @staticmethod
-    def extend(p: Pairing, req: Request, rnd: Round, k: int, room: int) -> Round | None:
+    def begin(self, request: Request) -> ModelState:
+        p = self.p
+        if isinstance(p.drafter, Adaptable):  # a fake or an exported graph has no adapters
+            p.drafter.activate(p.adapter)
+        ids = request.drafter_ids
+        return ModelState(request, p.drafter.begin(ids), ids[-1] if ids else -1)
+
+    def propose(self, state: ModelState, budget: Budget) -> Round:
+        draft = NO_DRAFT if budget.k == 0 else self._draft(state, budget.k, ahead=budget.ahead)
+        return self._round(state, draft, budget.only, budget.room)
+
+    def settle(self, state: ModelState, rnd: Round, verdict: Verdict) -> None:
+        """The drafter keeps what matches the committed text and re-encodes the rest, the n-gram
+        cache learns, and the next draft length is chosen (into the request)."""
+        p, req, draft = self.p, state.request, rnd.draft
+        held = (p.drafter.token_bytes.table[state.last] or b"") if draft.healed else b""  # the draft's start
+        keep, tail = p.translator.resync(draft.ids, held + p.target.token_bytes.join(verdict.new))
+        p.translator.learn(draft.ids[:keep] + tail, verdict.new, skip=len(held))
+        state.drafts.commit(keep, tail)
+        if p.model_drafts:
+            retrieved = rnd.retrieved_among(verdict.accepted)
+            modeled = len(rnd.proposal) - rnd.proposal.retrieved
+            req.k = p.lengths.next(
+                req.k, req.stopper, len(draft.ids), modeled, verdict.accepted - retrieved, keep
+            )
+        state.last = (draft.ids[:keep] + tail or [state.last])[-1]
+
+    def extend(self, state: ModelState, rnd: Round, k: int, room: int) -> Round | None:
         """`rnd` with its model draft drafted up to `k` tokens further (stopped as a draft is, by a
         stop token or low confidence), translated again (at most `room` target ids); None where the
-        drafter proposes nothing more."""
-        _, stop_confidence, _ = p.lengths.for_draft(k, None)
-        more = req.drafts.propose(k, stop_confidence=stop_confidence, more=True)
+        drafter proposes nothing more, or `rnd` is not a model draft to grow."""
+        if not rnd.draft.ids or rnd.used is not None:
+            return None
+        _, stop_confidence, _ = self.p.lengths.for_draft(k, None)
+        more = state.drafts.propose(k, stop_confidence=stop_confidence, more=True)
         if not more.ids:
             return None
-        draft = Draft(rnd.draft.ids + more.ids, None, rnd.draft.healed)
-        skip = len(p.drafter.token_bytes.table[req.last] or b"") if draft.healed else 0
-        with p.shared_lock:
-            proposal = p.translator.translate(draft.ids, only="any", skip=skip)
-        return Round(
-            draft, proposal.cut(min(len(proposal), room)), None, None, rnd.started, time.perf_counter()
-        )
+        grown = self._round(state, Draft(rnd.draft.ids + more.ids, None, rnd.draft.healed), "any", room)
+        grown.started = rnd.started
+        return grown
 
-    @staticmethod
-    def draft(p: Pairing, req: Request, k: int, *, ahead: bool = False) -> Draft:
-        """Up to k tokens; `ahead`: k, not an acceptance head's length (a device drafting ahead of
-        a server, whose budget decides what is verified)."""
+    def may_resume(self, state: ModelState, rnd: Round) -> bool:
+        """Whether `rnd`'s draft stopped at a token of low confidence (not a stop token)."""
+        return bool(rnd.draft.ids) and rnd.used is None and rnd.draft.ids[-1] not in state.drafts.stop_ids
+
+    def _round(self, state: ModelState, draft: Draft, only: str, room: int) -> Round:
+        p, drafted = self.p, time.perf_counter()
+        skip = len(p.drafter.token_bytes.table[state.last] or b"") if draft.healed else 0
+        with p.shared_lock:
+            proposal = p.translator.translate(draft.ids, only=only, skip=skip)
+        return Round(draft, proposal.cut(min(len(proposal), room)), drafted=drafted)
+
+    def _draft(self, state: ModelState, k: int, *, ahead: bool) -> Draft:
+        """Up to k tokens; `ahead`: k, not an acceptance head's length."""
+        p, req = self.p, state.request
         k, stop_confidence, extra = p.lengths.for_draft(k, None if ahead else req.stopper)
         ids = req.target.ids
         if p.healer is not None and ids and req.rule.mode in ("greedy", "match"):
-            heal = p.healer.candidates(req.last, p.target.token_bytes.table[ids[-1]])
+            heal = p.healer.candidates(state.last, p.target.token_bytes.table[ids[-1]])
             if heal is not None:
                 extra["heal"] = heal  # the target's last token lets a longer drafter token replace `last`
         allowed = p.shared_vocab if req.rule.mode == "exact" else None
-        return req.drafts.propose(
+        return state.drafts.propose(
             k,
             temperature=req.rule.temperature,
             allowed=allowed,
@@ -109,52 +214,83 @@ class ModelDrafts:
 
 class RetrievedDrafts:
     """A retrieved continuation, where the planner expects it to beat drafting (`propose`), or
-    run on after a model draft (`run_on`)."""
+    run on after a model draft (`run_on`). Its state is the request's retrieval index (None: the
+    pairing retrieves nothing at this target)."""
 
-    def propose(self, p: Pairing, req: Request, k: int, room: int, only: str, started: float) -> Round | None:
-        if req.index is None or p.retriever is None:
+    def __init__(self, pairing: Pairing) -> None:
+        self.p = pairing
+
+    def begin(self, request: Request) -> ContextIndex | None:
+        p = self.p
+        if p.retriever is None or not p.free_drafts:
+            return None
+        with p.shared_lock:  # begin() also moves the shared acceptance history
+            return p.retriever.begin(request.prompt_ids)
+
+    def propose(self, index: ContextIndex | None, budget: Budget) -> Round | None:
+        p = self.p
+        if index is None or p.retriever is None:
             return None
         with p.shared_lock:
             rates = p.policy.last_rates if p.policy else {}
-            used = p.retriever.plan(req.index, p.cost, rates, room, drafting=k > 0)
+            used = p.retriever.plan(index, p.cost, rates, budget.room, drafting=budget.k > 0)
             if used is None:
                 return None
-            drafted = time.perf_counter()  # no drafter forward this round
-            proposal = p.translator.translate([], only=only).then(used.candidate.ids[: used.length])
-        return Round(NO_DRAFT, proposal, used, None, started, drafted)
+            rnd = Round.copied(used.candidate.ids[: used.length])
+        rnd.used, rnd.drafted = used, time.perf_counter()  # no drafter forward
+        return rnd
 
-    def run_on(self, p: Pairing, req: Request, proposal: Proposal, room: int) -> tuple[Proposal, Any]:
-        if req.index is None or p.retriever is None:
-            return proposal, None
-        with p.shared_lock:
-            return p.retriever.extend(req.index, proposal, room)
+    def run_on(self, index: ContextIndex | None, rnd: Round, room: int) -> Round:
+        """`rnd` (a model draft) run on into a retrieved continuation, where its end matches one."""
+        if index is not None and self.p.retriever is not None:
+            with self.p.shared_lock:
+                rnd.proposal, rnd.used = self.p.retriever.extend(index, rnd.proposal, room)
+        return rnd
+
+    def settle(self, index: ContextIndex | None, rnd: Round, verdict: Verdict) -> None:
+        """The index reads the committed ids; the retrieval statistics see the round."""
+        if index is not None:
+            index.commit(verdict.new)
+            if self.p.retriever is not None:
+                self.p.retriever.observe(rnd.used, len(rnd.proposal), verdict.accepted)
 
 
-MODEL, RETRIEVED = ModelDrafts(), RetrievedDrafts()
+class HybridDrafts:
+    """Model drafts and retrieved drafts as one proposer (the pairing's default; `retrieved` None
+    with `drafts="model"`): a retrieved draft where the planner prefers it, else a model draft
+    (of 0 tokens where the model cannot pay) run on into a retrieved continuation."""
+
+    def __init__(self, model: ModelDrafts, retrieved: RetrievedDrafts | None) -> None:
+        self.model, self.retrieved = model, retrieved
+
+    def begin(self, request: Request) -> tuple[ModelState, Any]:
+        return self.model.begin(request), self.retrieved.begin(request) if self.retrieved else None
+
+    def propose(self, state: tuple[ModelState, Any], budget: Budget) -> Round:
+        model, index = state
+        retrieve = budget.retrieve and self.retrieved is not None
+        rnd = self.retrieved.propose(index, budget) if retrieve and self.retrieved else None
+        if rnd is None:
+            rnd = self.model.propose(model, budget)
+            if retrieve and self.retrieved:
+                rnd = self.retrieved.run_on(index, rnd, budget.room)
+        return rnd
+
+    def settle(self, state: tuple[ModelState, Any], rnd: Round, verdict: Verdict) -> None:
+        model, index = state
+        self.model.settle(model, rnd, verdict)
+        if self.retrieved is not None:
+            self.retrieved.settle(index, rnd, verdict)
+
+    def extend(self, state: tuple[ModelState, Any], rnd: Round, k: int, room: int) -> Round | None:
+        return self.model.extend(state[0], rnd, k, room)
+
+    def may_resume(self, state: tuple[ModelState, Any], rnd: Round) -> bool:
+        return self.model.may_resume(state[0], rnd)
 
 
-def propose(
-    p: Pairing,
-    req: Request,
-    k: int,
-    room: int,
-    retrieve: bool = True,
-    started: float | None = None,
-    *,
-    ahead: bool = False,
-) -> Round:
-    """This round's proposal, at most `room` tokens: retrieved (when `retrieve` and the planner
-    says so), else a model draft of up to `k` tokens run on into a retrieved continuation; with the
-    rows rejection sampling needs. `started`: when the round began (its draft time counts from it)."""
-    started = time.perf_counter() if started is None else started
-    only = {"exact": "direct", "omnidraft": "aligned"}.get(req.rule.mode, "any")
-    rnd = RETRIEVED.propose(p, req, k, room, only, started) if retrieve else None
-    if rnd is None:
-        rnd = MODEL.propose(p, req, k, room, only, started, ahead=ahead)
-        if retrieve:
-            rnd.proposal, rnd.used = RETRIEVED.run_on(p, req, rnd.proposal, room)
-    proposal = rnd.proposal
-    modeled = len(proposal) - proposal.retrieved  # proposed tokens that came from the model
-    if only != "any" and len(proposal):
-        rnd.q = draft_rows(p.translator, proposal, modeled, rnd.draft)
-    return rnd
+def default_proposer(pairing: Pairing) -> HybridDrafts:
+    """The proposer a pairing's `DecodeConfig.drafts` asks for: model drafts, with retrieved ones
+    beside them unless `drafts="model"` (with `drafts="retrieval"` the model drafts nothing)."""
+    retrieved = RetrievedDrafts(pairing) if pairing.retriever is not None else None
+    return HybridDrafts(ModelDrafts(pairing), retrieved)

@@ -1,9 +1,10 @@
-"""`RoundPolicy`: the one object the round loop asks what to propose and tells what happened.
+"""`RoundPolicy`: sizes each round's budget for a request's speculation (speculation.py) and
+tells the pairing's controllers what each round cost.
 
-Behind it stay the controllers a pairing keeps: the outlook (which kinds of draft can pay at this
-context: adaptive/policy.py), the deferred read of the prompt (rent or buy: retrieve/retriever.py),
-the server's draft budget (remote/budget.py), the draft-length policy or acceptance head
-(adaptive/lengths.py), the retrieval statistics and the cost model (adaptive/costs.py).
+Behind it stay the controllers a pairing keeps: the drafting plan (which kinds of draft can pay at
+this context: adaptive/policy.py), the deferred read of the prompt (retrieve/retriever.py), the
+server's draft budget (remote/budget.py), the draft-length policy or acceptance head
+(adaptive/lengths.py) and the cost model (adaptive/costs.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from ..pairing import Pairing
     from ..target import Rule
     from .proposers import Round
-    from .round_loop import Request
+    from .speculation import Request
     from .stats import GenerationStats, RoundRecord
 
 __all__ = ["RoundPlan", "RoundPolicy", "finish_request", "request_mode"]
@@ -45,46 +46,19 @@ class RoundPolicy:
         takes no draft now (a zero budget): it should decode the rest alone."""
         p = self.p
         model, free = p.plan.at(p.target, len(req.target.ids))  # what can pay at this context
-        defer = model and req.k > 0 and req.rent.defer(p.policy.last_rates if p.policy else {}, req.produced)
+        defer = model and req.k > 0 and req.read.defer(p.policy.last_rates if p.policy else {}, req.produced)
         room, ask = within_budget(req.target, remaining - 1, req.k if model and not defer else 0)
         if room == 0 < remaining - 1:
             return None
         return RoundPlan(ask, room, free, defer)
 
-    def settle(self, req: Request, rnd: Round, new: list[int], accepted: int) -> int:
-        """After the verdict (`new`: the committed target ids, `accepted` proposed tokens among
-        them): the drafter keeps what matches the committed text and re-encodes the rest, the
-        n-gram cache learns, the retrieval index and stats see the round, and the next draft length
-        is chosen (into `req`). Returns how many accepted tokens were retrieved ones."""
-        p = self.p
-        draft, proposal = rnd.draft, rnd.proposal
-        retrieved = rnd.retrieved_among(accepted)
-        with p.shared_lock:
-            held = (
-                (p.drafter.token_bytes.table[req.last] or b"") if draft.healed else b""
-            )  # the draft's start
-            keep, tail = p.translator.resync(draft.ids, held + p.target.token_bytes.join(new))
-            p.translator.learn(draft.ids[:keep] + tail, new, skip=len(held))
-            req.drafts.commit(keep, tail)
-            if req.index is not None:
-                req.index.commit(new)
-                if p.retriever is not None:
-                    p.retriever.observe(rnd.used, len(proposal), accepted)
-            if p.model_drafts:
-                modeled = len(proposal) - proposal.retrieved
-                req.k = p.lengths.next(
-                    req.k, req.stopper, len(draft.ids), modeled, accepted - retrieved, keep
-                )
-        req.last = (draft.ids[:keep] + tail or [req.last])[-1]
-        return retrieved
-
-    def settle_rent(
+    def settle_read(
         self, req: Request, plan: RoundPlan, rnd: Round, committed: int, seconds: float | None
     ) -> None:
         """What the round says about deferring the drafter's read of the prompt (`seconds`: the
         round's time, None for the first, which also prefilled)."""
         with self.p.shared_lock:
-            req.rent.settle(
+            req.read.settle(
                 plan.defer,
                 committed,
                 seconds,

@@ -12,9 +12,10 @@ import torch
 
 from ..translate.translator import Proposal, Source, Translator
 from .config import RELAXED
-from .stats import GenerationStats, RoundRecord
+from .stats import GenerationStats, RoundRecord, round_record
 
 __all__ = [
+    "Call",
     "Generation",
     "TokenLogprob",
     "check_logprobs",
@@ -56,6 +57,24 @@ class Generation:
     logprobs: list[TokenLogprob] | None = None
 
 
+@dataclass(frozen=True)
+class Call:
+    """One request as its rounds read it: the prompt (the tokenizers add their special tokens, BOS,
+    when `special`; not to a rendered chat, which has them), the verification rule, the length, the
+    random generator and how many log-probabilities a token the caller asked for."""
+
+    prompt: str
+    rule: Any
+    max_new_tokens: int
+    generator: torch.Generator | None = None
+    special: bool = True
+    logprobs: int = 0
+
+    def ids_for(self, model: Any) -> list[int]:
+        """The prompt in `model`'s tokenizer (a target's or a drafter's)."""
+        return list(model.tokenizer(self.prompt, add_special_tokens=self.special)["input_ids"])
+
+
 def draft_rows(translator: Translator, proposal: Proposal, modeled: int, draft: Any) -> torch.Tensor | None:
     """q' rows (M, Vt) for rejection sampling: the model tokens' from the drafter's distributions,
     a retrieved token's one-hot (it was proposed with certainty, so rejection sampling stays exact)."""
@@ -84,21 +103,7 @@ def decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int]
     context, last = len(tsession.ids), time.perf_counter()
     for token in tsession.decode(max_new_tokens):
         now = time.perf_counter()
-        yield (
-            [token],
-            RoundRecord(
-                context=context,
-                drafted=0,
-                proposed=0,
-                accepted=0,
-                emitted=1,
-                from_cache=0,
-                t_draft=0.0,
-                t_translate=0.0,
-                t_verify=now - last,
-                t_resync=0.0,
-            ),
-        )
+        yield [token], round_record(None, context, [token], 0, now - last)
         context, last = context + 1, now
 
 

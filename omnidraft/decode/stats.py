@@ -11,9 +11,12 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from statistics import fmean
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-__all__ = ["GenerationStats", "RoundRecord", "read_trace", "write_trace"]
+if TYPE_CHECKING:
+    from .proposers import Round
+
+__all__ = ["GenerationStats", "RoundRecord", "read_trace", "round_record", "write_trace"]
 
 TRACE_VERSION = 1
 
@@ -41,6 +44,41 @@ class RoundRecord:
     @property
     def seconds(self) -> float:
         return self.t_draft + self.t_translate + self.t_verify + self.t_resync
+
+
+def round_record(
+    rnd: Round | None, context: int, new: list[int], accepted: int, t_verify: float, t_resync: float = 0.0
+) -> RoundRecord:
+    """The record of a round that proposed `rnd` (None: a step that proposed nothing, the target
+    decoding alone) at `context` committed tokens, and committed `new`."""
+    if rnd is None:
+        return RoundRecord(
+            context=context,
+            drafted=0,
+            proposed=0,
+            accepted=0,
+            emitted=len(new),
+            from_cache=0,
+            t_draft=0.0,
+            t_translate=0.0,
+            t_verify=t_verify,
+            t_resync=0.0,
+        )
+    proposal = rnd.proposal
+    return RoundRecord(
+        context=context,
+        drafted=len(rnd.draft.ids),
+        proposed=len(proposal),
+        accepted=accepted,
+        emitted=len(new),
+        from_cache=rnd.cached_among(accepted),
+        t_draft=rnd.drafted - rnd.started,
+        t_translate=rnd.ready - rnd.drafted,
+        t_verify=t_verify,
+        t_resync=t_resync,
+        retrieved=proposal.retrieved,
+        retrieved_accepted=rnd.retrieved_among(accepted),
+    )
 
 
 _FIELDS = {f.name for f in fields(RoundRecord)}

@@ -24,6 +24,7 @@ from .session import DraftSession, Stream
 
 if TYPE_CHECKING:
     from ..decode.config import DecodeConfig
+    from ..decode.proposers import Proposer
     from ..distill.adapters import AdapterConfig
     from ..distill.trainer import TrainConfig
     from ..pairing import Pairing
@@ -192,6 +193,7 @@ def pair(
     train: TrainConfig | None = None,
     adapter: AdapterConfig | None = None,
     store: ProfileStore | None = None,
+    proposer: Proposer | None = None,
     **overrides: Any,
 ) -> Pairing:
     """Pair `drafter` (any backend) with `target`; keyword overrides go into `DecodeConfig`.
@@ -199,7 +201,9 @@ def pair(
     `user` loads (and `Pairing.save` writes) that user's profile for this target: n-gram cache,
     datastore of past outputs, LoRA adapter, metrics. `learn=True` distils every verified request
     into the pairing's adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA
-    shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp twin (backends.py)."""
+    shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp copy of itself
+    (backends.py). `proposer`: where each round's proposal comes from, in place of the drafter's
+    model drafts and retrieved ones (decode/proposers.py; docs/architecture.md has the recipe)."""
     from ..decode.config import DecodeConfig
     from ..pairing import Pairing
     from ..runtime.backends import drafting_twin
@@ -216,4 +220,5 @@ def pair(
         train=train,
         adapter=adapter,
         store=store,
+        proposer=proposer,
     )

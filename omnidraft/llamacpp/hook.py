@@ -6,8 +6,8 @@
 
 `Llama.generate` calls its `draft_model` with every committed id (prompt, output, and the token
 it just sampled) and verifies what comes back itself. The hook's rounds are `EngineRounds`
-(engine_rounds.py, shared with vLLM's in-engine proposer): each call settles the last round's
-inferred verdict with the pairing's own `RoundPolicy` and proposes again through its proposers:
+(engine_rounds.py, shared with vLLM's in-engine proposer): each call commits the last round's
+inferred verdict to the request's speculation and proposes again through the pairing's proposer:
 model drafts translated into the target's ids, retrieved continuations, or both (`drafts=`). A call
 whose ids do not extend the last call's starts a new request. Where the measured costs say drafting
 cannot pay, it returns no draft and llama.cpp decodes alone. One generation at a time per hook.
@@ -61,5 +61,4 @@ class OmnidraftDraftModel(LlamaDraftModel):
             if self.engine is None
             else min(self.max_draft, self.engine.rows_at(len(ids) - 1) - 1)
         )
-        self.rounds.records.clear()  # llama.cpp reports its own statistics
         return np.asarray(self.rounds.next(ids, most, self.max_draft + 1), dtype=np.intc)

@@ -20,7 +20,7 @@ from ..translate.translator import Proposal
 from .datastore import Datastore
 from .index import Candidate, ContextIndex, RetrievalConfig, RetrievalStats
 
-__all__ = ["NO_RENT", "ReadDeferral", "Rent", "Retriever", "Used"]
+__all__ = ["NO_READ", "ReadDeferral", "PromptRead", "Retriever", "Used"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Used:
 
 
 class ReadDeferral:
-    """Whether a request's drafter may leave its context unread while retrieval serves it: rent or buy.
+    """Whether a request's drafter may leave its context unread while retrieval serves it.
 
     A drafter reads the request's context (the prompt, and whatever was committed since) before its
     first draft; on a long prompt where retrieval copies most of the output, that read costs more
@@ -41,9 +41,10 @@ class ReadDeferral:
     drafts (rounds that retrieve, or let the target decode one token) until those rounds have lost,
     against committing the same tokens at the model's measured rate (the cost policy's best), as
     much time as the read costs (measured per context token at each request's first draft); a
-    round that beat the model's rate is credited. Renting until the rent equals the price costs
-    at most twice the better choice made in hindsight. One per pairing; `begin` gives a request its
-    own `Rent`, so concurrent requests share only the read cost. On by default
+    round that beat the model's rate is credited. Deferring until the time lost equals the read's
+    cost costs at most twice the better choice made in hindsight (the ski-rental argument). One
+    per pairing; `begin` gives a request its own `PromptRead`, so concurrent requests share only
+    the read cost. On by default
     (`RetrievalConfig.defer_read`): docs/retrieval.md has what it measured.
     """
 
@@ -51,17 +52,17 @@ class ReadDeferral:
         self.decay = decay
         self.per_token: float | None = None  # seconds the drafter takes to read one context token
 
-    def begin(self, context: int) -> Rent:
+    def begin(self, context: int) -> PromptRead:
         """A request whose drafter has `context` tokens (counted in target ids) to read."""
-        return Rent(self, context)
+        return PromptRead(self, context)
 
 
 @dataclass
-class Rent:
+class PromptRead:
     """One request's side of `ReadDeferral`."""
 
     owner: ReadDeferral
-    unread: int  # the prompt's length; 0 once the request drafted (or for NO_RENT)
+    unread: int  # the prompt's length; 0 once the request drafted (or for NO_READ)
     regret: float = 0.0  # seconds its rounds without the model lost against model drafts so far
     rates: dict[int, float] = field(default_factory=dict)  # the cost policy's, when `defer` last asked
 
@@ -98,7 +99,7 @@ class Rent:
             self.unread = 0
 
 
-NO_RENT = Rent(ReadDeferral(), 0)  # a request with nothing to defer: never defers, never measures
+NO_READ = PromptRead(ReadDeferral(), 0)  # a request with nothing to defer: never defers, never measures
 
 
 class Retriever:

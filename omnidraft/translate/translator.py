@@ -49,6 +49,12 @@ class Proposal:
     sources: tuple[Source, ...]
     spans: tuple[tuple[int, int] | None, ...]
 
+    @classmethod
+    def copied(cls, ids: list[int]) -> Proposal:
+        """Target ids copied from elsewhere (a retrieved continuation, a proposer of your own):
+        proposed with certainty, no drafter token under them."""
+        return cls(torch.zeros(0, dtype=torch.long), (), ()).then(list(ids))
+
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 

@@ -1,0 +1,162 @@
+"""One request's speculation: `propose` a round, `commit` the target's verdict on it.
+
+`Speculation` is the one state machine of a request's rounds. The round loop (round_loop.run) drives
+it for targets verified call by call; engines that verify in their own step (vLLM's proposer,
+llama.cpp's draft-model hook, a device drafting for a server's engine) drive it through
+`EngineRounds` (engine_rounds.py), which infers each verdict from the committed ids. Each round the
+pairing's `RoundPolicy` (round_policy.py) sizes a budget, the pairing's proposer (proposers.py)
+proposes within it, and the verdict settles the proposer, the cost model and the draft lengths.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..retrieve.retriever import NO_READ, PromptRead
+from .proposers import Budget, Extendable, Round, Verdict
+from .round_policy import RoundPlan, RoundPolicy
+from .rounds import draft_rows
+
+if TYPE_CHECKING:
+    from ..adaptive.acceptance_head import Stopper
+    from ..pairing import Pairing
+    from ..target import Rule
+
+__all__ = ["Request", "Speculation"]
+
+# which translations a verification rule accepts (translate/translator.py)
+ONLY = {"exact": "direct", "omnidraft": "aligned"}
+
+
+@dataclass
+class Request:
+    """A request's state between rounds. `target`: the target session, or anything with the
+    committed target ids as `.ids`; `k`: the next model draft length (0: none); `read`: the
+    deferred read of the prompt (retrieve/retriever.py); `idle`: the last round did not draft (the
+    next draft also catches the drafter up: not a drafting cost); `pending`: the last round's costs,
+    observed when the next begins."""
+
+    target: Any
+    rule: Rule
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    drafter_ids: list[int]
+    k: int
+    stopper: Stopper | None
+    read: PromptRead
+    produced: int = 0
+    idle: bool = False
+    pending: tuple[int, float, int, float, float] | None = None
+
+
+class Speculation:
+    """One request's rounds for pairing `p` against `target` (a target session, or a stand-in with
+    the committed ids). `prefills`: the first verify also reads the prompt (the round loop's), so
+    its time is not a verify's; an engine has read the prompt before it first asks."""
+
+    def __init__(
+        self,
+        p: Pairing,
+        target: Any,
+        prompt_ids: list[int],
+        drafter_ids: list[int],
+        rule: Rule,
+        generator: torch.Generator | None = None,
+        *,
+        prefills: bool = True,
+    ) -> None:
+        self.p, self.policy, self.proposer = p, RoundPolicy(p), p.proposer
+        with p.shared_lock:  # begin_request also moves the shared acceptance history
+            k, stopper = p.lengths.begin_request()
+        deferral = p.retriever.deferral if p.retriever is not None and p.free_drafts else None
+        read = deferral.begin(len(target.ids)) if deferral is not None else NO_READ
+        self.request = Request(
+            target,
+            rule,
+            generator,
+            list(prompt_ids),
+            list(drafter_ids),
+            k if p.model_drafts else 0,
+            stopper,
+            read,
+        )
+        self.state = self.proposer.begin(self.request)
+        self.round: Round | None = None  # the last proposal
+        self.budget = Budget(0, 0)  # what it was proposed within
+        self.rounds = 0  # rounds committed
+        self._plan: RoundPlan | None = None
+        self._prefills = prefills
+
+    @property
+    def produced(self) -> int:
+        return self.request.produced
+
+    def propose(self, remaining: int, *, most: int | None = None, k: int | None = None) -> Round | None:
+        """The next round's proposal with `remaining` tokens to go; None when the target's server
+        takes no draft now (it should decode the rest alone). `most` caps the proposal (an engine's
+        own limit: then an empty round, never None); `k` drafts that many tokens whatever the
+        draft-length policy says (a device drafting ahead for a server's engine)."""
+        started, req = time.perf_counter(), self.request
+        self.policy.begin_round(req, started)
+        plan = self.policy.plan(req, remaining)
+        if plan is None and most is None:
+            return None
+        plan = plan or RoundPlan(0, 0, False, False)
+        room = plan.room if most is None else max(0, min(plan.room, most))
+        ask = (plan.k if k is None else min(k, room)) if room > 0 else 0
+        self._plan = RoundPlan(ask, room, plan.retrieve, plan.defer and k is None)
+        self.budget = budget = Budget(ask, room, plan.retrieve, ONLY.get(req.rule.mode, "any"), k is not None)
+        rnd = self.proposer.propose(self.state, budget) or Round.copied([])
+        proposal = rnd.proposal
+        if budget.only != "any" and len(proposal):
+            rnd.q = draft_rows(self.p.translator, proposal, len(proposal) - proposal.retrieved, rnd.draft)
+        rnd.started, rnd.ready = started, time.perf_counter()
+        rnd.drafted = rnd.drafted or rnd.ready
+        self.round = rnd
+        return rnd
+
+    def commit(self, new: list[int], accepted: int, verify_s: float, now: float | None = None) -> Round:
+        """The target's verdict on the last proposal: it committed `new`, whose first `accepted` are
+        proposed tokens, in a verify of `verify_s` seconds (ending at `now`). The proposer settles,
+        the draft lengths and the cost model learn. Returns the round settled."""
+        rnd, plan, req = self.round, self._plan, self.request
+        if rnd is None or plan is None:
+            raise RuntimeError("commit() before propose(): no proposal to settle")
+        now = time.perf_counter() if now is None else now
+        first = self.rounds == 0
+        with self.p.shared_lock:
+            self.proposer.settle(self.state, rnd, Verdict(new, accepted))
+        seconds = None if first and self._prefills else now - rnd.started
+        self.policy.settle_read(req, plan, rnd, len(new), seconds)
+        req.produced += len(new)
+        if first:
+            req.idle = not rnd.draft.ids
+        else:
+            self.policy.observe(req, rnd, verify_s, len(rnd.proposal) + 1)
+        self.rounds += 1
+        return rnd
+
+    def extend(self, k: int, most: int) -> Round | None:
+        """The last proposal with its model draft drafted `k` tokens further (at most `most` target
+        ids), while its verify is still out; None where the proposer cannot grow it."""
+        rnd = self.round
+        if rnd is None or not isinstance(self.proposer, Extendable):
+            return None
+        grown = self.proposer.extend(self.state, rnd, k, most)
+        if grown is not None:
+            grown.ready = time.perf_counter()
+            self.round = grown
+        return grown
+
+    def may_resume(self) -> bool:
+        """Whether the last proposal's draft stopped at a token of low confidence, not a stop token."""
+        rnd = self.round
+        return (
+            rnd is not None
+            and isinstance(self.proposer, Extendable)
+            and self.proposer.may_resume(self.state, rnd)
+        )
