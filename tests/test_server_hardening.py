@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omnidraft.remote import openai as oai
+from omnidraft.remote import completions as oai
 from omnidraft.remote.server import ServerConfig, create_app
 
 from .conftest import target_greedy

@@ -9,10 +9,20 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from .costs import CostModel
 
-__all__ = ["Acceptance", "CostPolicy", "Hysteresis", "ModeChooser", "Outlook", "committed", "outlook"]
+__all__ = [
+    "Acceptance",
+    "CostPolicy",
+    "Hysteresis",
+    "ModeChooser",
+    "Outlook",
+    "PolicyKnobs",
+    "committed",
+    "outlook",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +163,33 @@ class Acceptance:
         self.kept, self.tried = other.kept * scale, other.tried * scale
 
 
+@dataclass(frozen=True)
+class PolicyKnobs:
+    """The cost policy's knobs (see `CostPolicy`): drafts of up to `k_max` tokens, `start` before
+    costs are measured; a probe every `probe_every` idle rounds, waiting up to `max_wait`; EMA
+    `decay` per round (`long_decay` for the long run a request starts from); k = 0 only when faster
+    by `margin`; each request's first `fresh` rounds draft."""
+
+    k_max: int = 12
+    start: int = 6
+    probe_every: int = 8
+    decay: float = 0.8
+    margin: float = 0.2
+    max_wait: int = 256
+    fresh: int = 2
+    long_decay: float = 0.99
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.start <= self.k_max:
+            raise ValueError(f"need 1 <= start <= k_max, got start={self.start}, k_max={self.k_max}")
+        decays = 0.0 <= self.decay < 1.0 and 0.0 <= self.long_decay < 1.0
+        if self.probe_every < 1 or not decays or self.margin < 0:
+            raise ValueError(
+                f"need probe_every >= 1, 0 <= decay, long_decay < 1 and margin >= 0, got {self.probe_every}, "
+                f"{self.decay}, {self.long_decay} and {self.margin}"
+            )
+
+
 class CostPolicy:
     """The draft length that maximises committed tokens per second, from the pairing's measured
     costs (`CostModel`) and its observed acceptance; 0 means "do not speculate this round".
@@ -173,27 +210,13 @@ class CostPolicy:
     round alone to measure V(1). Mutable: one per pairing.
     """
 
-    def __init__(
-        self,
-        cost: CostModel,
-        *,
-        k_max: int = 12,
-        start: int = 6,
-        probe_every: int = 8,
-        decay: float = 0.8,
-        margin: float = 0.2,
-        max_wait: int = 256,
-        fresh: int = 2,
-        may_idle: bool = True,
-        long_decay: float = 0.99,
-    ) -> None:
-        if not 1 <= start <= k_max:
-            raise ValueError(f"need 1 <= start <= k_max, got start={start}, k_max={k_max}")
-        if probe_every < 1 or not (0.0 <= decay < 1.0 and 0.0 <= long_decay < 1.0) or margin < 0:
-            raise ValueError(
-                f"need probe_every >= 1, 0 <= decay, long_decay < 1 and margin >= 0, got {probe_every}, "
-                f"{decay}, {long_decay} and {margin}"
-            )
+    def __init__(self, cost: CostModel, *, may_idle: bool = True, **knobs: Any) -> None:
+        """`knobs`: `PolicyKnobs`' fields (k_max, start, probe_every, decay, margin, max_wait,
+        fresh, long_decay). `may_idle`: False never chooses k = 0 (a ModeChooser then decides per
+        request whether to draft)."""
+        k = PolicyKnobs(**knobs)
+        k_max, start, probe_every, decay = k.k_max, k.start, k.probe_every, k.decay
+        margin, max_wait, fresh, long_decay = k.margin, k.max_wait, k.fresh, k.long_decay
         self.cost, self.k_max, self.start, self.probe_every, self.decay = (
             cost,
             k_max,

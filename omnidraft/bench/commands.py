@@ -144,7 +144,7 @@ def bench_network(args: argparse.Namespace) -> None:
 
     from ..store.atomic import atomic_write_bytes
     from .datasets import load_prompts
-    from .network import markdown, run_network
+    from .network import NetworkRun, markdown, run_network
 
     out, text = Path(args.out), ""
     results: list[dict[str, Any]] = []
@@ -152,7 +152,7 @@ def bench_network(args: argparse.Namespace) -> None:
         drafter_spec, target_spec = split_pair(pair_spec)
         for dataset in args.dataset or ["mixed"]:
             bar = tqdm(desc=f"{pair_spec} {dataset} network", file=sys.stderr)
-            rows = run_network(
+            run = NetworkRun(
                 drafter_spec,
                 target_spec,
                 load_prompts(dataset, args.n),
@@ -162,6 +162,9 @@ def bench_network(args: argparse.Namespace) -> None:
                 stock=not args.no_stock,
                 sampling={"temperature": args.temperature, "top_p": args.top_p} if args.temperature else None,
                 log=str(out / f"{args.name}-servers.log"),
+            )
+            rows = run_network(
+                run,
                 progress=bar.set_postfix_str,
                 done=lambda rows: atomic_write_bytes(
                     out / f"{args.name}.partial.json", json.dumps([*results, *rows], indent=1).encode()
@@ -227,20 +230,20 @@ def _bench_sources(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from ..store.atomic import atomic_write_bytes
+    from .datasets import load_prompts
     from .sources import markdown, run_sources
 
     out, results = Path(args.out), {}
     for pair_spec, drafter, target in loaded_pairs(args.pair, f"{DRAFTER}:{TARGET}"):
         bar = tqdm(desc=f"{pair_spec} drafts", file=sys.stderr)
+        datasets = args.dataset or ["summarize", "rag", "code-edit", "chat", "gsm8k", "humaneval"]
         results[pair_spec] = run_sources(
             drafter,
             target,
-            args.dataset or ["summarize", "rag", "code-edit", "chat", "gsm8k", "humaneval"],
-            args.n,
+            {d: load_prompts(d, args.n) for d in datasets},
             args.max_new_tokens,
-            drafts=tuple(args.drafts),
+            drafts=tuple(args.drafts) + (("relaxed",) if args.relaxed else ()),
             peers=() if args.no_peers else tuple(args.peer or ("lookup", "assisted")),
-            relaxed=args.relaxed,
             progress=bar.set_postfix_str,
             k=args.k,
             stop_confidence=args.stop_confidence,

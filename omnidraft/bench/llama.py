@@ -75,6 +75,9 @@ def pairing_row(pair: Pairing, n: int, prompt: str, ids: list[int]) -> Timed:
     return Timed(out.token_ids, time.perf_counter() - started)
 
 
+N_CTX = 4096  # the context every llama.cpp row runs with
+
+
 def run_llama(
     drafter_spec: str,
     target_spec: str,
@@ -83,7 +86,6 @@ def run_llama(
     *,
     same_vocab_draft: str | None,
     fp32: bool = True,
-    n_ctx: int = 4096,
     notes: list[str] | None = None,
     progress: Callable[[str], object] = lambda _: None,
 ) -> list[dict[str, Any]]:
@@ -97,6 +99,7 @@ def run_llama(
     from ..llamacpp.hook import OmnidraftDraftModel
     from ..llamacpp.loading import gguf_file, open_llama
 
+    n_ctx = N_CTX
     target = od.LlamaCppTarget(target_spec, n_ctx=n_ctx)
     path = target.engine.path
     plain = open_llama(path, n_ctx=n_ctx)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 __all__ = [
     "ROWS",
+    "NetworkRun",
     "Timed",
     "engine_counters",
     "free_port",
@@ -241,129 +242,140 @@ def summarize_row(runs: list[Timed], wall: float, reference: list[list[int]] | N
     }
 
 
+@dataclass(frozen=True)
+class NetworkRun:
+    """What `run_network` measures: `prompts` of `max_new_tokens` each, from devices drafting with
+    `drafter` for `target` on a vLLM server, at each round trip of `rtts_ms` and each device count
+    of `devices`; `stock`: also a stock vLLM server's row; `log`: the servers' output; `server_args`:
+    `omnidraft serve`'s engine flags; `sampling` (temperature, top_p, ...): every row samples
+    instead of decoding greedily (outputs then differ by chance: identical is not counted)."""
+
+    drafter: str
+    target: str
+    prompts: list[str]
+    max_new_tokens: int
+    rtts_ms: list[float]
+    devices: list[int]
+    stock: bool = True
+    log: str = "bench_out/network-servers.log"
+    server_args: tuple[str, ...] = ("--dtype", "float32")
+    sampling: dict[str, Any] | None = None
+
+
 def run_network(
-    drafter_spec: str,
-    target_spec: str,
-    prompts: list[str],
-    max_new_tokens: int,
-    rtts_ms: list[float],
-    devices: list[int],
+    run: NetworkRun,
     *,
-    stock: bool = True,
-    log: str = "bench_out/network-servers.log",
     progress: Callable[[str], object] = lambda _: None,
-    server_args: tuple[str, ...] = ("--dtype", "float32"),
     done: Callable[[list[dict[str, Any]]], object] = lambda _: None,
-    sampling: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Every row of ROWS at every round trip and device count (see the module docstring);
-    `done` sees the rows so far after each one. `sampling` (temperature, top_p, ...): every row
-    samples instead of decoding greedily (outputs then differ by chance: identical is not counted)."""
-    import httpx
+    `done` sees the rows so far after each one."""
     import torch
 
-    import omnidraft as od
+    from ..store.models import load_tokenizer
 
-    from ..store.models import hf_directory, load_tokenizer
-
-    os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
+    os.makedirs(os.path.dirname(run.log) or ".", exist_ok=True)
     os.sched_setaffinity(0, {DEVICE_CPU})
     torch.set_num_threads(1)
-    tokenizer = load_tokenizer(target_spec)
-    ids = [tokenizer(p)["input_ids"] for p in prompts]
-    drafter = od.Drafter.load(drafter_spec)
-    results: list[dict[str, Any]] = []
-    references: dict[int, list[list[int]]] = {}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "omnidraft.cli", "serve", "--engine", "vllm", "--target", target_spec]
-    argv += ["--port", str(port), "--no-auth", *server_args]
-    with server_process(argv, SERVER_CPU, url, "/health", log):
-        for rtt in rtts_ms:
-            with _proxy(port, rtt) as near:
-                http = httpx.Client(base_url=near, timeout=600)
-                _server_alone(http, ids[0], 8)  # warm-up
-                pairs = [drafter.pair(_timed_remote(near, tokenizer)) for _ in range(max(devices))]
-                for pair in pairs:
-                    _device(pair, prompts[0], 16)  # warm-up: connections, costs, the drafter's caches
-                for n in devices:
-                    progress(f"RTT {rtt:g} ms, {n} devices: server alone")
-                    before = engine_counters(url)
-                    runs, wall = _concurrently(
-                        n,
-                        [
-                            partial(_server_alone, http, ids[i], max_new_tokens, sampling)
-                            for i in range(len(ids))
-                        ],
-                    )
-                    if sampling is None:
-                        references.setdefault(n, [r.tokens for r in runs])
-                    row = {
-                        **summarize_row(runs, wall, references.get(n)),
-                        **_per_token(before, engine_counters(url), runs),
-                    }
-                    results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[0], **row})
-                    done(results)
-                    progress(f"RTT {rtt:g} ms, {n} devices: device drafting")
-                    before = engine_counters(url)
-                    runs, wall = _concurrently(
-                        n,
-                        [
-                            partial(_device, pairs[i % n], prompts[i], max_new_tokens, sampling)
-                            for i in range(len(prompts))
-                        ],
-                    )
-                    row = {
-                        **summarize_row(runs, wall, references.get(n)),
-                        **_per_token(before, engine_counters(url), runs),
-                    }
-                    results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[1], **row})
-                    done(results)
-                http.close()
-                for pair in pairs:
-                    pair.target.close()
-    if stock:
-        model = hf_directory(target_spec)
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-        argv += ["--port", str(port), "--dtype", "float32", "--served-model-name", "target"]
-        argv += [
-            "--block-size",
-            "32",
-            "--kv-cache-memory-bytes",
-            str(2 << 30),
-        ]  # as VLLMTarget.load sets them
-        with server_process(argv, SERVER_CPU, url, "/v1/models", log):
-            for rtt in rtts_ms:
-                with _proxy(port, rtt) as near:
-                    http = httpx.Client(base_url=near, timeout=600)
-                    _stock(http, "target", ids[0], 8)
-                    for n in devices:
-                        progress(f"RTT {rtt:g} ms, {n} devices: stock vLLM")
-                        runs, wall = _concurrently(
-                            n,
-                            [
-                                partial(_stock, http, "target", ids[i], max_new_tokens, sampling)
-                                for i in range(len(ids))
-                            ],
-                        )
-                        row = summarize_row(runs, wall, references.get(n))
-                        results.append({"rtt_ms": rtt, "devices": n, "row": ROWS[2], **row})
-                        done(results)
-                    http.close()
+    bench = _NetworkBench(run, load_tokenizer(run.target), progress, done)
+    bench.omnidraft_rows()
+    if run.stock:
+        bench.stock_rows()
+    results = bench.results
     alone = {(r["rtt_ms"], r["devices"]): r["tok_s"] for r in results if r["row"] == ROWS[0]}
     for r in results:
         r["speedup"] = r["tok_s"] / alone[(r["rtt_ms"], r["devices"])]
     return results
 
 
-def _per_token(
-    before: tuple[float, float], after: tuple[float, float], runs: list[Timed]
-) -> dict[str, float]:
-    tokens = max(1, sum(len(r.tokens) for r in runs))
-    return {
-        "engine_steps_per_token": (after[0] - before[0]) / tokens,
-        "engine_s_per_token": (after[1] - before[1]) / tokens,
-    }
+class _NetworkBench:
+    """One `run_network`: its servers, one after the other, and the rows measured so far."""
+
+    def __init__(self, run: NetworkRun, tokenizer: Any, progress: Callable, done: Callable) -> None:
+        self.run, self.tokenizer, self.progress, self.done = run, tokenizer, progress, done
+        self.ids = [tokenizer(p)["input_ids"] for p in run.prompts]
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.results: list[dict[str, Any]] = []
+        self.references: dict[int, list[list[int]]] = {}  # greedy outputs of the server alone, by devices
+
+    def add(self, rtt: float, n: int, row: str, jobs: list, counted: bool = True) -> None:
+        """Run `jobs` `n` at a time and keep their row (with the engine's steps per token if `counted`)."""
+        self.progress(f"RTT {rtt:g} ms, {n} devices: {row}")
+        before = engine_counters(self.url) if counted else None
+        runs, wall = _concurrently(n, jobs)
+        if row == ROWS[0] and self.run.sampling is None:  # the greedy reference of the other rows
+            self.references.setdefault(n, [r.tokens for r in runs])
+        summary = summarize_row(runs, wall, self.references.get(n))
+        if before is not None:  # the server's engine work per committed token
+            after, tokens = engine_counters(self.url), max(1, sum(len(r.tokens) for r in runs))
+            summary["engine_steps_per_token"] = (after[0] - before[0]) / tokens
+            summary["engine_s_per_token"] = (after[1] - before[1]) / tokens
+        self.results.append({"rtt_ms": rtt, "devices": n, "row": row, **summary})
+        self.done(self.results)
+
+    def omnidraft_rows(self) -> None:
+        """`omnidraft serve --engine vllm`: the server alone, then devices drafting for it."""
+        import httpx
+
+        import omnidraft as od
+
+        run, ids = self.run, self.ids
+        drafter = od.Drafter.load(run.drafter)
+        argv = [sys.executable, "-m", "omnidraft.cli", "serve", "--engine", "vllm", "--target", run.target]
+        argv += ["--port", str(self.port), "--no-auth", *run.server_args]
+        with server_process(argv, SERVER_CPU, self.url, "/health", run.log):
+            for rtt in run.rtts_ms:
+                with _proxy(self.port, rtt) as near:
+                    http = httpx.Client(base_url=near, timeout=600)
+                    _server_alone(http, ids[0], 8)  # warm-up
+                    pairs = [
+                        drafter.pair(_timed_remote(near, self.tokenizer)) for _ in range(max(run.devices))
+                    ]
+                    for pair in pairs:
+                        _device(pair, run.prompts[0], 16)  # warm-up: connections, costs, the drafter's caches
+                    for n in run.devices:
+                        alone = [
+                            partial(_server_alone, http, i, run.max_new_tokens, run.sampling) for i in ids
+                        ]
+                        self.add(rtt, n, ROWS[0], alone)
+                        drafting = [
+                            partial(_device, pairs[i % n], prompt, run.max_new_tokens, run.sampling)
+                            for i, prompt in enumerate(run.prompts)
+                        ]
+                        self.add(rtt, n, ROWS[1], drafting)
+                    http.close()
+                    for pair in pairs:
+                        pair.target.close()
+
+    def stock_rows(self) -> None:
+        """A stock vLLM server on the same CPU with the same weights, as VLLMTarget.load sets them."""
+        import httpx
+
+        from ..store.models import hf_directory
+
+        run = self.run
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            hf_directory(run.target),
+        ]
+        argv += ["--port", str(self.port), "--dtype", "float32", "--served-model-name", "target"]
+        argv += ["--block-size", "32", "--kv-cache-memory-bytes", str(2 << 30)]
+        with server_process(argv, SERVER_CPU, self.url, "/v1/models", run.log):
+            for rtt in run.rtts_ms:
+                with _proxy(self.port, rtt) as near:
+                    http = httpx.Client(base_url=near, timeout=600)
+                    _stock(http, "target", self.ids[0], 8)
+                    for n in run.devices:
+                        jobs = [
+                            partial(_stock, http, "target", i, run.max_new_tokens, run.sampling)
+                            for i in self.ids
+                        ]
+                        self.add(rtt, n, ROWS[2], jobs, counted=False)
+                    http.close()
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -18,6 +18,7 @@ import json
 import socket
 import threading
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..remote.client import RemoteTarget
@@ -137,53 +138,47 @@ def run_remote(
             for i, prompt in enumerate(prompts):
                 progress(f"rtt {rtt * 1000:.0f} ms, prompt {i}: server alone")
                 ids = target.tokenizer(prompt)["input_ids"]
-                before, started = client.sent, time.perf_counter()
-                reference = _server_alone(client, ids, max_new_tokens)
-                _add(
-                    stats[ROWS[0]],
-                    time.perf_counter() - started,
-                    len(reference),
-                    len(reference),
-                    client.sent - before,
-                    True,
-                    False,
-                )
+                reference, seconds, sent = _timed(client, lambda: _server_alone(client, ids, max_new_tokens))
+                _add(stats[ROWS[0]], seconds, len(reference), len(reference), sent, True, False)
                 for name, pair in pairs.items():
                     progress(f"rtt {rtt * 1000:.0f} ms, prompt {i}: {name}")
-                    before, started = client.sent, time.perf_counter()
-                    out = pair.generate(prompt, max_new_tokens=max_new_tokens)
+                    out, seconds, sent = _timed(client, partial(pair.generate, prompt, max_new_tokens))
                     speculated = any(r.proposed for r in out.rounds)  # model or retrieved drafts
+                    identical = out.token_ids == reference
                     _add(
-                        stats[name],
-                        time.perf_counter() - started,
-                        len(out.token_ids),
-                        len(out.rounds),
-                        client.sent - before,
-                        out.token_ids == reference,
-                        speculated,
+                        stats[name], seconds, len(out.token_ids), len(out.rounds), sent, identical, speculated
                     )
                     if trace is not None and speculated:
                         trace(rtt, i, out)
-            alone_s = stats[ROWS[0]]["seconds"]
-            for name, st in stats.items():
-                rows.append(
-                    {
-                        "rtt_ms": rtt * 1000,
-                        "row": name,
-                        "prompts": len(prompts),
-                        "seconds_per_request": st["seconds"] / len(prompts),
-                        "tok_s": st["tokens"] / st["seconds"],
-                        "speedup": alone_s / st["seconds"],
-                        "forwards_per_token": st["forwards"] / max(1, st["tokens"]),
-                        "bytes_sent_per_token": st["sent"] / max(1, st["tokens"]),
-                        "identical": st["identical"],
-                        "speculated": st["speculated"],
-                    }
-                )
+            rows += [
+                _row(rtt, name, st, len(prompts), stats[ROWS[0]]["seconds"]) for name, st in stats.items()
+            ]
             client.close()
     finally:
         stop()
     return rows
+
+
+def _timed(client: LatencyClient, call: Callable[[], Any]) -> tuple[Any, float, int]:
+    """(what `call` returns, its seconds, the bytes it sent through `client`)."""
+    before, started = client.sent, time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - started, client.sent - before
+
+
+def _row(rtt: float, name: str, st: dict[str, Any], prompts: int, alone_s: float) -> dict[str, Any]:
+    return {
+        "rtt_ms": rtt * 1000,
+        "row": name,
+        "prompts": prompts,
+        "seconds_per_request": st["seconds"] / prompts,
+        "tok_s": st["tokens"] / st["seconds"],
+        "speedup": alone_s / st["seconds"],
+        "forwards_per_token": st["forwards"] / max(1, st["tokens"]),
+        "bytes_sent_per_token": st["sent"] / max(1, st["tokens"]),
+        "identical": st["identical"],
+        "speculated": st["speculated"],
+    }
 
 
 def _add(

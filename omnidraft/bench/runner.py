@@ -209,8 +209,6 @@ def compare_pairings(
     target (or last, when the machine has drifted most). Rows: acceptance, τ, drafted/round,
     retrieved share, tok/s, speedup, identical, and each prompt's seconds (`prompt_s`, for paired
     comparisons: `paired_ratio`)."""
-    from ..decode.stats import GenerationStats
-
     unknown = set(peers) - set(PEERS)
     if unknown:
         raise ValueError(f"unknown peer rows {sorted(unknown)}; known: {sorted(PEERS)}")
@@ -244,38 +242,50 @@ def compare_pairings(
             runs[name].append(out)
             identical[name] += ids == ref.token_ids
             rouge[name] += rouge_l(ids, ref.token_ids) / len(prompts)
-    rows = []
-    for name, outs in runs.items():
-        row: dict[str, Any] = {
+    alone_tok_s = alone_tokens / alone_s
+    rows = [
+        {
             "variant": name,
             "identical": identical[name],
             "prompts": len(prompts),
             "rouge_l": rouge[name],
+            **(_pairing_row(outs, alone_tok_s) if name in pairs else _peer_row(name, outs, alone_tok_s)),
         }
-        if name in pairs:
-            rounds = [r for o in outs for r in o.rounds]
-            tokens, seconds = sum(len(o.token_ids) for o in outs), sum(o.stats.seconds for o in outs)
-            s = GenerationStats.from_rounds(rounds, tokens, seconds)
-            row.update(
-                acceptance_rate=s.acceptance_rate,
-                tau=s.mean_accepted_length,
-                retrieved_share=s.retrieved_share,
-                drafted_per_round=sum(r.drafted for r in rounds) / len(rounds),
-                draft_ms_per_token=1000
-                * sum(r.t_draft for r in rounds)
-                / max(1, sum(r.drafted for r in rounds)),
-                prompt_s=[o.stats.seconds for o in outs],
-            )
-        else:
-            tokens, seconds = sum(len(t.token_ids) for t, _ in outs), sum(t.seconds for t, _ in outs)
-            row.update(
-                label=PEERS[name][0],
-                tau=tokens / max(1, sum(f - 1 for _, f in outs)),
-                prompt_s=[t.seconds for t, _ in outs],
-            )
-        row.update(tok_s=tokens / seconds, speedup=(tokens / seconds) / (alone_tokens / alone_s))
-        rows.append(row)
-    return {"target_tok_s": alone_tokens / alone_s, "rows": rows}
+        for name, outs in runs.items()
+    ]
+    return {"target_tok_s": alone_tok_s, "rows": rows}
+
+
+def _pairing_row(outs: list[Any], alone_tok_s: float) -> dict[str, Any]:
+    """A pairing's row: acceptance, τ, retrieved share, drafting, speed, each prompt's seconds."""
+    from ..decode.stats import GenerationStats
+
+    rounds = [r for o in outs for r in o.rounds]
+    tokens, seconds = sum(len(o.token_ids) for o in outs), sum(o.stats.seconds for o in outs)
+    s = GenerationStats.from_rounds(rounds, tokens, seconds)
+    drafted = sum(r.drafted for r in rounds)
+    return {
+        "acceptance_rate": s.acceptance_rate,
+        "tau": s.mean_accepted_length,
+        "retrieved_share": s.retrieved_share,
+        "drafted_per_round": drafted / len(rounds),
+        "draft_ms_per_token": 1000 * sum(r.t_draft for r in rounds) / max(1, drafted),
+        "prompt_s": [o.stats.seconds for o in outs],
+        "tok_s": tokens / seconds,
+        "speedup": (tokens / seconds) / alone_tok_s,
+    }
+
+
+def _peer_row(name: str, outs: list[Any], alone_tok_s: float) -> dict[str, Any]:
+    """A peer's row (its timed output and target forwards per prompt): τ, speed, each prompt's seconds."""
+    tokens, seconds = sum(len(t.token_ids) for t, _ in outs), sum(t.seconds for t, _ in outs)
+    return {
+        "label": PEERS[name][0],
+        "tau": tokens / max(1, sum(f - 1 for _, f in outs)),
+        "prompt_s": [t.seconds for t, _ in outs],
+        "tok_s": tokens / seconds,
+        "speedup": (tokens / seconds) / alone_tok_s,
+    }
 
 
 def rouge_l(candidate: list[int], reference: list[int]) -> float:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
-from .datasets import load_prompts
 from .runner import compare_pairings, paired_ratio
 
 if TYPE_CHECKING:
@@ -25,30 +24,31 @@ RELAXED_ROW = "omnidraft hybrid, relaxed (LOSSY)"
 def run_sources(
     drafter: Drafter,
     target: Target,
-    datasets: list[str],
-    n: int,
+    workloads: dict[str, list[str]],
     max_new_tokens: int,
     *,
     drafts: tuple[str, ...] = ("model", "retrieval", "hybrid"),
     peers: tuple[str, ...] = ("lookup", "assisted"),
-    relaxed: bool = False,
     progress: Callable[[str], object] = lambda _: None,
     **config: Any,
 ) -> dict[str, Any]:
-    """Per dataset, fresh pairings (one per `drafts` value, `config` passed on) so that each
+    """Per workload (its name: its prompts), fresh pairings (one per `drafts` value, `config` passed
+    on; "relaxed": the hybrid under relaxed-lossy verification, a LOSSY row) so that each
     workload's costs and acceptance are measured on it alone, and the hybrid's paired ratios
     (`hybrid_against`)."""
+    n = max(map(len, workloads.values()), default=0)
     out: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": n, "datasets": {}}
-    for dataset in datasets:
-        pairs = {f"omnidraft {d}": drafter.pair(target, drafts=d, **config) for d in drafts}
-        if relaxed:
-            pairs[RELAXED_ROW] = drafter.pair(target, drafts="hybrid", mode="relaxed-lossy", **config)
+    for dataset, prompts in workloads.items():
+        pairs = {
+            RELAXED_ROW if d == "relaxed" else f"omnidraft {d}": (
+                drafter.pair(target, drafts="hybrid", mode="relaxed-lossy", **config)
+                if d == "relaxed"
+                else drafter.pair(target, drafts=d, **config)
+            )
+            for d in drafts
+        }
         result = compare_pairings(
-            pairs,
-            load_prompts(dataset, n),
-            max_new_tokens,
-            progress=partial(_prefixed, progress, dataset),
-            peers=peers,
+            pairs, prompts, max_new_tokens, progress=partial(_prefixed, progress, dataset), peers=peers
         )
         result.update(hybrid_against(result["rows"]))
         out["datasets"][dataset] = result

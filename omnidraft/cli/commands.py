@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OmnidraftError
+from ..remote import KEY_ENV  # the API key(s), comma-separated, when no --api-key-file is given
 from .options import build_parser, load_pair, split_pair, start_run
 
 __all__ = ["main"]
@@ -66,7 +67,7 @@ def _export(args: argparse.Namespace) -> None:
 
     from ..bench.datasets import load_prompts
     from ..distill.adapters import config_from_state
-    from ..export.onnx import export_drafter
+    from ..export.onnx import ExportOptions, MergedAdapter, export_drafter
     from ..store.models import load_model
     from ..translate.token_bytes import build_token_bytes
 
@@ -91,15 +92,15 @@ def _export(args: argparse.Namespace) -> None:
         name=loaded.name,
         tokenizer=tokenizer,
         fingerprint=token_bytes.fingerprint,
-        adapter=adapter,
-        adapter_config=config_from_state(adapter) if adapter else None,
-        adapter_id=adapter_id,
-        quantize=args.quantize,
-        keep_ids=keep,
-        parity_prompts=prompts or None,
-        head=args.head or ("outside" if args.exporter == "optimum" else "inside"),
-        exporter=args.exporter,
-        optimum_python=args.optimum_python,
+        adapter=MergedAdapter(adapter, config_from_state(adapter), adapter_id) if adapter else None,
+        options=ExportOptions(
+            quantize=args.quantize,
+            keep_ids=keep,
+            parity_prompts=prompts or None,
+            head=args.head or ("outside" if args.exporter == "optimum" else "inside"),
+            exporter=args.exporter,
+            optimum_python=args.optimum_python,
+        ),
     )
     shown = {k: v for k, v in sidecar.items() if k != "keep_ids"}
     shown["kept_tokens"] = len(sidecar["keep_ids"]) if sidecar["keep_ids"] else None
@@ -173,7 +174,6 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 GRACE_S = 30  # seconds a stopping server lets streams in flight finish
-KEY_ENV = "OMNIDRAFT_API_KEY"  # the API key(s), comma-separated, when no --api-key-file is given
 
 
 def api_keys(args: argparse.Namespace) -> str | tuple[str, ...] | None:

@@ -32,7 +32,7 @@ def _installed(module: str) -> bool:
 
 def _preset_state(name: str) -> str:
     try:
-        presets._require_installed(presets.PRESETS[name])
+        presets.require_installed(presets.PRESETS[name])
     except Exception as exc:  # a missing package names its pip command
         return f"missing ({exc})"
     return "installed"

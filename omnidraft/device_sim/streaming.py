@@ -25,10 +25,11 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from .hardware import DeviceProfile
 
-__all__ = ["StreamResult", "simulate_streaming"]
+__all__ = ["StreamResult", "Streaming", "simulate_streaming"]
 
 
 @dataclass
@@ -68,101 +69,129 @@ def _continues(stream: _Stream, at: int, length: int) -> int:
     return at + length - c
 
 
-def simulate_streaming(
-    server: DeviceProfile,
-    device: DeviceProfile,
-    *,
-    rtt_ms: float,
-    devices: int = 1,
-    acceptance: float = 0.7,
-    budget: int = 6,
-    tokens: int = 128,
-    first: int = 3,
-    shared_cpu: bool = False,
-    seed: int = 0,
-    ttft_s: float = 0.0,
-) -> StreamResult:
-    """N = `devices` streams of `tokens` tokens each, all starting at once (see the module doc)."""
-    if (
-        devices < 1
-        or tokens < 1
-        or budget < 0
-        or first < 1
-        or not 0 <= acceptance <= 1
-        or rtt_ms < 0
-        or ttft_s < 0
-    ):
-        raise ValueError(
-            f"need devices, tokens, first >= 1, budget >= 0, 0 <= acceptance <= 1, rtt_ms, ttft_s >= 0; "
-            f"got {devices}, {tokens}, {first}, {budget}, {acceptance}, {rtt_ms}, {ttft_s}"
-        )
-    rng = random.Random(seed)
-    streams = [_Stream([rng.random() < acceptance for _ in range(tokens + 64)]) for _ in range(devices)]
-    half, order = rtt_ms / 2000, 0
-    events: list[tuple[float, int, str, int, tuple[int, int]]] = []
-    cpu_free = [0.0] * (1 if shared_cpu else devices)  # when each device CPU is next free
+@dataclass(frozen=True)
+class Streaming:
+    """One streaming scenario (see the module doc): `devices` streams of `tokens` tokens each, all
+    starting at once, `rtt_ms` apart from the server; each device's guess right with probability
+    `acceptance`; the server takes up to `budget` proposed tokens a row and step; a device drafts
+    `first` tokens at a time; `shared_cpu`: every device on one CPU; `ttft_s`: each request's time
+    to its first token; `seed`: the guesses' random seed."""
 
-    def push(when: float, kind: str, i: int, data: tuple[int, int] = (0, 0)) -> None:
-        nonlocal order
-        heapq.heappush(events, (when, order, kind, i, data))
-        order += 1
+    rtt_ms: float
+    devices: int = 1
+    acceptance: float = 0.7
+    budget: int = 6
+    tokens: int = 128
+    first: int = 3
+    shared_cpu: bool = False
+    seed: int = 0
+    ttft_s: float = 0.0
 
-    def draft(i: int, now: float) -> None:
+    def __post_init__(self) -> None:
+        if (
+            self.devices < 1
+            or self.tokens < 1
+            or self.budget < 0
+            or self.first < 1
+            or not 0 <= self.acceptance <= 1
+            or self.rtt_ms < 0
+            or self.ttft_s < 0
+        ):
+            raise ValueError(
+                "need devices, tokens, first >= 1, budget >= 0, 0 <= acceptance <= 1, rtt_ms, ttft_s >= 0; "
+                f"got {self.devices}, {self.tokens}, {self.first}, {self.budget}, {self.acceptance}, "
+                f"{self.rtt_ms}, {self.ttft_s}"
+            )
+
+
+def simulate_streaming(server: DeviceProfile, device: DeviceProfile, **scenario: Any) -> StreamResult:
+    """The scenario (`Streaming`'s fields as keywords: rtt_ms, devices, acceptance, budget, tokens,
+    first, shared_cpu, seed, ttft_s) simulated event by event (see the module doc)."""
+    return _Simulation(server, device, Streaming(**scenario)).run()
+
+
+class _Simulation:
+    """The event queue of one scenario: proposals arriving at the server, devices hearing tokens."""
+
+    def __init__(self, server: DeviceProfile, device: DeviceProfile, sc: Streaming) -> None:
+        self.server, self.device, self.sc = server, device, sc
+        rng = random.Random(sc.seed)
+        self.streams = [
+            _Stream([rng.random() < sc.acceptance for _ in range(sc.tokens + 64)]) for _ in range(sc.devices)
+        ]
+        self.half, self.order = sc.rtt_ms / 2000, 0
+        self.events: list[tuple[float, int, str, int, tuple[int, int]]] = []
+        self.cpu_free = [0.0] * (1 if sc.shared_cpu else sc.devices)  # when each device CPU is next free
+
+    def push(self, when: float, kind: str, i: int, data: tuple[int, int] = (0, 0)) -> None:
+        heapq.heappush(self.events, (when, self.order, kind, i, data))
+        self.order += 1
+
+    def draft(self, i: int, now: float) -> None:
         """Device i drafts on (or starts over) after what it heard; each piece is sent when drafted."""
-        s = streams[i]
-        ahead = min(3 * budget + 2, tokens - s.heard)
+        s, sc = self.streams[i], self.sc
+        ahead = min(3 * sc.budget + 2, sc.tokens - s.heard)
         fresh = s.heard > s.at + s.length or (s.heard > s.at and not all(s.right[s.at : s.heard]))
         if fresh or s.length == 0:
             s.at, s.length = s.heard, 0
-        cpu = 0 if shared_cpu else i
-        start = max(now, cpu_free[cpu])
+        cpu = 0 if sc.shared_cpu else i
+        start = max(now, self.cpu_free[cpu])
         while s.at + s.length - s.heard < ahead:
-            n = min(first, ahead - (s.at + s.length - s.heard))
-            start += device.draft_cost(n, s.heard) / 1000
+            n = min(sc.first, ahead - (s.at + s.length - s.heard))
+            start += self.device.draft_cost(n, s.heard) / 1000
             s.length += n
-            push(start + half, "arrive", i, (s.at, s.length))
-        cpu_free[cpu] = start
+            self.push(start + self.half, "arrive", i, (s.at, s.length))
+        self.cpu_free[cpu] = start
 
-    for i in range(devices):
-        draft(i, 0.0)
-    now, steps, committed = 0.0, 0, 0
-    while any(s.committed < tokens for s in streams):
-        while events and events[0][0] <= now:  # proposals that arrived before this step starts
-            when, _, kind, i, data = heapq.heappop(events)
+    def deliver(self, now: float) -> None:
+        """Proposals that arrived before a step starting at `now`; devices that heard their tokens
+        draft on."""
+        while self.events and self.events[0][0] <= now:
+            when, _, kind, i, data = heapq.heappop(self.events)
             if kind == "arrive":
-                streams[i].arrived.append(data)
-            else:  # the device hears its tokens and drafts on
-                streams[i].heard = data[0]
-                draft(i, when)
-        rows = 0
-        plan = []
-        for i, s in enumerate(streams):
-            if s.committed >= tokens:
+                self.streams[i].arrived.append(data)
+            else:
+                self.streams[i].heard = data[0]
+                self.draft(i, when)
+
+    def plan(self) -> list[tuple[int, int]]:
+        """(stream, proposed tokens it verifies) of each running stream's row in the next step."""
+        plan, sc = [], self.sc
+        for i, s in enumerate(self.streams):
+            if s.committed >= sc.tokens:
                 continue
             given = 0
             for at, length in reversed(s.arrived):
                 given = _continues(s, at, length)
                 if given:
                     break
-            given = min(given, budget, tokens - s.committed - 1)
-            plan.append((i, given))
-            rows += 1 + given
-        now += server.target_cost(rows) / 1000
-        steps += 1
-        for i, given in plan:
-            s = streams[i]
-            ok = next((j for j in range(given) if not s.right[s.committed + j]), given)
-            new = min(ok + 1, tokens - s.committed)
-            s.committed += new
-            committed += new
-            s.steps += 1
-            if s.committed >= tokens:
-                s.done_s = now
-            push(now + half, "hear", i, (s.committed, 0))
-    alone_s = ttft_s + tokens * server.target_cost(devices) / 1000
-    return StreamResult(
-        device_tok_s=sum(tokens / (ttft_s + s.done_s) for s in streams) / devices,
-        server_tok_s=committed / (ttft_s + now),
-        steps_per_token=steps * devices / committed,
-        alone_tok_s=devices * tokens / alone_s,
-    )
+            plan.append((i, min(given, sc.budget, sc.tokens - s.committed - 1)))
+        return plan
+
+    def run(self) -> StreamResult:
+        sc, streams = self.sc, self.streams
+        for i in range(sc.devices):
+            self.draft(i, 0.0)
+        now, steps, committed = 0.0, 0, 0
+        while any(s.committed < sc.tokens for s in streams):
+            self.deliver(now)
+            plan = self.plan()
+            now += self.server.target_cost(sum(1 + given for _, given in plan)) / 1000
+            steps += 1
+            for i, given in plan:
+                s = streams[i]
+                ok = next((j for j in range(given) if not s.right[s.committed + j]), given)
+                new = min(ok + 1, sc.tokens - s.committed)
+                s.committed += new
+                committed += new
+                s.steps += 1
+                if s.committed >= sc.tokens:
+                    s.done_s = now
+                self.push(now + self.half, "hear", i, (s.committed, 0))
+        alone_s = sc.ttft_s + sc.tokens * self.server.target_cost(sc.devices) / 1000
+        return StreamResult(
+            device_tok_s=sum(sc.tokens / (sc.ttft_s + s.done_s) for s in streams) / sc.devices,
+            server_tok_s=committed / (sc.ttft_s + now),
+            steps_per_token=steps * sc.devices / committed,
+            alone_tok_s=sc.devices * sc.tokens / alone_s,
+        )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,7 +24,7 @@ from ..store.atomic import atomic_path, atomic_write_bytes
 from .graphs import HEADS, LlamaGraph, drafter_graph
 from .sidecar import SIDECAR_FORMAT, file_sha256, sidecar_path
 
-__all__ = ["export_drafter"]
+__all__ = ["ExportOptions", "MergedAdapter", "export_drafter"]
 
 log = logging.getLogger("omnidraft")
 
@@ -124,6 +125,55 @@ def parity(
     }
 
 
+@dataclass(frozen=True)
+class ExportOptions:
+    """How a drafter is exported. `quantize`: None or "int8" (dynamic, onnxruntime's quantizer,
+    MLPs smoothed first). `keep_ids`: prune the LM head to these token ids (a head inside the graph
+    only). `head`: "inside" (the graph gives logits); "outside" (the graph ends at the final hidden
+    state and the LM head's weight is saved beside it, OUT.head.pt, for the drafter to evaluate in
+    PyTorch, whole or shortlisted: `OrtDrafter.use_shortlist`); "gather" (the graph takes a
+    shortlist support's ids as an input and evaluates just those rows of the head, int8 rows with
+    `quantize="int8"`). `exporter`: "omnidraft" (our Llama and Gemma 3 graphs) or "optimum" (the
+    base graph of any architecture optimum exports, run in the Python `optimum_python` names:
+    via_optimum.py; its head always outside). `parity_prompts`: token ids the export is checked on
+    against PyTorch, `parity_steps` greedy steps each."""
+
+    quantize: str | None = None
+    keep_ids: Sequence[int] | None = None
+    head: str = "inside"
+    exporter: str = "omnidraft"
+    optimum_python: str | None = None
+    parity_prompts: list[list[int]] | None = None
+    parity_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if self.exporter not in EXPORTERS:
+            raise ValueError(f"exporter must be one of {EXPORTERS}, got {self.exporter!r}")
+        if self.exporter == "optimum" and self.head != "outside":
+            raise ValueError(
+                f"optimum's graph is exported with its LM head outside (head='outside'): {self.head!r}"
+            )
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+        if self.head != "inside" and self.keep_ids is not None:
+            raise ValueError(
+                f"a pruned head (keep_ids) is a head inside the graph; with the head {self.head}, "
+                "shortlist it instead"
+            )
+        if self.quantize not in (None, "int8"):
+            raise ValueError(f"quantize must be None or 'int8', got {self.quantize!r}")
+
+
+@dataclass(frozen=True)
+class MergedAdapter:
+    """A pairing's LoRA adapter to merge into the exported weights: its tensors, its peft config
+    (None: read from the tensors' shapes) and the id the sidecar records."""
+
+    tensors: dict[str, torch.Tensor]
+    config: Any = None
+    id: str | None = None
+
+
 def export_drafter(
     model: Any,
     out: str | Path,
@@ -131,37 +181,16 @@ def export_drafter(
     name: str,
     tokenizer: Any,
     fingerprint: str,
-    adapter: dict[str, torch.Tensor] | None = None,
-    adapter_config: Any = None,
-    adapter_id: str | None = None,
-    quantize: str | None = None,
-    keep_ids: Sequence[int] | None = None,
-    parity_prompts: list[list[int]] | None = None,
-    parity_steps: int = 16,
-    head: str = "inside",
-    exporter: str = "omnidraft",
-    optimum_python: str | None = None,
+    adapter: MergedAdapter | None = None,
+    options: ExportOptions | None = None,
+    **fields: Any,
 ) -> dict[str, Any]:
     """Export fp32 HF Llama or Gemma 3 `model` (drafter `name`) with `adapter` merged: writes `out`
-    (.onnx), its tokenizer beside it (OUT.tokenizer/) and the JSON sidecar (OUT.json); returns the sidecar.
-    `head="outside"`: the graph ends at the final hidden state and the LM head's weight is saved
-    beside it (OUT.head.pt), for the drafter to evaluate in PyTorch, whole or shortlisted
-    (`OrtDrafter.use_shortlist`). `head="gather"`: the graph takes the ids of a shortlist's support
-    as an input and evaluates just those rows of the head (int8 rows with `quantize="int8"`).
-    `exporter="optimum"`: the base graph of any architecture optimum exports, run in the Python
-    `optimum_python` names (via_optimum.py); its head is always outside."""
-    if exporter not in EXPORTERS:
-        raise ValueError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
-    if exporter == "optimum" and head != "outside":
-        raise ValueError(f"optimum's graph is exported with its LM head outside (head='outside'): {head!r}")
-    if head not in HEADS:
-        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
-    if head != "inside" and keep_ids is not None:
-        raise ValueError(
-            f"a pruned head (keep_ids) is a head inside the graph; with the head {head}, shortlist it instead"
-        )
-    if quantize not in (None, "int8"):
-        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+    (.onnx), its tokenizer beside it (OUT.tokenizer/) and the JSON sidecar (OUT.json); returns the
+    sidecar. `options` (or its fields as keywords): see `ExportOptions`."""
+    if options is not None and fields:
+        raise ValueError(f"pass ExportOptions or its fields as keywords, not both (got {sorted(fields)})")
+    options = options or ExportOptions(**fields)
     out = Path(out)
     if out.suffix != ".onnx":
         raise ValueError(f"the export path must end in .onnx, got {out}")
@@ -169,59 +198,27 @@ def export_drafter(
     started = time.perf_counter()
     from tqdm import tqdm
 
-    bar = tqdm(
-        total=4 + (quantize == "int8"), desc=f"exporting {name}", unit="step", disable=None
-    )  # silent off a terminal
+    quantize = options.quantize
+    bar = tqdm(total=4 + (quantize == "int8"), desc=f"exporting {name}", unit="step", disable=None)
     bar.set_postfix_str("merging the adapter" if adapter is not None else "preparing the model")
-    model = _merged_model(model, adapter, adapter_config)
+    model = _merged_model(model, adapter.tensors if adapter else None, adapter.config if adapter else None)
     if quantize == "int8":  # same function in fp32; int8 loses less of it (int8.py)
         from ..runtime.int8 import smooth_mlps
 
         smooth_mlps(model, tokenizer)
+    keep_ids = options.keep_ids
     if keep_ids is not None:
         keep_ids = _aligned(sorted(set(int(i) for i in keep_ids)), int(model.config.vocab_size))
-    int8 = quantize == "int8"
-    graph = None if exporter == "optimum" else drafter_graph(model, keep_ids, head=head, int8_rows=int8)
-    with atomic_path(out) as tmp:  # an interrupted export leaves the previous graph, or none
-        if graph is None:
-            from . import via_optimum
-
-            _step(bar, "exporting with optimum")
-            via_optimum.export_base(model, tmp, via_optimum.optimum_python(optimum_python))
-        else:
-            _step(bar, "tracing the graph")
-            _export_graph(graph.eval(), tmp)
-        if quantize == "int8":
-            from onnxruntime.quantization import QuantType, quantize_dynamic
-
-            _step(bar, "quantizing to int8")
-            fp32 = tmp.with_name(tmp.name + ".fp32")
-            tmp.replace(fp32)
-            try:
-                quantize_dynamic(
-                    str(fp32),
-                    str(tmp),
-                    weight_type=QuantType.QInt8,
-                    per_channel=True,
-                    nodes_to_exclude=_reading(fp32, "head_scales"),
-                )  # the gathered head's scales stay fp32
-            finally:
-                fp32.unlink(missing_ok=True)
+    _write_graph(model, out, keep_ids, options, bar)
     _step(bar, "writing the tokenizer and head")
     tokenizer.save_pretrained(str(out.with_suffix(".tokenizer")))
-    head_file = None
-    if head == "outside":
-        import io
-
-        head_file = out.with_suffix(".head.pt")
-        buffer = io.BytesIO()
-        torch.save({"weight": model.lm_head.weight.detach().clone()}, buffer)
-        atomic_write_bytes(head_file, buffer.getvalue())
+    head_file = _write_head(model, out) if options.head == "outside" else None
     _step(bar, "parity check")
-    outside = model.lm_head if head == "outside" else None
+    outside = model.lm_head if options.head == "outside" else None
+    prompts, steps = options.parity_prompts, options.parity_steps
     report = (
-        parity(model, out, keep_ids, parity_prompts, parity_steps, outside)
-        if parity_prompts and head != "gather"
+        parity(model, out, keep_ids, prompts, steps, outside)
+        if prompts and options.head != "gather"
         else None
     )
     layout = _layout(out)  # what the graph holds per layer, whoever exported it
@@ -237,15 +234,15 @@ def export_drafter(
         "layers": layout["layers"],
         "kv_heads": layout["kv_heads"],
         "head_dim": layout["head_dim"],
-        "exporter": exporter,
+        "exporter": options.exporter,
         "eos_token_id": tokenizer.eos_token_id,
-        "adapter": adapter_id,
+        "adapter": adapter.id if adapter else None,
         "opset": layout["opset"],
         "quantization": quantize,
         "keep_ids": keep_ids,
         "onnx_sha256": file_sha256(out),
         "onnx_bytes": out.stat().st_size,
-        "head": head,
+        "head": options.head,
         "head_sha256": file_sha256(head_file) if head_file else None,
         "parity": report,
         "export_seconds": round(time.perf_counter() - started, 1),
@@ -255,6 +252,51 @@ def export_drafter(
         "exported %s (%.1f MB) in %.0f s", out, out.stat().st_size / 2**20, time.perf_counter() - started
     )
     return sidecar
+
+
+def _write_graph(model: Any, out: Path, keep_ids: list[int] | None, options: ExportOptions, bar: Any) -> None:
+    """The graph at `out` (ours or optimum's), int8-quantized if asked; atomic: an interrupted
+    export leaves the previous graph, or none."""
+    int8 = options.quantize == "int8"
+    graph = None
+    if options.exporter != "optimum":
+        graph = drafter_graph(model, keep_ids, head=options.head, int8_rows=int8)
+    with atomic_path(out) as tmp:
+        if graph is None:
+            from . import via_optimum
+
+            _step(bar, "exporting with optimum")
+            via_optimum.export_base(model, tmp, via_optimum.optimum_python(options.optimum_python))
+        else:
+            _step(bar, "tracing the graph")
+            _export_graph(graph.eval(), tmp)
+        if int8:
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            _step(bar, "quantizing to int8")
+            fp32 = tmp.with_name(tmp.name + ".fp32")
+            tmp.replace(fp32)
+            try:
+                quantize_dynamic(
+                    str(fp32),
+                    str(tmp),
+                    weight_type=QuantType.QInt8,
+                    per_channel=True,
+                    nodes_to_exclude=_reading(fp32, "head_scales"),
+                )  # the gathered head's scales stay fp32
+            finally:
+                fp32.unlink(missing_ok=True)
+
+
+def _write_head(model: Any, out: Path) -> Path:
+    """The LM head's weight beside the graph (OUT.head.pt), for a head evaluated outside it."""
+    import io
+
+    head_file = out.with_suffix(".head.pt")
+    buffer = io.BytesIO()
+    torch.save({"weight": model.lm_head.weight.detach().clone()}, buffer)
+    atomic_write_bytes(head_file, buffer.getvalue())
+    return head_file
 
 
 def _layout(path: Path) -> dict[str, int]:

@@ -194,7 +194,7 @@ class LlamaEngine:
     def _row(self, i: int) -> np.ndarray:
         return np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,))
 
-    def _key(self) -> str:
+    def measure_key(self) -> str:
         """What this engine's numbers and costs are a function of besides the machine."""
         return (
             f"{self.path.name}|{self.path.stat().st_size}|{self._lc.__version__}|{self.threads}|"
@@ -213,7 +213,7 @@ class LlamaEngine:
         gives, by context length (attention kernels change with the cache's length too): measured
         once per machine, llama.cpp build, model file and settings, then remembered."""
         found = remembered(
-            "llama-exact-rows", f"{self._key()}|n_ctx {self.n_ctx}|by context", self._probe_limits
+            "llama-exact-rows", f"{self.measure_key()}|n_ctx {self.n_ctx}|by context", self._probe_limits
         )
         return [(int(c), int(r)) for c, r in found]
 
@@ -243,7 +243,9 @@ class LlamaEngine:
         verify is (calls of at most `exact_rows`): what verifying n tokens costs. Measured once per
         machine, model and settings (a few seconds), then remembered."""
         if most not in self._row_costs:
-            costs = remembered("llama-row-costs", f"{self._key()}|rows {most}", lambda: self._time_rows(most))
+            costs = remembered(
+                "llama-row-costs", f"{self.measure_key()}|rows {most}", lambda: self._time_rows(most)
+            )
             self._row_costs[most] = {int(n): float(s) for n, s in costs.items()}
         return dict(self._row_costs[most])
 

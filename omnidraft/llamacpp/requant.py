@@ -113,5 +113,5 @@ def drafting_weights(path: Path, engine: Any, weights: str = "auto", *, threads:
         use = "q8_0" if reference_ms(q8) < reference_ms(shipped) else "shipped"
         return {"shipped": shipped, "q8_0": q8, "use": use}
 
-    timed = remembered("drafter-weights", engine._key(), measure)
+    timed = remembered("drafter-weights", engine.measure_key(), measure)
     return requantized(path, threads) if timed["use"] == "q8_0" else path

@@ -6,7 +6,7 @@ own (filtered) distribution, one token a step through the session's verify with 
 other sessions' verifies interleave. `logprobs` (completions) and `logprobs` / `top_logprobs`
 (chat) return each generated token's log-prob and alternatives from the target's own
 distribution. Errors take OpenAI's shape (`error_body`). Echo and prompt log-probabilities (and a
-greedy, unstreamed completion's log-probabilities) stay with openai.py's scoring path (what
+greedy, unstreamed completion's log-probabilities) stay with completions.py's scoring path (what
 OpenAICompletionsTarget reads).
 """
 
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..decode.rounds import TokenLogprob
-from .openai import CompletionRequest, SamplingFields
+from .completions import CompletionRequest, SamplingFields
 
 __all__ = ["ChatRequest", "chat_prompt", "error_body", "models_reply", "respond"]
 
@@ -120,7 +120,7 @@ def _logprobs(
 ) -> dict[str, Any]:
     """Tokens start..end's log-probabilities in OpenAI's shape: chat's `content` entries, or the
     completion's parallel lists."""
-    from .openai import token_string
+    from .completions import token_string
 
     entries = found[start:end]
     name = partial(token_string, token_bytes, as_ids=as_ids)

@@ -86,7 +86,7 @@ class RequestIO:
 
     async def until_disconnect(self, request: Request, work: Any, *args: Any) -> Any:
         """`work(*args, cancel)` in the thread pool; `cancel` is set if the client goes away first."""
-        from .openai import Cancelled
+        from .completions import Cancelled
 
         cancel = threading.Event()
         running = asyncio.ensure_future(run_in_threadpool(partial(work, *args, cancel)))
@@ -215,7 +215,7 @@ def add_openai_routes(app: FastAPI, service: Service, io: RequestIO) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        from .openai import CompletionRequest
+        from .completions import CompletionRequest
 
         parsed = await io.body(request, CompletionRequest)
         greedy_scores = parsed.logprobs is not None and parsed.temperature == 0 and not parsed.stream

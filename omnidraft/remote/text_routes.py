@@ -36,8 +36,8 @@ class TextRoutes:
     _stepwise: Callable[..., Iterator[int]]
 
     def complete(self, request: Any, key: int = 0, cancel: threading.Event | None = None) -> dict[str, Any]:
-        """The OpenAI-compatible /v1/completions (greedy, stateless; see remote/openai.py)."""
-        from .openai import MAX_PROMPT_CHARS, complete
+        """The OpenAI-compatible /v1/completions (greedy, stateless; see remote/completions.py)."""
+        from .completions import MAX_PROMPT_CHARS, complete
 
         if not self.target.capabilities.scores_positions:
             raise HTTPError(
@@ -90,7 +90,7 @@ class TextRoutes:
         budget is held while it runs. Checked now, decoded as the iterator is read; `cancel` set
         (the client went away) stops it at its next token with `Cancelled`. With `logprobs` (a
         list), each token's `TokenLogprob` (its `top` alternatives) is appended as it comes."""
-        from .openai import Cancelled
+        from .completions import Cancelled
 
         self._check_ids(ids, "prompt")
         budget = len(ids) + max_tokens

@@ -183,18 +183,7 @@ def shortlist(
             clusters,
         )
     )
-    saved = None
-    if file.exists():
-        try:
-            saved = torch.load(io.BytesIO(file.read_bytes()), weights_only=True)
-            check_fits(saved, drafter, kind, clusters, str(file))
-        except Exception as exc:  # torch's unpickler raises many kinds on a torn file
-            if own:
-                raise ValueError(
-                    str(exc) if isinstance(exc, ValueError) else f"{file}: unreadable ({exc})"
-                ) from None
-            log.warning("rebuilding the %s shortlist of %s: %s", kind, drafter.name, exc)
-            saved = None
+    saved = _read(file, drafter, kind, clusters, own=own)
     if saved is None:
         if kind == "dyna" and head is None:
             raise ValueError(
@@ -202,10 +191,7 @@ def shortlist(
                 "graph"
             )
         saved = _build(drafter, head, kind, size, clusters)
-        file.parent.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        torch.save(saved, buffer)
-        atomic_write_bytes(file, buffer.getvalue())
+        _write(file, saved)
         log.info(
             "built the %s shortlist of %s (%d core tokens) into %s",
             kind,
@@ -228,3 +214,28 @@ def shortlist(
     router.load_state_dict(saved["router"])
     router.requires_grad_(False)
     return Dyna(head, _dyna_core(saved["core"], size, set(drafter.stop_ids)), groups, router, budget)
+
+
+def _read(file: Path, drafter: Any, kind: str, clusters: int, *, own: bool) -> dict[str, Any] | None:
+    """The shortlist kept in `file`, or None (none there, or a cached one that does not fit: rebuilt);
+    a file of the user's own (`own`) that does not fit is refused, naming why."""
+    if not file.exists():
+        return None
+    try:
+        saved = torch.load(io.BytesIO(file.read_bytes()), weights_only=True)
+        check_fits(saved, drafter, kind, clusters, str(file))
+        return dict(saved)
+    except Exception as exc:  # torch's unpickler raises many kinds on a torn file
+        if own:
+            raise ValueError(
+                str(exc) if isinstance(exc, ValueError) else f"{file}: unreadable ({exc})"
+            ) from None
+        log.warning("rebuilding the %s shortlist of %s: %s", kind, drafter.name, exc)
+        return None
+
+
+def _write(file: Path, saved: dict[str, Any]) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    atomic_write_bytes(file, buffer.getvalue())

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..errors import CorruptFileError, MissingModelError
 from .atomic import atomic_path, build_lock
 
-__all__ = ["PRESETS", "Preset", "cache_dir", "gguf_path"]
+__all__ = ["PRESETS", "Preset", "cache_dir", "gguf_path", "require_installed"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +93,7 @@ def _module_dir(package: str) -> Path:
     return Path(spec.origin).parent
 
 
-def _require_installed(preset: Preset) -> list[Path]:
+def require_installed(preset: Preset) -> list[Path]:
     dirs, missing = [], []
     for package in preset.packages:
         try:
@@ -113,7 +113,7 @@ def gguf_path(name: str) -> Path:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
     preset = PRESETS[name]
-    dirs = _require_installed(preset)
+    dirs = require_installed(preset)
     if preset.layout == "whole":
         return dirs[0] / preset.gguf_name
     out = cache_dir() / "gguf" / preset.gguf_name

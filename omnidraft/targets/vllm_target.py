@@ -145,24 +145,27 @@ class VLLMTarget(TargetBase):
                 "only over the top log-probabilities vLLM returns"
             )
 
-    def submit(
+    def submit(self, ids: list[int], salt: str, *, outputs: queue.Queue | None = None, **options: Any) -> Any:
+        """Queue one request on the engine loop (`options`: `sampling_params`'); returns its handle.
+        `outputs`: as for `EngineLoop.submit`."""
+        prompt = {"prompt_token_ids": list(ids), "cache_salt": salt}
+        return self.loop.submit(prompt, self.sampling_params(**options), tag=salt, outputs=outputs)
+
+    def sampling_params(
         self,
-        ids: list[int],
-        salt: str,
-        *,
         max_tokens: int,
+        *,
         stream: bool = False,
         logprobs: int = 0,
         prompt_logprobs: bool = False,
         cached: bool = True,
         eos: bool | None = None,
-        outputs: queue.Queue | None = None,
         rule: Rule | None = None,
     ) -> Any:
-        """Queue one request on the engine loop, greedy or sampled under `rule`'s temperature and
-        filters (its seed, if any, seeds the request's own generator); returns its handle. `eos`:
-        stop after an EOS (default: a stream does, a verify does not); `outputs`: as for
-        `EngineLoop.submit`."""
+        """vLLM's SamplingParams of one request: greedy, or sampled under `rule`'s temperature and
+        filters (its seed, if any, seeds the request's own generator); `stream`: the committed ids
+        step by step; `eos`: stop after an EOS (default: a stream does, a verify does not);
+        `cached`: the prompt may be read from the prefix cache."""
         eos = stream if eos is None else eos
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -176,7 +179,7 @@ class VLLMTarget(TargetBase):
                 "min_p": rule.min_p,
                 "seed": rule.seed,
             }
-        params = SamplingParams(
+        return SamplingParams(
             temperature=rule.temperature if rule is not None and sampled else 0.0,
             **sampling,
             max_tokens=max_tokens,
@@ -188,8 +191,6 @@ class VLLMTarget(TargetBase):
             stop_token_ids=sorted(self.eos_ids) if eos else None,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
-        prompt = {"prompt_token_ids": list(ids), "cache_salt": salt}
-        return self.loop.submit(prompt, params, tag=salt, outputs=outputs)
 
     def request(
         self, ids: list[int], salt: str, cancel: threading.Event | None = None, **options: Any
