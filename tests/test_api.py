@@ -169,3 +169,12 @@ def test_a_temperature_alone_pairs_for_lossless_match_sampling(tiny_drafter, tin
     assert pair.config.mode == "match" and pair.config.rule.temperature == 0.8
     out = pair.generate("Question: Tom has", max_new_tokens=8, seed=3)
     assert out.token_ids == pair.generate("Question: Tom has", max_new_tokens=8, seed=3).token_ids
+
+
+def test_every_error_class_is_public_and_a_misnamed_length_is_named(tiny_drafter, tiny_target):
+    import omnidraft.errors
+
+    for name in omnidraft.errors.__all__:
+        assert getattr(od, name) is getattr(omnidraft.errors, name)
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        tiny_drafter.pair(tiny_target, k=2).generate("x", max_tokens=8)

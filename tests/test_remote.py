@@ -509,3 +509,13 @@ def test_a_sampled_stream_without_rounds_is_refused_not_decoded_greedily():
     session = _RemoteSession(owner=None, ids=[1, 2, 3])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="greedy only"):
         next(session.steps(4, rule=Rule(mode="match", temperature=1.0)))
+
+
+def test_a_remote_target_takes_its_key_from_the_servers_variable_and_a_401_says_how(http, monkeypatch):
+    """`RemoteTarget` without `api_key=` sends the first key of $OMNIDRAFT_API_KEY (the variable
+    `omnidraft serve` reads); without one, the server's 401 names both ways to pass it."""
+    monkeypatch.delenv("OMNIDRAFT_API_KEY", raising=False)
+    with pytest.raises(RemoteRequestError, match="api_key=.*OMNIDRAFT_API_KEY"):
+        RemoteTarget("http://testserver", client=http)
+    monkeypatch.setenv("OMNIDRAFT_API_KEY", f"{KEY}, another")
+    assert RemoteTarget("http://testserver", client=http).name

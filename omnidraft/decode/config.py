@@ -117,7 +117,15 @@ class DecodeConfig:
         given = {k: v for k, v in sampling.items() if v is not None}
         unknown = set(given) - {"temperature", "top_k", "top_p", "min_p", "seed"}
         if unknown:
-            raise TypeError(f"unknown sampling options {sorted(unknown)}")
+            hint = (
+                "; the length is max_new_tokens"
+                if unknown & {"max_tokens", "max_length", "n_predict"}
+                else ""
+            )
+            raise TypeError(
+                f"unknown sampling options {sorted(unknown)}: a request takes temperature, top_k, top_p, "
+                f"min_p and seed (and logprobs, generation_config){hint}"
+            )
         base = self.rule
         temperature = given.get("temperature", base.temperature)
         mode = (

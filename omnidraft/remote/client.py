@@ -1,6 +1,6 @@
 """`RemoteTarget`: a target behind a verification server, with the same protocol as LocalTarget.
 
-    target = od.RemoteTarget("http://127.0.0.1:8000", api_key="...")
+    target = od.RemoteTarget("http://127.0.0.1:8000", api_key="...")  # default: $OMNIDRAFT_API_KEY
     pair = drafter.pair(target)
 
 The tokenizer comes from the server (or pass `tokenizer=` to use a local copy); its byte-view
@@ -16,6 +16,7 @@ what was committed so far (`error.partial`).
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from ..optional import require
 from ..target import Capabilities, SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
+from . import KEY_ENV
 from .protocol import (
     MAX_PROPOSAL,
     GenerateChunk,
@@ -69,6 +71,8 @@ class RemoteTarget(TargetBase):
         httpx = require("httpx", "RemoteTarget")
         if retries < 0 or timeout <= 0:
             raise ValueError(f"need retries >= 0 and timeout > 0, got {retries} and {timeout}")
+        if api_key is None:  # the variable `omnidraft serve` reads its keys from (the first of them)
+            api_key = os.environ.get(KEY_ENV, "").split(",")[0].strip() or None
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.url, self.retries = url, retries
         self.http = client if client is not None else httpx.Client(base_url=url, timeout=timeout)

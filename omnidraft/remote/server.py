@@ -106,7 +106,14 @@ class Auth:
         path, key = request.url.path, self.key_of(request)
         scope.setdefault("state", {})["key"] = key
         if key is None and (path.startswith("/v1/") or (path == "/metrics" and not self.open_metrics)):
-            reply = self.refuse(401, "missing or wrong API key (send Authorization: Bearer <key>)", path)
+            reply = self.refuse(
+                401,
+                (
+                    "missing or wrong API key: pass api_key= to RemoteTarget or set $OMNIDRAFT_API_KEY "
+                    "(any other client: send Authorization: Bearer <key>)"
+                ),
+                path,
+            )
             return await reply(scope, receive, send)
         started = False
 
