@@ -36,7 +36,7 @@ def child(args: argparse.Namespace) -> None:
         target = od.VLLMTarget.load(target_name, dtype="float32")
     else:
         target = od.LocalTarget.load(target_name)
-    pair = od.Drafter.load(drafter_name).pair(target)
+    pair = od.Drafter.load(drafter_name).pair(target, **({"k": args.k} if args.k else {}))
     pair.generate("Warm up.", max_new_tokens=8)
     rows = []
     for workload in args.workload:
@@ -44,14 +44,16 @@ def child(args: argparse.Namespace) -> None:
             started = time.perf_counter()
             out = pair.generate(prompt, max_new_tokens=args.max_new_tokens)
             seconds = time.perf_counter() - started
-            rows.append({"workload": workload, "prompt": i, "seconds": seconds, "ids": out.token_ids})
+            speculated = any(r.proposed for r in out.rounds)  # else the target decoded it alone
+            row = {"workload": workload, "prompt": i, "seconds": seconds, "ids": out.token_ids}
+            rows.append({**row, "speculated": speculated, "rounds": len(out.rounds)})
     Path(args.out).write_text(json.dumps({"source": od.__file__, "rows": rows}))
 
 
 def run_tree(tree: str, args: argparse.Namespace, out: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": tree}
     cmd = [sys.executable, __file__, "--child", "--out", out, "--pair", args.pair, "--engine", args.engine]
-    cmd += ["--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens)]
+    cmd += ["--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens), "--k", str(args.k or 0)]
     for w in args.workload:
         cmd += ["--workload", w]
     subprocess.run(cmd, env=env, check=True, cwd=tree)
@@ -70,7 +72,8 @@ def bootstrap(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple[fl
 
 def report(runs: dict[str, list[list[dict]]], args: argparse.Namespace) -> str:
     lines = [
-        f"{args.pair} on {args.engine}, {args.n} prompts x {args.max_new_tokens} tokens a workload, "
+        f"{args.pair} on {args.engine}{f', k={args.k}' if args.k else ''}, {args.n} prompts x "
+        f"{args.max_new_tokens} tokens a workload, "
         f"{args.repeats} runs a tree, alternating",
         "",
         "| workload | before tok/s | after tok/s | median ratio (after speed / before) | 95% interval | "
@@ -111,6 +114,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="runs a tree")
+    p.add_argument("--keep", help="a directory to keep each run's JSON in")
+    p.add_argument(
+        "--k",
+        type=int,
+        default=0,
+        help="a fixed draft length: the loop's own speed, without the cost policy's timing-driven "
+        "choices (default 0: the pairing's defaults)",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -121,7 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.before or not args.after:
         p.error("--before and --after are required")
     runs: dict[str, list[list[dict]]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = str(Path(args.keep).resolve()) if args.keep else scratch
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for r in range(args.repeats):
             order = ("before", "after") if r % 2 == 0 else ("after", "before")
             for tree in order:

@@ -253,6 +253,8 @@ def test_the_paired_before_after_report_gives_a_median_ratio_and_checks_outputs(
         "before": [run([2.0, 2.0, 2.0], same), run([2.0, 2.0, 2.0], same)],
         "after": [run([1.0, 1.0, 1.0], same), run([1.0, 1.0, 1.0], [[1, 2], [3, 4], [9]])],
     }
-    args = argparse.Namespace(pair="a:b", engine="torch", n=3, max_new_tokens=2, repeats=2, workload=["w"])
+    args = argparse.Namespace(
+        pair="a:b", engine="torch", n=3, max_new_tokens=2, repeats=2, workload=["w"], k=0
+    )
     row = report(runs, args).splitlines()[-1]
     assert row.startswith("| w | 1.00 | 2.00 | 2.000 | 2.000-2.000 | 2/3 |"), row
