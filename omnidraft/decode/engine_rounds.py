@@ -82,11 +82,7 @@ class EngineRounds:
         rnd = spec.round
         if rnd is not None:  # the engine verified it since it went back: the verdict is in the ids
             new = ids[len(self._ids) :]
-            proposed = rnd.proposal.ids.tolist()
-            accepted = next(
-                (j for j, t in enumerate(proposed) if j >= len(new) or new[j] != t), len(proposed)
-            )
-            spec.commit(new, accepted, now - rnd.ready, now)
+            spec.commit(new, accepted_prefix(rnd, new), now - rnd.ready, now)
         self._ids = spec.request.target.ids = list(ids)
         rnd = spec.propose(max(1, remaining), most=most, k=k)
         assert rnd is not None  # with `most`, an empty round rather than none
@@ -129,11 +125,14 @@ class EngineRounds:
         rnd = self.proposals.pop(context, None)
         if rnd is None:
             return round_record(None, context, tokens, 0, t_verify)
-        proposed = rnd.proposal.ids.tolist()
-        accepted = next(
-            (j for j, t in enumerate(proposed) if j >= len(tokens) or tokens[j] != t), len(proposed)
-        )
-        return round_record(rnd, context, tokens, accepted, t_verify)
+        return round_record(rnd, context, tokens, accepted_prefix(rnd, tokens), t_verify)
+
+
+def accepted_prefix(rnd: Round, new: list[int]) -> int:
+    """How many of `rnd`'s proposed ids the engine committed: the ids `new` agree with up to the
+    engine's own token."""
+    proposed = rnd.proposal.ids.tolist()
+    return next((j for j, t in enumerate(proposed) if j >= len(new) or new[j] != t), len(proposed))
 
 
 def request_rounds(p: Pairing, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
