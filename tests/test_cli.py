@@ -93,3 +93,19 @@ def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch)
     assert api_keys(args) == ("a", "b")
     (tmp_path / "k").write_text("only\n")
     assert api_keys(argparse.Namespace(api_key_file=str(tmp_path / "k"), no_auth=False)) == "only"
+
+
+def test_a_misspelled_or_missing_model_is_refused_before_anything_loads(monkeypatch):
+    """A typo in --pair's target, or a local directory that is not there, is named before the
+    drafter loads (which takes minutes on a first run)."""
+    import omnidraft as od
+
+    loads = []
+    monkeypatch.setattr(od.Drafter, "load", staticmethod(lambda *a, **k: loads.append(a)))
+    with pytest.raises(SystemExit, match="unknown preset 'qwen-coder-typo'"):
+        main(["generate", "hi", "--pair", "smollm2-135m:qwen-coder-typo"])
+    with pytest.raises(SystemExit, match="no model directory at .*my-small-lm"):
+        main(["generate", "hi", "--pair", "./my-small-lm:qwen2.5-coder-0.5b"])
+    assert loads == []
+    with pytest.raises(FileNotFoundError, match="a preset .*, a .gguf file, a local directory or an HF id"):
+        od.load_model("./my-small-lm")

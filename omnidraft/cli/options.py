@@ -64,6 +64,10 @@ def split_pair(pair: str) -> tuple[str, str]:
     drafter, sep, target = pair.partition(":")
     if not sep or not drafter or not target:
         raise SystemExit(f"--pair must be DRAFTER:TARGET, got {pair!r}")
+    from ..store.models import check_spec
+
+    for spec in (drafter, target):  # before either loads: a typo costs no model load
+        check_spec(spec)
     return drafter, target
 
 

@@ -17,7 +17,7 @@ import torch
 from . import presets
 from .atomic import atomic_path, build_lock
 
-__all__ = ["LoadedModel", "hf_directory", "load_model", "load_tokenizer"]
+__all__ = ["check_spec", "LoadedModel", "hf_directory", "load_model", "load_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -35,24 +35,37 @@ class LoadedModel:
 
 def load_model(spec: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load `spec`: a preset name (see `presets.PRESETS`), a `.gguf` path, a local dir or an HF id."""
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
+    check_spec(spec)
     if spec in presets.PRESETS:
         return _load_gguf(presets.gguf_path(spec), spec, dtype)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"no GGUF file at {path}")
         return _load_gguf(path, path.stem, dtype)
+    return _load_hf(spec, spec, dtype)
+
+
+def check_spec(spec: str) -> None:
+    """Refuse, before any slow work, a model spec that cannot load: a misspelled preset, a .gguf
+    file or a local directory (a path starting with ".", "/" or "~") that is not there."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
+    if spec in presets.PRESETS:
+        return
+    kinds = f"a preset ({', '.join(sorted(presets.PRESETS))}), a .gguf file, a local directory or an HF id"
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}; a model is {kinds}")
+    if spec.startswith((".", "/", "~")) and not path.exists():
+        raise FileNotFoundError(f"no model directory at {path}; a model is {kinds}")
     if spec.startswith(("smollm", "qwen", "gemma")) and not path.exists():
         raise ValueError(f"unknown preset {spec!r}; known presets: {', '.join(sorted(presets.PRESETS))}")
-    return _load_hf(spec, spec, dtype)
 
 
 def load_tokenizer(spec: str) -> Any:
     """Only the tokenizer of `spec` (a preset, .gguf path, local dir or HF id): no weights."""
     from transformers import AutoTokenizer
 
+    check_spec(spec)
     if spec in presets.PRESETS or spec.endswith(".gguf"):
         path = presets.gguf_path(spec) if spec in presets.PRESETS else Path(spec)
         converted = _converted_dir(path, spec if spec in presets.PRESETS else path.stem)
@@ -65,6 +78,7 @@ def load_tokenizer(spec: str) -> Any:
 def hf_directory(spec: str) -> str:
     """A directory or HF id another engine (vLLM) can load `spec` from: a preset or .gguf file
     becomes its converted safetensors directory (converted once, as `load_model` does)."""
+    check_spec(spec)
     if spec in presets.PRESETS or spec.endswith(".gguf"):
         path = presets.gguf_path(spec) if spec in presets.PRESETS else Path(spec).expanduser()
         converted = _converted_dir(path, spec if spec in presets.PRESETS else path.stem)
