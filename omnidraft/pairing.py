@@ -134,8 +134,7 @@ class Pairing:
             cache = NgramCache.from_doc(
                 profile.ngram, where=where, fingerprint=self.fingerprint, config=config.ngram
             )
-        codecs_ = self.drafter.codec, self.target.codec
-        return Translator(*codecs_, vmap, cache, strategy=config.strategy)
+        return Translator(self.drafter.codec, self.target.codec, vmap, cache, strategy=config.strategy)
 
     def _learner(self, train: TrainConfig | None, vmap: Any) -> Learner:
         """The online distillation into the pairing's adapter (`learn=True`)."""

@@ -215,21 +215,19 @@ class CostPolicy:
         fresh, long_decay). `may_idle`: False never chooses k = 0 (a ModeChooser then decides per
         request whether to draft)."""
         k = PolicyKnobs(**knobs)
-        k_max, start, probe_every, decay = k.k_max, k.start, k.probe_every, k.decay
-        margin, max_wait, fresh, long_decay = k.margin, k.max_wait, k.fresh, k.long_decay
         self.cost, self.k_max, self.start, self.probe_every, self.decay = (
             cost,
-            k_max,
-            start,
-            probe_every,
-            decay,
+            k.k_max,
+            k.start,
+            k.probe_every,
+            k.decay,
         )
-        self.margin, self.max_wait = margin, max(max_wait, probe_every)
-        self.wait = probe_every  # idle rounds before the next probe
-        self.fresh, self.fresh_left = fresh, 0  # rounds each request drafts before the policy may idle
+        self.margin, self.max_wait = k.margin, max(k.max_wait, k.probe_every)
+        self.wait = k.probe_every  # idle rounds before the next probe
+        self.fresh, self.fresh_left = k.fresh, 0  # rounds each request drafts before the policy may idle
         self.may_idle = may_idle  # False: never k = 0 (a ModeChooser decides per request whether to draft)
         # EMAs per drafting round: this request's, and the pairing's long run a new request starts from
-        self.seen, self.long_run = Acceptance(decay), Acceptance(long_decay)
+        self.seen, self.long_run = Acceptance(k.decay), Acceptance(k.long_decay)
         self.ratio: float | None = None
         self.idle = 0  # rounds since the last draft
         self.last_rates: dict[int, float] = {}

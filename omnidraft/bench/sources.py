@@ -39,14 +39,12 @@ def run_sources(
     n = max(map(len, workloads.values()), default=0)
     out: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": n, "datasets": {}}
     for dataset, prompts in workloads.items():
-        pairs = {
-            RELAXED_ROW if d == "relaxed" else f"omnidraft {d}": (
-                drafter.pair(target, drafts="hybrid", mode="relaxed-lossy", **config)
-                if d == "relaxed"
-                else drafter.pair(target, drafts=d, **config)
-            )
-            for d in drafts
-        }
+        pairs = {}
+        for d in drafts:
+            if d == "relaxed":
+                pairs[RELAXED_ROW] = drafter.pair(target, drafts="hybrid", mode="relaxed-lossy", **config)
+            else:
+                pairs[f"omnidraft {d}"] = drafter.pair(target, drafts=d, **config)
         result = compare_pairings(
             pairs, prompts, max_new_tokens, progress=partial(_prefixed, progress, dataset), peers=peers
         )

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OmnidraftError
-from ..remote import KEY_ENV  # the API key(s), comma-separated, when no --api-key-file is given
+from ..remote import KEY_ENV, env_keys
 from .options import build_parser, load_pair, split_pair, start_run
 
 __all__ = ["main"]
@@ -187,7 +187,7 @@ def api_keys(args: argparse.Namespace) -> str | tuple[str, ...] | None:
         )
         where = args.api_key_file
     elif os.environ.get(KEY_ENV):
-        keys, where = tuple(k.strip() for k in os.environ[KEY_ENV].split(",") if k.strip()), f"${KEY_ENV}"
+        keys, where = env_keys(), f"${KEY_ENV}"
     elif args.no_auth:
         return None
     else:

@@ -86,7 +86,7 @@ class EngineRounds:
         self._ids = spec.request.target.ids = list(ids)
         rnd = spec.propose(max(1, remaining), most=most, k=k)
         assert rnd is not None  # with `most`, an empty round rather than none
-        self._growable = bool(rnd.draft.ids) and rnd.used is None and len(rnd.draft.ids) >= spec.budget.k
+        self._growable = rnd.grows and len(rnd.draft.ids) >= spec.budget.k
         if self.keep:
             self.proposals[len(ids)] = rnd
         self.calls += 1

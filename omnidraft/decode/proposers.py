@@ -64,6 +64,12 @@ class Round:
         """A round proposing target ids copied from elsewhere (no drafter model under them)."""
         return cls(NO_DRAFT, Proposal.copied(ids))
 
+    @property
+    def grows(self) -> bool:
+        """Whether the drafter may draft on from this round's proposal: a model draft with nothing
+        retrieved run on after it."""
+        return bool(self.draft.ids) and self.used is None
+
     def retrieved_among(self, accepted: int) -> int:
         """How many of the first `accepted` proposed tokens were retrieved ones."""
         return sum(1 for s in self.proposal.sources[:accepted] if s == Source.RETRIEVED)
@@ -171,7 +177,7 @@ class ModelDrafts:
         """`rnd` with its model draft drafted up to `k` tokens further (stopped as a draft is, by a
         stop token or low confidence), translated again (at most `room` target ids); None where the
         drafter proposes nothing more, or `rnd` is not a model draft to grow."""
-        if not rnd.draft.ids or rnd.used is not None:
+        if not rnd.grows:
             return None
         _, stop_confidence, _ = self.p.lengths.for_draft(k, None)
         more = state.drafts.propose(k, stop_confidence=stop_confidence, more=True)
@@ -183,7 +189,7 @@ class ModelDrafts:
 
     def may_resume(self, state: ModelState, rnd: Round) -> bool:
         """Whether `rnd`'s draft stopped at a token of low confidence (not a stop token)."""
-        return bool(rnd.draft.ids) and rnd.used is None and rnd.draft.ids[-1] not in state.drafts.stop_ids
+        return rnd.grows and rnd.draft.ids[-1] not in state.drafts.stop_ids
 
     def _round(self, state: ModelState, draft: Draft, only: str, room: int) -> Round:
         p, drafted = self.p, time.perf_counter()
@@ -268,12 +274,12 @@ class HybridDrafts:
 
     def propose(self, state: tuple[ModelState, Any], budget: Budget) -> Round:
         model, index = state
-        retrieve = budget.retrieve and self.retrieved is not None
-        rnd = self.retrieved.propose(index, budget) if retrieve and self.retrieved else None
+        retrieved = self.retrieved if budget.retrieve else None
+        rnd = retrieved.propose(index, budget) if retrieved is not None else None
         if rnd is None:
             rnd = self.model.propose(model, budget)
-            if retrieve and self.retrieved:
-                rnd = self.retrieved.run_on(index, rnd, budget.room)
+            if retrieved is not None:
+                rnd = retrieved.run_on(index, rnd, budget.room)
         return rnd
 
     def settle(self, state: tuple[ModelState, Any], rnd: Round, verdict: Verdict) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ..target import Rule
 from ..translate.translator import Proposal, Source, Translator
 from .config import RELAXED
 from .stats import GenerationStats, RoundRecord, round_record
@@ -64,7 +65,7 @@ class Call:
     random generator and how many log-probabilities a token the caller asked for."""
 
     prompt: str
-    rule: Any
+    rule: Rule
     max_new_tokens: int
     generator: torch.Generator | None = None
     special: bool = True

@@ -16,7 +16,6 @@ what was committed so far (`error.partial`).
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from ..optional import require
 from ..target import Capabilities, SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
-from . import KEY_ENV
+from . import env_keys
 from .protocol import (
     MAX_PROPOSAL,
     GenerateChunk,
@@ -72,7 +71,7 @@ class RemoteTarget(TargetBase):
         if retries < 0 or timeout <= 0:
             raise ValueError(f"need retries >= 0 and timeout > 0, got {retries} and {timeout}")
         if api_key is None:  # the variable `omnidraft serve` reads its keys from (the first of them)
-            api_key = os.environ.get(KEY_ENV, "").split(",")[0].strip() or None
+            api_key = next(iter(env_keys()), None)
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.url, self.retries = url, retries
         self.http = client if client is not None else httpx.Client(base_url=url, timeout=timeout)

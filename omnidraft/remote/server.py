@@ -31,6 +31,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from . import KEY_ENV
 from .openai_api import OPENAI_PATHS, error_body
 from .protocol import VERSION
 from .routes import RequestIO, add_device_routes, add_openai_routes, add_ops_routes
@@ -109,7 +110,7 @@ class Auth:
             reply = self.refuse(
                 401,
                 (
-                    "missing or wrong API key: pass api_key= to RemoteTarget or set $OMNIDRAFT_API_KEY "
+                    f"missing or wrong API key: pass api_key= to RemoteTarget or set ${KEY_ENV} "
                     "(any other client: send Authorization: Bearer <key>)"
                 ),
                 path,

@@ -44,8 +44,8 @@ class ReadDeferral:
     round that beat the model's rate is credited. Deferring until the time lost equals the read's
     cost costs at most twice the better choice made in hindsight (the ski-rental argument). One
     per pairing; `begin` gives a request its own `PromptRead`, so concurrent requests share only
-    the read cost. On by default
-    (`RetrievalConfig.defer_read`): docs/retrieval.md has what it measured.
+    the read cost. On by default (`RetrievalConfig.defer_read`): docs/retrieval.md has what it
+    measured.
     """
 
     def __init__(self, decay: float = 0.7) -> None:
