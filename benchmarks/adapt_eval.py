@@ -112,9 +112,11 @@ def evaluate(
     )
     pair.adapter = adapter
     if cache is not None:
-        pair.translator.cache = cache
+        pair.speculator.translator.cache = cache
     if tts is not None:
-        pair.learner = _tts_learner(drafter, adapter, pair.translator.map.t2d, target.token_bytes, tts)
+        pair.learner = _tts_learner(
+            drafter, adapter, pair.speculator.translator.map.t2d, target.token_bytes, tts
+        )
     rounds, tokens, same = [], 0, 0
     for trace, prompt in zip(traces, prompts):
         out = pair.generate(prompt, max_new_tokens=max(1, len(trace.continuation) - 1))
@@ -132,8 +134,8 @@ def evaluate(
         "tau": s.mean_accepted_length,
         "ngram_hits_per_round": s.ngram_hits_per_round,
         "rounds": len(rounds),
-        "ngram_entries": len(pair.translator.cache),
-        "ngram_bytes": pair.translator.cache.nbytes,
+        "ngram_entries": len(pair.speculator.translator.cache),
+        "ngram_bytes": pair.speculator.translator.cache.nbytes,
         "same_as_recorded": same,
         **fast,
     }

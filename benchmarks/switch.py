@@ -91,7 +91,7 @@ def _first_request(
         "save_s": save_s,
         "identical": out.token_ids == target_alone(target, prompt, max_new_tokens).token_ids,
         "updates": pair.learner.steps,
-        "ngram_entries": len(pair.translator.cache),
+        "ngram_entries": len(pair.speculator.translator.cache),
         "adapter_bytes": _tensor_bytes(adapter_state(drafter.trainable, pair.adapter).values()),
         "profile_disk_bytes": sum(f.stat().st_size for f in Path(home).rglob("*") if f.is_file()),
         "rss_pair_bytes": _delta(rss1, rss0),

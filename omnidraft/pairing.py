@@ -1,6 +1,7 @@
-"""A drafter paired with a target: the long-lived pairing state (translator, profile, adapter,
-cost model, draft-length policy, retrieval) and the request API (`generate`, `stream`, `chat`):
-streaming, EOS, stop strings and `max_new_tokens`. The rounds themselves are round_loop.py, the
+"""A drafter paired with a target, as the user holds it: the request API (`generate`, `stream`,
+`chat`: streaming, EOS, stop strings, `max_new_tokens`), the user's profile (adapter, learning,
+metrics) and its saving. The speculation machinery it drives is a `Speculator`
+(decode/speculator.py), with its own lock; the rounds are round_loop.py and engine_rounds.py, the
 acceptance maths verify.py, the vocabulary work translate/.
 """
 
@@ -8,19 +9,14 @@ from __future__ import annotations
 
 import codecs
 import os
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence, overload
 
 import torch
 
-from .adaptive.costs import CostModel
-from .adaptive.lengths import DraftLengths, plan_drafting
-from .decode import engine_rounds, round_loop
 from .decode.config import K_START, RELAXED, DecodeConfig, warn_relaxed
-from .decode.proposers import Proposer, default_proposer
-from .decode.round_policy import finish_request, request_mode
+from .decode.proposers import Proposer
 from .decode.rounds import (
     MAX_NEW_TOKENS,
     Call,
@@ -34,13 +30,11 @@ from .decode.rounds import (
     token_logprobs,
     verified,
 )
+from .decode.speculator import Speculator, pair_fingerprint
 from .decode.stats import GenerationStats, RoundRecord
 from .distill.attach import attach_adapter
 from .errors import TargetError
-from .retrieve.retriever import Retriever
-from .translate.ngram_cache import NgramCache
 from .translate.tables import TABLES_KEPT, pair_tables
-from .translate.translator import Translator
 
 if TYPE_CHECKING:
     from .adaptive.acceptance_head import AcceptanceHead
@@ -79,64 +73,23 @@ class Pairing:
         self.drafter, self.target, self.config, self.user = drafter, target, config, user
         if config.mode == RELAXED:
             warn_relaxed(drafter, target)
-        vmap, healer = pair_tables(drafter, target, healing=config.healing)
-        self.fingerprint = f"{drafter.token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
+        self.fingerprint = pair_fingerprint(drafter, target)
         self.store = store or ProfileStore()
         profile = (
             self.store.load(drafter.name, target.name, user, fingerprint=self.fingerprint) if user else None
         )
-        self.translator = self._translator(vmap, profile)
-        self.healer = healer
-        # drafter ids with a target id of the same bytes (exact mode drafts only these)
-        self.shared_vocab = vmap.d2t >= 0
         self.metrics: list[dict[str, Any]] = list(profile.metrics) if profile else []
         self._steps0 = profile.steps if profile else 0
-        saved = profile.tensors if profile else {}
-        self.adapter = attach_adapter(
-            drafter, target.name, user, learn=learn, adapter=adapter, saved=saved.get("adapter")
-        )
-        self.plan = plan = plan_drafting(drafter, target, config, learn)
-        self.outlook, self.modes = plan.outlook, plan.modes
-        self.model_drafts, self.free_drafts = plan.model, plan.free
-        # measured costs, from the target's own where it has them
-        self.cost = CostModel(verify=plan.outlook.verify if plan.outlook else None)
-        self.retriever: Retriever | None = None
-        if config.drafts != "model":
-            history = profile.history if profile else None
-            self.retriever = Retriever.for_user(
-                config.retrieval,
-                user,
-                history,
-                target.token_bytes.fingerprint,
-                model=config.drafts == "hybrid" and plan.model,
-            )
-        self.lengths = DraftLengths(
-            config,
-            self.cost,
-            may_idle=plan.may_idle,
-            hidden_size=drafter.hidden_size if config.head else None,
-            saved_head=saved.get("head"),
-            shared=self.shared_vocab,
-            label=f"{drafter.name} -> {target.name}",
-        )
-        self.learner: Learner | None = self._learner(train, vmap) if learn else None
+        saved = profile.tensors.get("adapter") if profile else None
+        self.adapter = attach_adapter(drafter, target.name, user, learn=learn, adapter=adapter, saved=saved)
+        self.speculator = Speculator(
+            drafter, target, config, user=user, profile=profile, adapter=self.adapter, learn=learn,
+            proposer=proposer,
+        )  # fmt: skip
+        self.learner = self._learner(train) if learn else None
         self.last: Generation | None = None
-        self.shared_lock = threading.RLock()  # the state requests share: costs, policies, caches, stats
-        # where each round's proposed target ids come from (decode/proposers.py)
-        self.proposer: Proposer = proposer if proposer is not None else default_proposer(self)
 
-    def _translator(self, vmap: Any, profile: Any) -> Translator:
-        """The translator: the direct map, and the n-gram cache (the user's profile's, if saved)."""
-        config = self.config
-        cache = NgramCache(config.ngram, fingerprint=self.fingerprint)
-        if profile is not None and profile.ngram is not None:
-            where = f"profile of {self.user!r}"
-            cache = NgramCache.from_doc(
-                profile.ngram, where=where, fingerprint=self.fingerprint, config=config.ngram
-            )
-        return Translator(self.drafter.codec, self.target.codec, vmap, cache, strategy=config.strategy)
-
-    def _learner(self, train: TrainConfig | None, vmap: Any) -> Learner:
+    def _learner(self, train: TrainConfig | None) -> Learner:
         """The online distillation into the pairing's adapter (`learn=True`)."""
         if self.adapter is None:
             raise ValueError(f"learn=True: {self.drafter.name} carries no adapter to learn into")
@@ -146,39 +99,48 @@ class Pairing:
         return learning.Learner(
             self.drafter,
             self.adapter,
-            vmap.t2d,
+            self.speculator.translator.map.t2d,
             self.target.token_bytes,
             train or TrainConfig(),
             start_step=self._steps0,
         )
 
     @property
+    def learner(self) -> Learner | None:
+        """The online distillation into this pairing's adapter (None without `learn=True`)."""
+        return self.speculator.learner
+
+    @learner.setter
+    def learner(self, learner: Learner | None) -> None:
+        self.speculator.learner = learner
+
+    @property
     def policy(self) -> CostPolicy | None:
         """The cost policy that picks draft lengths (None with a fixed k, a head or hysteresis)."""
-        return self.lengths.policy
+        return self.speculator.policy
 
     @property
     def head(self) -> AcceptanceHead | None:
         """The acceptance head (None without one)."""
-        return self.lengths.head
+        return self.speculator.head
 
-    head_trainer = property(lambda self: self.lengths.trainer, doc="The head's trainer (None without one).")
+    head_trainer = property(
+        lambda self: self.speculator.lengths.trainer, doc="The head's trainer (None without one)."
+    )
     head_ready = property(
-        lambda self: self.lengths.head_ready, doc="Whether the head (not its fallback) decides."
+        lambda self: self.speculator.lengths.head_ready, doc="Whether the head (not its fallback) decides."
     )
 
     @property
     def drafting(self) -> bool:
         """Whether any draft can pay here."""
-        return self.model_drafts or self.free_drafts
+        return self.speculator.drafting
 
     @property
     def speculating(self) -> bool:
         """Whether this pairing drafts: False once its measured costs say drafting cannot pay here
         (greedy requests then decode with the target alone, see `DecodeConfig.k` and `objective`)."""
-        if not self.drafting or (self.modes is not None and not self.modes.speculating):
-            return False
-        return self.lengths.speculating if self.model_drafts else True
+        return self.speculator.speculating
 
     @property
     def steps(self) -> int:
@@ -345,14 +307,10 @@ class Pairing:
         tts = learner.config.tts_every if learner is not None else 0
         if learner is not None:
             learner.begin_request()
-        with self.shared_lock:
-            mode = request_mode(self, rule, logprobs)
-        rounds_of = {"engine": engine_rounds.request_rounds, "alone": round_loop.alone_rounds}.get(
-            mode, round_loop.request_rounds
-        )
+        mode = self.speculator.mode(rule, logprobs)
         call = Call(prompt, rule, max_new_tokens, generator, special, logprobs)
         try:
-            for new, record in rounds_of(self, call, rows):
+            for new, record in self.speculator.rounds(mode, call, rows):
                 rounds.append(record)
                 out += new
                 if learner is not None and len(rounds) % tts == 0:
@@ -383,8 +341,8 @@ class Pairing:
         per_token = token_logprobs(out, rows, logprobs) if logprobs else None
         self.last = result = Generation(text, out, stats, rounds, reason, per_token)
         done.append(result)
-        with self.shared_lock:
-            finish_request(self, mode, out, rounds, stats)
+        if (row := self.speculator.finish(mode, out, rounds, stats)) is not None:
+            self.metrics.append(row)
         if self.learner is not None and out:
             self.learner.observe(
                 verified(prompt, out, rounds, rows, self.learner.config.topk),

@@ -182,7 +182,7 @@ def test_round_overhead_includes_what_happens_between_rounds(tiny_drafter, tiny_
     for _piece in pair.stream(PROMPTS[0], max_new_tokens=24):
         time.sleep(0.03)
     assert len(pair.last.rounds) >= 4
-    assert pair.cost.overhead >= 0.025
+    assert pair.speculator.cost.overhead >= 0.025
 
 
 def test_cost_model_rejects_bad_settings():

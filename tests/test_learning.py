@@ -271,7 +271,7 @@ def test_switching_target_switches_adapter_and_cache(drafter, tiny_target, targe
     b = drafter.pair(
         other, k=4, user="u", learn=True, adapter=SMALL, store=store, train=TrainConfig(interval=1, lr=1e-2)
     )
-    assert a.adapter != b.adapter and a.translator.cache is not b.translator.cache
+    assert a.adapter != b.adapter and a.speculator.translator.cache is not b.speculator.translator.cache
     b.generate(PROMPTS[0], max_new_tokens=16)
     assert drafter.active == b.adapter
     out = a.generate(PROMPTS[2], max_new_tokens=16)
@@ -304,7 +304,7 @@ def test_profile_save_and_load_restore_adapter_cache_and_metrics(
     again = fresh.pair(tiny_target, k=4, user="alice", adapter=SMALL, store=store)
     loaded = adapter_state(fresh.trainable, again.adapter)
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
-    assert again.translator.cache.items() == pair.translator.cache.items()
+    assert again.speculator.translator.cache.items() == pair.speculator.translator.cache.items()
     assert again.metrics == pair.learner.metrics and again.steps == pair.steps == 2
     with pytest.raises(ValueError, match="no user profile"):
         fresh.pair(tiny_target).save()

@@ -62,7 +62,7 @@ def test_where_drafting_cannot_pay_the_pairing_decodes_alone_and_says_why(tiny_d
     target = CostedTarget(tiny_target, LINEAR)
     with caplog.at_level(logging.INFO, logger="omnidraft.pairing"):
         pairing = tiny_drafter.pair(target)
-    assert not pairing.drafting and not pairing.speculating and pairing.modes is None
+    assert not pairing.drafting and not pairing.speculating and pairing.speculator.modes is None
     assert "drafting cannot pay" in caplog.text and "decoding steps" in caplog.text
     for _ in range(3):  # never a probe
         out = pairing.generate(PROMPT, max_new_tokens=24)
@@ -77,7 +77,7 @@ def test_where_drafting_cannot_pay_the_pairing_decodes_alone_and_says_why(tiny_d
 def test_where_only_free_drafts_can_pay_no_model_token_is_drafted(tiny_drafter, tiny_target, monkeypatch):
     monkeypatch.setattr(omnidraft.runtime.backends, "drafting_cost", lambda drafter: 0.05)
     pairing = tiny_drafter.pair(CostedTarget(tiny_target, CHEAP))
-    assert pairing.free_drafts and not pairing.model_drafts and pairing.drafting
+    assert pairing.speculator.free_drafts and not pairing.speculator.model_drafts and pairing.drafting
     prompt = PROMPT + " " + PROMPT  # something to copy
     out = pairing.generate(prompt, max_new_tokens=24)
     assert out.token_ids == target_greedy(tiny_target, prompt, 24)
@@ -86,7 +86,11 @@ def test_where_only_free_drafts_can_pay_no_model_token_is_drafted(tiny_drafter, 
 
 def test_where_drafting_can_pay_the_pairing_drafts(tiny_drafter, tiny_target):
     pairing = tiny_drafter.pair(CostedTarget(tiny_target, CHEAP))
-    assert pairing.outlook.model_pays and pairing.model_drafts and pairing.free_drafts
+    assert (
+        pairing.speculator.outlook.model_pays
+        and pairing.speculator.model_drafts
+        and pairing.speculator.free_drafts
+    )
     out = pairing.generate(PROMPT, max_new_tokens=24)
     assert out.token_ids == target_greedy(tiny_target, PROMPT, 24)
     assert sum(r.drafted for r in out.rounds) > 0
@@ -105,8 +109,8 @@ def test_drafts_stop_where_the_context_makes_verifying_cost_a_step_a_token(tiny_
 
 def test_a_fixed_draft_length_or_learning_skips_the_outlook(tiny_drafter, tiny_target):
     target = CostedTarget(tiny_target, LINEAR)
-    assert tiny_drafter.pair(target, k=4).outlook is None
-    assert tiny_drafter.pair(target, objective="compute").outlook is None
+    assert tiny_drafter.pair(target, k=4).speculator.outlook is None
+    assert tiny_drafter.pair(target, objective="compute").speculator.outlook is None
 
 
 def test_machine_figures_are_measured_once_and_survive_a_corrupt_file(tmp_path, monkeypatch):

@@ -73,11 +73,16 @@ def test_pairings_of_one_tokenizer_pair_share_their_read_only_tables(
     """A second `pair()` with a target reuses the vocabulary map and healer (~0.4 s to build on a
     262k vocabulary) instead of rebuilding them; another tokenizer gets its own."""
     a, b = tiny_drafter.pair(tiny_target), tiny_drafter.pair(tiny_target, k=3)
-    assert a.translator.map is b.translator.map and a.healer is b.healer is not None
-    assert tiny_drafter.pair(tiny_target, heal=False).healer is None
+    assert (
+        a.speculator.translator.map is b.speculator.translator.map
+        and a.speculator.healer is b.speculator.healer is not None
+    )
+    assert tiny_drafter.pair(tiny_target, heal=False).speculator.healer is None
     same_vocabulary = od.LocalTarget(tiny_llama(len(draft_tokenizer), seed=9), draft_tokenizer, "echo")
     other = tiny_drafter.pair(same_vocabulary)
-    assert other.translator.map is not a.translator.map and bool((other.translator.map.d2t >= 0).all())
+    assert other.speculator.translator.map is not a.speculator.translator.map and bool(
+        (other.speculator.translator.map.d2t >= 0).all()
+    )
     assert other.generate(PROMPTS[0], max_new_tokens=8).token_ids == target_greedy(
         same_vocabulary, PROMPTS[0], 8
     )
@@ -177,7 +182,7 @@ def test_bookkeeping_never_touches_the_whole_context(tiny_drafter, tiny_target, 
     either codec encodes stays bounded by a few tokens, however long the context grows."""
     pair = tiny_drafter.pair(tiny_target, k=4)
     seen: list[int] = []
-    for codec in (pair.translator.draft, pair.translator.target):
+    for codec in (pair.speculator.translator.draft, pair.speculator.translator.target):
         original = codec.encode
         monkeypatch.setattr(codec, "encode", lambda data, _f=original: (seen.append(len(data)), _f(data))[1])
     long_prompt = " ".join(gsm8k_texts("test", 4))
@@ -272,7 +277,7 @@ def test_healed_drafts_keep_greedy_output_and_the_drafter_context_spells_the_com
     pair = od.Pairing(spy, tiny_target, od.DecodeConfig(k=4, drafts="model"))
     table = tiny_drafter.token_bytes.table
     # every longer token may replace the last one (no filter by the target's last token): heals often
-    pair.healer.candidates = lambda token, last: torch.tensor(
+    pair.speculator.healer.candidates = lambda token, last: torch.tensor(
         [bool(d) and bool(table[token]) and d.startswith(table[token]) for d in table]
     )
     out = pair.generate(prompt, max_new_tokens=30)

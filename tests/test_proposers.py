@@ -58,7 +58,7 @@ def test_engine_rounds_record_each_step_by_the_proposal_made_at_its_context(tiny
     nothing was proposed; the verdict is inferred from the ids of the next call."""
     lookup = PromptLookup()
     pair = tiny_drafter.pair(tiny_target, k=4, proposer=lookup)
-    rounds = EngineRounds(pair, keep=True)
+    rounds = EngineRounds(pair.speculator, keep=True)
     ids = tiny_target.tokenizer(REPEATS)["input_ids"]
     rounds.open(ids)
     proposal = rounds.next(ids, most=4, remaining=10)

@@ -180,7 +180,7 @@ def test_one_learning_drafter_moves_between_real_targets_and_keeps_each_profile(
         )
         assert (
             pair.adapter == name
-            and pair.translator.cache.items() == NgramCache.from_doc(profile.ngram).items()
+            and pair.speculator.translator.cache.items() == NgramCache.from_doc(profile.ngram).items()
         )
         saved = {k: v for k, v in profile.tensors["adapter"].items() if not k.startswith("meta.")}
         got = adapter_state(fresh.trainable, name)

@@ -445,16 +445,17 @@ def test_decoding_alone_is_one_exchange_and_keeps_no_session(app, http, tiny_tar
 
 def test_the_latency_objective_measures_both_modes_and_stays_identical(http, tiny_drafter, tiny_target):
     pair = tiny_drafter.pair(_remote(http))  # defaults: cost-driven k, latency objective
-    assert pair.modes is not None
+    assert pair.speculator.modes is not None
     ref = target_greedy(tiny_target, PROMPTS[1], 20)
     outs = [pair.generate(PROMPTS[1], max_new_tokens=20) for _ in range(3)]
     assert all(o.token_ids == ref for o in outs)
     assert any(r.drafted for r in outs[0].rounds)  # first request: speculate
     assert all(r.drafted == 0 and r.emitted == 1 for r in outs[1].rounds)  # second: the server alone
-    assert all(rate is not None for rate in pair.modes.rates.values())
+    assert all(rate is not None for rate in pair.speculator.modes.rates.values())
     compute = tiny_drafter.pair(_remote(http), objective="compute")
     assert (
-        compute.modes is None and tiny_drafter.pair(tiny_target, mode="match", temperature=1.0).modes is None
+        compute.speculator.modes is None
+        and tiny_drafter.pair(tiny_target, mode="match", temperature=1.0).speculator.modes is None
     )
     with pytest.raises(ValueError, match="objective must be 'latency' or 'compute'"):
         tiny_drafter.pair(tiny_target, objective="fast")

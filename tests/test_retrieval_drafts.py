@@ -125,20 +125,25 @@ def test_a_request_whose_read_is_deferred_never_drafts_and_stays_identical(tiny_
     )
     for prompt in COPY:  # the costs and the read are measured
         pair.generate(prompt, max_new_tokens=30)
-    assert pair.retriever.deferral.per_token is not None and drafter.proposals > 0
+    assert pair.speculator.retriever.deferral.per_token is not None and drafter.proposals > 0
     assert 0 in pair.policy.last_rates
-    pair.retriever.deferral.per_token = 1e9  # a read no plain round can make up for
+    pair.speculator.retriever.deferral.per_token = 1e9  # a read no plain round can make up for
     drafter.proposals = 0
     for prompt in COPY:
         assert pair.generate(prompt, max_new_tokens=30).token_ids == target_greedy(tiny_target, prompt, 30)
     assert drafter.proposals == 0
-    pair.retriever.deferral.per_token = 0.0  # a free read: drafted as before
+    pair.speculator.retriever.deferral.per_token = 0.0  # a free read: drafted as before
     for prompt in COPY:
         assert pair.generate(prompt, max_new_tokens=30).token_ids == target_greedy(tiny_target, prompt, 30)
     assert drafter.proposals > 0
-    assert tiny_drafter.pair(tiny_target, drafts="hybrid").retriever.deferral is not None  # on by default
+    assert (
+        tiny_drafter.pair(tiny_target, drafts="hybrid").speculator.retriever.deferral is not None
+    )  # on by default
     at_once = RetrievalConfig(defer_read=False)
-    assert tiny_drafter.pair(tiny_target, drafts="hybrid", retrieval=at_once).retriever.deferral is None
+    assert (
+        tiny_drafter.pair(tiny_target, drafts="hybrid", retrieval=at_once).speculator.retriever.deferral
+        is None
+    )
 
 
 def test_a_bad_drafts_value_is_refused():
@@ -174,23 +179,23 @@ def test_the_users_past_outputs_are_drafts_and_live_in_the_profile(tiny_drafter,
     store = od.ProfileStore(tmp_path)
     pair = tiny_drafter.pair(tiny_target, user="ann", store=store, drafts="retrieval")
     first = pair.generate(COPY[0], max_new_tokens=30)
-    assert list(pair.retriever.history.docs) == [first.token_ids]
+    assert list(pair.speculator.retriever.history.docs) == [first.token_ids]
     pair.save()
     again = tiny_drafter.pair(tiny_target, user="ann", store=store, drafts="retrieval")
-    assert list(again.retriever.history.docs) == [first.token_ids]
+    assert list(again.speculator.retriever.history.docs) == [first.token_ids]
     # the same request again: its whole output is in the user's history now
     second = again.generate(COPY[0], max_new_tokens=30)
     assert second.token_ids == first.token_ids
     assert sum(r.retrieved_accepted for r in second.rounds) > sum(r.retrieved_accepted for r in first.rounds)
     # no user, no history: nothing is remembered between requests
-    assert tiny_drafter.pair(tiny_target, drafts="retrieval").retriever.history is None
+    assert tiny_drafter.pair(tiny_target, drafts="retrieval").speculator.retriever.history is None
 
 
 def test_a_datastore_of_another_tokenizer_is_refused(tiny_drafter, tiny_target, tmp_path):
     store = od.ProfileStore(tmp_path)
     pair = tiny_drafter.pair(tiny_target, user="bo", store=store)
-    pair.retriever.history = Datastore(fingerprint="another")
-    pair.retriever.history.add([1, 2, 3])
+    pair.speculator.retriever.history = Datastore(fingerprint="another")
+    pair.speculator.retriever.history.add([1, 2, 3])
     pair.save()
     with pytest.raises(IncompatibleError, match="another target tokenizer"):
         tiny_drafter.pair(tiny_target, user="bo", store=store)

@@ -134,11 +134,12 @@ def run_llama(
     )
     for name, pair in pairs.items():
         rows[name] = partial(pairing_row, pair, max_new_tokens)
-        if notes is not None and pair.outlook is not None:
+        s = pair.speculator
+        if notes is not None and s.outlook is not None:
             notes.append(
-                f"{name}: {'drafts' if pair.drafting else 'decodes alone'} "
-                f"(model drafts {'on' if pair.model_drafts else 'off'}, retrieved drafts "
-                f"{'on' if pair.free_drafts else 'off'}): {pair.outlook.reason()}"
+                f"{name}: {'drafts' if s.drafting else 'decodes alone'} "
+                f"(model drafts {'on' if s.model_drafts else 'off'}, retrieved drafts "
+                f"{'on' if s.free_drafts else 'off'}): {s.outlook.reason()}"
             )
     if fp32:
         from .baselines import target_alone

@@ -137,7 +137,7 @@ def pairing_costs(pair: Pairing, target_step_s: float) -> dict[str, Any]:
     acceptance after it, target tokens per drafted token and the expected rate of each draft length.
     The limit check of docs/benchmarks.md: a round of k drafted tokens costs k * step + verify(k + 1)
     + overhead for tau tokens, which beats the target alone only while that is below tau * target step."""
-    cost, policy = pair.cost, pair.policy
+    cost, policy = pair.speculator.cost, pair.policy
     out: dict[str, Any] = {
         "target_step_ms": 1000 * target_step_s,
         "draft_ms": 1000 * cost.draft if cost.draft is not None else None,

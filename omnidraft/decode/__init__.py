@@ -1,6 +1,7 @@
-"""Speculative decoding itself (docs/architecture.md): a request's rounds against a target session
+"""Speculative decoding itself (docs/architecture.md): a pairing's machinery kept across requests
+(`speculator`), one request's state machine (`speculation`), its rounds against a target session
 (`round_loop`), the same rounds where an engine verifies in its own step (`engine_rounds`), what
 each round proposes and learns (`round_policy`, `proposers`), the acceptance maths (`verify`), the
 decoding options (`config`), per-round records (`stats`) and the request helpers (`rounds`).
-Nothing here loads a model; importing one module loads no other.
+Nothing here loads a model.
 """

@@ -20,8 +20,8 @@ from .speculation import Speculation
 from .stats import RoundRecord, round_record
 
 if TYPE_CHECKING:
-    from ..pairing import Pairing
     from .rounds import Call
+    from .speculator import Speculator
 
 __all__ = ["Committed", "EngineRounds", "request_rounds"]
 
@@ -36,11 +36,11 @@ class Committed(SessionBase):
 
 
 class EngineRounds:
-    """One sequence's rounds for `pairing` while an engine verifies them. With `keep`, each
+    """One sequence's rounds of `speculator` while an engine verifies them. With `keep`, each
     proposal is kept by the context it was made at, for whoever reads the engine's steps (`record`)."""
 
-    def __init__(self, pairing: Pairing, *, keep: bool = False) -> None:
-        self.pairing, self.keep = pairing, keep
+    def __init__(self, speculator: Speculator, *, keep: bool = False) -> None:
+        self.speculator, self.keep = speculator, keep
         self.spec: Speculation | None = None
         self.proposals: dict[int, Round] = {}  # by context, while `keep`; the reader takes them
         self._ids: list[int] = []
@@ -50,11 +50,11 @@ class EngineRounds:
     def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None:
         """A new sequence over the committed `ids`; `drafter_ids`: the drafter's own encoding of
         its text (by default the ids' bytes re-encoded, without special tokens)."""
-        p = self.pairing
+        s = self.speculator
         if drafter_ids is None:
-            text = p.target.token_bytes.join(ids).decode("utf-8", errors="replace")
-            drafter_ids = p.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]
-        self.spec = Speculation(p, Committed(list(ids)), list(ids), drafter_ids, GREEDY, prefills=False)
+            text = s.target.token_bytes.join(ids).decode("utf-8", errors="replace")
+            drafter_ids = s.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.spec = Speculation(s, Committed(list(ids)), list(ids), drafter_ids, GREEDY, prefills=False)
         self._ids = list(ids)
         self.proposals.clear()
 
@@ -69,7 +69,7 @@ class EngineRounds:
     @property
     def token_s(self) -> float | None:
         """Seconds per drafted token on this machine, as measured so far (None before)."""
-        return self.pairing.cost.draft
+        return self.speculator.cost.draft
 
     def next(self, ids: list[int], most: int, remaining: int, *, k: int | None = None) -> list[int]:
         """The proposal (target ids, at most `most`) after the committed `ids`, which extend the
@@ -135,7 +135,7 @@ def accepted_prefix(rnd: Round, new: list[int]) -> int:
     return next((j for j, t in enumerate(proposed) if j >= len(new) or new[j] != t), len(proposed))
 
 
-def request_rounds(p: Pairing, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
+def request_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
     """One request, greedy or match-sampled, on a target whose engine verifies the pairing's drafts
     in its own step (`drafts_in_engine`: vLLM with omnidraft's proposer; a sampled request through
     vLLM's rejection sampler, which takes each proposal as one-hot); the same signature as
@@ -147,9 +147,9 @@ def request_rounds(p: Pairing, call: Call, rows: list) -> Iterator[tuple[list[in
         raise ValueError(
             "engine rounds serve greedy or match-sampled requests without log-probabilities only"
         )
-    prompt_ids, drafter_ids = call.ids_for(p.target), call.ids_for(p.drafter)
-    tsession: Any = p.target.begin(prompt_ids)  # a VLLMTarget session: it streams engine steps
-    rounds = EngineRounds(p, keep=True)
+    prompt_ids, drafter_ids = call.ids_for(s.target), call.ids_for(s.drafter)
+    tsession: Any = s.target.begin(prompt_ids)  # a VLLMTarget session: it streams engine steps
+    rounds = EngineRounds(s, keep=True)
     context, last = len(prompt_ids), time.perf_counter()
     try:
         for tokens in tsession.steps(

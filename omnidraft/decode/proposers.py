@@ -27,9 +27,9 @@ from ..translate.translator import Proposal, Source
 
 if TYPE_CHECKING:
     from ..draft.session import DraftSession
-    from ..pairing import Pairing
     from ..retrieve import ContextIndex
     from .speculation import Request
+    from .speculator import Speculator
 
 __all__ = [
     "Budget",
@@ -143,15 +143,15 @@ class ModelDrafts:
     """The drafter model's draft of up to k tokens (k_max once an acceptance head decides),
     stopped by the head or by the drafter's confidence, healed where lossless, translated."""
 
-    def __init__(self, pairing: Pairing) -> None:
-        self.p = pairing
+    def __init__(self, speculator: Speculator) -> None:
+        self.s = speculator
 
     def begin(self, request: Request) -> ModelState:
-        p = self.p
-        if isinstance(p.drafter, Adaptable):  # a fake or an exported graph has no adapters
-            p.drafter.activate(p.adapter)
+        s = self.s
+        if isinstance(s.drafter, Adaptable):  # a fake or an exported graph has no adapters
+            s.drafter.activate(s.adapter)
         ids = request.drafter_ids
-        return ModelState(request, p.drafter.begin(ids), ids[-1] if ids else -1)
+        return ModelState(request, s.drafter.begin(ids), ids[-1] if ids else -1)
 
     def propose(self, state: ModelState, budget: Budget) -> Round:
         draft = NO_DRAFT if budget.k == 0 else self._draft(state, budget.k, ahead=budget.ahead)
@@ -160,15 +160,15 @@ class ModelDrafts:
     def settle(self, state: ModelState, rnd: Round, verdict: Verdict) -> None:
         """The drafter keeps what matches the committed text and re-encodes the rest, the n-gram
         cache learns, and the next draft length is chosen (into the request)."""
-        p, req, draft = self.p, state.request, rnd.draft
-        held = (p.drafter.token_bytes.table[state.last] or b"") if draft.healed else b""  # the draft's start
-        keep, tail = p.translator.resync(draft.ids, held + p.target.token_bytes.join(verdict.new))
-        p.translator.learn(draft.ids[:keep] + tail, verdict.new, skip=len(held))
+        s, req, draft = self.s, state.request, rnd.draft
+        held = (s.drafter.token_bytes.table[state.last] or b"") if draft.healed else b""  # the draft's start
+        keep, tail = s.translator.resync(draft.ids, held + s.target.token_bytes.join(verdict.new))
+        s.translator.learn(draft.ids[:keep] + tail, verdict.new, skip=len(held))
         state.drafts.commit(keep, tail)
-        if p.model_drafts:
+        if s.model_drafts:
             retrieved = rnd.retrieved_among(verdict.accepted)
             modeled = len(rnd.proposal) - rnd.proposal.retrieved
-            req.k = p.lengths.next(
+            req.k = s.lengths.next(
                 req.k, req.stopper, len(draft.ids), modeled, verdict.accepted - retrieved, keep
             )
         state.last = (draft.ids[:keep] + tail or [state.last])[-1]
@@ -179,7 +179,7 @@ class ModelDrafts:
         drafter proposes nothing more, or `rnd` is not a model draft to grow."""
         if not rnd.grows:
             return None
-        _, stop_confidence, _ = self.p.lengths.for_draft(k, None)
+        _, stop_confidence, _ = self.s.lengths.for_draft(k, None)
         more = state.drafts.propose(k, stop_confidence=stop_confidence, more=True)
         if not more.ids:
             return None
@@ -192,22 +192,22 @@ class ModelDrafts:
         return rnd.grows and rnd.draft.ids[-1] not in state.drafts.stop_ids
 
     def _round(self, state: ModelState, draft: Draft, only: str, room: int) -> Round:
-        p, drafted = self.p, time.perf_counter()
-        skip = len(p.drafter.token_bytes.table[state.last] or b"") if draft.healed else 0
-        with p.shared_lock:
-            proposal = p.translator.translate(draft.ids, only=only, skip=skip)
+        s, drafted = self.s, time.perf_counter()
+        skip = len(s.drafter.token_bytes.table[state.last] or b"") if draft.healed else 0
+        with s.lock:
+            proposal = s.translator.translate(draft.ids, only=only, skip=skip)
         return Round(draft, proposal.cut(min(len(proposal), room)), drafted=drafted)
 
     def _draft(self, state: ModelState, k: int, *, ahead: bool) -> Draft:
         """Up to k tokens; `ahead`: k, not an acceptance head's length."""
-        p, req = self.p, state.request
-        k, stop_confidence, extra = p.lengths.for_draft(k, None if ahead else req.stopper)
+        s, req = self.s, state.request
+        k, stop_confidence, extra = s.lengths.for_draft(k, None if ahead else req.stopper)
         ids = req.target.ids
-        if p.healer is not None and ids and req.rule.mode in ("greedy", "match"):
-            heal = p.healer.candidates(state.last, p.target.token_bytes.table[ids[-1]])
+        if s.healer is not None and ids and req.rule.mode in ("greedy", "match"):
+            heal = s.healer.candidates(state.last, s.target.token_bytes.table[ids[-1]])
             if heal is not None:
                 extra["heal"] = heal  # the target's last token lets a longer drafter token replace `last`
-        allowed = p.shared_vocab if req.rule.mode == "exact" else None
+        allowed = s.shared_vocab if req.rule.mode == "exact" else None
         return state.drafts.propose(
             k,
             temperature=req.rule.temperature,
@@ -223,23 +223,23 @@ class RetrievedDrafts:
     run on after a model draft (`run_on`). Its state is the request's retrieval index (None: the
     pairing retrieves nothing at this target)."""
 
-    def __init__(self, pairing: Pairing) -> None:
-        self.p = pairing
+    def __init__(self, speculator: Speculator) -> None:
+        self.s = speculator
 
     def begin(self, request: Request) -> ContextIndex | None:
-        p = self.p
-        if p.retriever is None or not p.free_drafts:
+        s = self.s
+        if s.retriever is None or not s.free_drafts:
             return None
-        with p.shared_lock:  # begin() also moves the shared acceptance history
-            return p.retriever.begin(request.prompt_ids)
+        with s.lock:  # begin() also moves the shared acceptance history
+            return s.retriever.begin(request.prompt_ids)
 
     def propose(self, index: ContextIndex | None, budget: Budget) -> Round | None:
-        p = self.p
-        if index is None or p.retriever is None:
+        s = self.s
+        if index is None or s.retriever is None:
             return None
-        with p.shared_lock:
-            rates = p.policy.last_rates if p.policy else {}
-            used = p.retriever.plan(index, p.cost, rates, budget.room, drafting=budget.k > 0)
+        with s.lock:
+            rates = s.policy.last_rates if s.policy else {}
+            used = s.retriever.plan(index, s.cost, rates, budget.room, drafting=budget.k > 0)
             if used is None:
                 return None
             rnd = Round.copied(used.candidate.ids[: used.length])
@@ -248,17 +248,17 @@ class RetrievedDrafts:
 
     def run_on(self, index: ContextIndex | None, rnd: Round, room: int) -> Round:
         """`rnd` (a model draft) run on into a retrieved continuation, where its end matches one."""
-        if index is not None and self.p.retriever is not None:
-            with self.p.shared_lock:
-                rnd.proposal, rnd.used = self.p.retriever.extend(index, rnd.proposal, room)
+        if index is not None and self.s.retriever is not None:
+            with self.s.lock:
+                rnd.proposal, rnd.used = self.s.retriever.extend(index, rnd.proposal, room)
         return rnd
 
     def settle(self, index: ContextIndex | None, rnd: Round, verdict: Verdict) -> None:
         """The index reads the committed ids; the retrieval statistics see the round."""
         if index is not None:
             index.commit(verdict.new)
-            if self.p.retriever is not None:
-                self.p.retriever.observe(rnd.used, len(rnd.proposal), verdict.accepted)
+            if self.s.retriever is not None:
+                self.s.retriever.observe(rnd.used, len(rnd.proposal), verdict.accepted)
 
 
 class HybridDrafts:
@@ -295,8 +295,8 @@ class HybridDrafts:
         return self.model.may_resume(state[0], rnd)
 
 
-def default_proposer(pairing: Pairing) -> HybridDrafts:
+def default_proposer(speculator: Speculator) -> HybridDrafts:
     """The proposer a pairing's `DecodeConfig.drafts` asks for: model drafts, with retrieved ones
     beside them unless `drafts="model"` (with `drafts="retrieval"` the model drafts nothing)."""
-    retrieved = RetrievedDrafts(pairing) if pairing.retriever is not None else None
-    return HybridDrafts(ModelDrafts(pairing), retrieved)
+    retrieved = RetrievedDrafts(speculator) if speculator.retriever is not None else None
+    return HybridDrafts(ModelDrafts(speculator), retrieved)

@@ -1,7 +1,7 @@
 """The round loop: propose -> verify -> commit, for targets verified call by call.
 
-A request's `Speculation` (speculation.py) proposes each round (the pairing's policy sizes it, its
-proposer fills it), the target session verifies, and the speculation commits the verdict. Engines
+A request's `Speculation` (speculation.py) proposes each round (its policy sizes it, its proposer
+fills it), the target session verifies, and the speculation commits the verdict. Engines
 that verify in their own step drive the same speculation through `EngineRounds` (engine_rounds.py).
 """
 
@@ -15,26 +15,26 @@ from .speculation import Speculation
 from .stats import RoundRecord, round_record
 
 if TYPE_CHECKING:
-    from ..pairing import Pairing
     from .rounds import Call
+    from .speculator import Speculator
 
 __all__ = ["alone_rounds", "request_rounds", "run"]
 
 
 def run(
-    p: Pairing, spec: Speculation, max_new_tokens: int, topk: int = 0, rows: list | None = None
+    s: Speculator, spec: Speculation, max_new_tokens: int, topk: int = 0, rows: list | None = None
 ) -> Iterator[tuple[list[int], RoundRecord]]:
     """Algorithm 1's rounds against the target session `spec.request.target`, until
     `max_new_tokens` or EOS. `rows`: the target's top-k rows, kept for distillation when `topk` > 0.
     The first round also prefills the prompt: its verify is not a verification cost."""
-    tsession, eos_ids = spec.request.target, p.target.eos_ids
+    tsession, eos_ids = spec.request.target, s.target.eos_ids
     while spec.produced < max_new_tokens:
         rnd = spec.propose(max_new_tokens - spec.produced)
         if rnd is None:  # the server takes no draft now: it decodes the rest
             yield from decode_alone(tsession, max_new_tokens - spec.produced)
             return
         context, asked = len(tsession.ids), time.perf_counter()
-        relax = relaxation(p.config, spec.request.rule, rnd.proposal)
+        relax = relaxation(s.config, spec.request.rule, rnd.proposal)
         verdict = tsession.verify(
             rnd.proposal.ids, spec.request.rule, rnd.q, spec.request.generator, topk=topk, **relax
         )
@@ -51,22 +51,22 @@ def run(
             return
 
 
-def request_rounds(p: Pairing, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
+def request_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
     """One request's rounds from its prompt: the target session opened (and closed after), then
     `run`. `rows` collects the target's top-k rows of every round, as wide as distillation or
     `call.logprobs` (the caller's per-token log-probabilities) needs."""
-    tsession = p.target.begin(call.ids_for(p.target))
+    tsession = s.target.begin(call.ids_for(s.target))
     try:
-        spec = Speculation(p, tsession, tsession.ids, call.ids_for(p.drafter), call.rule, call.generator)
-        topk = max(p.learner.config.topk if p.learner is not None else 0, call.logprobs)
-        yield from run(p, spec, call.max_new_tokens, topk, rows)
+        spec = Speculation(s, tsession, tsession.ids, call.ids_for(s.drafter), call.rule, call.generator)
+        topk = max(s.learner.config.topk if s.learner is not None else 0, call.logprobs)
+        yield from run(s, spec, call.max_new_tokens, topk, rows)
     finally:
         tsession.close()  # a remote session frees its server-side KV cache now
 
 
-def alone_rounds(p: Pairing, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
+def alone_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
     """One request the target decodes whole on its side (greedy): no draft at all."""
-    tsession = p.target.begin(call.ids_for(p.target))
+    tsession = s.target.begin(call.ids_for(s.target))
     try:
         yield from decode_alone(tsession, call.max_new_tokens)
     finally:

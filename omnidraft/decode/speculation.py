@@ -4,7 +4,7 @@
 it for targets verified call by call; engines that verify in their own step (vLLM's proposer,
 llama.cpp's draft-model hook, a device drafting for a server's engine) drive it through
 `EngineRounds` (engine_rounds.py), which infers each verdict from the committed ids. Each round the
-pairing's `RoundPolicy` (round_policy.py) sizes a budget, the pairing's proposer (proposers.py)
+speculator's `RoundPolicy` (round_policy.py) sizes a budget, its proposer (proposers.py)
 proposes within it, and the verdict settles the proposer, the cost model and the draft lengths.
 """
 
@@ -23,8 +23,8 @@ from .rounds import draft_rows
 
 if TYPE_CHECKING:
     from ..adaptive.acceptance_head import Stopper
-    from ..pairing import Pairing
     from ..target import Rule
+    from .speculator import Speculator
 
 __all__ = ["Request", "Speculation"]
 
@@ -54,13 +54,13 @@ class Request:
 
 
 class Speculation:
-    """One request's rounds for pairing `p` against `target` (a target session, or a stand-in with
+    """One request's rounds of speculator `s` against `target` (a target session, or a stand-in with
     the committed ids). `prefills`: the first verify also reads the prompt (the round loop's), so
     its time is not a verify's; an engine has read the prompt before it first asks."""
 
     def __init__(
         self,
-        p: Pairing,
+        s: Speculator,
         target: Any,
         prompt_ids: list[int],
         drafter_ids: list[int],
@@ -69,10 +69,10 @@ class Speculation:
         *,
         prefills: bool = True,
     ) -> None:
-        self.p, self.policy, self.proposer = p, RoundPolicy(p), p.proposer
-        with p.shared_lock:  # begin_request also moves the shared acceptance history
-            k, stopper = p.lengths.begin_request()
-        deferral = p.retriever.deferral if p.retriever is not None and p.free_drafts else None
+        self.s, self.policy, self.proposer = s, RoundPolicy(s), s.proposer
+        with s.lock:  # begin_request also moves the shared acceptance history
+            k, stopper = s.lengths.begin_request()
+        deferral = s.retriever.deferral if s.retriever is not None and s.free_drafts else None
         read = deferral.begin(len(target.ids)) if deferral is not None else NO_READ
         self.request = Request(
             target,
@@ -80,7 +80,7 @@ class Speculation:
             generator,
             list(prompt_ids),
             list(drafter_ids),
-            k if p.model_drafts else 0,
+            k if s.model_drafts else 0,
             stopper,
             read,
         )
@@ -113,7 +113,7 @@ class Speculation:
         rnd = self.proposer.propose(self.state, budget) or Round.copied([])
         proposal = rnd.proposal
         if budget.only != "any" and len(proposal):
-            rnd.q = draft_rows(self.p.translator, proposal, len(proposal) - proposal.retrieved, rnd.draft)
+            rnd.q = draft_rows(self.s.translator, proposal, len(proposal) - proposal.retrieved, rnd.draft)
         rnd.started, rnd.ready = started, time.perf_counter()
         rnd.drafted = rnd.drafted or rnd.ready
         self.round = rnd
@@ -128,7 +128,7 @@ class Speculation:
             raise RuntimeError("commit() before propose(): no proposal to settle")
         now = time.perf_counter() if now is None else now
         first = self.rounds == 0
-        with self.p.shared_lock:
+        with self.s.lock:
             self.proposer.settle(self.state, rnd, Verdict(new, accepted))
         seconds = None if first and self._prefills else now - rnd.started
         self.policy.settle_read(req, plan, rnd, len(new), seconds)

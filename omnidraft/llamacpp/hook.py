@@ -41,7 +41,7 @@ class OmnidraftDraftModel(LlamaDraftModel):
         # exactly at the context's length (no draft where no batch is exact)
         self.engine = target.engine if isinstance(target, LlamaCppTarget) else None
         self.max_draft = max_draft
-        self.rounds = EngineRounds(self.pairing)
+        self.rounds = EngineRounds(self.pairing.speculator)
 
     @property
     def calls(self) -> int:

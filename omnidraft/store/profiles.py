@@ -75,7 +75,7 @@ def pairing_profile(pair: Any) -> PairingProfile:
 
     from ..distill.adapters import adapter_state
 
-    tensors = {"head": head} if (head := pair.lengths.state()) is not None else {}
+    tensors = {"head": head} if (head := pair.speculator.lengths.state()) is not None else {}
     if pair.adapter is not None:
         with pair.drafter.lock:
             alpha = pair.drafter.trainable.peft_config[pair.adapter].lora_alpha
@@ -83,7 +83,8 @@ def pairing_profile(pair: Any) -> PairingProfile:
                 **adapter_state(pair.drafter.trainable, pair.adapter),
                 "meta.alpha": torch.tensor(alpha),
             }
-    history = pair.retriever.history if pair.retriever is not None else None
+    retriever = pair.speculator.retriever
+    history = retriever.history if retriever is not None else None
     return PairingProfile(
         drafter=pair.drafter.name,
         target=pair.target.name,
@@ -91,7 +92,7 @@ def pairing_profile(pair: Any) -> PairingProfile:
         fingerprint=pair.fingerprint,
         steps=pair.steps,
         metrics=pair.metrics + (pair.learner.metrics if pair.learner else []),
-        ngram=pair.translator.cache.to_doc(),
+        ngram=pair.speculator.translator.cache.to_doc(),
         tensors=tensors,
         history=history.to_doc() if history is not None else None,
     )

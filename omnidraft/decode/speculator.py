@@ -1,0 +1,171 @@
+"""`Speculator`: a pairing's speculation machinery, kept from one request to the next.
+
+What it holds: the translator (direct map + n-gram cache), the drafting plan (which kinds of draft
+can pay here), the cost model, the draft-length policy or acceptance head, the retriever and the
+proposer, and `lock`, under which requests sharing them change them. A request's rounds are a
+`Speculation` of it (speculation.py), driven by the round loop (round_loop.py) or an engine adapter
+(engine_rounds.py). What it is not: the user's facade (`Pairing`, pairing.py: generate, stream,
+chat, the profile and its saving), or a place that reads a profile's files (store/profiles.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ..adaptive.costs import CostModel
+from ..adaptive.lengths import DraftLengths, plan_drafting
+from ..retrieve.retriever import Retriever
+from ..translate.ngram_cache import NgramCache
+from ..translate.tables import pair_tables
+from ..translate.translator import Translator
+from . import engine_rounds, round_loop
+from .proposers import Proposer, default_proposer
+
+if TYPE_CHECKING:
+    from ..adaptive.acceptance_head import AcceptanceHead
+    from ..adaptive.policy import CostPolicy
+    from ..distill.learner import Learner
+    from ..draft.base import Drafter
+    from ..store.profiles import PairingProfile
+    from ..target import Rule, Target
+    from .config import DecodeConfig
+    from .rounds import Call
+    from .stats import GenerationStats, RoundRecord
+
+__all__ = ["Speculator", "pair_fingerprint"]
+
+
+def pair_fingerprint(drafter: Any, target: Any) -> str:
+    """What a profile of this drafter and target is valid for: both tokenizers' fingerprints."""
+    return f"{drafter.token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
+
+
+class Speculator:
+    """The speculation machinery of `drafter` paired with `target` under `config`: with a `user`,
+    their `profile`'s n-gram cache, past outputs and acceptance head; `adapter`: the drafter's
+    LoRA adapter to draft with (None: the base weights); `learn`: an adapter is being trained (the
+    pairing sets `learner`); `proposer`: where each round's proposal comes from (default: model
+    drafts beside retrieved ones, as `config.drafts` asks)."""
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        target: Target,
+        config: DecodeConfig,
+        *,
+        user: str | None = None,
+        profile: PairingProfile | None = None,
+        adapter: str | None = None,
+        learn: bool = False,
+        proposer: Proposer | None = None,
+    ) -> None:
+        self.drafter, self.target, self.config, self.adapter = drafter, target, config, adapter
+        vmap, self.healer = pair_tables(drafter, target, healing=config.healing)
+        self.translator = self._translator(vmap, user, profile)
+        # drafter ids with a target id of the same bytes (exact mode drafts only these)
+        self.shared_vocab = vmap.d2t >= 0
+        self.plan = plan = plan_drafting(drafter, target, config, learn)
+        self.outlook, self.modes = plan.outlook, plan.modes
+        self.model_drafts, self.free_drafts = plan.model, plan.free
+        # measured costs, from the target's own where it has them
+        self.cost = CostModel(verify=plan.outlook.verify if plan.outlook else None)
+        self.retriever: Retriever | None = None
+        if config.drafts != "model":
+            self.retriever = Retriever.for_user(
+                config.retrieval,
+                user,
+                profile.history if profile else None,
+                target.token_bytes.fingerprint,
+                model=config.drafts == "hybrid" and plan.model,
+            )
+        self.lengths = DraftLengths(
+            config,
+            self.cost,
+            may_idle=plan.may_idle,
+            hidden_size=drafter.hidden_size if config.head else None,
+            saved_head=profile.tensors.get("head") if profile else None,
+            shared=self.shared_vocab,
+            label=f"{drafter.name} -> {target.name}",
+        )
+        self.learner: Learner | None = None  # the online distillation the rounds feed (learn=True)
+        self.lock = threading.RLock()  # the state requests share: costs, policies, caches, stats
+        self.proposer: Proposer = proposer if proposer is not None else default_proposer(self)
+
+    def _translator(self, vmap: Any, user: str | None, profile: PairingProfile | None) -> Translator:
+        """The translator: the direct map, and the n-gram cache (the user's profile's, if saved)."""
+        config, fingerprint = self.config, pair_fingerprint(self.drafter, self.target)
+        cache = NgramCache(config.ngram, fingerprint=fingerprint)
+        if profile is not None and profile.ngram is not None:
+            cache = NgramCache.from_doc(
+                profile.ngram, where=f"profile of {user!r}", fingerprint=fingerprint, config=config.ngram
+            )
+        return Translator(self.drafter.codec, self.target.codec, vmap, cache, strategy=config.strategy)
+
+    @property
+    def policy(self) -> CostPolicy | None:
+        """The cost policy that picks draft lengths (None with a fixed k, a head or hysteresis)."""
+        return self.lengths.policy
+
+    @property
+    def head(self) -> AcceptanceHead | None:
+        """The acceptance head (None without one)."""
+        return self.lengths.head
+
+    @property
+    def drafting(self) -> bool:
+        """Whether any draft can pay here."""
+        return self.model_drafts or self.free_drafts
+
+    @property
+    def speculating(self) -> bool:
+        """Whether this pairing drafts: False once its measured costs say drafting cannot pay."""
+        if not self.drafting or (self.modes is not None and not self.modes.speculating):
+            return False
+        return self.lengths.speculating if self.model_drafts else True
+
+    def mode(self, rule: Rule, logprobs: int) -> str:
+        """How a request is served: "engine" (the target's engine verifies the drafts in its own
+        step: vLLM with omnidraft's proposer, greedy or sampled without a seed), "alone" (the
+        target decodes it alone: drafting cannot pay, or the mode chooser measured it faster) or
+        "speculate" (the round loop). A request for per-token log-probabilities speculates: each
+        round's verify returns its rows; so does a seeded sampled one (the round loop keys each
+        sample by seed and position, so the output depends on the seed alone, not on which drafts
+        reached the engine)."""
+        if logprobs:
+            return "speculate"
+        greedy = rule.mode == "greedy"
+        can = self.target.capabilities
+        if greedy and not self.drafting and can.decodes_alone:
+            return "alone"
+        in_engine = greedy or (rule.mode == "match" and rule.seed is None)
+        if in_engine and self.learner is None and can.drafts_in_engine:
+            return "engine"
+        with self.lock:
+            return self.modes.choose() if self.modes is not None and greedy else "speculate"
+
+    def rounds(self, mode: str, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
+        """A request's rounds in `mode` (see `mode`): each round's committed ids and its record;
+        `rows` collects the target's top-k rows where a verify returns them."""
+        if mode == "engine":
+            return engine_rounds.request_rounds(self, call, rows)
+        if mode == "alone":
+            return round_loop.alone_rounds(self, call, rows)
+        return round_loop.request_rounds(self, call, rows)
+
+    def finish(
+        self, mode: str, out: list[int], rounds: list[RoundRecord], stats: GenerationStats
+    ) -> dict[str, Any] | None:
+        """A finished request's bookkeeping: the user's datastore, the mode chooser, the head.
+        Returns the metrics row of a head update, if one ran."""
+        with self.lock:
+            if self.retriever is not None:
+                self.retriever.finish(out)
+            if self.modes is not None and len(rounds) > 1:  # decode-phase rate: round 1 also prefills
+                self.modes.observe(
+                    mode,
+                    len(out) - rounds[0].emitted,
+                    stats.seconds - rounds[0].seconds,
+                    label=f"{self.drafter.name} -> {self.target.name}",
+                )
+            return self.lengths.end_request(self.learner)
