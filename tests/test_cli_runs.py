@@ -115,3 +115,36 @@ def test_make_demo_runs_to_its_table_on_the_shipped_models(tmp_path):
     done = subprocess.run([str(script), "demo", *FEW], capture_output=True, text=True, env=env, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "total gsm8k" in done.stdout and "total humaneval" in done.stdout
+
+
+def test_doctor_tries_each_drafter_backend_in_a_child_and_says_which_a_pairing_uses(
+    models, capsys, monkeypatch
+):
+    """`omnidraft doctor --drafter FILE` loads the file on each backend in a child process and
+    drafts a few tokens, so a backend that crashes this machine shows as FAILED there, not in a
+    pairing; then it names the backend a pairing will draft on."""
+    monkeypatch.delenv("OMNIDRAFT_DRAFTER_BACKEND", raising=False)
+    assert run_cli(["doctor", "--drafter", models["drafter.gguf"]]) == 0
+    out = capsys.readouterr().out
+    assert "  torch: ok (3 tokens drafted" in out
+    assert "  llama.cpp: ok" in out and "  onnx: onnxruntime ok (a test graph ran" in out
+    assert "a pairing drafts on PyTorch, or through the same file on llama.cpp" in out
+
+
+def test_doctor_names_a_backend_that_kills_its_process_and_keeps_pairings_off_it(monkeypatch):
+    from omnidraft.cli import doctor
+    from omnidraft.llamacpp import smoke
+
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    assert doctor._child(crash) == "FAILED: killed by SIGSEGV"
+    monkeypatch.setattr(
+        smoke, "runs", lambda path: "killed by SIGSEGV (a llama.cpp build this CPU cannot run)"
+    )
+    monkeypatch.setattr(
+        doctor, "_child", lambda code, *argv: "ok (3 tokens drafted, 1.0 s in a child process)"
+    )
+    monkeypatch.delenv("OMNIDRAFT_DRAFTER_BACKEND", raising=False)
+    monkeypatch.setattr(doctor, "_gguf", lambda spec: "/x/drafter.gguf")
+    lines = doctor.backends("drafter.gguf")
+    assert "  llama.cpp: FAILED: killed by SIGSEGV (a llama.cpp build this CPU cannot run)" in lines
+    assert lines[-1] == "a pairing drafts on PyTorch (llama.cpp failed its smoke test here)"

@@ -266,3 +266,10 @@ def test_gemma_drafts_for_qwen_with_every_head_and_stays_identical(gemma_drafter
             assert sum(r.accepted for r in out.rounds) > 0
     finally:
         gemma_drafter.use_shortlist(None)
+
+
+def test_every_installed_preset_file_is_the_pinned_one():
+    """Each preset's file (reassembled or shipped whole) hashes to its pin: the pins are the files
+    CI runs."""
+    for name, preset in presets.PRESETS.items():
+        assert presets.sha256_of(presets.gguf_path(name)) == preset.sha256, name

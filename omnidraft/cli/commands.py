@@ -244,9 +244,20 @@ def _profiles(args: argparse.Namespace) -> None:
 
 
 def _doctor(args: argparse.Namespace) -> None:
+    from ..errors import MissingModelError
+    from ..store.presets import PRESETS, require_installed
     from .doctor import report, reset
 
-    print("\n".join(reset() if args.reset else report(args.target)))
+    if args.reset:
+        print("\n".join(reset()))
+        return
+    drafter = None if args.drafter == "none" else args.drafter
+    if drafter in PRESETS:
+        try:
+            require_installed(PRESETS[drafter])
+        except MissingModelError:  # its line above says how to install it
+            drafter = None
+    print("\n".join(report(args.target, drafter)), flush=True)
 
 
 def _simulate(args: argparse.Namespace) -> None:

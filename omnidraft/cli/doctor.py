@@ -1,22 +1,29 @@
 """What this machine offers omnidraft: versions, optional backends, presets, what was measured on it.
 
-Returns lines of text for `omnidraft doctor` to print; loads a model only when asked for its plan.
+Returns lines of text for `omnidraft doctor` to print. With a drafter, each drafter backend is
+tried for real in a child process (the model loaded, a few tokens drafted), so a backend that
+crashes this machine shows here and not in a pairing; then which backend a pairing will draft on,
+and why. Loads a model in this process only when asked for a target's kernel plan.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
+import subprocess
 import sys
+import time
 from typing import Sequence
 
 import torch
 
+from ..errors import MissingModelError
 from ..runtime import measured
 from ..runtime.kernels import BUCKETS
 from ..store import presets
 
-__all__ = ["report", "reset"]
+__all__ = ["backends", "report", "reset"]
 
 _BACKENDS = {
     "onnxruntime": "ONNX Runtime drafter (export/)",
@@ -31,11 +38,21 @@ def _installed(module: str) -> bool:
 
 
 def _preset_state(name: str) -> str:
+    """Installed or not, whether its file was checked against its pinned SHA-256, and where it is from."""
+    preset = presets.PRESETS[name]
+    origin = f"{preset.original}; from {preset.source}"
     try:
-        presets.require_installed(presets.PRESETS[name])
-    except Exception as exc:  # a missing package names its pip command
-        return f"missing ({exc})"
-    return "installed"
+        dirs = presets.require_installed(preset)
+    except MissingModelError as exc:  # it names its pip command
+        return f"missing ({exc}); {origin}"
+    path = (
+        dirs[0] / preset.gguf_name
+        if preset.layout == "whole"
+        else presets.cache_dir() / "gguf" / preset.gguf_name
+    )
+    checked = path.exists() and presets.checked(preset, path)
+    pin = f"sha256 {preset.sha256[:12]}... " + ("matched" if checked else "checked at its first load")
+    return f"installed, {pin}; {origin}"
 
 
 def _drafter_weights() -> list[str]:
@@ -72,14 +89,119 @@ def _measurements() -> list[str]:
     )
 
 
+SMOKE_TIMEOUT_S = 600.0
+_DRAFT_CHILD = """
+import sys
+from omnidraft.draft.base import Drafter
+drafter = Drafter.load(sys.argv[1], backend=sys.argv[2])
+session = drafter.begin(drafter.tokenizer("def add(a, b):")["input_ids"])
+print(len(session.propose(3, stop_confidence=0).ids), "tokens drafted")
+"""
+_ORT_CHILD = """
+import numpy as np, onnx, onnxruntime as ort
+from onnx import TensorProto, helper
+x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "smoke", [x],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+model.ir_version = 8
+out = ort.InferenceSession(model.SerializeToString()).run(None, {"x": np.array([-1, 2], "float32")})
+assert out[0].tolist() == [0.0, 2.0]
+print("a test graph ran")
+"""
+
+
+def _child(code: str, *argv: str) -> str:
+    """ "ok: ..." with what the child printed and its time, or how it ended."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return f"FAILED: no answer in {SMOKE_TIMEOUT_S:.0f} s"
+    took = time.perf_counter() - started
+    if done.returncode == 0:
+        said = (done.stdout.strip().splitlines() or ["done"])[-1]
+        return f"ok ({said}, {took:.1f} s in a child process)"
+    if done.returncode < 0:
+        import signal
+
+        return f"FAILED: killed by {signal.Signals(-done.returncode).name}"
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"FAILED: exit status {done.returncode}: {tail[:300]}"
+
+
+def _gguf(spec: str) -> str | None:
+    """The GGUF file llama.cpp would run for drafter `spec`, or None (not a preset or .gguf)."""
+    from ..llamacpp.loading import gguf_file
+
+    try:
+        return os.fspath(gguf_file(spec)[0])
+    except (ValueError, FileNotFoundError):
+        return None
+
+
+def backends(spec: str) -> list[str]:
+    """Each drafter backend tried on drafter `spec` in a child process, then which one a pairing
+    drafts on here and why (draft/base.py `Drafter.load`, runtime/backends.py)."""
+    from ..draft.base import BACKEND_ENV
+
+    lines = [f"drafter {spec}, each backend tried in a child process:"]
+    lines.append(f"  torch: {_child(_DRAFT_CHILD, spec, 'torch')}")
+    gguf, llama = _gguf(spec), "no"
+    if not _installed("llama_cpp"):
+        lines.append(
+            "  llama.cpp: not installed (pip install -c constraints.txt '.[llama]', or `make install`)"
+        )
+    elif gguf is None:
+        lines.append("  llama.cpp: not for this drafter (it runs a preset or a .gguf file)")
+    else:
+        from ..llamacpp.smoke import runs
+
+        verdict = runs(gguf)  # a child process once per machine, build and file; remembered
+        llama = "ok" if verdict == "ok" else "broken"
+        lines.append(
+            f"  llama.cpp: {'ok (loads the file, drafts)' if llama == 'ok' else 'FAILED: ' + verdict}"
+        )
+    if not _installed("onnxruntime"):
+        lines.append("  onnx: not installed (pip install -c constraints.txt '.[onnx]')")
+    elif spec.endswith(".onnx"):
+        lines.append(f"  onnx: {_child(_DRAFT_CHILD, spec, 'onnx')}")
+    else:
+        lines.append(f"  onnx: onnxruntime {_child(_ORT_CHILD)}; drafts a graph from `omnidraft export`")
+    chosen = os.environ.get(BACKEND_ENV)
+    if chosen:
+        lines.append(f"a pairing drafts on {chosen}: ${BACKEND_ENV} says so")
+    elif llama == "ok":
+        names = {spec, os.path.basename(spec).removesuffix(".gguf")}
+        timed = [
+            f"{key.split('|')[1]} {value:.1f} ms"
+            for key, value in sorted(measured.read("drafting-cost").items())
+            if key.split("|")[0] in names and "head full" in key
+        ]
+        lines.append(
+            "a pairing drafts on PyTorch, or through the same file on llama.cpp where that drafts a "
+            "token faster here and the pairing needs nothing only PyTorch has (learning, adapters, "
+            "a profile, a head): "
+            + (f"a token timed here: {', '.join(timed)}" if timed else "timed at the first pair()")
+            + f"; --drafter-backend torch or ${BACKEND_ENV}=torch keeps it on PyTorch"
+        )
+    else:
+        why = "llama.cpp failed its smoke test here" if llama == "broken" else "no llama.cpp copy to run"
+        lines.append(f"a pairing drafts on PyTorch ({why})")
+    return lines
+
+
 def reset() -> list[str]:
     """Forget every per-machine measurement; one line per file removed."""
     removed = measured.reset()
     return [f"removed {path}" for path in removed] or [f"nothing measured under {measured.directory()}"]
 
 
-def report(targets: Sequence[str] = ()) -> list[str]:
-    """The doctor's lines; with `targets`, each one's kernel plan (timed now if not cached)."""
+def report(targets: Sequence[str] = (), drafter: str | None = None) -> list[str]:
+    """The doctor's lines; with `drafter`, each drafter backend tried on it (`backends`); with
+    `targets`, each one's kernel plan (timed now if not cached)."""
     lines = [
         f"python {sys.version.split()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.processor() or platform.machine()}",
@@ -92,6 +214,8 @@ def report(targets: Sequence[str] = ()) -> list[str]:
     ]
     lines += [f"preset {name}: {_preset_state(name)}" for name in sorted(presets.PRESETS)]
     lines += _measurements() + _drafter_weights()
+    if drafter is not None:
+        lines += backends(drafter)
     for spec in targets:
         from ..runtime.attention import attention_choice
         from ..runtime.kernels import use_kernels

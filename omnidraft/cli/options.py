@@ -352,6 +352,12 @@ def _doctor_args(sub: Any) -> None:
         "--target", action="append", default=[], help="also show this model's kernel plan, repeatable"
     )
     o.add_argument(
+        "--drafter",
+        default=DRAFTER,
+        help="try each drafter backend on this model in a child process (default: the drafter preset, "
+        "when installed); 'none' skips it",
+    )
+    o.add_argument(
         "--reset", action="store_true", help="forget every per-machine measurement (timed again at next use)"
     )
 
