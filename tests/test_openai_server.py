@@ -144,3 +144,35 @@ def test_unknown_or_unimplemented_fields_are_refused_by_name(served):
         model=target.name, prompt="x", max_tokens=2, temperature=0, user="u1", presence_penalty=0.0
     )
     assert ok.usage.completion_tokens == 2
+
+
+def test_a_request_for_another_model_is_refused_naming_the_served_one(served):
+    import openai
+
+    target, client = served
+    with pytest.raises(
+        openai.NotFoundError, match="'gpt-4o' is not served here: this server serves 'tiny-target'"
+    ):
+        client.completions.create(model="gpt-4o", prompt="Question:", max_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="tiny-target"):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_log_requests_writes_one_line_a_request_without_the_key(tiny_target, caplog):
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY, log_requests=True))) as http:
+        with caplog.at_level(logging.INFO, logger="omnidraft.requests"):
+            http.get("/v1/models", headers={"authorization": f"Bearer {KEY}"})
+            http.get("/v1/models")
+    lines = [r.getMessage() for r in caplog.records if r.name == "omnidraft.requests"]
+    assert len(lines) == 2 and KEY not in "".join(lines)
+    assert lines[0].startswith("GET /v1/models 200 ") and lines[0].endswith(" key #0")
+    assert lines[1].startswith("GET /v1/models 401 ") and lines[1].endswith(" key none")
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as http:  # off by default
+        with caplog.at_level(logging.INFO, logger="omnidraft.requests"):
+            caplog.clear()
+            http.get("/v1/models")
+    assert not [r for r in caplog.records if r.name == "omnidraft.requests"]

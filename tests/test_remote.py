@@ -242,7 +242,7 @@ def _openai(http, tiny_target, **kw):
 
     return OpenAICompletionsTarget(
         "http://testserver",
-        model="tiny",
+        model="tiny-target",
         api_key=KEY,
         tokenizer=tiny_target.tokenizer,
         vocab_size=len(tiny_target.token_bytes),
@@ -316,7 +316,7 @@ def test_openai_endpoint_speaks_the_completions_shape(http, tiny_target):
         "/v1/completions",
         headers=auth,
         json={
-            "model": "tiny",
+            "model": "tiny-target",
             "prompt": ids,
             "max_tokens": 3,
             "echo": True,

@@ -46,7 +46,9 @@ def test_an_empty_prompt_is_a_400_naming_it(tiny_target):
     with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as c:
         for prompt in ("", []):
             r = c.post(
-                "/v1/completions", json={"model": "x", "prompt": prompt, "max_tokens": 4}, headers=AUTH
+                "/v1/completions",
+                json={"model": "tiny-target", "prompt": prompt, "max_tokens": 4},
+                headers=AUTH,
             )
             assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
 

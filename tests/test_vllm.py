@@ -214,20 +214,34 @@ def vllm_client(vllm_target):
 AUTH = {"authorization": "Bearer k"}
 
 
-def test_a_stock_openai_clients_sampled_request_is_served_in_the_engines_step(vllm_client):
+def test_a_stock_openai_clients_sampled_request_is_served_in_the_engines_step(vllm_client, vllm_target):
     """Server round 3, item 7: OpenAI clients sample by default (temperature 1, no top_k); on the
     vLLM engine that was a 400 naming top_k. Now vLLM samples it in its own step; a seed gives the
     same completion twice."""
     for stream in (False, True):  # (the tiny tokenizer has no chat template: completions only)
-        body = {"model": "x", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.0, "stream": stream}
+        body = {
+            "model": vllm_target.name,
+            "prompt": PROMPTS[0],
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "stream": stream,
+        }
         r = vllm_client.post("/v1/completions", json=body, headers=AUTH)
         assert r.status_code == 200, r.text
-    seeded = {"model": "x", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0.8, "seed": 5}
+    seeded = {
+        "model": vllm_target.name,
+        "prompt": PROMPTS[1],
+        "max_tokens": 12,
+        "temperature": 0.8,
+        "seed": 5,
+    }
     texts = [
         vllm_client.post("/v1/completions", json=seeded, headers=AUTH).json()["choices"][0]["text"]
         for _ in range(2)
     ]
     assert texts[0] == texts[1]
+    other = vllm_client.post("/v1/completions", json={**seeded, "model": "x"}, headers=AUTH)
+    assert other.status_code == 404 and vllm_target.name in other.json()["error"]["message"]
 
 
 def test_the_vllm_server_serves_sessions_with_a_draft_budget(vllm_client, vllm_target, tiny_drafter):

@@ -149,7 +149,17 @@ def _serve(args: argparse.Namespace) -> None:
         max_sessions=args.max_sessions,
         ttl_s=args.ttl,
         max_sessions_per_key=args.max_sessions_per_key,
+        log_requests=args.log_requests,
     )
+    if args.log_requests:
+        import logging
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        requests_log = logging.getLogger("omnidraft.requests")
+        requests_log.addHandler(handler)
+        requests_log.setLevel(logging.INFO)
+        requests_log.propagate = False
     try:
         target = engine(args.engine).load(args.target, vars(args))
     except ValueError as exc:

@@ -288,6 +288,11 @@ def _serve_args(sub: Any) -> None:
     )
     v.add_argument("--max-sessions", type=int, default=64)
     v.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="log one line per request to stderr: method, path, status, seconds, which API key",
+    )
+    v.add_argument(
         "--max-sessions-per-key",
         type=int,
         default=None,

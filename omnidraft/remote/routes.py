@@ -177,9 +177,19 @@ def add_openai_routes(app: FastAPI, service: Service, io: RequestIO) -> None:
     async def models() -> dict:
         return models_reply(service.target.name)
 
+    def check_model(parsed: Any) -> None:
+        """A request for another model than this server's is refused, as OpenAI refuses one (404)."""
+        if parsed.model is not None and parsed.model != service.target.name:
+            raise HTTPError(
+                404,
+                f"the model {parsed.model!r} is not served here: this server serves "
+                f"{service.target.name!r} (GET /v1/models lists it)",
+            )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         parsed = await io.body(request, ChatRequest)
+        check_model(parsed)
         try:
             ids = chat_prompt(service.target.tokenizer, parsed, service.target.name)
         except ValueError as exc:
@@ -218,6 +228,7 @@ def add_openai_routes(app: FastAPI, service: Service, io: RequestIO) -> None:
         from .completions import CompletionRequest
 
         parsed = await io.body(request, CompletionRequest)
+        check_model(parsed)
         greedy_scores = parsed.logprobs is not None and parsed.temperature == 0 and not parsed.stream
         if parsed.echo or greedy_scores:  # the scoring path (what OpenAICompletionsTarget reads)
             return await io.until_disconnect(request, service.complete, parsed, request.state.key)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,6 +41,7 @@ from .service import HTTPError, ServerConfig, Service
 __all__ = ["HEADER_TIMEOUT_S", "Auth", "ServerConfig", "create_app", "http_protocol"]
 
 log = logging.getLogger(__name__)
+REQUESTS = logging.getLogger("omnidraft.requests")  # --log-requests: one line a request
 
 
 HEADER_TIMEOUT_S = 10.0  # a connection's request line and headers must arrive within this
@@ -94,15 +96,43 @@ class Auth:
     `receive`, and a route then never learns that its client left): a request's key index goes to
     `request.state.key` (`key_of`: None for no valid key); /v1 routes and /metrics (unless
     `open_metrics`) without one get `refuse`'s 401. An exception no route handled gets `crashed`'s
-    reply when no reply has started (and is not raised further: the server keeps serving)."""
+    reply when no reply has started (and is not raised further: the server keeps serving). With
+    `log_requests`, each request ends with one line on the "omnidraft.requests" logger: method,
+    path, status, seconds, which key (never the key itself)."""
 
-    def __init__(self, app: Any, *, key_of: Any, refuse: Any, crashed: Any, open_metrics: bool) -> None:
+    def __init__(
+        self, app: Any, *, key_of: Any, refuse: Any, crashed: Any, open_metrics: bool, log_requests: bool
+    ) -> None:
         self.app, self.key_of, self.refuse, self.open_metrics = app, key_of, refuse, open_metrics
-        self.crashed = crashed
+        self.crashed, self.log_requests = crashed, log_requests
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if not self.log_requests:
+            return await self._serve(scope, receive, send)
+        status, began = 0, time.perf_counter()
+
+        async def noting(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, noting)
+        finally:
+            key = scope.get("state", {}).get("key")
+            REQUESTS.info(
+                "%s %s %s %.3f s key %s",
+                scope["method"],
+                scope["path"],
+                status or "-",
+                time.perf_counter() - began,
+                "none" if key is None else f"#{key}",
+            )
+
+    async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
         request = Request(scope)
         path, key = request.url.path, self.key_of(request)
         scope.setdefault("state", {})["key"] = key
@@ -168,7 +198,14 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         return reply
 
     app.add_exception_handler(HTTPError, refused)
-    app.add_middleware(Auth, key_of=key_of, refuse=fail, crashed=crashed, open_metrics=config.open_metrics)
+    app.add_middleware(
+        Auth,
+        key_of=key_of,
+        refuse=fail,
+        crashed=crashed,
+        open_metrics=config.open_metrics,
+        log_requests=config.log_requests,
+    )
 
     io = RequestIO(service, config)
     add_ops_routes(app, service)

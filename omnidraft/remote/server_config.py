@@ -39,6 +39,7 @@ class ServerConfig:
     open_metrics: bool = False  # True: /metrics without the API key (a scraper on a private network)
     # the longest an engine step waits for a streaming device's proposal (at most a quarter of a step)
     proposal_wait_s: float = 0.03
+    log_requests: bool = False  # one line per request on the "omnidraft.requests" logger (INFO)
 
     def __post_init__(self) -> None:
         if (
