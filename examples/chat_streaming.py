@@ -1,5 +1,6 @@
 """Stream a chat answer as it is committed: the conversation goes through the target's chat template
-once, and both models read the same rendered text.
+once, both models read the same rendered text, and the answer ends where the template ends an
+assistant's turn (any chat model: "<|im_end|>", "<|eot_id|>", "<end_of_turn>", ...).
 
     python examples/chat_streaming.py "Write a haiku about speculative decoding."
 """
@@ -20,7 +21,7 @@ def main() -> None:
 
     pair = od.Drafter.load(args.drafter).pair(od.LocalTarget.load(args.target))
     messages = [{"role": "user", "content": args.question}]
-    for piece in pair.stream(messages, max_new_tokens=args.max_new_tokens, stop=["<|im_end|>"]):
+    for piece in pair.stream(messages, max_new_tokens=args.max_new_tokens):  # ends at the turn's end
         sys.stdout.write(piece)
         sys.stdout.flush()
     print(f"\n[finished: {pair.last.finish_reason}]")

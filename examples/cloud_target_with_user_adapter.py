@@ -70,9 +70,11 @@ def main() -> None:
         prompts = ["def is_prime(n):", "Question: Tom has 3 apples and buys 5 more. How many now?\nAnswer:"]
         for prompt in prompts[: args.requests]:
             out = pair.generate(prompt, max_new_tokens=args.max_new_tokens)
-            print(f"{prompt!r} -> {out.text[:80]!r} ({out.stats.mean_accepted_length:.2f} tokens a round)")
+            print(
+                f"{prompt!r} -> {out.text[:80]!r}\n  {out.stats}"
+            )  # with the adapter's steps and next update
         where = pair.save()  # adapter, n-gram cache, history, metrics: the user's profile
-        print(f"profile of {args.user} saved in {where} ({pair.steps} adapter steps so far)")
+        print(f"profile of {args.user} saved in {where}")
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -20,8 +20,7 @@ def main() -> None:
     pair = od.Drafter.load(args.drafter).pair(od.LocalTarget.load(args.target))
     out = pair.generate(args.prompt, max_new_tokens=args.max_new_tokens)
     print(args.prompt + out.text)
-    s = out.stats
-    print(f"\n[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, τ {s.mean_accepted_length:.2f}]")
+    print(f"\n[{out.stats}]")  # tokens, speed, how it was served and why, acceptance and tau
 
 
 if __name__ == "__main__":

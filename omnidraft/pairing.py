@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence, overload
 
@@ -28,6 +29,7 @@ from .decode.rounds import (
     make_generator,
     render_chat,
     token_logprobs,
+    turn_end,
     verified,
 )
 from .decode.speculator import Speculator, pair_fingerprint
@@ -236,7 +238,7 @@ class Pairing:
         template, rendered once; the target reads it as rendered (no second BOS) and the drafter
         reads the same text."""
         text, rng = self.render_chat(messages), make_generator(seed, generator)
-        return self._whole(text, max_new_tokens, stop, rng, False, sampling, seed)
+        return self._whole(text, max_new_tokens, self._chat_stop(stop), rng, False, sampling, seed)
 
     def _whole(
         self,
@@ -253,6 +255,16 @@ class Pairing:
         for _ in self._stream(text, most, stop, rng, special, done, {**sampling, "seed": seed}):
             pass
         return done[0]
+
+    def _chat_stop(self, stop: str | Sequence[str]) -> str | Sequence[str]:
+        """`stop`, and the chat template's end of an assistant turn where no EOS token writes it
+        (a chat answer ends at its turn's end whatever the model's EOS)."""
+        end = turn_end(self.target.tokenizer)
+        table = self.target.token_bytes.table
+        if end is None or any(table[i] == end.encode() for i in self.target.eos_ids):
+            return stop
+        given = [stop] if isinstance(stop, str) else list(stop)
+        return given if end in given else [*given, end]
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The conversation as the target's chat template writes it, ready for the assistant's turn."""
@@ -273,6 +285,7 @@ class Pairing:
         conversation, streamed as `chat` answers it (the chat template rendered once, no second BOS)."""
         chat = isinstance(prompt, list)
         text = self.render_chat(prompt) if isinstance(prompt, list) else prompt
+        stop = self._chat_stop(stop) if chat else stop
         rng = make_generator(seed, generator)
         return self._stream(text, max_new_tokens, stop, rng, not chat, [], {**sampling, "seed": seed})
 
@@ -325,7 +338,7 @@ class Pairing:
                     yield text[shown : len(text) - hold]
                     shown = len(text) - hold
         except TargetError as exc:  # e.g. a remote target gone: keep what was committed
-            stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
+            stats = self._stats(mode, rounds, len(out), time.perf_counter() - started)
             per_token = token_logprobs(out, rows, logprobs) if logprobs else None
             text += decoder.decode(b"", final=True)
             self.last = exc.partial = Generation(text, out, stats, rounds, "error", per_token)
@@ -337,15 +350,30 @@ class Pairing:
             text += decoder.decode(b"", final=True)
         if len(text) > shown:
             yield text[shown:]
-        stats = GenerationStats.from_rounds(rounds, len(out), time.perf_counter() - started)
-        per_token = token_logprobs(out, rows, logprobs) if logprobs else None
-        self.last = result = Generation(text, out, stats, rounds, reason, per_token)
-        done.append(result)
+        stats = self._stats(mode, rounds, len(out), time.perf_counter() - started)
         if (row := self.speculator.finish(mode, out, rounds, stats)) is not None:
             self.metrics.append(row)
         if self.learner is not None and out:
             self.learner.observe(
                 verified(prompt, out, rounds, rows, self.learner.config.topk),
                 stats.acceptance_rate,
-                stats.mean_accepted_length,
+                stats.tau,
             )
+            stats = replace(stats, adapter_steps=self.steps, adapter_note=self.learner.note())
+        per_token = token_logprobs(out, rows, logprobs) if logprobs else None
+        self.last = result = Generation(text, out, stats, rounds, reason, per_token)
+        done.append(result)
+
+    def _stats(
+        self, mode: str, rounds: list[RoundRecord], new_tokens: int, seconds: float
+    ) -> GenerationStats:
+        """A request's stats: how it was served and why, and (learning) the adapter's steps so far."""
+        stats = GenerationStats.from_rounds(rounds, new_tokens, seconds)
+        learner = self.learner
+        return replace(
+            stats,
+            served=mode,
+            why=self.speculator.why(mode, stats),
+            adapter_steps=self.steps if learner is not None else None,
+            adapter_note=learner.note() if learner is not None else "",
+        )

@@ -225,6 +225,12 @@ def test_test_time_speculation_steps_within_a_request_and_undoes_them_at_its_end
     after = adapter_state(drafter.trainable, pair.adapter)
     assert all(torch.equal(before[k], after[k]) for k in after)  # undone at the request's end
     assert pair.steps == 0
+    stats = pair.last.stats  # 0 steps, and why: the first update is 99 requests away
+    assert (
+        stats.adapter_steps == 0
+        and stats.adapter_note == "the first update after 99 more requests (one every 100)"
+    )
+    assert "adapter 0 steps (the first update after 99 more requests" in str(stats)
 
 
 def test_test_time_speculation_is_undone_when_the_request_is_abandoned(drafter, tiny_target, tmp_path):

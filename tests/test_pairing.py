@@ -34,7 +34,11 @@ def test_oracle_drafter_is_accepted_in_full(tiny_drafter, tiny_target):
         prompt, max_new_tokens=40
     )
     assert out.token_ids == ref
-    assert out.stats.acceptance_rate == 1.0 and out.stats.mean_accepted_length == pytest.approx(40 / 7)
+    assert out.stats.acceptance_rate == 1.0 and out.stats.tau == pytest.approx(40 / 7)
+    assert out.stats.served == "speculate" and out.stats.adapter_steps is None  # no learning
+    line = str(out.stats)
+    assert "\n" not in line and line.startswith("40 tokens in ") and "tok/s)" in line
+    assert "acceptance 100%, tau 5.71 tokens per target forward over 7 rounds" in line
 
 
 def test_forced_rejection_gives_partial_acceptance_and_same_output(tiny_drafter, tiny_target):

@@ -248,3 +248,17 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], name: str) -> st
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}'s tokenizer has no chat template: use generate() with your own prompt")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def turn_end(tokenizer: Any) -> str | None:
+    """The text `tokenizer`'s chat template closes an assistant's turn with ("<|im_end|>",
+    "<|eot_id|>", "<end_of_turn>"), or None where it writes none: a chat answer ends there."""
+    marker = "\u2063omnidraft-turn\u2063"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], tokenize=False
+        )
+    except Exception:  # a template that wants other roles or arguments: no end to read
+        return None
+    after = text.split(marker, 1)[1].split() if marker in text else []
+    return after[0] if after else None

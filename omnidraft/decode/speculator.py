@@ -144,6 +144,19 @@ class Speculator:
         with self.lock:
             return self.modes.choose() if self.modes is not None and greedy else "speculate"
 
+    def why(self, mode: str, stats: GenerationStats) -> str:
+        """Why a request served in `mode` drafted as it did (empty where it simply speculated)."""
+        if mode == "alone":
+            if not self.drafting:
+                seen = f": {self.outlook.reason()}" if self.outlook is not None else ""
+                return f"drafting cannot pay on this machine{seen}"
+            return "decoding alone measured faster for this pairing here"
+        if stats.rounds and stats.speculating == 0:
+            if self.target.capabilities.decodes_alone and not self.target.capabilities.in_process:
+                return "no round drafted: the server's budget took no drafts"
+            return "no round drafted: the measured costs said a draft would not pay"
+        return ""
+
     def rounds(self, mode: str, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
         """A request's rounds in `mode` (see `mode`): each round's committed ids and its record;
         `rows` collects the target's top-k rows where a verify returns them."""

@@ -87,6 +87,13 @@ _REQUIRED = {f.name for f in fields(RoundRecord) if f.name not in ("retrieved", 
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationStats:
+    """What a request did. `acceptance_rate`: accepted / proposed target tokens, averaged over
+    rounds; `tau` (`mean_accepted_length`): committed tokens per target forward, bonus included;
+    `served`: "speculate" (drafts verified round by round), "engine" (verified in the target
+    engine's own step) or "alone" (the target decoded it without drafts), and `why`; with
+    learning on, `adapter_steps` (the adapter's optimizer steps so far) and `adapter_note` (when
+    the next update comes). `str()` reads as one line."""
+
     rounds: int
     new_tokens: int
     seconds: float
@@ -99,10 +106,37 @@ class GenerationStats:
     acceptance_by_source: dict[str, float] | None = (
         None  # accepted / proposed, model and retrieved tokens apart
     )
+    served: str = "speculate"
+    why: str = ""
+    adapter_steps: int | None = None
+    adapter_note: str = ""
 
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per target forward, bonus included (`mean_accepted_length`)."""
+        return self.mean_accepted_length
+
+    def __str__(self) -> str:
+        head = f"{self.new_tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.1f} tok/s)"
+        if self.served == "alone":
+            how = "decoded by the target alone"
+        else:
+            where = " in the engine's step" if self.served == "engine" else ""
+            how = (
+                f"drafts verified{where}: acceptance {self.acceptance_rate:.0%}, "
+                f"tau {self.tau:.2f} tokens per target forward over {self.rounds} rounds"
+            )
+        parts = [head, how + (f" ({self.why})" if self.why else "")]
+        if self.adapter_steps is not None:
+            parts.append(
+                f"adapter {self.adapter_steps} steps"
+                + (f" ({self.adapter_note})" if self.adapter_note else "")
+            )
+        return "; ".join(parts)
 
     @classmethod
     def from_rounds(cls, rounds: list[RoundRecord], new_tokens: int, seconds: float) -> GenerationStats:

@@ -68,6 +68,15 @@ class Learner:
     def steps(self) -> int:
         return self.trainer.steps
 
+    def note(self) -> str:
+        """When the adapter's next update comes, in words (a request's stats carry it)."""
+        interval, seen = self.config.interval, self.trainer.requests
+        if self._thread is not None and self._thread.is_alive():
+            return "an update is running beside the requests"
+        left = interval - seen % interval
+        first = "the first update" if self.steps == 0 else "the next update"
+        return f"{first} after {left} more request{'s' if left != 1 else ''} (one every {interval})"
+
     def observe(self, request: VerifiedRequest, acceptance_rate: float, tau: float) -> None:
         """Buffer one verified request; train when the interval is complete."""
         self._recent.append((acceptance_rate, tau))
