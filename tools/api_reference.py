@@ -12,6 +12,7 @@ import argparse
 import inspect
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,17 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 HEADER = """# API reference
 
 Generated from the code by `python tools/api_reference.py` (a test keeps it current): every name
-`import omnidraft as od` offers, its signature and the first paragraph of its docstring. The
-guide is the [README](../README.md); how the pieces fit, [architecture.md](architecture.md).
+`import omnidraft as od` offers, then `omnidraft.aio` (the same requests from asyncio); each with
+its signature and the first paragraph of its docstring, classes with their public methods and
+properties. The guide is the [README](../README.md); how the pieces fit,
+[architecture.md](architecture.md).
 """
+WIDTH = 100
+MODULES = ("omnidraft", "omnidraft.aio")
+
+
+def _wrap(text: str, indent: str = "") -> str:
+    return textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
 
 
 def _first_paragraph(obj: Any) -> str:
@@ -40,6 +49,29 @@ def _signature(obj: Any) -> str:
     return re.sub(r"(: |-> )'([^']*)'", r"\1\2", str(signature))  # annotations are strings here
 
 
+def _call(name: str, obj: Any) -> str:
+    """`name` called as `obj` is, in a code block: on one line, or one parameter a line when long."""
+    signature = _signature(obj)
+    line = f"{name}{signature}"
+    if len(line) <= WIDTH or signature == "(...)":
+        return f"```python\n{line}\n```"
+    head, _, returns = (
+        signature.rpartition(" -> ") if " -> " in signature.split(")")[-1] else (signature, "", "")
+    )
+    inner = head[1:-1]
+    params, depth, current = [], 0, ""
+    for ch in inner:  # split on the commas between parameters, not inside brackets
+        if ch == "," and depth == 0:
+            params.append(current.strip())
+            current = ""
+            continue
+        depth += ch in "[(" and 1 or (ch in "])" and -1 or 0)
+        current += ch
+    params.append(current.strip())
+    body = "".join(f"    {param},\n" for param in params if param)
+    return f"```python\n{name}(\n{body})" + (f" -> {returns}" if returns else "") + "\n```"
+
+
 def _members(cls: type) -> list[str]:
     lines = []
     for name, member in sorted(vars(cls).items()):
@@ -48,31 +80,40 @@ def _members(cls: type) -> list[str]:
         if isinstance(member, (staticmethod, classmethod)):
             member = member.__func__
         if isinstance(member, property):
-            lines.append(f"- `{name}` (property): {_first_paragraph(member)}".rstrip(": "))
+            entry = f"- `{name}` (property): {_first_paragraph(member)}".rstrip(": ")
+            lines.append(textwrap.fill(entry, WIDTH, subsequent_indent="  ", break_on_hyphens=False))
         elif inspect.isfunction(member):
             shown = cls.__name__ if name == "__init__" else f".{name}"
-            lines.append(f"- `{shown}{_signature(member)}`: {_first_paragraph(member)}".rstrip(": "))
+            text = _first_paragraph(member)
+            entry = f"- `{shown}`" + (": " + text if text else "")
+            lines.append(textwrap.fill(entry, WIDTH, subsequent_indent="  ", break_on_hyphens=False))
+            lines.append(textwrap.indent(_call(shown, member), "  "))
     return lines
 
 
+def _entry(name: str, obj: Any) -> str:
+    where = getattr(obj, "__module__", None) or "omnidraft"
+    if inspect.isclass(obj):
+        parts = [f"### `{name}` (class, `{where}`)\n", _wrap(_first_paragraph(obj)) + "\n"]
+        members = _members(obj)
+        if members:
+            parts.append("\n".join(members) + "\n")
+        return "\n".join(parts)
+    if callable(obj):
+        return f"### `{name}` (`{where}`)\n\n{_call(name, obj)}\n\n{_wrap(_first_paragraph(obj))}\n"
+    listed = ", ".join(sorted(obj))
+    return f"### `{name}` ({type(obj).__name__})\n\n" + _wrap(f"{len(obj)} entries: {listed}") + "\n"
+
+
 def page() -> str:
-    import omnidraft
+    import importlib
 
     parts = [HEADER]
-    for name in sorted(omnidraft.__all__, key=str.lower):
-        obj = getattr(omnidraft, name)
-        where = getattr(obj, "__module__", None) or "omnidraft"
-        if inspect.isclass(obj):
-            parts.append(f"## `{name}` (class, `{where}`)\n\n{_first_paragraph(obj)}\n")
-            members = _members(obj)
-            if members:
-                parts.append("\n".join(members) + "\n")
-        elif callable(obj):
-            parts.append(f"## `{name}{_signature(obj)}` (`{where}`)\n\n{_first_paragraph(obj)}\n")
-        else:
-            parts.append(
-                f"## `{name}` ({type(obj).__name__})\n\n{len(obj)} entries: {', '.join(sorted(obj))}\n"
-            )
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
+        parts.append(f"## `{module_name}`\n")
+        for name in sorted(module.__all__, key=str.lower):
+            parts.append(_entry(name, getattr(module, name)))
     return "\n".join(parts)
 
 
