@@ -70,7 +70,7 @@ def test_where_drafting_cannot_pay_the_pairing_decodes_alone_and_says_why(tiny_d
         assert sum(r.drafted + r.proposed for r in out.rounds) == 0
     assert out.stats.served == "alone" and out.stats.why.startswith("drafting cannot pay on this machine")
     assert "decoded by the target alone (drafting cannot pay" in str(out.stats)
-    assert "acceptance" not in str(out.stats)  # no 0.0 acceptance, no tau of 1.0 to misread
+    assert "tau" not in str(out.stats)  # no acceptance of 0 and tau of 1.0 to misread
     sampled = pairing.generate(
         PROMPT, max_new_tokens=8, temperature=0.8, seed=1
     )  # sampling: one token a round
