@@ -16,7 +16,7 @@ from statistics import median
 from typing import Any
 
 from omnidraft.bench.datasets import load_prompts
-from omnidraft.remote.server import ServerConfig, create_app
+from omnidraft.server.app import ServerConfig, create_app
 
 __all__ = ["round_times"]
 

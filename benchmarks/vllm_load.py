@@ -189,7 +189,7 @@ def _serve(
 
     import omnidraft as od
     from omnidraft.bench.remote import serve_in_thread
-    from omnidraft.remote.server import ServerConfig, create_app
+    from omnidraft.server.app import ServerConfig, create_app
 
     speculating = name == "omnidraft"
     most = extra["draft_tokens"] if speculating else 0
@@ -198,7 +198,7 @@ def _serve(
         references = list(pool.map(lambda i: target.generate(i, tokens), ids))
     report: dict[str, Any] = {"references": references, "runs": {}}
     if speculating:
-        from omnidraft.remote.budget import draft_budget
+        from omnidraft.server.budget import draft_budget
 
         costs = {**target.verify_costs(), **target.batch_costs()}
         report["step_costs_ms"] = {n: round(1e3 * s, 1) for n, s in costs.items()}

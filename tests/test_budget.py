@@ -1,10 +1,10 @@
-"""remote/budget.py: the draft budget a server under load gives each session (pure arithmetic)."""
+"""server/budget.py: the draft budget a server under load gives each session (pure arithmetic)."""
 
 from __future__ import annotations
 
 import pytest
 
-from omnidraft.remote.budget import DraftGate, draft_budget, step_seconds
+from omnidraft.server.budget import DraftGate, draft_budget, step_seconds
 
 MEMORY_BOUND = {1: 0.020, 2: 0.0201, 4: 0.0202, 8: 0.0205}  # a GPU step: tokens are nearly free
 COMPUTE_BOUND = {1: 0.111, 2: 0.171, 4: 0.171, 8: 0.169}  # this CPU's 0.5B on vLLM (docs/vllm.md)

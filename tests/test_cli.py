@@ -35,7 +35,7 @@ def test_a_missing_optional_dependency_names_the_extra(monkeypatch):
     import sys
 
     from omnidraft.errors import MissingDependencyError
-    from omnidraft.remote.client import RemoteTarget
+    from omnidraft.targets.remote import RemoteTarget
 
     monkeypatch.setitem(sys.modules, "httpx", None)  # as if it were not installed
     with pytest.raises(MissingDependencyError, match=r"pip install 'omnidraft\[client\]'"):

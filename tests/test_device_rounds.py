@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from omnidraft.remote.device_rounds import DeviceRounds, speculate
+from omnidraft.server.device_rounds import DeviceRounds, speculate
 
 PROMPT = [1, 2, 3]
 

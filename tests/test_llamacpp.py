@@ -17,11 +17,11 @@ from omnidraft.bench.datasets import load_prompts
 from omnidraft.errors import MissingDependencyError
 from omnidraft.llamacpp.hook import OmnidraftDraftModel
 from omnidraft.llamacpp.loading import gguf_file, open_llama
-from omnidraft.remote.client import RemoteTarget
-from omnidraft.remote.server import ServerConfig, create_app
+from omnidraft.server.app import ServerConfig, create_app
 from omnidraft.store.models import load_tokenizer
 from omnidraft.store.presets import gguf_path
 from omnidraft.target import Rule
+from omnidraft.targets.remote import RemoteTarget
 
 from .conftest import target_greedy
 
@@ -295,7 +295,7 @@ def test_an_openai_target_on_llama_cpp_pythons_own_server_is_refused_or_identica
     import httpx
 
     from omnidraft.errors import IncompatibleError
-    from omnidraft.remote.openai import OpenAICompletionsTarget
+    from omnidraft.targets.openai_client import OpenAICompletionsTarget
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

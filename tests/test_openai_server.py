@@ -9,7 +9,7 @@ import copy
 import pytest
 
 from omnidraft import LocalTarget
-from omnidraft.remote.server import ServerConfig, create_app
+from omnidraft.server.app import ServerConfig, create_app
 
 from .conftest import target_greedy
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from omnidraft.errors import IncompatibleError, RemoteRequestError, TargetUnavailableError
-from omnidraft.remote.client import RemoteTarget
-from omnidraft.remote.server import ServerConfig, create_app
+from omnidraft.server.app import ServerConfig, create_app
 from omnidraft.target import Rule
+from omnidraft.targets.remote import RemoteTarget
 
 from .conftest import target_greedy
 
@@ -234,11 +234,11 @@ def test_32_concurrent_sessions_over_loopback(app, tiny_target):
         stop()
 
 
-# -- OpenAI-compatible path (remote/openai.py) against our own server's /v1/completions -------------
+# -- OpenAI-compatible path (targets/openai_client.py) against our own server's /v1/completions -------------
 
 
 def _openai(http, tiny_target, **kw):
-    from omnidraft.remote.openai import OpenAICompletionsTarget
+    from omnidraft.targets.openai_client import OpenAICompletionsTarget
 
     return OpenAICompletionsTarget(
         "http://testserver",
@@ -504,8 +504,8 @@ def test_mode_chooser_probes_a_far_slower_mode_rarely():
 def test_a_sampled_stream_without_rounds_is_refused_not_decoded_greedily():
     """`steps(rule=sampled)` without rounds sent a session's generate, which decodes greedily: the
     rule was dropped. It is refused, naming why, before any request."""
-    from omnidraft.remote.client import _RemoteSession
     from omnidraft.target import Rule
+    from omnidraft.targets.remote import _RemoteSession
 
     session = _RemoteSession(owner=None, ids=[1, 2, 3])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="greedy only"):

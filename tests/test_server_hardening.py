@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omnidraft.remote import completions as oai
-from omnidraft.remote.server import ServerConfig, create_app
+from omnidraft.server import completions as oai
+from omnidraft.server.app import ServerConfig, create_app
 
 from .conftest import target_greedy
 from .route_fuzz import ROUTES, fuzz_route, route_poster
@@ -271,7 +271,7 @@ def test_fuzzed_verify_bodies_never_get_a_5xx(client, tiny_target, tiny_drafter)
         pad_token_id=0,
     )[0, len(committed_ids) :].tolist()
     assert out == want, text
-    from omnidraft.remote.client import RemoteTarget
+    from omnidraft.targets.remote import RemoteTarget
 
     pair = tiny_drafter.pair(RemoteTarget("http://testserver", api_key=KEY, client=client), k=3)
     assert pair.generate(PROMPT, max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPT, 16)
@@ -426,7 +426,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_let_other_sessions_verify(tin
     token and the proposal), and another session's verify runs between two chunks."""
     from fastapi.testclient import TestClient
 
-    from omnidraft.remote import service as server_module
+    from omnidraft.server import service as server_module
 
     monkeypatch.setattr(server_module, "PREFILL_CHUNK", 64)
     model, calls, order = tiny_target.model, [], []
@@ -490,7 +490,7 @@ def test_a_prefill_call_is_sized_to_the_time_slice_by_the_last_calls_time(tiny_t
     PREFILL_FIRST (a call's fixed cost is paid for too few tokens there)."""
     from fastapi.testclient import TestClient
 
-    from omnidraft.remote import service as server_module
+    from omnidraft.server import service as server_module
 
     monkeypatch.setattr(server_module, "PREFILL_SLICE_S", 0.2)
     model, calls = tiny_target.model, []
@@ -592,14 +592,14 @@ def test_a_request_during_a_running_stream_is_refused_and_the_client_follows_com
     it, and the streaming client ignored the chunks' committed lengths. The verify now gets a 409
     until the stream ends; a chunk whose committed length disagrees raises at the client."""
     from omnidraft.errors import TargetUnavailableError
-    from omnidraft.remote.client import RemoteTarget
-    from omnidraft.remote.protocol import GenerateChunk
+    from omnidraft.server.protocol import GenerateChunk
+    from omnidraft.targets.remote import RemoteTarget
 
     sid, ids = _open(client, tiny_target)
     service = client.app.state.service
     stream = service.generate(
         sid,
-        __import__("omnidraft.remote.protocol", fromlist=["x"]).GenerateRequest(
+        __import__("omnidraft.server.protocol", fromlist=["x"]).GenerateRequest(
             committed=len(ids), max_tokens=5
         ),
     )
@@ -641,7 +641,7 @@ def test_a_client_trickling_its_headers_is_disconnected(tiny_target, monkeypatch
     import socket
 
     from omnidraft.bench.remote import serve_in_thread
-    from omnidraft.remote import server as server_module
+    from omnidraft.server import app as server_module
 
     monkeypatch.setattr(server_module, "HEADER_TIMEOUT_S", 1.0)
     url, stop = serve_in_thread(create_app(tiny_target, ServerConfig(api_key=KEY)))

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from omnidraft.remote.server import ServerConfig, create_app
+from omnidraft.server.app import ServerConfig, create_app
 
 KEY = "streams-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -56,7 +56,7 @@ def test_an_empty_prompt_is_a_400_naming_it(tiny_target):
 def test_a_stale_requests_409_names_the_committed_length(tiny_target):
     from fastapi.testclient import TestClient
 
-    from omnidraft.remote.client import RemoteTarget
+    from omnidraft.targets.remote import RemoteTarget
 
     with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as c:
         sid, ids = _open(c, tiny_target)
@@ -161,7 +161,7 @@ def test_a_stream_ended_by_the_garbage_collector_inside_a_locked_section_does_no
     """A stream dropped unread is released by a finalizer (`sessions.ended`), which the garbage
     collector may run at any allocation, also while the same thread holds the session table's
     lock (it did, inside `_reserve`, and the fuzz test hung): the release must go through."""
-    from omnidraft.remote.service import Service
+    from omnidraft.server.service import Service
 
     service = Service(tiny_target, ServerConfig())
     release, done = service._hold(5, 0), threading.Event()

@@ -1,5 +1,5 @@
-"""A device's side of a speculate stream over a network (remote/streaming.py), the server's lookup
-fallback (remote/lookup.py), the budget that re-measures after it fell to 0 (remote/budget.py),
+"""A device's side of a speculate stream over a network (targets/remote_stream.py), the server's lookup
+fallback (server/lookup.py), the budget that re-measures after it fell to 0 (server/budget.py),
 a proposal bounded by the committed length, and the delaying proxy the network bench uses."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import time
 import pytest
 
 from omnidraft.errors import RemoteRequestError
-from omnidraft.remote.budget import RecentAcceptance
-from omnidraft.remote.device_rounds import DeviceRounds
-from omnidraft.remote.lookup import PromptLookup
-from omnidraft.remote.protocol import GenerateChunk
-from omnidraft.remote.streaming import ChunkReader, DraftAhead, ProposalSender
+from omnidraft.server.budget import RecentAcceptance
+from omnidraft.server.device_rounds import DeviceRounds
+from omnidraft.server.lookup import PromptLookup
+from omnidraft.server.protocol import GenerateChunk
+from omnidraft.targets.remote_stream import ChunkReader, DraftAhead, ProposalSender
 
 
 class FakeRounds:

@@ -205,7 +205,7 @@ def test_match_sampling_with_top_k_follows_the_targets_distribution(vllm_target,
 def vllm_client(vllm_target):
     from fastapi.testclient import TestClient
 
-    from omnidraft.remote.server import ServerConfig, create_app
+    from omnidraft.server.app import ServerConfig, create_app
 
     with TestClient(create_app(vllm_target, ServerConfig(api_key="k"))) as client:
         yield client
@@ -245,7 +245,7 @@ def test_a_stock_openai_clients_sampled_request_is_served_in_the_engines_step(vl
 
 
 def test_the_vllm_server_serves_sessions_with_a_draft_budget(vllm_client, vllm_target, tiny_drafter):
-    from omnidraft.remote.client import RemoteTarget
+    from omnidraft.targets.remote import RemoteTarget
 
     ids = _ids(vllm_target, PROMPTS[0])
     want = vllm_target.generate(ids, 16)
@@ -274,8 +274,8 @@ def test_a_device_session_streams_while_the_engine_verifies_its_proposals(vllm_t
     import httpx
 
     from omnidraft.bench.remote import serve_in_thread
-    from omnidraft.remote.client import RemoteTarget
-    from omnidraft.remote.server import ServerConfig, create_app
+    from omnidraft.server.app import ServerConfig, create_app
+    from omnidraft.targets.remote import RemoteTarget
 
     url, stop = serve_in_thread(create_app(vllm_target, ServerConfig(api_key="k", proposal_wait_s=0.5)))
     try:
@@ -370,15 +370,15 @@ def test_sampling_in_the_engines_own_step_follows_the_targets_distribution(vllm_
 
 
 def test_a_device_drafting_across_a_round_trip_gets_the_engines_own_greedy_output(vllm_target, tiny_drafter):
-    """The device's streaming design (remote/streaming.py) across a delaying proxy of 40 ms: its
+    """The device's streaming design (targets/remote_stream.py) across a delaying proxy of 40 ms: its
     proposals drafted ahead and posted from their own thread, the server's lookup fallback;
     whatever arrives when, the output is vLLM's own greedy decoding, and a proposal past the
     committed length is refused with a 422."""
     import httpx
 
     from omnidraft.bench.remote import serve_in_thread
-    from omnidraft.remote.client import RemoteTarget
-    from omnidraft.remote.server import ServerConfig, create_app
+    from omnidraft.server.app import ServerConfig, create_app
+    from omnidraft.targets.remote import RemoteTarget
 
     from .test_streaming import delaying
 
@@ -522,7 +522,7 @@ def test_a_client_that_leaves_stops_its_engine_request_within_a_step(vllm_target
     import time
 
     from omnidraft.bench.remote import serve_in_thread
-    from omnidraft.remote.server import ServerConfig, create_app
+    from omnidraft.server.app import ServerConfig, create_app
 
     path, body, step_s = LEAVING[route]
     loop, step = vllm_target.loop, vllm_target.loop.engine.step

@@ -182,7 +182,7 @@ def _device(pair: Any, prompt: str, n: int, sampling: dict[str, Any] | None = No
 
 def _timed_remote(url: str, tokenizer: Any) -> Any:
     """A RemoteTarget whose streamed chunks are recorded into its `chunks` (a Timed)."""
-    from ..remote.client import RemoteTarget
+    from ..targets.remote import RemoteTarget
 
     class Recording(RemoteTarget):
         chunks: Timed | None = None

@@ -21,8 +21,8 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..remote.client import RemoteTarget
-from ..remote.server import ServerConfig, create_app, http_protocol
+from ..server.app import ServerConfig, create_app, http_protocol
+from ..targets.remote import RemoteTarget
 
 if TYPE_CHECKING:
     from ..draft.base import Drafter

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OmnidraftError
-from ..remote import KEY_ENV, env_keys
+from ..server.protocol import KEY_ENV, env_keys
 from .options import build_parser, load_pair, split_pair, start_run
 
 __all__ = ["main"]
@@ -140,7 +140,7 @@ def _serve(args: argparse.Namespace) -> None:
     uvicorn = require("uvicorn", "omnidraft serve")
     require("fastapi", "omnidraft serve")
 
-    from ..remote.server import ServerConfig, create_app, http_protocol
+    from ..server.app import ServerConfig, create_app, http_protocol
     from ..targets.registry import engine
 
     key = api_keys(args)

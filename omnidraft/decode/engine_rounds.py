@@ -1,7 +1,7 @@
 """Rounds that an engine verifies: omnidraft proposes, the engine's own speculative step checks.
 
 llama-cpp-python's `draft_model` hook (llamacpp/hook.py), vLLM's proposer inside its engine step
-(targets/vllm_proposer.py) and a device drafting for a server's engine (remote/streaming.py) call a
+(targets/vllm_proposer.py) and a device drafting for a server's engine (targets/remote_stream.py) call a
 proposer with the committed ids of one sequence and verify what comes back themselves.
 `EngineRounds` adapts that to the sequence's `Speculation` (speculation.py), the same state machine
 the round loop drives: each call infers the last round's verdict from the ids (the accepted prefix

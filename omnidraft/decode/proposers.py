@@ -122,7 +122,7 @@ class Proposer(Protocol):
 @runtime_checkable
 class Extendable(Protocol):
     """A proposer whose last proposal can grow while its verify is still out (a device drafting
-    ahead of a server's engine, remote/streaming.py)."""
+    ahead of a server's engine, targets/remote_stream.py)."""
 
     def extend(self, state: Any, rnd: Round, k: int, room: int) -> Round | None: ...
 

@@ -3,7 +3,7 @@ tells the speculator's controllers what each round cost.
 
 Behind it stay the controllers a speculator keeps (speculator.py): the drafting plan (which kinds
 of draft can pay at this context: adaptive/policy.py), the deferred read of the prompt
-(retrieve/retriever.py), the server's draft budget (remote/budget.py), the draft-length policy or
+(retrieve/retriever.py), the server's draft budget (server/budget.py), the draft-length policy or
 acceptance head (adaptive/lengths.py) and the cost model (adaptive/costs.py).
 """
 

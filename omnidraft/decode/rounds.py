@@ -110,7 +110,7 @@ def decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int]
 
 def within_budget(tsession: Any, room: int, k: int) -> tuple[int, int]:
     """(room, k) for this round's proposal, each capped by the draft budget the target session's
-    server gave in its last reply (remote/budget.py: a server under load takes fewer draft tokens)."""
+    server gave in its last reply (server/budget.py: a server under load takes fewer draft tokens)."""
     cap = tsession.budget
     return (room, k) if cap is None else (min(room, cap), min(k, cap))
 

@@ -1,10 +1,4 @@
-"""Remote targets: the wire protocol, a verification server and the RemoteTarget client."""
-
-import os
-
-KEY_ENV = "OMNIDRAFT_API_KEY"  # the API key(s), comma-separated: the server's, and a client's default
-
-
-def env_keys() -> tuple[str, ...]:
-    """The keys in $OMNIDRAFT_API_KEY (comma-separated; empty entries skipped)."""
-    return tuple(k.strip() for k in os.environ.get(KEY_ENV, "").split(",") if k.strip())
+"""The verification server (`omnidraft serve`): the ASGI app (`app`), its routes, the service
+behind them, sessions, limits, metrics and the wire protocol devices speak (`protocol`). The
+clients are targets: `targets/remote.py` (`RemoteTarget`) and `targets/openai_client.py`.
+"""

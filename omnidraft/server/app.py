@@ -32,9 +32,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from . import KEY_ENV
 from .openai_api import OPENAI_PATHS, error_body
-from .protocol import VERSION
+from .protocol import KEY_ENV, VERSION
 from .routes import RequestIO, add_device_routes, add_openai_routes, add_ops_routes
 from .service import HTTPError, ServerConfig, Service
 

@@ -1,7 +1,7 @@
 """The server's side of OpenAI's `/v1/completions`: the request models (`SamplingFields`,
 `CompletionRequest`) and `complete`, one greedy completion with echo and log-probabilities on a
-target that scores positions. The routes are remote/text_routes.py and remote/openai_api.py; the
-client of such an endpoint is `OpenAICompletionsTarget` (openai.py)."""
+target that scores positions. The routes are server/text_routes.py and server/openai_api.py; the
+client of such an endpoint is `OpenAICompletionsTarget` (targets/openai_client.py)."""
 
 from __future__ import annotations
 

@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator
 
 from ..target import Rule
 from .budget import DraftBudget, DraftGate
+from .config import HTTPError, ServerConfig, sampling_rule
 from .lookup import PromptLookup
 from .metrics import Metrics
 from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
-from .server_config import HTTPError, ServerConfig, sampling_rule
 from .sessions import Session, ended
 
 __all__ = ["DeviceRounds", "SpeculateRoutes", "speculate"]

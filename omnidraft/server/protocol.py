@@ -12,16 +12,18 @@ streams one `GenerateChunk` per line (NDJSON) as the tokens are committed. A `Pr
 does the same for a whole completion without a session (one exchange, as a plain server would).
 On an engine that verifies drafts inside its own step (vLLM), a `SpeculateRequest` streams the
 rest of a session's completion the same way while the device posts `ProposalRequest`s: the
-engine verifies the newest one that continues the committed text (remote/device_rounds.py).
+engine verifies the newest one that continues the committed text (server/device_rounds.py).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "KEY_ENV",
     "MIN_TEMPERATURE",
     "VERSION",
     "ErrorReply",
@@ -37,7 +39,16 @@ __all__ = [
     "SparseRow",
     "VerifyReply",
     "VerifyRequest",
+    "env_keys",
 ]
+
+KEY_ENV = "OMNIDRAFT_API_KEY"  # the API key(s), comma-separated: the server's, and a client's default
+
+
+def env_keys() -> tuple[str, ...]:
+    """The keys in $OMNIDRAFT_API_KEY (comma-separated; empty entries skipped)."""
+    return tuple(k.strip() for k in os.environ.get(KEY_ENV, "").split(",") if k.strip())
+
 
 VERSION = 1
 MAX_PROMPT = 32_768

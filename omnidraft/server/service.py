@@ -1,6 +1,6 @@
 """The verification server's state and rules, independent of the web framework (server.py serves
 it over HTTP): sessions with their locks, limits and KV budget, verify, streamed decoding and the
-draft budget; refusals are `HTTPError`s (server_config.py). On an engine that runs one forward at a time
+draft budget; refusals are `HTTPError`s (config.py). On an engine that runs one forward at a time
 (PyTorch, llama.cpp) a fair model lock serialises model calls and a long prompt is fed in chunks,
 so other sessions' verifies interleave with its prefill (the bound: docs/remote.md). On an engine
 that batches sessions (vLLM) there is no model lock: each session's own lock orders its requests.
@@ -21,6 +21,7 @@ import torch
 from ..decode.rounds import TokenLogprob, token_logprobs
 from ..target import BatchingTarget, ChunkedSession, Rule, check_target
 from .budget import DraftBudget, DraftGate
+from .config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule, verify_rule
 from .device_rounds import SpeculateRoutes
 from .metrics import Metrics
 from .protocol import (
@@ -34,7 +35,6 @@ from .protocol import (
     VerifyReply,
     VerifyRequest,
 )
-from .server_config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule, verify_rule
 from .sessions import FairLock, Session, ended, release_session, serving
 from .text_routes import TextRoutes
 
@@ -66,7 +66,7 @@ class Service(TextRoutes, SpeculateRoutes):
         self.model_lock: Any = contextlib.nullcontext() if self.batches else FairLock()
         self.inflight: dict[int, int] = {}  # per key: tokens of completions and streams served (KV budget)
         costs = target.verify_costs() if self.batches else None
-        # step costs by tokens (remote/budget.py): one sequence's verifies, then steps over many rows
+        # step costs by tokens (server/budget.py): one sequence's verifies, then steps over many rows
         self.costs: dict[int, float] | None = (
             None if costs is None else {**costs, **cast(BatchingTarget, target).batch_costs()}
         )
@@ -346,7 +346,7 @@ class Service(TextRoutes, SpeculateRoutes):
         return release
 
     def _budget(self) -> int | None:
-        """The draft tokens each session may send next round at the present load (remote/budget.py),
+        """The draft tokens each session may send next round at the present load (server/budget.py),
         on an engine that batches sessions and reports its verify costs; None (no limit) otherwise."""
         return None if self.budget is None else self.budget(cast(BatchingTarget, self.target).verify_tail)
 

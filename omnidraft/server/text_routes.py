@@ -1,4 +1,4 @@
-"""The server's stateless text routes (the OpenAI-compatible ones, remote/openai_api.py): a whole
+"""The server's stateless text routes (the OpenAI-compatible ones, server/openai_api.py): a whole
 completion, or the target alone sampling a prompt; mixed into `Service`."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any, Callable, Generator, Iterator, cast
 import torch
 
 from ..target import Rule
+from .config import HTTPError, ServerConfig
 from .metrics import Metrics
 from .protocol import MAX_PROMPT
-from .server_config import HTTPError, ServerConfig
 from .sessions import Session, release_session
 
 __all__ = ["TextRoutes"]
@@ -36,7 +36,7 @@ class TextRoutes:
     _stepwise: Callable[..., Iterator[int]]
 
     def complete(self, request: Any, key: int = 0, cancel: threading.Event | None = None) -> dict[str, Any]:
-        """The OpenAI-compatible /v1/completions (greedy, stateless; see remote/completions.py)."""
+        """The OpenAI-compatible /v1/completions (greedy, stateless; see server/completions.py)."""
         from .completions import MAX_PROMPT_CHARS, complete
 
         if not self.target.capabilities.scores_positions:

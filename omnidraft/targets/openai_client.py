@@ -28,11 +28,11 @@ import torch
 from ..decode.verify import Verdict
 from ..errors import IncompatibleError, RemoteRequestError
 from ..optional import require
+from ..server.completions import MAX_LOGPROBS, CompletionRequest
 from ..target import SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
-from .client import call_json
-from .completions import MAX_LOGPROBS, CompletionRequest
+from .remote import call_json
 
 __all__ = ["OpenAICompletionsTarget"]
 

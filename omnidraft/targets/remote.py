@@ -26,11 +26,7 @@ import torch
 from ..decode.verify import Verdict
 from ..errors import IncompatibleError, RemoteRequestError, TargetUnavailableError
 from ..optional import require
-from ..target import Capabilities, SessionBase, TargetBase
-from ..translate.codec import ByteCodec
-from ..translate.token_bytes import build_token_bytes
-from . import env_keys
-from .protocol import (
+from ..server.protocol import (
     MAX_PROPOSAL,
     GenerateChunk,
     GenerateRequest,
@@ -42,8 +38,12 @@ from .protocol import (
     SpeculateRequest,
     VerifyReply,
     VerifyRequest,
+    env_keys,
 )
-from .streaming import ChunkReader, DraftAhead, ProposalSender
+from ..target import Capabilities, SessionBase, TargetBase
+from ..translate.codec import ByteCodec
+from ..translate.token_bytes import build_token_bytes
+from .remote_stream import ChunkReader, DraftAhead, ProposalSender
 
 __all__ = ["RemoteTarget", "call_json"]
 
@@ -52,7 +52,7 @@ FIRST_BUDGET = 4  # the draft budget a device assumes while a speculate stream's
 
 
 class RemoteTarget(TargetBase):
-    """A target served by `omnidraft serve` (see remote/server.py). Its sessions can hand the rest
+    """A target served by `omnidraft serve` (see server/app.py). Its sessions can hand the rest
     of a completion to the server (`capabilities.decodes_alone`), which a latency-objective pairing
     does when speculating measures slower than the server decoding alone; where the server's engine
     verifies drafts in its own step, a request streams (`capabilities.drafts_in_engine`)."""
@@ -250,8 +250,8 @@ class _RemoteSession(SessionBase):
         """Decode up to `max_tokens` more tokens (stopping after an EOS) in the server's engine
         loop, greedy or sampled under `rule` (a `match` rule), one list of committed ids per chunk;
         with `rounds` (an `EngineRounds`) the device drafts ahead of the tokens it hears and posts
-        proposals, which the engine verifies in its own step (remote/streaming.py,
-        remote/device_rounds.py). Needs a server that `drafts_in_engine`."""
+        proposals, which the engine verifies in its own step (targets/remote_stream.py,
+        server/device_rounds.py). Needs a server that `drafts_in_engine`."""
         if not eos:
             raise ValueError("a server stream stops after an EOS; eos=False is not served")
         if rounds is None and rule is not None and rule.mode != "greedy":
@@ -271,7 +271,7 @@ class _RemoteSession(SessionBase):
     def _speculate(
         self, max_tokens: int, rounds: Any, drafter_ids: list[int] | None, rule: Any
     ) -> Iterator[list[int]]:
-        """The speculate stream (remote/streaming.py): a thread reads the committed chunks, the
+        """The speculate stream (targets/remote_stream.py): a thread reads the committed chunks, the
         device drafts ahead once after the newest of them, a thread posts each proposal."""
         import httpx
 

@@ -1,7 +1,7 @@
 """A device's side of a speculate stream, built for a network between device and server.
 
 The server streams committed tokens; the device drafts after them and posts proposals, which the
-server's engine verifies in its own step (device_rounds.py). Over a real round trip three things
+server's engine verifies in its own step (server/device_rounds.py). Over a real round trip three things
 keep the device's drafts useful:
 - the stream is read by a thread of its own (`ChunkReader`), so tokens are committed as they
   arrive and the device drafts once after the newest of them, never after each of a backlog;
@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 from ..adaptive.policy import ema
 from ..errors import RemoteRequestError, TargetError
-from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalRequest
+from ..server.protocol import MAX_PROPOSAL, GenerateChunk, ProposalRequest
 
 __all__ = ["ChunkReader", "DraftAhead", "ProposalSender"]
 

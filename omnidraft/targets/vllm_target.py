@@ -214,7 +214,7 @@ class VLLMTarget(TargetBase):
         (d = 0, 3, 7 up to the engine's speculative width with omnidraft's proposer; 0 on a plain
         one), by the tokens the step holds, measured on this machine once and remembered
         (measured.py): with `verify_costs`, the step costs a server's draft budget reads
-        (remote/budget.py)."""
+        (server/budget.py)."""
         if self._batch is None:
             from ..runtime.measured import remembered
 
