@@ -7,10 +7,11 @@ does no decoding; it only hands back `(model, tokenizer)`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -92,11 +93,27 @@ def _converted_dir(path: Path, name: str) -> Path:
     return presets.cache_dir() / "converted" / f"{name}-{path.stat().st_size}"
 
 
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """transformers' weight-loading progress bars off while omnidraft loads a model (a run prints
+    what it was asked for; the CLI logs one line a load), restored after."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def _load_hf(source: str, name: str, dtype: torch.dtype, **kwargs: Any) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    with _quiet_loading():
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     model.eval().requires_grad_(False)
     return LoadedModel(model, tokenizer, name)
 

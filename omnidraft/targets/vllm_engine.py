@@ -17,6 +17,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -36,6 +37,9 @@ DEFAULT_MAX_LOGPROBS = 64  # top log-probabilities a request may ask for (distil
 
 
 def require_vllm() -> Any:
+    # vLLM's own deprecation notices about torch (torch.distributed.reduce_op) are not the user's
+    # to act on: they stay out of a run's output
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
     try:
         import vllm
     except ImportError as exc:
