@@ -91,7 +91,8 @@ def test_bench_on_llama_cpp_reports_every_row(models, tmp_path):
 
 
 @pytest.mark.exclusive  # vLLM binds its own threads: run with the other vLLM tests
-def test_bench_on_vllm_reports_every_row(models, tmp_path):
+def test_bench_on_vllm_reports_every_row(models, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_VLLM_EAGER", "1")  # its three engines start without compiling
     pair = f"{models['drafter']}:{models['target']}"
     argv = ["bench", "--target-backend", "vllm", "--pair", pair, "--dataset", "gsm8k", *FEW, "--no-peers"]
     assert run_cli([*argv, "--out", str(tmp_path), "--name", "v"]) == 0

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 GATHER_S = 0.02  # how long a step may wait for the next requests of sessions that were just answered
 ACTIVE_S = 1.0  # a session answered within this long is one the loop waits for
 CANCEL_POLL_S = 0.05  # how often a waiting request looks whether its client left
+EAGER_ENV = "OMNIDRAFT_VLLM_EAGER"  # "1": engines run eager unless their caller says otherwise
 DEFAULT_MAX_LOGPROBS = 64  # top log-probabilities a request may ask for (distillation's top-k included)
 
 
@@ -58,6 +59,8 @@ def engine_defaults(engine_args: dict[str, Any]) -> dict[str, Any]:
     vLLM's CPU backend needs (blocks of 32 tokens, an explicit KV-cache size) filled in where the
     caller left them out."""
     args = {"enable_prefix_caching": True, "max_logprobs": DEFAULT_MAX_LOGPROBS, "seed": 0, **engine_args}
+    if os.environ.get(EAGER_ENV) == "1":  # no compilation: an engine up in seconds, its steps slower
+        args.setdefault("enforce_eager", True)
     if not args["enable_prefix_caching"]:
         raise ValueError(
             "VLLMTarget needs enable_prefix_caching=True: a verify reads the context from the cache"
