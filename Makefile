@@ -13,7 +13,7 @@ OPTIMUM_STAMP := $(OPTIMUM_VENV)/.omnidraft-installed
 # then the tests marked `exclusive` (vLLM's engine binds its own threads) in one process
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast lint bench install clean
+.PHONY: demo test test-fast test-install lint bench install clean
 SOURCES := omnidraft benchmarks tests tools
 
 $(STAMP): pyproject.toml constraints.txt Makefile
@@ -50,8 +50,12 @@ demo: $(STAMP)
 	$(VENV)/bin/omnidraft demo $(DEMO_ARGS)
 
 test: lint $(OPTIMUM_STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not exclusive"
-	$(PY) -m pytest -m exclusive
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not exclusive and not install"
+	$(PY) -m pytest -m "exclusive and not install"
+
+# the README's by-hand install in a fresh venv, then its Quickstart and `omnidraft doctor` there
+test-install: $(STAMP)
+	$(PY) -m pytest -m install
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(SOURCES)
@@ -59,8 +63,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not real and not exclusive"
-	$(PY) -m pytest -m "exclusive and not real"
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not real and not exclusive and not install"
+	$(PY) -m pytest -m "exclusive and not real and not install"
 
 bench: $(STAMP)
 	$(VENV)/bin/omnidraft bench --pair smollm2-135m:qwen2.5-coder-0.5b --dataset gsm8k --n 10

@@ -45,6 +45,10 @@ def patch(root: Path, version: str, tag: str) -> None:
 def main(version: str, tag: str, wheels: str) -> None:
     out = Path(wheels).expanduser()
     out.mkdir(parents=True, exist_ok=True)
+    built = sorted(out.glob(f"llama_cpp_python-{version}+{tag}-*.whl"))
+    if built:  # once a machine: the README's line may be run again at no cost
+        print(f"already built: {built[-1]}")
+        return
     pip = [sys.executable, "-m", "pip"]
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(

@@ -6,11 +6,25 @@ no tokenizer, no acceptance rule.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
 
-__all__ = ["CausalRunner"]
+__all__ = ["CausalRunner", "cache_keyword"]
+
+
+@functools.lru_cache(maxsize=None)
+def _keyword_of(forward: Any) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword `model`'s forward takes its KV cache by: `cache` in newer transformers (which
+    warn on the old name), `past_key_values` before. A peft wrapper passes it on to its base."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _keyword_of(type(base).forward)
 
 
 class CausalRunner:
@@ -26,6 +40,7 @@ class CausalRunner:
         # could not be cropped back past them (a rejected draft, token healing)
         self.cache = DynamicCache()
         self.kv_len = 0
+        self._cache_kw = cache_keyword(model)
 
     def extend(self, ids: list[int]) -> None:
         self.ids.extend(ids)
@@ -43,8 +58,8 @@ class CausalRunner:
         new = self.ids[self.kv_len :]
         out = self.model(
             input_ids=torch.tensor([new], dtype=torch.long, device=self.device),
-            past_key_values=self.cache,
             use_cache=True,
+            **{self._cache_kw: self.cache},
             logits_to_keep=keep,
             output_hidden_states=hidden,
         )
@@ -61,8 +76,8 @@ class CausalRunner:
         if end > self.kv_len:
             self.model(
                 input_ids=torch.tensor([self.ids[self.kv_len : end]], dtype=torch.long, device=self.device),
-                past_key_values=self.cache,
                 use_cache=True,
+                **{self._cache_kw: self.cache},
                 logits_to_keep=1,
             )
             self.kv_len = end

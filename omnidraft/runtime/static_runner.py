@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .causal_runner import CausalRunner
+from .causal_runner import CausalRunner, cache_keyword
 
 __all__ = ["GRAPH_MOST", "StaticRunner", "static_cache_supported"]
 
@@ -188,8 +188,8 @@ class StaticRunner(CausalRunner):
             input_ids=ids,
             position_ids=where[None],
             attention_mask=mask,
-            past_key_values=self.cache,
             use_cache=True,
+            **{cache_keyword(self.model): self.cache},
             logits_to_keep=keep,
             output_hidden_states=hidden,
         )
