@@ -8,6 +8,7 @@ acceptance maths verify.py, the vocabulary work translate/.
 from __future__ import annotations
 
 import codecs
+import logging
 import os
 import time
 from dataclasses import replace
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from .draft.base import Drafter
     from .store.profiles import ProfileStore
     from .target import Target
+
+log = logging.getLogger("omnidraft")
 
 __all__ = ["K_START", "TABLES_KEPT", "DecodeConfig", "Generation", "Pairing", "pair_tables"]
 
@@ -88,10 +91,28 @@ class Pairing:
             drafter, target, config, user=user, profile=profile, adapter=self.adapter, learn=learn,
             proposer=proposer,
         )  # fmt: skip
-        self.learner = self._learner(train) if learn else None
+        self.learner = self._learner(train, self._shared_adapter()) if learn else None
         self.last: Generation | None = None
 
-    def _learner(self, train: TrainConfig | None) -> Learner:
+    def _shared_adapter(self) -> str | None:
+        """For a named user's learning: the per-target adapter every user shares (the profile of
+        user `SHARED_USER`, if saved), loaded beside the user's own as the baseline it must score at
+        least as well as before it drafts (distill/learner.py); None: the base drafter is."""
+        from .store.profiles import SHARED_USER
+
+        if self.user in (None, SHARED_USER):
+            return None
+        profile = self.store.load(
+            self.drafter.name, self.target.name, SHARED_USER, fingerprint=self.fingerprint
+        )
+        if profile is None or "adapter" not in profile.tensors:
+            return None
+        saved = profile.tensors["adapter"]
+        return attach_adapter(
+            self.drafter, self.target.name, SHARED_USER, learn=False, adapter=None, saved=saved
+        )
+
+    def _learner(self, train: TrainConfig | None, baseline: str | None) -> Learner:
         """The online distillation into the pairing's adapter (`learn=True`)."""
         if self.adapter is None:
             raise ValueError(f"learn=True: {self.drafter.name} carries no adapter to learn into")
@@ -105,6 +126,7 @@ class Pairing:
             self.target.token_bytes,
             train or TrainConfig(),
             start_step=self._steps0,
+            baseline=baseline,
         )
 
     @property
@@ -360,9 +382,25 @@ class Pairing:
                 stats.tau,
             )
             stats = replace(stats, adapter_steps=self.steps, adapter_note=self.learner.note())
+            self._draft_with(self.learner.drafting_adapter)
         per_token = token_logprobs(out, rows, logprobs) if logprobs else None
         self.last = result = Generation(text, out, stats, rounds, reason, per_token)
         done.append(result)
+
+    def _draft_with(self, adapter: str | None) -> None:
+        """Draft the next requests with `adapter` (the learned one, or its baseline while the
+        learned one scores below it)."""
+        if adapter != self.speculator.adapter:
+            log.info(
+                "%s -> %s, user %r: drafting with %s",
+                self.drafter.name,
+                self.target.name,
+                self.user,
+                "the learned adapter"
+                if adapter == self.adapter
+                else f"the baseline ({adapter or 'base drafter'})",
+            )
+            self.speculator.adapter = adapter
 
     def _stats(
         self, mode: str, rounds: list[RoundRecord], new_tokens: int, seconds: float

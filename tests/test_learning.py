@@ -756,3 +756,52 @@ def test_adapters_go_out_and_come_back_in_peft_format(drafter, tiny_target, draf
         other.pair(tiny_target, adapter=str(tmp_path))
     with pytest.raises(ValueError, match="has no adapter"):
         other.pair(tiny_target).save_adapter(tmp_path / "none")
+
+
+STRONG = TrainConfig(interval=1, epochs=60, lr=5e-2)  # learns a prompt it has seen in one update
+QV = AdapterConfig(rank=8, alpha=16, modules=("q_proj", "v_proj"))
+
+
+def test_a_users_adapter_scoring_below_the_shared_one_drafts_with_the_shared_one(
+    drafter, tiny_target, tmp_path
+):
+    """Learning that cannot hurt: the shared per-target adapter (user "default") has learned a
+    prompt; a new user's adapter has not. Scored on the user's own requests it agrees less with
+    the target, so the user's pairing drafts with the shared adapter, says so in the stats, and
+    the output stays the target's own."""
+    torch.manual_seed(0)
+    store = ProfileStore(tmp_path)
+    shared = drafter.pair(tiny_target, k=4, user="default", learn=True, adapter=QV, train=STRONG, store=store)
+    for _ in range(2):
+        shared.generate(PROMPTS[1], max_new_tokens=24)
+    shared.save()
+    alice = drafter.pair(
+        tiny_target, k=4, user="alice", learn=True, adapter=QV, train=TrainConfig(interval=1000), store=store
+    )
+    assert alice.learner.baseline == drafter.adapter_name(tiny_target.name, "default")
+    for _ in range(3):
+        out = alice.generate(PROMPTS[1], max_new_tokens=24)
+        assert out.token_ids == target_greedy(tiny_target, PROMPTS[1], 24)
+    own, base, _ = alice.learner.scores
+    assert base > own and not alice.learner.trusted
+    assert alice.speculator.adapter == alice.learner.baseline != alice.adapter
+    assert (
+        "drafting with the shared adapter: this adapter agrees with the target on" in out.stats.adapter_note
+    )
+    shared_rate = alice.generate(PROMPTS[1], max_new_tokens=24).stats.acceptance_rate
+    assert shared_rate > 0.5  # the shared adapter's drafts, accepted
+
+
+def test_a_users_adapter_that_scores_as_well_as_its_baseline_drafts(drafter, tiny_target, tmp_path):
+    """Without a shared profile the baseline is the base drafter; an adapter that learned the
+    user's prompt scores above it and drafts."""
+    torch.manual_seed(0)
+    pair = drafter.pair(
+        tiny_target, k=4, user="bob", learn=True, adapter=QV, train=STRONG, store=ProfileStore(tmp_path)
+    )
+    assert pair.learner.baseline is None
+    for _ in range(3):
+        out = pair.generate(PROMPTS[1], max_new_tokens=24)
+    own, base, n = pair.learner.scores
+    assert own >= base and n >= 32 and pair.learner.trusted
+    assert pair.speculator.adapter == pair.adapter and "drafting with" not in out.stats.adapter_note

@@ -113,12 +113,14 @@ def _pairing_for_export(
     """(adapter tensors, adapter id, kept token ids) of the (drafter, target, user) profile for export."""
     import omnidraft as od
 
-    from ..store.profiles import ProfileStore
+    from ..store.profiles import SHARED_USER, ProfileStore
     from ..translate.vocab_map import build_vocab_map
 
     target = od.LocalTarget.load(args.target, kernels=False)
     fingerprint = f"{token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
-    profile = ProfileStore().load(drafter_name, target.name, args.user or "default", fingerprint=fingerprint)
+    profile = ProfileStore().load(
+        drafter_name, target.name, args.user or SHARED_USER, fingerprint=fingerprint
+    )
     if profile is None and args.user:
         raise SystemExit(f"no profile of user {args.user!r} for {drafter_name} -> {target.name}")
     adapter = adapter_id = keep = None

@@ -11,6 +11,12 @@ runs. `begin_request` keeps a copy of the adapter, `within_request` takes one fa
 request so far, `end_request` puts the copy back, so Algorithm 2's updates see only whole requests.
 The drafter's KV cache of the running request keeps what the older weights computed; drafting from it
 stays correct (the target decides what is committed), only slightly less well aimed.
+
+Learning that cannot hurt: each verified request is also scored, teacher-forced, with the adapter
+being learned and with its `baseline` (the per-target adapter every user shares, or the base
+drafter): how many of its direct positions each one's top-1 gets right, which is greedy acceptance
+per position. The pairing drafts with the learned adapter only while it scores at least as well as
+the baseline over the last `WINDOW` requests (`drafting_adapter`); it goes on learning either way.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -29,6 +36,9 @@ __all__ = ["Learner"]
 
 log = logging.getLogger("omnidraft")
 
+WINDOW = 8  # requests the learned adapter and its baseline are compared over
+MIN_POSITIONS = 32  # direct positions scored before the comparison decides anything
+
 
 class Learner:
     def __init__(
@@ -39,6 +49,7 @@ class Learner:
         target_bytes: Any,
         config: TrainConfig = TrainConfig(),
         start_step: int = 0,
+        baseline: str | None = None,
     ) -> None:
         self.drafter, self.adapter, self.t2d, self.target_bytes, self.config = (
             drafter,
@@ -59,6 +70,8 @@ class Learner:
         self.error: BaseException | None = None
         self._saved: list[torch.Tensor] | None = None  # the adapter as it was before this request (TTS)
         self._fast: torch.optim.Optimizer | None = None
+        self.baseline = baseline  # what the adapter must score at least as well as (None: the base)
+        self._scores: deque[tuple[int, int, int]] = deque(maxlen=WINDOW)  # (own right, baseline right, n)
         self.fast_steps = 0  # Test-Time Speculation steps taken, over all requests
         self.fast_seconds = (
             0.0  # and the wall time they took (each holds the drafter: nothing drafts meanwhile)
@@ -68,21 +81,67 @@ class Learner:
     def steps(self) -> int:
         return self.trainer.steps
 
+    @property
+    def scores(self) -> tuple[float, float, int] | None:
+        """(adapter, baseline) greedy agreement over the last `WINDOW` requests and the positions
+        scored; None before `MIN_POSITIONS` positions."""
+        n = sum(s[2] for s in self._scores)
+        if n < MIN_POSITIONS:
+            return None
+        return sum(s[0] for s in self._scores) / n, sum(s[1] for s in self._scores) / n, n
+
+    @property
+    def trusted(self) -> bool:
+        """Whether the adapter scores at least as well as its baseline (True until it is measured)."""
+        scores = self.scores
+        return scores is None or scores[0] >= scores[1]
+
+    @property
+    def drafting_adapter(self) -> str | None:
+        """The adapter the pairing should draft with: the learned one while it is trusted, else its
+        baseline."""
+        return self.adapter if self.trusted else self.baseline
+
     def note(self) -> str:
-        """When the adapter's next update comes, in words (a request's stats carry it)."""
+        """When the adapter's next update comes, and which adapter drafts if not the learned one,
+        in words (a request's stats carry it)."""
         interval, seen = self.config.interval, self.trainer.requests
         if self._thread is not None and self._thread.is_alive():
-            return "an update is running beside the requests"
-        left = interval - seen % interval
-        first = "the first update" if self.steps == 0 else "the next update"
-        return f"{first} after {left} more request{'s' if left != 1 else ''} (one every {interval})"
+            when = "an update is running beside the requests"
+        else:
+            left = interval - seen % interval
+            first = "the first update" if self.steps == 0 else "the next update"
+            when = f"{first} after {left} more request{'s' if left != 1 else ''} (one every {interval})"
+        if self.trusted:
+            return when
+        own, base, n = self.scores or (0.0, 0.0, 0)
+        other = "the shared adapter" if self.baseline is not None else "the base drafter"
+        return (
+            f"{when}; drafting with {other}: this adapter agrees with the target on {own:.0%} of "
+            f"{n} positions over its last requests, {other} on {base:.0%}"
+        )
+
+    def _score(self, example: Any) -> None:
+        """Score `example` with the adapter and with its baseline (teacher-forced top-1)."""
+        with self.drafter.lock:
+            previous = self.drafter.active
+            try:
+                self.drafter.activate(self.adapter)
+                own, n = self.trainer.agreement(example)
+                self.drafter.activate(self.baseline)
+                base, _ = self.trainer.agreement(example)
+            finally:
+                self.drafter.activate(previous)
+        if n:
+            self._scores.append((own, base, n))
 
     def observe(self, request: VerifiedRequest, acceptance_rate: float, tau: float) -> None:
         """Buffer one verified request; train when the interval is complete."""
         self._recent.append((acceptance_rate, tau))
-        if not self.trainer.add(
-            build_example(request, self.drafter, self.target_bytes, self.t2d, spans=self.config.spans)
-        ):
+        example = build_example(request, self.drafter, self.target_bytes, self.t2d, spans=self.config.spans)
+        if self._thread is None or not self._thread.is_alive():  # (an update holds the drafter: skip)
+            self._score(example)
+        if not self.trainer.add(example):
             return
         self.wait()
         if self.config.background:

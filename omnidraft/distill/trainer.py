@@ -207,6 +207,23 @@ class OnlineTrainer:
             )
         return ngram_nll(logits, tokens, weights)
 
+    @torch.no_grad()
+    def agreement(self, example: Example) -> tuple[int, int]:
+        """(right, positions) at `example`'s direct positions: where the model's top-1, with
+        whatever adapter is active, is the committed token (what greedy verification accepts). One
+        forward over the example, no gradient, dropout off."""
+        if not len(example.kl_rows):
+            return 0, 0
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        training = base.training
+        base.eval()
+        try:
+            hidden = base.model(input_ids=example.ids[None]).last_hidden_state[0]
+            top = base.lm_head(hidden[example.kl_rows]).argmax(-1)
+        finally:
+            base.train(training)
+        return int((top == example.ids[example.kl_rows + 1]).sum()), len(example.kl_rows)
+
     def _logits(self, batch: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Logits of every labelled row of the right-padded batch: all (R, Vd), then the direct
         rows (A, Vd) and the n-gram rows (B, Vd), each in batch order."""

@@ -36,7 +36,11 @@ from typing import Any
 from ..errors import CorruptFileError, IncompatibleError
 from .atomic import atomic_write_bytes, fsync_dir
 
-__all__ = ["KEEP", "PairingProfile", "ProfileStore", "model_dir_name", "pairing_profile"]
+__all__ = ["KEEP", "SHARED_USER", "PairingProfile", "ProfileStore", "model_dir_name", "pairing_profile"]
+
+# the user whose profile of a (drafter, target) pair every user shares: its adapter is the baseline a
+# user's own must score at least as well as before it drafts; `omnidraft export` without --user
+SHARED_USER = "default"
 
 log = logging.getLogger(__name__)
 
