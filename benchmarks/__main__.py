@@ -1,6 +1,6 @@
 """The lab: `python -m benchmarks COMMAND`. The experiments behind docs/ (distillation, draft-length
 policies, replayed drafter variants, the n-gram cache, adapter switching, drafting backends,
-device calibration); the SDK (`omnidraft/`) never imports from here."""
+device calibration, per-user adapters); the SDK (`omnidraft/`) never imports from here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omnidraft.cli.options import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
 
-from . import commands
+from . import commands, users
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -273,6 +273,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=12)
     add_decoding_args(c)
 
+    users.add_args(sub)
     return p
 
 
@@ -353,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         "calibrate": _calibrate,
         "server-rounds": _server_rounds,
         "shortlists": _shortlists,
+        "users": users.run,
     }
     run[args.command](args)
 

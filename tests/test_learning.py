@@ -805,3 +805,41 @@ def test_a_users_adapter_that_scores_as_well_as_its_baseline_drafts(drafter, tin
     own, base, n = pair.learner.scores
     assert own >= base and n >= 32 and pair.learner.trusted
     assert pair.speculator.adapter == pair.adapter and "drafting with" not in out.stats.adapter_note
+
+
+def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, tiny_target, tmp_path):
+    """`python -m benchmarks users` on tiny models: every user gets a "none" row, an "own" and a
+    "shared" row per checkpoint and a "cross" row per other user; costs, a table and a plot."""
+    from benchmarks.users import run_users
+
+    torch.manual_seed(0)
+    users = {"tutor": "gsm8k", "developer": "humaneval"}
+    result = run_users(
+        drafter,
+        tiny_target,
+        n_train=4,
+        n_test=2,
+        max_new_tokens=8,
+        checkpoints=[2],
+        config=TrainConfig(interval=2, batch_size=2, lr=1e-2),
+        rank=4,
+        k=4,
+        out=tmp_path,
+        name="users",
+        users=users,
+    )
+    kinds = {(r["user"], r["adapter"], r["requests"]) for r in result["rows"]}
+    for user in users:
+        assert {
+            (user, "none", 0),
+            (user, "own", 2),
+            (user, "own", 4),
+            (user, "shared", 2),
+            (user, "shared", 4),
+        } <= kinds
+    assert ("tutor", "cross:developer", 4) in kinds and ("developer", "cross:tutor", 4) in kinds
+    assert set(result["costs"]) == {"tutor", "developer", "shared"} and result["costs"]["shared"]["steps"] > 0
+    assert all(0 <= r["acceptance"] <= 1 and r["tau"] >= 1 for r in result["rows"])
+    assert (tmp_path / "users.md").read_text().count("| tutor |") >= 5 and (
+        tmp_path / "users.png"
+    ).stat().st_size > 0

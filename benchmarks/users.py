@@ -1,0 +1,281 @@
+"""`python -m benchmarks users`: does a user's own adapter draft better *for that user* than the
+per-target adapter every user shares, after how many of the user's requests, at what cost?
+
+Each user is an ordered stream of requests of one kind (a developer completing functions, a math
+tutor, a news summarizer, an analyst answering from documents: `USERS`), from the repository's
+data. Per user the first `n_train` requests are the stream it works through and the next `n_test`
+are held back. The target's greedy continuations with their top-k rows are recorded once (cached
+beside the results, adapt_eval.traces_for); everything after runs the drafter only, against a
+`ReplayTarget` of those recordings, as benchmarks/adapt.py does:
+- "none": the drafter without an adapter, on each user's held-back requests;
+- "own": a fresh adapter per user, trained online (Algorithm 2, the pairing's `TrainConfig`) on
+  that user's stream in order, scored on that user's held-back requests after each checkpoint;
+- "shared": one adapter trained on every user's stream interleaved (request i of each user in
+  turn), scored at the same checkpoints of each user's stream;
+- "cross": each user's final adapter on every other user's held-back requests.
+Figures per score: greedy acceptance, tau (adapt_eval.evaluate). Costs: the adapter's bytes,
+training seconds per request and per committed token, the process's peak RSS. The plot (PNG):
+acceptance against the user's requests, one line per user and adapter kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from omnidraft.distill.buffer import build_example
+from omnidraft.distill.trace_store import ReplayTarget
+from omnidraft.distill.trainer import OnlineTrainer, TrainConfig
+from omnidraft.translate.vocab_map import build_vocab_map
+
+from .adapt_eval import evaluate, prompts_for, request_of, traces_for
+
+__all__ = ["USERS", "add_args", "markdown", "run", "run_users"]
+
+log = logging.getLogger("omnidraft")
+
+USERS = {"developer": "humaneval", "math-tutor": "gsm8k", "news-summarizer": "summarize", "analyst": "rag"}
+
+
+def run_users(
+    drafter: Any,
+    target: Any,
+    *,
+    n_train: int,
+    n_test: int,
+    max_new_tokens: int,
+    checkpoints: list[int],
+    config: TrainConfig,
+    rank: int,
+    k: int,
+    out: Path,
+    name: str,
+    users: dict[str, str] = USERS,
+) -> dict[str, Any]:
+    """The experiment of the module doc; writes `name`.json/.md/.png under `out`."""
+    from omnidraft.distill.adapters import AdapterConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    streams, held = {}, {}
+    for user, dataset in users.items():
+        traces = traces_for(target, dataset, n_train + n_test, max_new_tokens, out)
+        prompts = prompts_for(target, dataset, traces)
+        streams[user] = list(zip(traces[:n_train], prompts[:n_train]))
+        held[user] = (traces[n_train:], prompts[n_train:])
+    replay = ReplayTarget.like(
+        target, [t for u in users for t, _ in streams[u]] + [t for u in users for t in held[u][0]]
+    )
+    t2d = build_vocab_map(drafter.token_bytes, target.token_bytes, drafter.tokenizer, target.tokenizer).t2d
+    lora = AdapterConfig(rank=rank, alpha=2 * rank)
+    checkpoints = sorted({c for c in checkpoints if 0 < c <= n_train} | {n_train})
+    rows: list[dict[str, Any]] = []
+
+    def score(adapter: str | None, user: str) -> dict[str, float]:
+        traces, prompts = held[user]
+        figures = evaluate(drafter, replay, traces, prompts, k=k, stop_confidence=0.0, adapter=adapter)
+        return {"acceptance": figures["acceptance_rate"], "tau": figures["tau"]}
+
+    for user in users:
+        rows.append({"user": user, "adapter": "none", "requests": 0, **score(None, user)})
+    costs: dict[str, Any] = {}
+    finals: dict[str, str] = {}
+    for user in users:  # "own": each user's adapter on its own stream
+        adapter = finals[user] = f"user_{user}_{time.time_ns()}"
+        stream = streams[user]
+        trained = _train(drafter, adapter, lora, t2d, target, config, [stream], checkpoints, costs, user)
+        for requests, state in trained.items():
+            _rewind(drafter, adapter, state)
+            rows.append({"user": user, "adapter": "own", "requests": requests, **score(adapter, user)})
+    shared = f"shared_{time.time_ns()}"  # "shared": all streams interleaved, scored at each user's count
+    trained = _train(
+        drafter, shared, lora, t2d, target, config, list(streams.values()), checkpoints, costs, "shared"
+    )
+    for requests in trained:
+        _rewind(drafter, shared, trained[requests])
+        for user in users:
+            rows.append({"user": user, "adapter": "shared", "requests": requests, **score(shared, user)})
+    for user, adapter in finals.items():  # "cross": a user's final adapter on the others' requests
+        for other in users:
+            if other != user:
+                rows.append(
+                    {"user": other, "adapter": f"cross:{user}", "requests": n_train, **score(adapter, other)}
+                )
+    result = {
+        "pair": f"{drafter.name}:{target.name}",
+        "users": users,
+        "n_train": n_train,
+        "n_test": n_test,
+        "max_new_tokens": max_new_tokens,
+        "k": k,
+        "rank": rank,
+        "config": dict(vars(config)),
+        "rows": rows,
+        "costs": costs,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(markdown(result))
+    _plot(result, out / f"{name}.png")
+    return result
+
+
+def _train(
+    drafter: Any,
+    adapter: str,
+    lora: Any,
+    t2d: Any,
+    target: Any,
+    config: TrainConfig,
+    streams: list[list[tuple[Any, str]]],
+    checkpoints: list[int],
+    costs: dict[str, Any],
+    label: str,
+) -> dict[int, dict[str, Any]]:
+    """A fresh `adapter` trained online on `streams` read in turn (request i of each, then i + 1);
+    its state at each checkpoint (requests per stream), kept to score after."""
+    import torch
+
+    from omnidraft.distill.adapters import adapter_state
+
+    torch.manual_seed(config.seed)
+    drafter.add_adapter(adapter, lora)
+    drafter.activate(adapter)
+    trainer = OnlineTrainer(drafter.learner, t2d, config, step_lock=drafter.lock)
+    states: dict[int, dict[str, Any]] = {}
+    seconds, tokens = 0.0, 0
+    for i in range(max(checkpoints)):
+        for stream in streams:
+            trace, prompt = stream[i]
+            started = time.perf_counter()
+            drafter.activate(adapter)
+            example = build_example(request_of(trace, prompt, config.topk), drafter, target.token_bytes, t2d)
+            if trainer.add(example):
+                trainer.update()
+            seconds += time.perf_counter() - started
+            tokens += len(trace.continuation)
+        if i + 1 in checkpoints:
+            states[i + 1] = {
+                key: value.clone() for key, value in adapter_state(drafter.trainable, adapter).items()
+            }
+            log.info(
+                "%s: %d requests a stream, %d steps, %.0f s training", label, i + 1, trainer.steps, seconds
+            )
+    requests = max(checkpoints) * len(streams)
+    costs[label] = {
+        "train_s_per_request": seconds / requests,
+        "train_ms_per_token": 1e3 * seconds / max(1, tokens),
+        "steps": trainer.steps,
+        "adapter_bytes": sum(v.numel() * v.element_size() for v in states[max(checkpoints)].values()),
+    }
+    return states
+
+
+def _rewind(drafter: Any, adapter: str, state: dict[str, Any]) -> None:
+    """Put `adapter`'s weights back to `state` (a checkpoint kept by `_train`)."""
+    from omnidraft.distill.adapters import load_adapter_state
+
+    with drafter.lock:
+        load_adapter_state(drafter.trainable, adapter, state)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The rows as tables: per user, acceptance / tau by adapter kind and requests; the costs."""
+    lines = [
+        f"# Per-user adapters: {result['pair']}, {result['n_train']} requests a user, "
+        f"{result['n_test']} held back, {result['max_new_tokens']} tokens, k {result['k']}",
+        "",
+        "| user | adapter | requests | acceptance | tau |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        user, kind, n = row["user"], row["adapter"], row["requests"]
+        lines.append(f"| {user} | {kind} | {n} | {row['acceptance']:.3f} | {row['tau']:.2f} |")
+    lines += [
+        "",
+        "| adapter | train s / request | train ms / token | steps | adapter bytes |",
+        "|---|---|---|---|---|",
+    ]
+    for label, c in result["costs"].items():
+        lines.append(
+            f"| {label} | {c['train_s_per_request']:.2f} | {c['train_ms_per_token']:.1f} | {c['steps']} | "
+            f"{c['adapter_bytes']:,} |"
+        )
+    lines += ["", f"Peak RSS of the run: {result['peak_rss_mb']:.0f} MB."]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    """Acceptance against the user's requests: a line per user and adapter kind ("none" at 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for user in result["users"]:
+        start = next(r["acceptance"] for r in result["rows"] if r["user"] == user and r["adapter"] == "none")
+        for kind, style in (("own", "-"), ("shared", "--")):
+            points = [(0, start)] + [
+                (r["requests"], r["acceptance"])
+                for r in result["rows"]
+                if r["user"] == user and r["adapter"] == kind
+            ]
+            ax.plot(*zip(*points), style, marker="o", label=f"{user}, {kind}")
+    ax.set_xlabel("the user's requests learned from")
+    ax.set_ylabel("greedy acceptance on the user's held-back requests")
+    ax.set_title(result["pair"])
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def add_args(sub: Any) -> None:
+    u = sub.add_parser("users", help="per-user adapters against the shared one, on four users' streams")
+    u.add_argument("--pair", default="smollm2-135m:qwen2.5-coder-0.5b")
+    u.add_argument("--n-train", type=int, default=40, help="requests in each user's stream")
+    u.add_argument("--n-test", type=int, default=6, help="each user's held-back requests")
+    u.add_argument("--max-new-tokens", type=int, default=32)
+    u.add_argument(
+        "--checkpoint", type=int, action="append", help="score after this many requests, repeatable"
+    )
+    u.add_argument("--interval", type=int, default=4, help="requests between updates")
+    u.add_argument("--epochs", type=int, default=2, help="passes over the buffer per update")
+    u.add_argument("--lr", type=float, default=1e-3)
+    u.add_argument("--rank", type=int, default=8)
+    u.add_argument("--k", type=int, default=4)
+    u.add_argument("--out", default="users_out")
+    u.add_argument("--name", default="users")
+
+
+def run(args: argparse.Namespace) -> None:
+    import omnidraft as od
+    from omnidraft.cli.options import split_pair
+
+    if min(args.n_train, args.n_test, args.max_new_tokens, args.interval, args.epochs, args.rank, args.k) < 1:
+        raise SystemExit(
+            "--n-train, --n-test, --max-new-tokens, --interval, --epochs, --rank, --k must be >= 1"
+        )
+    drafter_spec, target_spec = split_pair(args.pair)
+    drafter = od.Drafter.load(drafter_spec, backend="torch")
+    target = od.LocalTarget.load(target_spec, kernels=False)
+    config = TrainConfig(interval=args.interval, epochs=args.epochs, lr=args.lr)
+    result = run_users(
+        drafter,
+        target,
+        n_train=args.n_train,
+        n_test=args.n_test,
+        max_new_tokens=args.max_new_tokens,
+        checkpoints=args.checkpoint or [10, 25, 50, 100],
+        config=config,
+        rank=args.rank,
+        k=args.k,
+        out=Path(args.out),
+        name=args.name,
+    )
+    print(markdown(result))
