@@ -153,7 +153,7 @@ def bench_drafters(args: argparse.Namespace) -> None:
         loaded = load_model(drafter_spec)
         drafters["pytorch fp32"] = od.TorchDrafter(loaded.model, loaded.tokenizer, loaded.name)
     if "int8" in backends:
-        drafters["pytorch int8"] = od.Drafter.load(drafter_spec, backend="torch")  # not its llama.cpp twin
+        drafters["pytorch int8"] = od.Drafter.load(drafter_spec, backend="torch")  # not its llama.cpp copy
     if "llama.cpp" in backends:
         drafters["llama.cpp"] = od.Drafter.load(drafter_spec, backend="llama.cpp")
     for item in args.shortlist or []:

@@ -64,7 +64,7 @@ def run_drafters(
             label: d.pair(target, k=k, stop_confidence=stop_confidence, drafts=drafts)
             for label, d in drafters.items()
         }
-        for label, pair in pairs.items():  # a row drafts on the backend its label names, never on a twin
+        for label, pair in pairs.items():  # a row drafts on the backend its label names, never on a copy
             if pair.drafter is not drafters[label]:
                 raise ValueError(
                     f"row {label!r} would draft on {type(pair.drafter).__name__}, not the drafter timed"

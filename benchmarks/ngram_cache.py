@@ -2,7 +2,7 @@
 tokenizers alone (no weights).
 
 The cache pays only where the direct map proposes a split the target would not make: a word that is
-one target token but two drafter tokens, each of which has a target twin (" Nat" + "alia" against
+one target token but two drafter tokens, each of which has a target copy (" Nat" + "alia" against
 " Natalia"). Greedy verification rejects " Nat"; a cached merge proposes " Natalia" instead (the
 paper's "ngram" translation, OmniDraft §3.1). With SmolLM2's 49k byte-level BPE against Qwen2.5
 or Gemma 3, the pairs with weights here, that almost never happens (0.01 cache hits a round, see

@@ -1,4 +1,4 @@
-"""distill/adapters.py: per-target LoRA on a frozen shared drafter, and the int8 drafting twin."""
+"""distill/adapters.py: per-target LoRA on a frozen shared drafter, and the int8 drafting quantized."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from omnidraft.distill.adapters import (
     AdapterConfig,
     adapter_state,
     add_adapter,
+    int8_copy,
     int8_learner,
-    int8_twin,
     load_adapter_state,
     set_active,
 )
@@ -53,34 +53,34 @@ def test_switching_adapters_switches_outputs_and_state_round_trips(drafter):
         set_active(drafter, "llama")
 
 
-def test_int8_twin_shares_the_lora_parameters(drafter):
+def test_int8_copy_shares_the_lora_parameters(drafter):
     set_active(drafter, "qwen")
-    twin = int8_twin(drafter)
+    quantized = int8_copy(drafter)
     x = torch.tensor([[9, 8, 7, 6]])
     with torch.no_grad():
-        before = twin(x).logits
+        before = quantized(x).logits
         for name, p in drafter.named_parameters():
             if ".qwen." in name and "lora_B" in name:
                 p.add_(0.3)  # an optimizer step on the training model...
-        after = twin(x).logits
+        after = quantized(x).logits
         reference = drafter(x).logits
-    assert not torch.allclose(before, after)  # ...is live in the int8 twin
+    assert not torch.allclose(before, after)  # ...is live in the int8 quantized
     assert torch.allclose(after, reference, atol=0.05 * reference.abs().max())
-    assert any("quantized" in type(m).__module__ for m in twin.modules())
+    assert any("quantized" in type(m).__module__ for m in quantized.modules())
 
 
-def test_the_int8_learner_trains_the_lora_the_twin_drafts_with(drafter):
+def test_the_int8_learner_trains_the_lora_the_copy_drafts_with(drafter):
     set_active(drafter, "qwen")
-    twin = int8_twin(drafter)
-    learner = int8_learner(twin)
-    for model in (twin, learner):
+    quantized = int8_copy(drafter)
+    learner = int8_learner(quantized)
+    for model in (quantized, learner):
         set_active(model, "qwen")
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if ".qwen." in name and "lora_B" in name:
                 p.add_(0.3)  # an adapter that acts
         for token in (9, 8, 7):  # one token a call: the kernel's scale is the row's
-            ref, got = twin(torch.tensor([[token]])).logits, learner(torch.tensor([[token]])).logits
+            ref, got = quantized(torch.tensor([[token]])).logits, learner(torch.tensor([[token]])).logits
             assert torch.allclose(got, ref, atol=1e-4 * ref.abs().max())
     learner.train()
     learner(torch.tensor([[1, 2, 3, 4]])).logits.square().mean().backward()
@@ -90,17 +90,17 @@ def test_the_int8_learner_trains_the_lora_the_twin_drafts_with(drafter):
     )  # the shared modules got the gradient
 
 
-def test_an_adapter_added_after_the_twin_drafts_and_trains_through_it(drafter):
-    """A new target's adapter needs no second int8 copy: the twin and learner share the training
-    model's per-adapter modules and tables, so they draft exactly as a twin rebuilt from scratch."""
+def test_an_adapter_added_after_the_copy_drafts_and_trains_through_it(drafter):
+    """A new target's adapter needs no second int8 quantized: the quantized and learner share the training
+    model's per-adapter modules and tables, so they draft exactly as a quantized rebuilt from scratch."""
     from omnidraft.distill.adapters import covers
 
-    twin = int8_twin(drafter)
-    learner = int8_learner(twin)
+    quantized = int8_copy(drafter)
+    learner = int8_learner(quantized)
     model = add_adapter(
         drafter, "llama", AdapterConfig(rank=2, alpha=8)
     )  # another rank and scale than the first two
-    assert model is drafter and covers(twin, drafter) and covers(learner, drafter)
+    assert model is drafter and covers(quantized, drafter) and covers(learner, drafter)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if ".llama." in name and "lora_B" in name:
@@ -108,18 +108,20 @@ def test_an_adapter_added_after_the_twin_drafts_and_trains_through_it(drafter):
     x = torch.tensor([[4]])
     with torch.no_grad():
         for name in ("llama", "qwen"):
-            for m in (twin, learner):
+            for m in (quantized, learner):
                 set_active(m, name, grads=False)
-            rebuilt = int8_twin(drafter)
+            rebuilt = int8_copy(drafter)
             set_active(rebuilt, name)
             ref = rebuilt(x).logits
-            assert torch.equal(twin(x).logits, ref)
+            assert torch.equal(quantized(x).logits, ref)
             assert torch.allclose(learner(x).logits, ref, atol=1e-4 * ref.abs().max())
     mlp = add_adapter(drafter, "mlp", AdapterConfig(rank=2, alpha=4, modules=("gate_proj",)))
-    assert not covers(twin, mlp)  # LoRA layers on projections the twin has none on: it must be rebuilt
+    assert not covers(
+        quantized, mlp
+    )  # LoRA layers on projections the quantized has none on: it must be rebuilt
 
 
-def test_a_second_target_reuses_the_int8_drafters_twin(draft_tokenizer, tmp_path):
+def test_a_second_target_reuses_the_int8_drafters_copy(draft_tokenizer, tmp_path):
     from omnidraft import TorchDrafter as Drafter
     from omnidraft.runtime.int8 import quantize_int8
 
@@ -131,8 +133,10 @@ def test_a_second_target_reuses_the_int8_drafters_twin(draft_tokenizer, tmp_path
     )
     small = AdapterConfig(rank=2, alpha=4)
     d.add_adapter("a", small)
-    twin, learner = d.model, d.learner
+    quantized, learner = d.model, d.learner
     d.add_adapter("b", small)
-    assert d.model is twin and d.learner is learner and d.active == "b"
+    assert d.model is quantized and d.learner is learner and d.active == "b"
     d.add_adapter("c", AdapterConfig(rank=2, alpha=4, modules=("up_proj",)))
-    assert d.model is not twin and {"a", "b", "c"} <= set(d.model.peft_config)  # rebuilt, every adapter kept
+    assert d.model is not quantized and {"a", "b", "c"} <= set(
+        d.model.peft_config
+    )  # rebuilt, every adapter kept

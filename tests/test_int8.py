@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omnidraft.distill.adapters import AdapterConfig, add_adapter, int8_twin
+from omnidraft.distill.adapters import AdapterConfig, add_adapter, int8_copy
 from omnidraft.runtime.int8 import FakeInt8Linear, fake_int8, quantize_int8, smooth_mlps
 
 from .conftest import tiny_llama
@@ -51,16 +51,16 @@ def test_quantize_int8_copies_quantizes_per_channel_and_stays_close(draft_tokeni
     assert torch.allclose(got, ref, atol=0.05 * ref.abs().max())
 
 
-def test_int8_twin_of_an_attention_adapter_model_smooths_its_mlps(draft_tokenizer):
+def test_int8_copy_of_an_attention_adapter_model_smooths_its_mlps(draft_tokenizer):
     peft = add_adapter(tiny_llama(len(draft_tokenizer), seed=6), "a", AdapterConfig(rank=2, alpha=4))
     assert (
         smooth_mlps(copy.deepcopy(peft), draft_tokenizer) == 2
     )  # the attention adapters leave the MLPs plain
-    twin = int8_twin(peft, draft_tokenizer)
+    quantized = int8_copy(peft, draft_tokenizer)
     with torch.no_grad():
-        ref, got = peft(X).logits, twin(X).logits
+        ref, got = peft(X).logits, quantized(X).logits
     assert torch.allclose(got, ref, atol=0.05 * ref.abs().max())
-    assert any("quantized" in type(m).__module__ for m in twin.modules())
+    assert any("quantized" in type(m).__module__ for m in quantized.modules())
 
 
 def test_fake_int8_computes_what_the_int8_kernels_compute_one_token_at_a_time(draft_tokenizer):

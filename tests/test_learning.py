@@ -702,7 +702,7 @@ def test_an_int8_drafter_learns_through_the_weights_it_drafts_with(
     drafter.activate(None)
     rows = agreement(
         drafter, pair.adapter, tiny_target.token_bytes, t2d, traces, PROMPTS
-    )  # through the emulated int8 twin
+    )  # through the emulated int8 copy
     assert rows[-1]["positions"] > 0 and drafter.active is None  # the adapter it was asked about, then back
     if (
         through_int8

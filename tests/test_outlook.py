@@ -133,32 +133,32 @@ def test_machine_figures_are_measured_once_and_survive_a_corrupt_file(tmp_path, 
     assert len(calls) == 2
 
 
-def test_a_pairing_drafts_through_the_faster_llama_cpp_twin_unless_it_needs_pytorch(
+def test_a_pairing_drafts_through_the_faster_llama_cpp_copy_unless_it_needs_pytorch(
     tiny_drafter, tiny_target, monkeypatch
 ):
-    """A PyTorch drafter loaded from a preset (`twin_spec`) drafts through its llama.cpp twin where
+    """A PyTorch drafter loaded from a preset (`gguf_spec`) drafts through its llama.cpp copy where
     that is measured faster; learning, a user profile, a shortlisted head, an acceptance head or a
-    slower twin keep it on PyTorch; `backend="torch"` (no twin_spec) always does."""
+    slower copy keep it on PyTorch; `backend="torch"` (no gguf_spec) always does."""
     import omnidraft as od
     from omnidraft.adaptive.acceptance_head import HeadConfig
     from omnidraft.decode.config import DecodeConfig
 
-    twin = od.TorchDrafter(tiny_drafter.model, tiny_drafter.tokenizer, "twin")
-    costs = {id(twin): 0.005, id(tiny_drafter): 0.02}
+    faster = od.TorchDrafter(tiny_drafter.model, tiny_drafter.tokenizer, "faster")
+    costs = {id(faster): 0.005, id(tiny_drafter): 0.02}
     monkeypatch.setattr(omnidraft.runtime.backends, "_candidates", lambda spec: ["torch", "llama.cpp"])
     monkeypatch.setattr(omnidraft.runtime.backends, "drafting_cost", lambda d: costs[id(d)])
-    monkeypatch.setattr(tiny_drafter, "llama_twin", lambda: twin)
-    choose = omnidraft.runtime.backends.drafting_twin
+    monkeypatch.setattr(tiny_drafter, "llama_copy", lambda: faster)
+    choose = omnidraft.runtime.backends.drafting_copy
     plain = DecodeConfig()
-    assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is tiny_drafter  # no twin_spec
-    monkeypatch.setattr(tiny_drafter, "twin_spec", "smollm2-135m")
-    assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is twin
-    assert tiny_drafter.pair(tiny_target).drafter is twin
+    assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is tiny_drafter  # no gguf_spec
+    monkeypatch.setattr(tiny_drafter, "gguf_spec", "smollm2-135m")
+    assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is faster
+    assert tiny_drafter.pair(tiny_target).drafter is faster
     for config, learn, user in [
         (plain, True, None),
         (plain, False, "alice"),
         (DecodeConfig(head=HeadConfig()), False, None),
     ]:
         assert choose(tiny_drafter, config, learn=learn, adapter=None, user=user) is tiny_drafter
-    costs[id(twin)] = 0.05
+    costs[id(faster)] = 0.05
     assert choose(tiny_drafter, plain, learn=False, adapter=None, user=None) is tiny_drafter

@@ -21,7 +21,7 @@ def test_a_llama_cpp_build_that_crashes_is_never_picked(tmp_path, monkeypatch, c
     gguf.write_bytes(b"GGUF")
     verdict = smoke.runs(gguf)
     assert "SIGSEGV" in verdict and "cannot run tiny.gguf" in caplog.text
-    assert backends._candidates(str(gguf)) == ["torch"]  # the twin and "auto" keep to PyTorch
+    assert backends._candidates(str(gguf)) == ["torch"]  # the copy and "auto" keep to PyTorch
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("the child ran twice"))
     with pytest.raises(smoke.LlamaCppBrokenError, match="SIGSEGV.*--drafter-backend torch"):
         smoke.check_runs(gguf)  # what a llama.cpp target or an explicit llama.cpp drafter raises

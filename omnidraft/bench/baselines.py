@@ -80,7 +80,7 @@ def prompt_lookup(target: Any, prompt: str, max_new_tokens: int) -> Timed:
 
 def hf_assisted(target: Any, drafter: Any, prompt: str, max_new_tokens: int) -> Timed:
     """HF assisted generation with a drafter of another tokenizer (universal assisted decoding), on
-    the PyTorch drafter (the one a llama.cpp twin stands in for, backends.drafting_twin)."""
+    the PyTorch drafter (the one a llama.cpp copy stands in for, backends.drafting_copy)."""
     drafter = getattr(drafter, "pytorch", drafter)
     return _generate(
         target.model,

@@ -1,13 +1,13 @@
-"""Per-target LoRA adapters (peft) on the shared, frozen drafter, and an int8 drafting twin.
+"""Per-target LoRA adapters (peft) on the shared, frozen drafter, and an int8 drafting copy.
 
 Training needs the fp32 drafter with peft LoRA layers; drafting is twice as fast on the int8 base
-(int8.quantize_int8). `int8_twin` builds the drafting copy: every base linear is quantized, and
+(int8.quantize_int8). `int8_copy` builds the drafting copy: every base linear is quantized, and
 every LoRA module is *the same object* as in the training model, so an optimizer step is live for
 drafting at no copy cost and switching targets is `set_adapter` on both. The per-adapter tables
 (rank, scale, dropout) and the adapter configs are shared too, so an adapter added to the training
-model later is in the twin at once (`covers` says when it is not: one on projections the twin has
+model later is in the copy at once (`covers` says when it is not: one on projections the copy has
 no LoRA layer on), and a new target costs no second quantized copy. `int8_learner` is what the
-adapters train through: the twin's int8 weights computed in fp32, with the same LoRA modules.
+adapters train through: the copy's int8 weights computed in fp32, with the same LoRA modules.
 Only adapter parameters ever require gradients; the base weights are shared by all targets.
 """
 
@@ -30,7 +30,7 @@ __all__ = [
     "adapter_state",
     "covers",
     "int8_learner",
-    "int8_twin",
+    "int8_copy",
     "load_adapter_state",
     "load_peft",
     "save_peft",
@@ -79,7 +79,7 @@ def add_adapter(model: Any, name: str, config: AdapterConfig = AdapterConfig()) 
 
 def set_active(model: Any, name: str, *, grads: bool = True) -> None:
     """Make `name` the active adapter; with `grads`, only its parameters require gradients (a model
-    sharing its LoRA parameters with one already set, such as a twin, can skip that walk)."""
+    sharing its LoRA parameters with one already set, such as a copy, can skip that walk)."""
     if name not in model.peft_config:
         raise KeyError(f"no adapter {name!r}; this drafter has {sorted(model.peft_config)}")
     model.set_adapter(name)
@@ -160,27 +160,29 @@ def load_peft(directory: str | os.PathLike[str]) -> tuple[AdapterConfig, dict[st
     return config, {**load_file(str(path / PEFT_WEIGHTS)), "meta.alpha": torch.tensor(config.alpha)}
 
 
-def int8_twin(model: Any, tokenizer: Any | None = None) -> Any:
+def int8_copy(model: Any, tokenizer: Any | None = None) -> Any:
     """An int8 copy of a peft model for drafting that shares its LoRA modules (see module doc);
     with `tokenizer`, its MLPs are smoothed before quantizing (int8.py)."""
     from ..runtime.int8 import quantize_int8
 
-    twin = _share_lora(copy.deepcopy(model), model)
-    base_linears = {n for n, m in twin.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in n}
-    return quantize_int8(twin, tokenizer, inplace=True, only=base_linears)
+    drafting = _share_lora(copy.deepcopy(model), model)
+    base_linears = {
+        n for n, m in drafting.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in n
+    }
+    return quantize_int8(drafting, tokenizer, inplace=True, only=base_linears)
 
 
-def int8_learner(twin: Any) -> Any:
-    """The model to train an int8 twin's adapters through: the twin with its int8 linears emulated
+def int8_learner(drafting: Any) -> Any:
+    """The model to train an int8 copy's adapters through: the copy with its int8 linears emulated
     in fp32 (int8.fake_int8) and the same LoRA modules. Training on the fp32 base instead would fit
     the adapter to weights the drafter never drafts with (SmolLM2: int8 alone costs ~7% τ)."""
     from ..runtime.int8 import fake_int8
 
-    return _share_lora(fake_int8(twin), twin)
+    return _share_lora(fake_int8(drafting), drafting)
 
 
 def covers(copy_: Any, source: Any) -> bool:
-    """Whether `copy_` (a twin or learner of `source`) has a LoRA layer wherever `source` has one,
+    """Whether `copy_` (a copy or learner of `source`) has a LoRA layer wherever `source` has one,
     so every adapter of `source` drafts and trains through it (see `_share_lora`)."""
     return _lora_layers(copy_).keys() == _lora_layers(source).keys()
 

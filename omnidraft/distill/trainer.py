@@ -32,7 +32,7 @@ class TrainConfig:
     `beta` > 0 adds EvoSpec's position weights exp(-beta * L * (j - 1)) with L = `draft_len`.
     `spans`: also label misaligned runs of target tokens (buffer.py), weighted like n-gram tokens;
     False gives the paper's labels. On by default: every SmolLM2 newline+indent token (e.g. "\n   ")
-    lacks a twin in Qwen2.5's and Gemma 3's vocabularies, so without spans the reverse KL's remainder
+    lacks a counterpart in Qwen2.5's and Gemma 3's vocabularies, so without spans the reverse KL's remainder
     bucket only ever pushes them down and the drafter unlearns how to spell indentation (Gemma
     HumanEval, measured in docs/distillation.md).
     `direct_nll` adds that weight times the NLL of the committed token at direct positions

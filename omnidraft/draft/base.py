@@ -123,9 +123,9 @@ class Drafter:
         `omnidraft export`; the default for a .onnx path), or "auto": whichever of the installed
         backends drafts a token fastest on this machine, timed once and remembered per machine
         (backends.py). None (default): `$OMNIDRAFT_DRAFTER_BACKEND` if set, else PyTorch, whose
-        pairings draft through the GGUF file's llama.cpp twin where this machine's llama.cpp build
+        pairings draft through the GGUF file's llama.cpp copy where this machine's llama.cpp build
         runs it (llamacpp/smoke.py), it is faster here and they need nothing only PyTorch has
-        (`backends.drafting_twin`); "torch" keeps every pairing on PyTorch.
+        (`backends.drafting_copy`); "torch" keeps every pairing on PyTorch.
         `quantize="int8"` (torch, default) applies dynamic int8 to its linear layers (int8.py):
         it changes only what is proposed, never what the target commits. `train_through_int8`:
         see `TorchDrafter`. `shortlist` (torch): evaluate the LM head on part of the vocabulary
@@ -158,9 +158,9 @@ class Drafter:
             )
         if backend is None:
             backend = "onnx" if os.fspath(spec).endswith(".onnx") else "torch"
-            twin = True  # (a PyTorch drafter may draft through its llama.cpp twin)
+            llama_copy = True  # (a PyTorch drafter may draft through its llama.cpp copy)
         else:
-            twin = False
+            llama_copy = False
         if backend not in _REGISTERED:
             importlib.import_module(BACKEND_MODULES[backend])
         return _REGISTERED[backend].from_spec(
@@ -171,7 +171,7 @@ class Drafter:
             shortlist=shortlist,
             device=where,
             dtype=kind,
-            twin=twin,
+            llama_copy=llama_copy,
         )
 
     @classmethod
@@ -206,13 +206,13 @@ def pair(
     model drafts and retrieved ones (decode/proposers.py; docs/architecture.md has the recipe)."""
     from ..decode.config import DecodeConfig
     from ..pairing import Pairing
-    from ..runtime.backends import drafting_twin
+    from ..runtime.backends import drafting_copy
 
     if config is not None and overrides:
         raise ValueError(f"pass a DecodeConfig or keyword overrides, not both (got {sorted(overrides)})")
     config = config or DecodeConfig(**overrides)
     return Pairing(
-        drafting_twin(drafter, config, learn=learn, adapter=adapter, user=user),
+        drafting_copy(drafter, config, learn=learn, adapter=adapter, user=user),
         target,
         config,
         user=user,

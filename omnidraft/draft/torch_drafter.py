@@ -1,7 +1,7 @@
 """`TorchDrafter`: the drafter on PyTorch (int8 by default on a CPU), the one that learns.
 
 Per-target LoRA adapters (peft) live here, on one frozen base shared by every target: the fp32
-peft model holds them, drafting runs on its int8 twin, and training (`learner`) through the twin's
+peft model holds them, drafting runs on its int8 copy, and training (`learner`) through the copy's
 int8 weights emulated in fp32; all three share the same LoRA modules (distill/adapters.py), so a
 step is live for drafting at no copy cost. `activate(name)` switches all in milliseconds;
 `activate(None)` drafts with the bare base. This module does not know about targets' tokenizers.
@@ -75,15 +75,15 @@ class TorchDrafter(Drafter, name="torch"):
         """`model` drafts. With `int8`, it is a quantized copy and training reloads fp32 weights
         from `spec`; otherwise `model` itself is trained when adapters are added.
         `train_through_int8` (int8 only): adapters learn through the int8 weights the drafter
-        drafts with (int8.fake_int8: read from the twin, no weight copied); False trains them on
+        drafts with (int8.fake_int8: read from the copy, no weight copied); False trains them on
         the fp32 base (kept for comparison: `python -m benchmarks adapt --train-weights fp32`)."""
         self.model, self.name = model, name
         self._init_vocabulary(tokenizer, model.config.vocab_size)
         self.hidden_size = int(model.config.hidden_size)
         self.spec, self.int8, self._through_int8 = spec, int8, train_through_int8
-        self.twin_spec: str | None = None  # a preset or .gguf whose llama.cpp twin may draft for a pairing
+        self.gguf_spec: str | None = None  # a preset or .gguf whose llama.cpp copy may draft for a pairing
         self.trainable: Any = None  # the fp32 peft model, once an adapter exists
-        self.learner: Any = None  # what adapters train through: `trainable`, or the int8 twin emulated
+        self.learner: Any = None  # what adapters train through: `trainable`, or the int8 copy emulated
         self.active: str | None = None
         self.head: ShortlistHead | None = None  # the shortlisted LM head, when one is in use
 
@@ -97,10 +97,10 @@ class TorchDrafter(Drafter, name="torch"):
         shortlist: str | None = None,
         device: torch.device = torch.device("cpu"),
         dtype: torch.dtype = torch.float32,
-        twin: bool = True,
+        llama_copy: bool = True,
         **_: Any,
     ) -> TorchDrafter:
-        """See `Drafter.load`; `twin`: pairings may draft through the GGUF file's llama.cpp twin.
+        """See `Drafter.load`; `llama_copy`: pairings may draft through the GGUF file's llama.cpp copy.
         int8 applies to a CPU fp32 drafter only."""
         if quantize not in (None, "int8"):
             raise ValueError(f"drafter quantize must be None or 'int8', got {quantize!r}")
@@ -121,8 +121,8 @@ class TorchDrafter(Drafter, name="torch"):
             int8=quantize == "int8",
             train_through_int8=train_through_int8,
         )
-        if twin and plain and (spec in PRESETS or str(spec).endswith(".gguf")):
-            drafter.twin_spec = spec
+        if llama_copy and plain and (spec in PRESETS or str(spec).endswith(".gguf")):
+            drafter.gguf_spec = spec
         if shortlist not in (None, "full"):
             drafter.use_shortlist(shortlist)
         return drafter
@@ -134,21 +134,21 @@ class TorchDrafter(Drafter, name="torch"):
     def cost_key(self) -> str:
         return f"{super().cost_key}|int8 {self.int8}"
 
-    def llama_twin(self) -> Any:
-        """This drafter's GGUF file (`twin_spec`) under llama.cpp, loaded once; None where it cannot run."""
-        if "_twin" not in self.__dict__:
+    def llama_copy(self) -> Any:
+        """This drafter's GGUF file (`gguf_spec`) under llama.cpp, loaded once; None where it cannot run."""
+        if "_llama_copy" not in self.__dict__:
             from ..llamacpp.drafting import LlamaCppDrafter
 
             try:
-                self._twin = (
-                    LlamaCppDrafter(self.twin_spec, tokenizer=self.tokenizer) if self.twin_spec else None
+                self._llama_copy = (
+                    LlamaCppDrafter(self.gguf_spec, tokenizer=self.tokenizer) if self.gguf_spec else None
                 )
-                if self._twin is not None:
-                    self._twin.pytorch = self  # the drafter it stands in for (HF peers need its model)
+                if self._llama_copy is not None:
+                    self._llama_copy.pytorch = self  # the drafter it stands in for (HF peers need its model)
             except Exception as exc:  # noqa: BLE001 - a file llama.cpp cannot run leaves this drafter
-                log.info("%s: no llama.cpp twin (%s); drafting on PyTorch", self.name, exc)
-                self._twin = None
-        return self._twin
+                log.info("%s: no llama.cpp copy (%s); drafting on PyTorch", self.name, exc)
+                self._llama_copy = None
+        return self._llama_copy
 
     def use_shortlist(self, kind: str | None, **options: Any) -> None:
         """Draft from part of the vocabulary: "static" (the most frequent tokens: FR-Spec), "evo"
@@ -186,8 +186,8 @@ class TorchDrafter(Drafter, name="torch"):
             AdapterConfig,
             add_adapter,
             covers,
+            int8_copy,
             int8_learner,
-            int8_twin,
             load_adapter_state,
         )
 
@@ -211,13 +211,13 @@ class TorchDrafter(Drafter, name="torch"):
             if not self.int8:
                 self.model = self.learner = self.trainable
             elif first or not covers(self.model, self.trainable):  # (LoRA layers on new projections: rebuild)
-                self.model = int8_twin(self.trainable, self.tokenizer)
+                self.model = int8_copy(self.trainable, self.tokenizer)
                 self.learner = int8_learner(self.model) if self._through_int8 else self.trainable
-                if self.head is not None:  # the twin's head holds the same int8 rows: the blocks stay valid
+                if self.head is not None:  # the copy's head holds the same int8 rows: the blocks stay valid
                     from ..shortlist.shortlisted_head import install
 
                     self.head = install(self.model, self.head.policy)
-            # else the twin and learner already share the new adapter's modules: no second int8 copy
+            # else the copy and learner already share the new adapter's modules: no second int8 copy
             self.active = None
             self.activate(name)
 

@@ -48,7 +48,7 @@ class LlamaCppDrafter(Drafter, name="llama.cpp"):
     `weights`: "auto" (default) runs the GGUF file as shipped or requantized to Q8_0, whichever
     drafts a request faster here (requant.py); "shipped" or "q8_0" choose."""
 
-    pytorch: Any = None  # the PyTorch drafter it stands in for, as a pairing's faster twin
+    pytorch: Any = None  # the PyTorch drafter it stands in for, as a pairing's faster copy
 
     backend = "llama.cpp"
 

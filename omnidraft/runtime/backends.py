@@ -7,8 +7,8 @@ per machine and model (measured.py), so a later load times nothing and loads one
 A PyTorch drafter is the only one that learns: pair with `Drafter.load(spec, backend="torch")`
 to learn adapters.
 
-`drafting_twin` is what `pair()` uses: a PyTorch drafter loaded from a preset or .gguf file drafts
-through its llama.cpp twin (only where this machine's llama.cpp build has run that file in a
+`drafting_copy` is what `pair()` uses: a PyTorch drafter loaded from a preset or .gguf file drafts
+through its llama.cpp copy (only where this machine's llama.cpp build has run that file in a
 child process: llamacpp/smoke.py) (the same GGUF file under llama.cpp) wherever that drafts faster here
 and the pairing needs nothing only the PyTorch drafter has (learning, adapters, a user profile,
 an acceptance head, a shortlisted head); `backend="torch"` at load keeps it on PyTorch.
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from . import measured
 
-__all__ = ["draft_ms", "drafting_cost", "drafting_twin", "fastest_drafter", "pairing_outlook"]
+__all__ = ["draft_ms", "drafting_cost", "drafting_copy", "fastest_drafter", "pairing_outlook"]
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,11 @@ def drafting_cost(drafter: Any) -> float:
     return float(measured.remembered("drafting-cost", key, lambda: draft_ms(drafter))) / 1e3
 
 
-def drafting_twin(drafter: Any, config: Any, *, learn: bool, adapter: Any, user: str | None) -> Any:
-    """The drafter a new pairing drafts with: `drafter`, or its llama.cpp twin where that drafts a
+def drafting_copy(drafter: Any, config: Any, *, learn: bool, adapter: Any, user: str | None) -> Any:
+    """The drafter a new pairing drafts with: `drafter`, or its llama.cpp copy where that drafts a
     token faster on this machine (costs measured once and remembered) and the pairing needs nothing
     only the PyTorch drafter has (see the module doc)."""
-    spec = getattr(drafter, "twin_spec", None)
+    spec = getattr(drafter, "gguf_spec", None)
     if (
         spec is None
         or learn
@@ -69,10 +69,10 @@ def drafting_twin(drafter: Any, config: Any, *, learn: bool, adapter: Any, user:
         or "llama.cpp" not in _candidates(spec)
     ):
         return drafter
-    twin = drafter.llama_twin()
-    if twin is None:
+    llama = drafter.llama_copy()
+    if llama is None:
         return drafter
-    fast, slow = drafting_cost(twin), drafting_cost(drafter)
+    fast, slow = drafting_cost(llama), drafting_cost(drafter)
     if fast >= slow:
         return drafter
     log.info(
@@ -81,7 +81,7 @@ def drafting_twin(drafter: Any, config: Any, *, learn: bool, adapter: Any, user:
         1e3 * fast,
         1e3 * slow,
     )
-    return twin
+    return llama
 
 
 def pairing_outlook(drafter: Any, target: Any, config: Any) -> Any:
