@@ -8,7 +8,6 @@ acceptance maths verify.py, the vocabulary work translate/.
 from __future__ import annotations
 
 import codecs
-import logging
 import os
 import time
 from dataclasses import replace
@@ -23,6 +22,7 @@ from .decode.rounds import (
     MAX_NEW_TOKENS,
     Call,
     Generation,
+    chat_stops,
     check_logprobs,
     check_request,
     first_stop,
@@ -30,7 +30,6 @@ from .decode.rounds import (
     make_generator,
     render_chat,
     token_logprobs,
-    turn_end,
     verified,
 )
 from .decode.speculator import Speculator, pair_fingerprint
@@ -48,8 +47,6 @@ if TYPE_CHECKING:
     from .draft.base import Drafter
     from .store.profiles import ProfileStore
     from .target import Target
-
-log = logging.getLogger("omnidraft")
 
 __all__ = ["K_START", "TABLES_KEPT", "DecodeConfig", "Generation", "Pairing", "pair_tables"]
 
@@ -260,7 +257,7 @@ class Pairing:
         template, rendered once; the target reads it as rendered (no second BOS) and the drafter
         reads the same text."""
         text, rng = self.render_chat(messages), make_generator(seed, generator)
-        return self._whole(text, max_new_tokens, self._chat_stop(stop), rng, False, sampling, seed)
+        return self._whole(text, max_new_tokens, chat_stops(self.target, stop), rng, False, sampling, seed)
 
     def _whole(
         self,
@@ -277,16 +274,6 @@ class Pairing:
         for _ in self._stream(text, most, stop, rng, special, done, {**sampling, "seed": seed}):
             pass
         return done[0]
-
-    def _chat_stop(self, stop: str | Sequence[str]) -> str | Sequence[str]:
-        """`stop`, and the chat template's end of an assistant turn where no EOS token writes it
-        (a chat answer ends at its turn's end whatever the model's EOS)."""
-        end = turn_end(self.target.tokenizer)
-        table = self.target.token_bytes.table
-        if end is None or any(table[i] == end.encode() for i in self.target.eos_ids):
-            return stop
-        given = [stop] if isinstance(stop, str) else list(stop)
-        return given if end in given else [*given, end]
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The conversation as the target's chat template writes it, ready for the assistant's turn."""
@@ -307,7 +294,7 @@ class Pairing:
         conversation, streamed as `chat` answers it (the chat template rendered once, no second BOS)."""
         chat = isinstance(prompt, list)
         text = self.render_chat(prompt) if isinstance(prompt, list) else prompt
-        stop = self._chat_stop(stop) if chat else stop
+        stop = chat_stops(self.target, stop) if chat else stop
         rng = make_generator(seed, generator)
         return self._stream(text, max_new_tokens, stop, rng, not chat, [], {**sampling, "seed": seed})
 
@@ -382,25 +369,10 @@ class Pairing:
                 stats.tau,
             )
             stats = replace(stats, adapter_steps=self.steps, adapter_note=self.learner.note())
-            self._draft_with(self.learner.drafting_adapter)
+            self.speculator.adapter = self.learner.drafting_adapter  # its own, or its baseline
         per_token = token_logprobs(out, rows, logprobs) if logprobs else None
         self.last = result = Generation(text, out, stats, rounds, reason, per_token)
         done.append(result)
-
-    def _draft_with(self, adapter: str | None) -> None:
-        """Draft the next requests with `adapter` (the learned one, or its baseline while the
-        learned one scores below it)."""
-        if adapter != self.speculator.adapter:
-            log.info(
-                "%s -> %s, user %r: drafting with %s",
-                self.drafter.name,
-                self.target.name,
-                self.user,
-                "the learned adapter"
-                if adapter == self.adapter
-                else f"the baseline ({adapter or 'base drafter'})",
-            )
-            self.speculator.adapter = adapter
 
     def _stats(
         self, mode: str, rounds: list[RoundRecord], new_tokens: int, seconds: float

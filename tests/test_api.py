@@ -94,15 +94,17 @@ def test_a_chat_answer_ends_where_the_template_ends_an_assistants_turn(
 ):
     """Any chat model: the turn's end ("<|im_end|>" here) stops a chat where no EOS token writes it,
     beside the caller's own stops; a template that writes none adds nothing."""
-    from omnidraft.decode.rounds import turn_end
+    from omnidraft.decode.rounds import chat_stops, turn_end
 
-    pair = tiny_drafter.pair(tiny_target)
     monkeypatch.setattr(tiny_target.tokenizer, "chat_template", CHATML, raising=False)
     assert turn_end(tiny_target.tokenizer) == "<|im_end|>"
-    assert pair._chat_stop(()) == ["<|im_end|>"] and pair._chat_stop("\n\n") == ["\n\n", "<|im_end|>"]
+    assert chat_stops(tiny_target, ()) == ["<|im_end|>"] and chat_stops(tiny_target, "\n\n") == [
+        "\n\n",
+        "<|im_end|>",
+    ]
     bare = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     monkeypatch.setattr(tiny_target.tokenizer, "chat_template", bare, raising=False)
-    assert turn_end(tiny_target.tokenizer) is None and pair._chat_stop(("x",)) == ("x",)
+    assert turn_end(tiny_target.tokenizer) is None and chat_stops(tiny_target, ("x",)) == ("x",)
 
 
 def test_pair_takes_a_config_or_overrides_not_both(tiny_drafter, tiny_target):

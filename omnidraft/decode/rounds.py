@@ -262,3 +262,13 @@ def turn_end(tokenizer: Any) -> str | None:
         return None
     after = text.split(marker, 1)[1].split() if marker in text else []
     return after[0] if after else None
+
+
+def chat_stops(target: Any, stop: str | Sequence[str]) -> str | Sequence[str]:
+    """`stop`, and `target`'s chat template's end of an assistant turn where no EOS token writes it
+    (a chat answer ends at its turn's end whatever the model's EOS)."""
+    end = turn_end(target.tokenizer)
+    if end is None or any(target.token_bytes.table[i] == end.encode() for i in target.eos_ids):
+        return stop
+    given = [stop] if isinstance(stop, str) else list(stop)
+    return given if end in given else [*given, end]

@@ -133,7 +133,13 @@ class Learner:
             finally:
                 self.drafter.activate(previous)
         if n:
+            trusted = self.trusted
             self._scores.append((own, base, n))
+            if trusted != self.trusted:
+                other = self.baseline or "the base drafter"
+                log.info(
+                    "adapter %s: drafting with %s", self.adapter, self.adapter if self.trusted else other
+                )
 
     def observe(self, request: VerifiedRequest, acceptance_rate: float, tau: float) -> None:
         """Buffer one verified request; train when the interval is complete."""
