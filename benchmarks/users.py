@@ -80,31 +80,7 @@ def run_users(
         figures = evaluate(drafter, replay, traces, prompts, k=k, stop_confidence=0.0, adapter=adapter)
         return {"acceptance": figures["acceptance_rate"], "tau": figures["tau"]}
 
-    for user in users:
-        rows.append({"user": user, "adapter": "none", "requests": 0, **score(None, user)})
     costs: dict[str, Any] = {}
-    finals: dict[str, str] = {}
-    for user in users:  # "own": each user's adapter on its own stream
-        adapter = finals[user] = f"user_{user}_{time.time_ns()}"
-        stream = streams[user]
-        trained = _train(drafter, adapter, lora, t2d, target, config, [stream], checkpoints, costs, user)
-        for requests, state in trained.items():
-            _rewind(drafter, adapter, state)
-            rows.append({"user": user, "adapter": "own", "requests": requests, **score(adapter, user)})
-    shared = f"shared_{time.time_ns()}"  # "shared": all streams interleaved, scored at each user's count
-    trained = _train(
-        drafter, shared, lora, t2d, target, config, list(streams.values()), checkpoints, costs, "shared"
-    )
-    for requests in trained:
-        _rewind(drafter, shared, trained[requests])
-        for user in users:
-            rows.append({"user": user, "adapter": "shared", "requests": requests, **score(shared, user)})
-    for user, adapter in finals.items():  # "cross": a user's final adapter on the others' requests
-        for other in users:
-            if other != user:
-                rows.append(
-                    {"user": other, "adapter": f"cross:{user}", "requests": n_train, **score(adapter, other)}
-                )
     result = {
         "pair": f"{drafter.name}:{target.name}",
         "users": users,
@@ -116,10 +92,41 @@ def run_users(
         "config": dict(vars(config)),
         "rows": rows,
         "costs": costs,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{name}.md").write_text(markdown(result))
+
+    def save() -> None:  # after each phase: a run cut short keeps what it measured
+        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{name}.md").write_text(markdown(result))
+
+    for user in users:
+        rows.append({"user": user, "adapter": "none", "requests": 0, **score(None, user)})
+    save()
+    finals: dict[str, str] = {}
+    for user in users:  # "own": each user's adapter on its own stream
+        adapter = finals[user] = f"user_{user}_{time.time_ns()}"
+        stream = streams[user]
+        trained = _train(drafter, adapter, lora, t2d, target, config, [stream], checkpoints, costs, user)
+        for requests, state in trained.items():
+            _rewind(drafter, adapter, state)
+            rows.append({"user": user, "adapter": "own", "requests": requests, **score(adapter, user)})
+        save()
+    shared = f"shared_{time.time_ns()}"  # "shared": all streams interleaved, scored at each user's count
+    trained = _train(
+        drafter, shared, lora, t2d, target, config, list(streams.values()), checkpoints, costs, "shared"
+    )
+    for requests in trained:
+        _rewind(drafter, shared, trained[requests])
+        for user in users:
+            rows.append({"user": user, "adapter": "shared", "requests": requests, **score(shared, user)})
+        save()
+    for user, adapter in finals.items():  # "cross": a user's final adapter on the others' requests
+        for other in users:
+            if other != user:
+                rows.append(
+                    {"user": other, "adapter": f"cross:{user}", "requests": n_train, **score(adapter, other)}
+                )
+    save()
     _plot(result, out / f"{name}.png")
     return result
 
