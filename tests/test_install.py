@@ -1,6 +1,7 @@
 """The README's by-hand install, as a new user runs it: a fresh venv, the README's own lines, then
-its Quickstart and `omnidraft doctor` in that venv, each without a crash or a warning the user did
-not ask for. It installs gigabytes, so `make test-install` runs it, not `make test`."""
+its Quickstart, the examples and `omnidraft doctor` in that venv, each without a crash or a warning
+the user did not ask for (the cloud example starts a server whose log is its own: it runs in
+tests/test_examples.py). It installs gigabytes, so `make test-install` runs it, not `make test`."""
 
 from __future__ import annotations
 
@@ -43,6 +44,15 @@ def test_the_readmes_by_hand_install_runs_the_quickstart_and_doctor_quietly(tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     assert not out.stderr.strip(), out.stderr[-3000:]  # no warning, no progress bar
     assert "8 tokens in " in out.stdout
+    for example in ("local_pairing.py", "chat_streaming.py"):  # every example a user runs alone
+        run = subprocess.run(
+            [str(python), str(ROOT / "examples" / example), "--max-new-tokens", "8"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 0 and not run.stderr.strip(), (example, run.stderr[-3000:])
     doctor = subprocess.run(
         [str(venv / "bin" / "omnidraft"), "doctor"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
