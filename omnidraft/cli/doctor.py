@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
-import subprocess
 import sys
 import time
 from typing import Sequence
@@ -42,14 +41,9 @@ def _preset_state(name: str) -> str:
     preset = presets.PRESETS[name]
     origin = f"{preset.original}; from {preset.source}"
     try:
-        dirs = presets.require_installed(preset)
+        path = presets.file_path(preset)
     except MissingModelError as exc:  # it names its pip command
         return f"missing ({exc}); {origin}"
-    path = (
-        dirs[0] / preset.gguf_name
-        if preset.layout == "whole"
-        else presets.cache_dir() / "gguf" / preset.gguf_name
-    )
     checked = path.exists() and presets.checked(preset, path)
     pin = f"sha256 {preset.sha256[:12]}... " + ("matched" if checked else "checked at its first load")
     return f"installed, {pin}; {origin}"
@@ -112,24 +106,14 @@ print("a test graph ran")
 
 
 def _child(code: str, *argv: str) -> str:
-    """ "ok: ..." with what the child printed and its time, or how it ended."""
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired:
-        return f"FAILED: no answer in {SMOKE_TIMEOUT_S:.0f} s"
-    took = time.perf_counter() - started
-    if done.returncode == 0:
-        said = (done.stdout.strip().splitlines() or ["done"])[-1]
-        return f"ok ({said}, {took:.1f} s in a child process)"
-    if done.returncode < 0:
-        import signal
+    """ "ok (...)" with what the child printed last and its time, or "FAILED: " how it ended."""
+    from ..llamacpp.smoke import ending, run_child
 
-        return f"FAILED: killed by {signal.Signals(-done.returncode).name}"
-    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return f"FAILED: exit status {done.returncode}: {tail[:300]}"
+    started = time.perf_counter()
+    status, out, err = run_child(code, *argv, timeout=SMOKE_TIMEOUT_S)
+    if status == 0:
+        return f"ok ({out or 'done'}, {time.perf_counter() - started:.1f} s in a child process)"
+    return f"FAILED: {ending(status, err, SMOKE_TIMEOUT_S)}"
 
 
 def _gguf(spec: str) -> str | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import OmnidraftError
 from ..runtime import measured
 
-__all__ = ["LlamaCppBrokenError", "check_runs", "runs"]
+__all__ = ["LlamaCppBrokenError", "check_runs", "ending", "run_child", "runs"]
 
 log = logging.getLogger(__name__)
 
@@ -58,21 +58,35 @@ def _build() -> str:
     return f"{llama_cpp.__version__}|{stamp}"
 
 
-def _try(path: str) -> str:
-    """ "ok", or how the child that ran `path` ended."""
+def run_child(code: str, *argv: str, timeout: float = TIMEOUT_S) -> tuple[int | None, str, str]:
+    """Run `code` in a child Python with `argv`: (its exit status, None for no answer within
+    `timeout`; the last line of its stdout; the last line of its stderr)."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _CHILD, path], capture_output=True, text=True, timeout=TIMEOUT_S
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
-        return f"no answer in {TIMEOUT_S:.0f} s"
-    if done.returncode == 0 and done.stdout.strip().endswith("ok"):
+        return None, "", ""
+    last = lambda text: (text.strip().splitlines() or [""])[-1]  # noqa: E731
+    return done.returncode, last(done.stdout), last(done.stderr)
+
+
+def ending(status: int | None, err: str, timeout: float = TIMEOUT_S) -> str:
+    """How a child that did not succeed ended (`run_child`'s status and stderr line), in words."""
+    if status is None:
+        return f"no answer in {timeout:.0f} s"
+    if status < 0:
+        return f"killed by {signal.Signals(-status).name}"
+    return f"exit status {status}: {(err or 'no output')[:300]}"
+
+
+def _try(path: str) -> str:
+    """ "ok", or how the child that ran `path` ended."""
+    status, out, err = run_child(_CHILD, path)
+    if status == 0 and out.endswith("ok"):
         return "ok"
-    if done.returncode < 0:
-        name = signal.Signals(-done.returncode).name
-        return f"killed by {name} (a llama.cpp build this CPU cannot run)"
-    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return f"exit status {done.returncode}: {tail[:300]}"
+    how = ending(status, err)
+    return f"{how} (a llama.cpp build this CPU cannot run)" if status is not None and status < 0 else how
 
 
 def runs(path: str | os.PathLike[str]) -> str:

@@ -20,7 +20,16 @@ from pathlib import Path
 from ..errors import CorruptFileError, MissingModelError
 from .atomic import atomic_path, build_lock
 
-__all__ = ["PRESETS", "Preset", "cache_dir", "check_pinned", "checked", "gguf_path", "require_installed"]
+__all__ = [
+    "PRESETS",
+    "Preset",
+    "cache_dir",
+    "check_pinned",
+    "checked",
+    "file_path",
+    "gguf_path",
+    "require_installed",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,15 +144,21 @@ def require_installed(preset: Preset) -> list[Path]:
     return dirs
 
 
+def file_path(preset: Preset) -> Path:
+    """Where `preset`'s .gguf file is (in its package) or will be once reassembled (in the cache);
+    MissingModelError naming the pip command when its packages are not installed."""
+    dirs = require_installed(preset)
+    return dirs[0] / preset.gguf_name if preset.layout == "whole" else cache_dir() / "gguf" / preset.gguf_name
+
+
 def gguf_path(name: str) -> Path:
     """Path of the preset's complete .gguf file, reassembling it once into the cache if needed."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
     preset = PRESETS[name]
-    dirs = require_installed(preset)
+    out = file_path(preset)
     if preset.layout == "whole":
-        return check_pinned(preset, dirs[0] / preset.gguf_name)
-    out = cache_dir() / "gguf" / preset.gguf_name
+        return check_pinned(preset, out)
     if out.exists():
         return check_pinned(preset, out)
     with build_lock(out):  # another process may be assembling it right now
