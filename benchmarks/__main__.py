@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omnidraft.cli.options import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
 
-from . import commands, users
+from . import experiments, users
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -345,12 +345,12 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     start_run(args)
     run = {
-        "adapt": commands.adapt,
-        "draft-lengths": commands.bench_draft,
-        "replay": commands.bench_replay,
-        "ngram-cache": commands.bench_cache,
-        "switch": commands.bench_switch,
-        "drafters": commands.bench_drafters,
+        "adapt": experiments.adapt,
+        "draft-lengths": experiments.bench_draft,
+        "replay": experiments.bench_replay,
+        "ngram-cache": experiments.bench_cache,
+        "switch": experiments.bench_switch,
+        "drafters": experiments.bench_drafters,
         "calibrate": _calibrate,
         "server-rounds": _server_rounds,
         "shortlists": _shortlists,

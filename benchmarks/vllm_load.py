@@ -88,8 +88,8 @@ def replay_client(http: Any, ids: list[int], log: dict, reference: list[int], to
     def offer() -> None:
         if budget == 0:  # the server takes no draft now: nothing to send (as RemoteTarget does)
             return
-        most = min(budget, tokens - len(committed) - 1)
-        proposal = proposal_at(log, len(ids), committed, reference)[:most]
+        limit = min(budget, tokens - len(committed) - 1)
+        proposal = proposal_at(log, len(ids), committed, reference)[:limit]
         at = len(ids) + len(committed)
         poster.post(f"/v1/sessions/{sid}/proposal", json={"at": at, "proposal": proposal})
 
@@ -192,8 +192,8 @@ def _serve(
     from omnidraft.server.app import ServerConfig, create_app
 
     speculating = name == "omnidraft"
-    most = extra["draft_tokens"] if speculating else 0
-    target = od.VLLMTarget.load(target_spec, dtype=dtype, draft_tokens=most)
+    draft_tokens = extra["draft_tokens"] if speculating else 0
+    target = od.VLLMTarget.load(target_spec, dtype=dtype, draft_tokens=draft_tokens)
     with ThreadPoolExecutor(len(ids)) as pool:  # concurrent: the engine batches them
         references = list(pool.map(lambda i: target.generate(i, tokens), ids))
     report: dict[str, Any] = {"references": references, "runs": {}}

@@ -94,7 +94,7 @@ class Capabilities:
     drafts_in_engine: its engine verifies a pairing's drafts in its own step (the session's
         `steps`; vLLM with omnidraft's proposer, or a server running one);
     batches_sessions: concurrent sessions share its engine's steps (a server takes no model lock);
-    prefills_in_chunks: its sessions feed a long prompt in bounded pieces (`prefill(most)`, `cached`)
+    prefills_in_chunks: its sessions feed a long prompt in bounded pieces (`prefill(limit)`, `cached`)
         so that a server interleaves other sessions' work with it;
     scores_positions: its sessions return rows of logits (`scores(new, keep)`), which the server's
         echo and log-probability completions read."""
@@ -248,11 +248,11 @@ class DecodingSession(TargetSession, Protocol):
 
 class ChunkedSession(TargetSession, Protocol):
     """A session of a target with `capabilities.prefills_in_chunks`: `cached` tokens are in its
-    KV cache; `prefill(most)` feeds up to `most` more of its uncached prompt, returning how many."""
+    KV cache; `prefill(limit)` feeds up to `limit` more of its uncached prompt, returning how many."""
 
     cached: int
 
-    def prefill(self, most: int) -> int: ...
+    def prefill(self, limit: int) -> int: ...
 
 
 class ScoringSession(TargetSession, Protocol):

@@ -101,6 +101,13 @@ def test_the_sdk_never_imports_the_lab_and_no_file_is_over_400_lines():
         assert len(path.read_text(encoding="utf-8").splitlines()) <= 400, path
 
 
+def test_the_shipped_bench_and_the_lab_share_no_file_name():
+    """`omnidraft/bench/` (in the wheel) and `benchmarks/` (the lab): a name says which one."""
+    shipped = {p.name for p in (SDK / "bench").glob("*.py")} - {"__init__.py", "__main__.py"}
+    lab = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__.py", "__main__.py"}
+    assert not shipped & lab, sorted(shipped & lab)
+
+
 def test_the_core_never_imports_the_bench():
     """The bench (omnidraft/bench/) is a command of the CLI, never a dependency of the library: no
     module outside it imports it, except the CLI inside the function of its `bench` command."""

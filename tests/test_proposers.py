@@ -27,7 +27,7 @@ class PromptLookup:
         ids = request.target.ids
         for i in range(len(ids) - 3, -1, -1):
             if ids[i : i + 2] == ids[-2:]:
-                follow = ids[i + 2 : i + 2 + budget.room]
+                follow = ids[i + 2 : i + 2 + budget.limit]
                 return Round.copied(follow) if follow else None
         return None
 
@@ -61,13 +61,13 @@ def test_engine_rounds_record_each_step_by_the_proposal_made_at_its_context(tiny
     rounds = EngineRounds(pair.speculator, keep=True)
     ids = tiny_target.tokenizer(REPEATS)["input_ids"]
     rounds.open(ids)
-    proposal = rounds.next(ids, most=4, remaining=10)
+    proposal = rounds.next(ids, limit=4, remaining=10)
     assert proposal and lookup.settled == 0
     assert len(proposal) >= 3
     step = proposal[:2] + [(proposal[2] + 1) % 50]  # the engine accepts two, then its own token
     record = rounds.record(len(ids), step, 0.01)
     assert (record.proposed, record.accepted, record.emitted) == (len(proposal), 2, 3)
-    rounds.next(ids + step, most=4, remaining=7)
+    rounds.next(ids + step, limit=4, remaining=7)
     assert lookup.settled == 1 and lookup.accepted == 2
     alone = rounds.record(len(ids) - 1, [5], 0.01)  # no proposal was made there
     assert (alone.proposed, alone.emitted) == (0, 1)

@@ -157,10 +157,10 @@ def test_beside_model_drafts_a_short_match_is_left_to_the_model():
 
     config = RetrievalConfig(min_match=3)
     index = ContextIndex([1, 2, 9, 1, 2, 7, 5, 1])  # the context ends in 1: match of one token
-    assert Retriever(config).plan(index, Cost(), {1: 0.1}, room=8) is None
+    assert Retriever(config).plan(index, Cost(), {1: 0.1}, limit=8) is None
     for used in (
-        Retriever(config, model=False).plan(index, Cost(), {}, room=8),
-        Retriever(config).plan(index, Cost(), {0: 0.1, 1: 0.1}, room=8, drafting=False),
+        Retriever(config, model=False).plan(index, Cost(), {}, limit=8),
+        Retriever(config).plan(index, Cost(), {0: 0.1, 1: 0.1}, limit=8, drafting=False),
     ):  # a round without a model draft
         assert used is not None and used.candidate.match == 1
 
@@ -179,6 +179,6 @@ def test_without_a_model_draft_this_round_a_retrieved_draft_competes_with_the_ta
     index = ContextIndex([1, 2, 3, 4, 9, 1, 2, 3, 4])  # a four-token match
     rates = {0: 1.0, 6: 100.0}  # the model's best draft is far faster than any retrieval here
     retriever = Retriever(RetrievalConfig(min_match=3))
-    assert retriever.plan(index, Cost(), rates, room=8) is None
-    used = retriever.plan(index, Cost(), rates, room=8, drafting=False)
+    assert retriever.plan(index, Cost(), rates, limit=8) is None
+    used = retriever.plan(index, Cost(), rates, limit=8, drafting=False)
     assert used is not None and used.candidate.match == 4

@@ -451,8 +451,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_let_other_sessions_verify(tin
         service = c.app.state.service
         chunked = service.sessions[long_sid].inner.prefill
 
-        def prefill_then_let_another_in(most):  # between two chunks, the other session verifies
-            left = chunked(most)
+        def prefill_then_let_another_in(limit):  # between two chunks, the other session verifies
+            left = chunked(limit)
             if left and not order:
                 order.append("other")
                 threading.Thread(
@@ -682,12 +682,12 @@ def test_a_session_is_never_expired_while_its_first_verify_prefills(tiny_target)
         sid = c.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).json()["session"]
         chunked, swept = service.sessions[sid].inner.prefill, []
 
-        def slow_prefill(most):  # a prefill longer than the fresh TTL, swept by other requests meanwhile
+        def slow_prefill(limit):  # a prefill longer than the fresh TTL, swept by other requests meanwhile
             if not swept:
                 for _ in range(3):
                     time.sleep(0.2)
                     swept.append(c.post("/v1/sessions", json={"prompt_ids": ids}, headers=AUTH).status_code)
-            return chunked(most)
+            return chunked(limit)
 
         service.sessions[sid].inner.prefill = slow_prefill
         first = c.post(
@@ -709,7 +709,7 @@ def test_a_stale_verify_is_refused_before_any_model_work(client, tiny_target, mo
     service = client.app.state.service
     calls = []
     inner = service.sessions[sid].inner
-    monkeypatch.setattr(inner, "prefill", lambda most: calls.append(most) or 0)
+    monkeypatch.setattr(inner, "prefill", lambda limit: calls.append(limit) or 0)
     r = client.post(f"/v1/sessions/{sid}/verify", json={"committed": 1, "proposal": []}, headers=AUTH)
     assert r.status_code == 409 and not calls
 

@@ -134,10 +134,10 @@ def test_a_prefill_stops_when_its_client_leaves(tiny_target):
         session = app.state.service.sessions[sid]
         prefill = session.inner.prefill
 
-        def slow(most: int) -> int:  # 0.1 s a chunk of at most 32 tokens: 900 tokens take 3 s
-            chunks.append(most)
+        def slow(limit: int) -> int:  # 0.1 s a chunk of at most 32 tokens: 900 tokens take 3 s
+            chunks.append(limit)
             time.sleep(0.1)
-            return prefill(min(most, 32))
+            return prefill(min(limit, 32))
 
         session.inner.prefill = slow
         host, port = url.removeprefix("http://").split(":")

@@ -29,17 +29,17 @@ class FakeRounds:
         self.stop_after = stop_after
         self._proposal: list[int] = []
 
-    def next(self, ids, most, remaining, *, k=None):
+    def next(self, ids, limit, remaining, *, k=None):
         self.calls.append(("next", len(ids), k))
-        self._proposal = [ids[-1] + 1 + i for i in range(min(k, most))]
+        self._proposal = [ids[-1] + 1 + i for i in range(min(k, limit))]
         return list(self._proposal)
 
-    def extend(self, k, most):
+    def extend(self, k, limit):
         if self.stop_after is not None and len(self._proposal) >= self.stop_after:
             return None
-        self.calls.append(("extend", k, most))
+        self.calls.append(("extend", k, limit))
         base = self._proposal[-1]
-        self._proposal += [base + 1 + i for i in range(min(k, most - len(self._proposal)))]
+        self._proposal += [base + 1 + i for i in range(min(k, limit - len(self._proposal)))]
         return list(self._proposal)
 
     def resume(self):

@@ -327,8 +327,8 @@ class _ProposeAfter:
     def prepare(self, ids):
         pass
 
-    def next(self, ids, most, remaining):
-        return self.draft[:most] if list(ids) == self.ids else []
+    def next(self, ids, limit, remaining):
+        return self.draft[:limit] if list(ids) == self.ids else []
 
 
 def test_sampling_in_the_engines_own_step_follows_the_targets_distribution(vllm_target, tiny_vllm_model):

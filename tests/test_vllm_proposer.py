@@ -31,9 +31,9 @@ class Echo:
     def prepare(self, ids):
         self.prepared = list(ids)
 
-    def next(self, ids, most, remaining):
+    def next(self, ids, limit, remaining):
         self.seen.append(list(ids))
-        return [ids[-1] + 1 + i for i in range(self.n)][:most]
+        return [ids[-1] + 1 + i for i in range(self.n)][:limit]
 
 
 def _batch(*rows: list[int], width: int = 64) -> tuple[np.ndarray, np.ndarray]:
@@ -77,7 +77,7 @@ def test_no_draft_past_the_engine_k_the_request_budget_or_after_it_is_forgotten(
 
 def test_a_failing_drafter_proposes_nothing_from_then_on_and_the_engine_goes_on():
     class Broken(Echo):
-        def next(self, ids, most, remaining):
+        def next(self, ids, limit, remaining):
             raise RuntimeError("drafter gone")
 
     proposer = _proposer()

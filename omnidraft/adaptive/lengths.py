@@ -14,7 +14,7 @@ import torch
 
 from .acceptance_head import AcceptanceHead, Stopper, head_state
 from .costs import CostModel
-from .policy import CostPolicy, Hysteresis, ModeChooser, Outlook, outlook
+from .policy import BestSpeedup, CostPolicy, Hysteresis, ModeChooser, best_speedup
 
 __all__ = ["DraftLengths", "DraftingPlan", "plan_drafting"]
 
@@ -24,11 +24,11 @@ log = logging.getLogger("omnidraft.pairing")
 @dataclass(frozen=True)
 class DraftingPlan:
     """Which drafts a pairing uses and who decides when: `model` / `free` (retrieved) drafts, each
-    on unless the config excludes it or the outlook says it cannot pay here; `modes`, the
+    on unless the config excludes it or the best speedup says it cannot pay here; `modes`, the
     per-request chooser between speculating and the target decoding alone (None: every request
     speculates, or none can); `may_idle`, whether the cost policy may skip drafting a round."""
 
-    outlook: Outlook | None
+    best_speedup: BestSpeedup | None
     model: bool
     free: bool
     modes: ModeChooser | None
@@ -37,14 +37,14 @@ class DraftingPlan:
     def at(self, target: Any, context: int) -> tuple[bool, bool]:
         """(model, free): the drafts that can still pay after `context` tokens, by the target's
         verify costs there (`verify_costs(context)`: llama.cpp past its exact range verifies fewer
-        tokens a call, so a verify of n costs more steps than where the outlook was measured)."""
-        if self.outlook is None or not (self.model or self.free):
+        tokens a call, so a verify of n costs more steps than where the best speedup was measured)."""
+        if self.best_speedup is None or not (self.model or self.free):
             return self.model, self.free
-        seen = outlook(
+        seen = best_speedup(
             target.verify_costs(context),
-            self.outlook.draft,
-            acceptance=self.outlook.acceptance,
-            need=self.outlook.need,
+            self.best_speedup.draft,
+            acceptance=self.best_speedup.acceptance,
+            need=self.best_speedup.need,
         )
         return self.model and seen.model_pays, self.free and seen.free_pays
 
@@ -56,9 +56,9 @@ def plan_drafting(drafter: Any, target: Any, config: Any, learn: bool) -> Drafti
     remote target) a mode chooser decides it per request from measured throughput: per request it
     compared different prompts, and kept whole requests from retrieved drafts that paid
     (docs/benchmarks.md)."""
-    from ..runtime.backends import pairing_outlook
+    from ..runtime.backends import pairing_best_speedup
 
-    seen = None if learn else pairing_outlook(drafter, target, config)
+    seen = None if learn else pairing_best_speedup(drafter, target, config)
     model = config.drafts != "retrieval" and (seen is None or seen.model_pays)
     free = config.drafts != "model" and (seen is None or seen.free_pays)
     if seen is not None and not (model or free):

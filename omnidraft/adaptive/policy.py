@@ -18,10 +18,10 @@ __all__ = [
     "CostPolicy",
     "Hysteresis",
     "ModeChooser",
-    "Outlook",
+    "BestSpeedup",
     "PolicyKnobs",
     "committed",
-    "outlook",
+    "best_speedup",
 ]
 
 
@@ -49,12 +49,12 @@ class Hysteresis:
 
 
 @dataclass(frozen=True)
-class Outlook:
+class BestSpeedup:
     """What drafting could gain at best, from a target's measured verify costs, before any request:
     the highest expected speedup over decoding alone of drafts that cost nothing (retrieval) and
     of model drafts (the drafter's cost per token added), at an optimistic per-token acceptance.
     A kind of draft is used only when its gain reaches `need`; where neither does, the pairing
-    decodes with the target alone and never probes (`outlook` says why)."""
+    decodes with the target alone and never probes (`best_speedup` says why)."""
 
     free: float
     model: float
@@ -91,8 +91,10 @@ class Outlook:
         )
 
 
-def outlook(verify: dict[int, float], draft: float, *, acceptance: float = 0.9, need: float = 1.2) -> Outlook:
-    """The Outlook of a target whose verify of n tokens costs `verify[n]` seconds (n = 1 included)
+def best_speedup(
+    verify: dict[int, float], draft: float, *, acceptance: float = 0.9, need: float = 1.2
+) -> BestSpeedup:
+    """The BestSpeedup of a target whose verify of n tokens costs `verify[n]` seconds (n = 1 included)
     with a drafter whose drafted token costs `draft` seconds. A draft of n - 1 tokens commits
     E(n) = (1 - a^n) / (1 - a) tokens in V(n) + (n - 1) c_d; decoding alone, E(n) V(1)."""
     if 1 not in verify or verify[1] <= 0:
@@ -104,7 +106,7 @@ def outlook(verify: dict[int, float], draft: float, *, acceptance: float = 0.9, 
     def best(c: float) -> float:
         return max(((1 - a**n) / (1 - a)) * one / (v + (n - 1) * c) for n, v in verify.items() if n > 1)
 
-    return Outlook(
+    return BestSpeedup(
         free=best(0.0), model=best(draft), verify=dict(verify), draft=draft, acceptance=a, need=need
     )
 

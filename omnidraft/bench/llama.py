@@ -9,7 +9,7 @@ Rows, on the same prompts and the same GGUF file, each greedy, timed per request
 - omnidraft, in process: the SmolLM2 drafter on each installed backend paired with
   `LlamaCppTarget` (defaults: hybrid drafts; what drafting can gain decided from the target's
   measured verify costs, then per round), and the llama.cpp drafter under the "compute" objective
-  (no outlook and no mode chooser: every request speculates, its cost policy still skips rounds),
+  (no best-speedup check and no mode chooser: every request speculates, its cost policy still skips rounds),
   to show what drafting costs where the defaults decline it;
 - omnidraft through the hook: llama-cpp-python's `generate` with `OmnidraftDraftModel`;
 - the fp32 PyTorch target alone, for reference.
@@ -90,7 +90,7 @@ def run_llama(
     progress: Callable[[str], object] = lambda _: None,
 ) -> list[dict[str, Any]]:
     """Per prompt, per row: {"row", "prompt", "tokens", "seconds", "identical"} (identical: the
-    same ids as llama.cpp alone). `notes` receives each pairing's outlook (why it drafts or not)."""
+    same ids as llama.cpp alone). `notes` receives each pairing's best speedup (why it drafts or not)."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     import omnidraft as od
@@ -135,11 +135,11 @@ def run_llama(
     for name, pair in pairs.items():
         rows[name] = partial(pairing_row, pair, max_new_tokens)
         s = pair.speculator
-        if notes is not None and s.outlook is not None:
+        if notes is not None and s.best_speedup is not None:
             notes.append(
                 f"{name}: {'drafts' if s.drafting else 'decodes alone'} "
                 f"(model drafts {'on' if s.model_drafts else 'off'}, retrieved drafts "
-                f"{'on' if s.free_drafts else 'off'}): {s.outlook.reason()}"
+                f"{'on' if s.free_drafts else 'off'}): {s.best_speedup.reason()}"
             )
     if fp32:
         from .baselines import target_alone

@@ -71,8 +71,8 @@ class EngineRounds:
         """Seconds per drafted token on this machine, as measured so far (None before)."""
         return self.speculator.cost.draft
 
-    def next(self, ids: list[int], most: int, remaining: int, *, k: int | None = None) -> list[int]:
-        """The proposal (target ids, at most `most`) after the committed `ids`, which extend the
+    def next(self, ids: list[int], limit: int, remaining: int, *, k: int | None = None) -> list[int]:
+        """The proposal (target ids, at most `limit`) after the committed `ids`, which extend the
         last call's; `remaining`: tokens the sequence may still produce. `k` drafts that many
         tokens whatever the pairing's draft-length policy says (a device drafting ahead for a
         server's engine: its drafting is off the server's path, the server's budget decides)."""
@@ -84,8 +84,8 @@ class EngineRounds:
             new = ids[len(self._ids) :]
             spec.commit(new, accepted_prefix(rnd, new), now - rnd.ready, now)
         self._ids = spec.request.target.ids = list(ids)
-        rnd = spec.propose(max(1, remaining), most=most, k=k)
-        assert rnd is not None  # with `most`, an empty round rather than none
+        rnd = spec.propose(max(1, remaining), limit=limit, k=k)
+        assert rnd is not None  # with `limit`, an empty round rather than none
         self._growable = rnd.grows and len(rnd.draft.ids) >= spec.budget.k
         if self.keep:
             self.proposals[len(ids)] = rnd
@@ -93,16 +93,16 @@ class EngineRounds:
         self.proposed += len(rnd.proposal)
         return [int(t) for t in rnd.proposal.ids.tolist()]
 
-    def extend(self, k: int, most: int) -> list[int] | None:
-        """The last proposal with its model draft drafted `k` tokens further (at most `most` target
+    def extend(self, k: int, limit: int) -> list[int] | None:
+        """The last proposal with its model draft drafted `k` tokens further (at most `limit` target
         ids in all), while the engine has not yet answered it: a device drafting ahead of a server.
         None where it cannot grow: a retrieved proposal, or a draft the drafter stopped itself
         (a stop token, low confidence)."""
         spec = self.spec
-        if spec is None or spec.round is None or not self._growable or len(spec.round.proposal) >= most:
+        if spec is None or spec.round is None or not self._growable or len(spec.round.proposal) >= limit:
             return None
         before = spec.round
-        longer = spec.extend(k, most)
+        longer = spec.extend(k, limit)
         if longer is None or len(longer.draft.ids) < len(before.draft.ids) + k:
             self._growable = False  # the drafter stopped (a stop token, low confidence)
         if longer is None:

@@ -3,7 +3,7 @@ vLLM's proposers are for one vocabulary).
 
 A proposer answers three calls, made by a request's `Speculation` (speculation.py):
 `begin(request)` gives the request the proposer's own state, `propose(state, budget)` proposes up to
-`budget.room` target ids after the committed text (a `Round`, or None for nothing worth proposing),
+`budget.limit` target ids after the committed text (a `Round`, or None for nothing worth proposing),
 and `settle(state, rnd, verdict)` learns what the target committed. The pairing's `RoundPolicy`
 only sizes each budget. docs/architecture.md has the recipe for a proposer of your own.
 
@@ -81,13 +81,13 @@ class Round:
 
 @dataclass(frozen=True)
 class Budget:
-    """What a round may propose: up to `k` model-drafted tokens (0: none), at most `room` target ids
+    """What a round may propose: up to `k` model-drafted tokens (0: none), at most `limit` target ids
     in all, retrieved tokens or not; `only`: which translations the request's verification accepts
     (translate/translator.py); `ahead`: draft k tokens whatever an acceptance head says (a device
     drafting ahead for a server's engine, whose budget decides what is verified)."""
 
     k: int
-    room: int
+    limit: int
     retrieve: bool = True
     only: str = "any"
     ahead: bool = False
@@ -110,7 +110,7 @@ class Proposer(Protocol):
         ...
 
     def propose(self, state: Any, budget: Budget) -> Round | None:
-        """Up to `budget.room` target ids after the committed text (`state`'s request's target
+        """Up to `budget.limit` target ids after the committed text (`state`'s request's target
         ids), or None: nothing worth proposing this round."""
         ...
 
@@ -124,7 +124,7 @@ class Extendable(Protocol):
     """A proposer whose last proposal can grow while its verify is still out (a device drafting
     ahead of a server's engine, targets/remote_stream.py)."""
 
-    def extend(self, state: Any, rnd: Round, k: int, room: int) -> Round | None: ...
+    def extend(self, state: Any, rnd: Round, k: int, limit: int) -> Round | None: ...
 
     def may_resume(self, state: Any, rnd: Round) -> bool: ...
 
@@ -155,7 +155,7 @@ class ModelDrafts:
 
     def propose(self, state: ModelState, budget: Budget) -> Round:
         draft = NO_DRAFT if budget.k == 0 else self._draft(state, budget.k, ahead=budget.ahead)
-        return self._round(state, draft, budget.only, budget.room)
+        return self._round(state, draft, budget.only, budget.limit)
 
     def settle(self, state: ModelState, rnd: Round, verdict: Verdict) -> None:
         """The drafter keeps what matches the committed text and re-encodes the rest, the n-gram
@@ -173,9 +173,9 @@ class ModelDrafts:
             )
         state.last = (draft.ids[:keep] + tail or [state.last])[-1]
 
-    def extend(self, state: ModelState, rnd: Round, k: int, room: int) -> Round | None:
+    def extend(self, state: ModelState, rnd: Round, k: int, limit: int) -> Round | None:
         """`rnd` with its model draft drafted up to `k` tokens further (stopped as a draft is, by a
-        stop token or low confidence), translated again (at most `room` target ids); None where the
+        stop token or low confidence), translated again (at most `limit` target ids); None where the
         drafter proposes nothing more, or `rnd` is not a model draft to grow."""
         if not rnd.grows:
             return None
@@ -183,7 +183,7 @@ class ModelDrafts:
         more = state.drafts.propose(k, stop_confidence=stop_confidence, more=True)
         if not more.ids:
             return None
-        grown = self._round(state, Draft(rnd.draft.ids + more.ids, None, rnd.draft.healed), "any", room)
+        grown = self._round(state, Draft(rnd.draft.ids + more.ids, None, rnd.draft.healed), "any", limit)
         grown.started = rnd.started
         return grown
 
@@ -191,12 +191,12 @@ class ModelDrafts:
         """Whether `rnd`'s draft stopped at a token of low confidence (not a stop token)."""
         return rnd.grows and rnd.draft.ids[-1] not in state.drafts.stop_ids
 
-    def _round(self, state: ModelState, draft: Draft, only: str, room: int) -> Round:
+    def _round(self, state: ModelState, draft: Draft, only: str, limit: int) -> Round:
         s, drafted = self.s, time.perf_counter()
         skip = len(s.drafter.token_bytes.table[state.last] or b"") if draft.healed else 0
         with s.lock:
             proposal = s.translator.translate(draft.ids, only=only, skip=skip)
-        return Round(draft, proposal.cut(min(len(proposal), room)), drafted=drafted)
+        return Round(draft, proposal.cut(min(len(proposal), limit)), drafted=drafted)
 
     def _draft(self, state: ModelState, k: int, *, ahead: bool) -> Draft:
         """Up to k tokens; `ahead`: k, not an acceptance head's length."""
@@ -239,18 +239,18 @@ class RetrievedDrafts:
             return None
         with s.lock:
             rates = s.policy.last_rates if s.policy else {}
-            used = s.retriever.plan(index, s.cost, rates, budget.room, drafting=budget.k > 0)
+            used = s.retriever.plan(index, s.cost, rates, budget.limit, drafting=budget.k > 0)
             if used is None:
                 return None
             rnd = Round.copied(used.candidate.ids[: used.length])
         rnd.used, rnd.drafted = used, time.perf_counter()  # no drafter forward
         return rnd
 
-    def run_on(self, index: ContextIndex | None, rnd: Round, room: int) -> Round:
+    def run_on(self, index: ContextIndex | None, rnd: Round, limit: int) -> Round:
         """`rnd` (a model draft) run on into a retrieved continuation, where its end matches one."""
         if index is not None and self.s.retriever is not None:
             with self.s.lock:
-                rnd.proposal, rnd.used = self.s.retriever.extend(index, rnd.proposal, room)
+                rnd.proposal, rnd.used = self.s.retriever.extend(index, rnd.proposal, limit)
         return rnd
 
     def settle(self, index: ContextIndex | None, rnd: Round, verdict: Verdict) -> None:
@@ -279,7 +279,7 @@ class HybridDrafts:
         if rnd is None:
             rnd = self.model.propose(model, budget)
             if retrieved is not None:
-                rnd = retrieved.run_on(index, rnd, budget.room)
+                rnd = retrieved.run_on(index, rnd, budget.limit)
         return rnd
 
     def settle(self, state: tuple[ModelState, Any], rnd: Round, verdict: Verdict) -> None:
@@ -288,8 +288,8 @@ class HybridDrafts:
         if self.retrieved is not None:
             self.retrieved.settle(index, rnd, verdict)
 
-    def extend(self, state: tuple[ModelState, Any], rnd: Round, k: int, room: int) -> Round | None:
-        return self.model.extend(state[0], rnd, k, room)
+    def extend(self, state: tuple[ModelState, Any], rnd: Round, k: int, limit: int) -> Round | None:
+        return self.model.extend(state[0], rnd, k, limit)
 
     def may_resume(self, state: tuple[ModelState, Any], rnd: Round) -> bool:
         return self.model.may_resume(state[0], rnd)

@@ -24,11 +24,11 @@ __all__ = ["RoundPlan", "RoundPolicy"]
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """This round: up to `k` model-drafted tokens (0: none), at most `room` proposed in all,
+    """This round: up to `k` model-drafted tokens (0: none), at most `limit` proposed in all,
     retrieved drafts allowed or not, and whether the drafter's read of the prompt is deferred."""
 
     k: int
-    room: int
+    limit: int
     retrieve: bool
     defer: bool
 
@@ -45,10 +45,10 @@ class RoundPolicy:
         s = self.s
         model, free = s.plan.at(s.target, len(req.target.ids))  # what can pay at this context
         defer = model and req.k > 0 and req.read.defer(s.policy.last_rates if s.policy else {}, req.produced)
-        room, ask = within_budget(req.target, remaining - 1, req.k if model and not defer else 0)
-        if room == 0 < remaining - 1:
+        limit, ask = within_budget(req.target, remaining - 1, req.k if model and not defer else 0)
+        if limit == 0 < remaining - 1:
             return None
-        return RoundPlan(ask, room, free, defer)
+        return RoundPlan(ask, limit, free, defer)
 
     def settle_read(
         self, req: Request, plan: RoundPlan, rnd: Round, committed: int, seconds: float | None

@@ -108,11 +108,11 @@ def decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int]
         context, last = context + 1, now
 
 
-def within_budget(tsession: Any, room: int, k: int) -> tuple[int, int]:
-    """(room, k) for this round's proposal, each capped by the draft budget the target session's
+def within_budget(tsession: Any, limit: int, k: int) -> tuple[int, int]:
+    """(limit, k) for this round's proposal, each capped by the draft budget the target session's
     server gave in its last reply (server/budget.py: a server under load takes fewer draft tokens)."""
     cap = tsession.budget
-    return (room, k) if cap is None else (min(room, cap), min(k, cap))
+    return (limit, k) if cap is None else (min(limit, cap), min(k, cap))
 
 
 def check_request(prompt: str, max_new_tokens: int, stop: str | Sequence[str]) -> tuple[str, ...]:

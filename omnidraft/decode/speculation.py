@@ -95,21 +95,21 @@ class Speculation:
     def produced(self) -> int:
         return self.request.produced
 
-    def propose(self, remaining: int, *, most: int | None = None, k: int | None = None) -> Round | None:
+    def propose(self, remaining: int, *, limit: int | None = None, k: int | None = None) -> Round | None:
         """The next round's proposal with `remaining` tokens to go; None when the target's server
-        takes no draft now (it should decode the rest alone). `most` caps the proposal (an engine's
+        takes no draft now (it should decode the rest alone). `limit` caps the proposal (an engine's
         own limit: then an empty round, never None); `k` drafts that many tokens whatever the
         draft-length policy says (a device drafting ahead for a server's engine)."""
         started, req = time.perf_counter(), self.request
         self.policy.begin_round(req, started)
         plan = self.policy.plan(req, remaining)
-        if plan is None and most is None:
+        if plan is None and limit is None:
             return None
         plan = plan or RoundPlan(0, 0, False, False)
-        room = plan.room if most is None else max(0, min(plan.room, most))
-        ask = (plan.k if k is None else min(k, room)) if room > 0 else 0
-        self._plan = RoundPlan(ask, room, plan.retrieve, plan.defer and k is None)
-        self.budget = budget = Budget(ask, room, plan.retrieve, ONLY.get(req.rule.mode, "any"), k is not None)
+        cap = plan.limit if limit is None else max(0, min(plan.limit, limit))
+        ask = (plan.k if k is None else min(k, cap)) if cap > 0 else 0
+        self._plan = RoundPlan(ask, cap, plan.retrieve, plan.defer and k is None)
+        self.budget = budget = Budget(ask, cap, plan.retrieve, ONLY.get(req.rule.mode, "any"), k is not None)
         rnd = self.proposer.propose(self.state, budget) or Round.copied([])
         proposal = rnd.proposal
         if budget.only != "any" and len(proposal):
@@ -140,13 +140,13 @@ class Speculation:
         self.rounds += 1
         return rnd
 
-    def extend(self, k: int, most: int) -> Round | None:
-        """The last proposal with its model draft drafted `k` tokens further (at most `most` target
+    def extend(self, k: int, limit: int) -> Round | None:
+        """The last proposal with its model draft drafted `k` tokens further (at most `limit` target
         ids), while its verify is still out; None where the proposer cannot grow it."""
         rnd = self.round
         if rnd is None or not isinstance(self.proposer, Extendable):
             return None
-        grown = self.proposer.extend(self.state, rnd, k, most)
+        grown = self.proposer.extend(self.state, rnd, k, limit)
         if grown is not None:
             grown.ready = time.perf_counter()
             self.round = grown

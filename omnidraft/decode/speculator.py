@@ -66,10 +66,10 @@ class Speculator:
         # drafter ids with a target id of the same bytes (exact mode drafts only these)
         self.shared_vocab = vmap.d2t >= 0
         self.plan = plan = plan_drafting(drafter, target, config, learn)
-        self.outlook, self.modes = plan.outlook, plan.modes
+        self.best_speedup, self.modes = plan.best_speedup, plan.modes
         self.model_drafts, self.free_drafts = plan.model, plan.free
         # measured costs, from the target's own where it has them
-        self.cost = CostModel(verify=plan.outlook.verify if plan.outlook else None)
+        self.cost = CostModel(verify=plan.best_speedup.verify if plan.best_speedup else None)
         self.retriever: Retriever | None = None
         if config.drafts != "model":
             self.retriever = Retriever.for_user(
@@ -148,7 +148,7 @@ class Speculator:
         """Why a request served in `mode` drafted as it did (empty where it simply speculated)."""
         if mode == "alone":
             if not self.drafting:
-                seen = f": {self.outlook.reason()}" if self.outlook is not None else ""
+                seen = f": {self.best_speedup.reason()}" if self.best_speedup is not None else ""
                 return f"drafting cannot pay on this machine{seen}"
             return "decoding alone measured faster for this pairing here"
         if stats.rounds and stats.speculating == 0:

@@ -38,10 +38,10 @@ def _read(path: str | Path) -> dict[str, Any]:
     return doc
 
 
-def _interpolated(points: dict[int, float], most: int) -> list[float]:
+def _interpolated(points: dict[int, float], up_to: int) -> list[float]:
     ks = sorted(points)
     out = []
-    for m in range(1, most + 1):
+    for m in range(1, up_to + 1):
         lo = max((k for k in ks if k <= m), default=ks[0])
         hi = min((k for k in ks if k >= m), default=ks[-1])
         share = 0.0 if hi == lo else (m - lo) / (hi - lo)

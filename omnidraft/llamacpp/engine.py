@@ -238,21 +238,21 @@ class LlamaEngine:
         ]
         return [limit for limit in limits if limit[1] > 1] or [[grid[0] if grid else 1, 1]]
 
-    def row_costs(self, most: int = 8) -> dict[int, float]:
-        """Seconds to evaluate n = 1..`most` tokens after a context and get their logits, fed as a
+    def row_costs(self, up_to: int = 8) -> dict[int, float]:
+        """Seconds to evaluate n = 1..`up_to` tokens after a context and get their logits, fed as a
         verify is (calls of at most `exact_rows`): what verifying n tokens costs. Measured once per
         machine, model and settings (a few seconds), then remembered."""
-        if most not in self._row_costs:
+        if up_to not in self._row_costs:
             costs = remembered(
-                "llama-row-costs", f"{self.measure_key()}|rows {most}", lambda: self._time_rows(most)
+                "llama-row-costs", f"{self.measure_key()}|rows {up_to}", lambda: self._time_rows(up_to)
             )
-            self._row_costs[most] = {int(n): float(s) for n, s in costs.items()}
-        return dict(self._row_costs[most])
+            self._row_costs[up_to] = {int(n): float(s) for n, s in costs.items()}
+        return dict(self._row_costs[up_to])
 
-    def _time_rows(self, most: int, reps: int = 5) -> dict[str, float]:
+    def _time_rows(self, up_to: int, reps: int = 5) -> dict[str, float]:
         text = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n' * 12
-        ids = self.tokenize(text)[: min(COST_CONTEXT, self.n_ctx - most - 1)]
-        times: dict[int, list[float]] = {n: [] for n in range(1, most + 1)}
+        ids = self.tokenize(text)[: min(COST_CONTEXT, self.n_ctx - up_to - 1)]
+        times: dict[int, list[float]] = {n: [] for n in range(1, up_to + 1)}
         with self.lock:
             self.logits(ids, 1, owner=self)
             for _ in range(reps):  # interleaved, so that a slow moment spreads over every n

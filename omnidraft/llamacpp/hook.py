@@ -56,9 +56,9 @@ class OmnidraftDraftModel(LlamaDraftModel):
         if not self.rounds.extends(ids):
             self.rounds.open(ids)
         # llama.cpp verifies a draft in one call: at most what it evaluates exactly at this context
-        most = (
+        limit = (
             self.max_draft
             if self.engine is None
             else min(self.max_draft, self.engine.rows_at(len(ids) - 1) - 1)
         )
-        return np.asarray(self.rounds.next(ids, most, self.max_draft + 1), dtype=np.intc)
+        return np.asarray(self.rounds.next(ids, limit, self.max_draft + 1), dtype=np.intc)

@@ -142,16 +142,16 @@ class Retriever:
         return ContextIndex(prompt_ids, self.history)
 
     def plan(
-        self, index: ContextIndex, cost: Any, rates: dict[int, float], room: int, *, drafting: bool = True
+        self, index: ContextIndex, cost: Any, rates: dict[int, float], limit: int, *, drafting: bool = True
     ) -> Used | None:
         """Whether this round retrieves (and what), given the model policy's `rates` (tokens per
-        second by draft length, 0 = target alone; empty before they are measured) and `room`
+        second by draft length, 0 = target alone; empty before they are measured) and `limit`
         tokens the request may still propose. `drafting=False`: no model draft this round (the cost
         policy chose none, or the drafter's read is deferred), so a retrieved draft competes with a
         round of the target alone."""
-        if room < 1:
+        if limit < 1:
             return None
-        candidates = index.candidates(min(room, self.config.max_len))
+        candidates = index.candidates(min(limit, self.config.max_len))
         if self.model and drafting:  # a short match is left to the model draft, which a source may extend
             candidates = [c for c in candidates if c.match >= self.config.min_match]
         measured = len(getattr(cost, "verify", ())) >= 2 and (rates or not self.model)
@@ -170,10 +170,10 @@ class Retriever:
                 return None
         return Used(candidate, m)
 
-    def extend(self, index: ContextIndex, proposal: Proposal, room: int) -> tuple[Proposal, Used | None]:
+    def extend(self, index: ContextIndex, proposal: Proposal, limit: int) -> tuple[Proposal, Used | None]:
         """A model draft (in target ids) run on into what followed its end in a source, when that
-        match is at least `min_match` tokens long (up to `room` tokens in all)."""
-        free = min(room, self.config.max_len) - len(proposal)
+        match is at least `min_match` tokens long (up to `limit` tokens in all)."""
+        free = min(limit, self.config.max_len) - len(proposal)
         if not self.config.extend or len(proposal) == 0 or free < 1:
             return proposal, None
         candidates = index.candidates(free, ahead=proposal.ids.tolist())

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from . import measured
 
-__all__ = ["draft_ms", "drafting_cost", "drafting_copy", "fastest_drafter", "pairing_outlook"]
+__all__ = ["draft_ms", "drafting_cost", "drafting_copy", "fastest_drafter", "pairing_best_speedup"]
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +84,18 @@ def drafting_copy(drafter: Any, config: Any, *, learn: bool, adapter: Any, user:
     return llama
 
 
-def pairing_outlook(drafter: Any, target: Any, config: Any) -> Any:
+def pairing_best_speedup(drafter: Any, target: Any, config: Any) -> Any:
     """What drafting could gain at best for this pair on this machine (adaptive/policy.py
-    `Outlook`), for a target that reports measured verify costs (`verify_costs()`) and a config
+    `BestSpeedup`), for a target that reports measured verify costs (`verify_costs()`) and a config
     that chooses draft lengths for speed; None otherwise (the pairing then measures as it goes)."""
-    from ..adaptive.policy import outlook
+    from ..adaptive.policy import best_speedup
 
     if config.k is not None or config.objective != "latency":
         return None
     costs = target.verify_costs()
     if costs is None:
         return None
-    return outlook(costs, drafting_cost(drafter) if config.drafts != "retrieval" else 0.0)
+    return best_speedup(costs, drafting_cost(drafter) if config.drafts != "retrieval" else 0.0)
 
 
 def _candidates(spec: str) -> list[str]:

@@ -69,10 +69,10 @@ class CausalRunner:
         return out.logits[0, -keep:]
 
     @torch.inference_mode()
-    def prefill(self, most: int) -> int:
-        """Feed at most `most` of the tokens not yet cached, never the last one (a verify or decode
+    def prefill(self, limit: int) -> int:
+        """Feed at most `limit` of the tokens not yet cached, never the last one (a verify or decode
         step feeds it with what follows); returns how many remain to feed before it."""
-        end = min(self.kv_len + most, len(self.ids) - 1)
+        end = min(self.kv_len + limit, len(self.ids) - 1)
         if end > self.kv_len:
             self.model(
                 input_ids=torch.tensor([self.ids[self.kv_len : end]], dtype=torch.long, device=self.device),

@@ -153,10 +153,10 @@ class StaticRunner(CausalRunner):
         return logits
 
     @torch.inference_mode()
-    def prefill(self, most: int) -> int:
+    def prefill(self, limit: int) -> int:
         if self.spilled is not None or len(self.ids) > self.capacity:
-            return self._spill().prefill(most)
-        end = min(self.kv_len + most, len(self.ids) - 1)
+            return self._spill().prefill(limit)
+        end = min(self.kv_len + limit, len(self.ids) - 1)
         if end > self.kv_len:
             ids = torch.tensor([self.ids[self.kv_len : end]], dtype=torch.long, device=self.device)
             start = torch.tensor(self.kv_len, dtype=torch.long, device=self.device)

@@ -42,13 +42,17 @@ def step_seconds(costs: dict[int, float], tokens: float) -> float:
     return c_first
 
 
-def draft_budget(costs: dict[int, float], acceptance: float, sessions: int, most: int, tail: int = 0) -> int:
-    """The draft length in [1, `most`] of highest goodput for `sessions` sessions verifying at once,
+def draft_budget(
+    costs: dict[int, float], acceptance: float, sessions: int, max_draft: int, tail: int = 0
+) -> int:
+    """The draft length in [1, `max_draft`] of highest goodput for `sessions` sessions verifying at once,
     each accepting a drafted token with probability `acceptance`, where each verify also recomputes
     `tail` tokens of context (a block-granular prefix cache); 0 when no length beats the sessions
     decoding alone in the engine's own loop (one token each a step, no tail): hand them over."""
-    if most < 0 or sessions < 1 or tail < 0:
-        raise ValueError(f"need most >= 0, sessions >= 1 and tail >= 0, got {most}, {sessions} and {tail}")
+    if max_draft < 0 or sessions < 1 or tail < 0:
+        raise ValueError(
+            f"need max_draft >= 0, sessions >= 1 and tail >= 0, got {max_draft}, {sessions} and {tail}"
+        )
     a = min(max(acceptance, 0.0), 0.999)
     alone = sessions / step_seconds(costs, sessions)
 
@@ -56,7 +60,7 @@ def draft_budget(costs: dict[int, float], acceptance: float, sessions: int, most
         committed = (1 - a ** (k + 1)) / (1 - a)
         return sessions * committed / step_seconds(costs, sessions * (k + 1 + tail))
 
-    best = max(range(1, most + 1), key=lambda k: (goodput(k), -k), default=0)
+    best = max(range(1, max_draft + 1), key=lambda k: (goodput(k), -k), default=0)
     return best if best and goodput(best) > alone else 0
 
 
@@ -207,8 +211,8 @@ class DraftBudget:
     re-measured where it drove the budget to 0); recomputed at most every BUDGET_S per context
     tail (an engine step asks it for every row). `active_n`: the load the last budget served."""
 
-    def __init__(self, costs: dict[int, float], active: Callable[[], int], most: int) -> None:
-        self.costs, self.active, self.most = costs, active, most
+    def __init__(self, costs: dict[int, float], active: Callable[[], int], max_draft: int) -> None:
+        self.costs, self.active, self.max_draft = costs, active, max_draft
         self.acceptance = RecentAcceptance()
         self.active_n = 1
         self._cached: dict[int, tuple[float, int]] = {}  # tail -> (when, budget)
@@ -221,8 +225,10 @@ class DraftBudget:
             return cached[1]
         self.active_n = self.active()
         sessions, seen = max(1, self.active_n), self.acceptance
-        measured = draft_budget(self.costs, seen.value, sessions, self.most, tail=tail)
-        probe = draft_budget(self.costs, seen.prior, sessions, self.most, tail=tail) if measured == 0 else 0
+        measured = draft_budget(self.costs, seen.value, sessions, self.max_draft, tail=tail)
+        probe = (
+            draft_budget(self.costs, seen.prior, sessions, self.max_draft, tail=tail) if measured == 0 else 0
+        )
         budget = seen.budget(measured, probe, now)
         self._cached[tail] = (now, budget)
         return budget

@@ -80,14 +80,14 @@ class DeviceRounds:
             self._published = end
             self.events.put(list(generated[:end]))
 
-    def next(self, ids: list[int], most: int, remaining: int) -> list[int]:
+    def next(self, ids: list[int], limit: int, remaining: int) -> list[int]:
         """The device's newest proposal that continues `ids`, at most the budget's length; waits
         up to `wait_s()` for the device to propose after `ids` when it has not yet."""
         self._settle(ids)
         self.committed = max(self.committed, len(ids))
-        most = min(most, self.budget())
+        limit = min(limit, self.budget())
         draft: list[int] = []
-        if most > 0:
+        if limit > 0:
             began = time.monotonic()
             told = self._told if self._told is not None else began
             wait = self.wait_s()
@@ -101,11 +101,11 @@ class DeviceRounds:
                         break
                     self._cond.wait(left)
             self.waited += time.monotonic() - began
-        self._looked = not draft and most > 0
+        self._looked = not draft and limit > 0
         if self._looked:
-            draft = self.lookup.propose(ids, most)
-        self._given = (len(ids), draft[:most])
-        return draft[:most]
+            draft = self.lookup.propose(ids, limit)
+        self._given = (len(ids), draft[:limit])
+        return draft[:limit]
 
     def cancel(self) -> None:
         """The session was deleted: the stream ends at once, its engine request aborted."""
@@ -215,8 +215,8 @@ class SpeculateRoutes:
         rule = sampling_rule(request)
         with session.lock:
             end = self._claim_stream(session, request.committed, request.max_tokens)
-            start, most, eos = request.committed, request.max_tokens, self.target.eos_ids
-            rounds = DeviceRounds(start, most, eos, self._engine_budget, self._wait_s, self._observe)
+            start, limit, eos = request.committed, request.max_tokens, self.target.eos_ids
+            rounds = DeviceRounds(start, limit, eos, self._engine_budget, self._wait_s, self._observe)
             session.rounds, session.verified = rounds, True
         return ended(self._speculating(session, rounds, start, rule, end), end)
 

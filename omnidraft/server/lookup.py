@@ -27,11 +27,11 @@ class PromptLookup:
         self.accepted = self.proposed = 0.0  # decayed sums of the lookup's own drafts
         self._skipped = 0
 
-    def propose(self, ids: list[int], most: int) -> list[int]:
-        """Up to `most` ids that followed the latest earlier occurrence of `ids`' last n ids; []
+    def propose(self, ids: list[int], limit: int) -> list[int]:
+        """Up to `limit` ids that followed the latest earlier occurrence of `ids`' last n ids; []
         where there is none or the lookup measures too poor here (tried again every so often)."""
         n = self.n
-        if most <= 0 or len(ids) <= n:
+        if limit <= 0 or len(ids) <= n:
             return []
         if self.proposed >= 4 and self.accepted / self.proposed < self.floor:
             self._skipped += 1
@@ -41,7 +41,7 @@ class PromptLookup:
             self._follows[tuple(ids[i : i + n])] = i + n
         self._indexed = max(self._indexed, len(ids) - n)
         at = self._follows.get(tuple(ids[-n:]))
-        return list(ids[at : at + most]) if at is not None else []
+        return list(ids[at : at + limit]) if at is not None else []
 
     def observe(self, proposed: int, accepted: int) -> None:
         """How one of its drafts fared."""

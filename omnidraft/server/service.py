@@ -263,17 +263,17 @@ class Service(TextRoutes, SpeculateRoutes):
         request of its own beside theirs). Stops (499) once `cancel` is set or the session deleted."""
         if not self.target.capabilities.prefills_in_chunks:
             return
-        inner, most = cast(ChunkedSession, session.inner), PREFILL_FIRST
+        inner, limit = cast(ChunkedSession, session.inner), PREFILL_FIRST
         while True:
             if session.cancelled.is_set() or (cancel is not None and cancel.is_set()):
                 raise HTTPError(499, "the client or its session went away during the prefill")
             with self.model_lock:
                 started = time.perf_counter()
-                if inner.prefill(most) == 0:
+                if inner.prefill(limit) == 0:
                     return
                 took = time.perf_counter() - started
-            most = max(
-                PREFILL_FIRST, min(PREFILL_CHUNK, 2 * most, int(most * PREFILL_SLICE_S / max(took, 1e-4)))
+            limit = max(
+                PREFILL_FIRST, min(PREFILL_CHUNK, 2 * limit, int(limit * PREFILL_SLICE_S / max(took, 1e-4)))
             )
 
     def _stepwise(

@@ -60,10 +60,10 @@ class _LocalSession(SessionBase):
         """Tokens of the sequence already in the KV cache."""
         return self.runner.kv_len
 
-    def prefill(self, most: int) -> int:
-        """Feed up to `most` uncached tokens of the sequence (a server bounds how long one call
+    def prefill(self, limit: int) -> int:
+        """Feed up to `limit` uncached tokens of the sequence (a server bounds how long one call
         holds the model this way); returns how many remain."""
-        return self.runner.prefill(most)
+        return self.runner.prefill(limit)
 
     def scores(self, new: list[int], keep: int) -> torch.Tensor:
         """Append `new` to the sequence and return the logits (keep, V) after its last `keep`

@@ -15,20 +15,20 @@ COST_CONTEXT = 200  # tokens of context before the tokens whose verify costs are
 BATCH_ROWS = 16  # sequences in the steps whose costs `time_batches` measures
 
 
-def time_verifies(target: Any, most: int = 8, reps: int = 5) -> dict[str, float]:
-    """Seconds to verify n = 1 .. `most` tokens after COST_CONTEXT tokens: a request each on a
+def time_verifies(target: Any, up_to: int = 8, reps: int = 5) -> dict[str, float]:
+    """Seconds to verify n = 1 .. `up_to` tokens after COST_CONTEXT tokens: a request each on a
     plain engine, an engine step each on one with omnidraft's proposer."""
     if target.proposer is not None:
-        return time_engine_verifies(target, min(most, target.proposer.k + 1), reps)
+        return time_engine_verifies(target, min(up_to, target.proposer.k + 1), reps)
     ids = [
         int(i)
         for i in torch.randint(
-            0, target.vocab, (COST_CONTEXT + most,), generator=torch.Generator().manual_seed(0)
+            0, target.vocab, (COST_CONTEXT + up_to,), generator=torch.Generator().manual_seed(0)
         )
     ]
     salt = uuid.uuid4().hex
     target.request(ids[:COST_CONTEXT], salt, max_tokens=1)
-    times: dict[int, list[float]] = {n: [] for n in range(1, most + 1)}
+    times: dict[int, list[float]] = {n: [] for n in range(1, up_to + 1)}
     for _ in range(reps):
         for n in times:
             started = time.perf_counter()
@@ -37,13 +37,13 @@ def time_verifies(target: Any, most: int = 8, reps: int = 5) -> dict[str, float]
     return {str(n): sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
-def time_engine_verifies(target: Any, most: int, reps: int) -> dict[str, float]:
+def time_engine_verifies(target: Any, up_to: int, reps: int) -> dict[str, float]:
     """Seconds per engine step that verifies n - 1 drafted tokens and samples one (n = 1: a
     plain decode step), after COST_CONTEXT tokens: the median gap between the step's outputs."""
     gen = torch.Generator().manual_seed(0)
     ids = [int(i) for i in torch.randint(0, target.vocab, (COST_CONTEXT,), generator=gen)]
     costs = {}
-    for n in range(1, most + 1):
+    for n in range(1, up_to + 1):
         stamps = [
             time.perf_counter() for _ in target.begin(ids).steps(reps + 2, FixedDrafts(n - 1), eos=False)
         ]
@@ -86,5 +86,5 @@ class FixedDrafts:
     def prepare(self, ids: list[int]) -> None:
         pass
 
-    def next(self, ids: list[int], most: int, remaining: int) -> list[int]:
-        return [ids[-1]] * min(self.n, most)
+    def next(self, ids: list[int], limit: int, remaining: int) -> list[int]:
+        return [ids[-1]] * min(self.n, limit)

@@ -62,7 +62,7 @@ class Rounds(Protocol):
         """Told every row's committed ids before any row is asked for its draft (a device that
         drafts elsewhere hears of them here)."""
 
-    def next(self, ids: list[int], most: int, remaining: int) -> list[int]: ...
+    def next(self, ids: list[int], limit: int, remaining: int) -> list[int]: ...
 
 
 class Sequence:
@@ -82,14 +82,14 @@ class Sequence:
     def prepare(self, ids: list[int]) -> None:
         self.rounds.prepare(ids)
 
-    def next(self, ids: list[int], most: int) -> list[int]:
+    def next(self, ids: list[int], limit: int) -> list[int]:
         if not self.opened:
             self.rounds.open(self.prompt, self.drafter_ids)
             self.opened = True
         remaining = self.max_tokens - (len(ids) - len(self.prompt))
-        draft = self.rounds.next(ids, most, remaining) if remaining > 1 else []
+        draft = self.rounds.next(ids, limit, remaining) if remaining > 1 else []
         self.known = np.asarray(ids, dtype=np.int64)
-        return draft[: max(0, min(most, remaining - 1))]
+        return draft[: max(0, min(limit, remaining - 1))]
 
 
 class EngineProposer:

@@ -35,8 +35,8 @@ class VLLMSession(SessionBase):
         self.cached = 0  # prompt tokens a `prefill` put in the prefix cache (it may evict them: no matter)
         self.started = False  # whether a verify or a stream of this session reached the engine
 
-    def prefill(self, most: int) -> int:
-        """Put up to `most` more prompt tokens (whole cache blocks) into the engine's prefix cache,
+    def prefill(self, limit: int) -> int:
+        """Put up to `limit` more prompt tokens (whole cache blocks) into the engine's prefix cache,
         as one request of its own that `cancel` stops; returns how many remain. vLLM computes a
         request running alone in one step however long: a server feeds a long prompt this way so
         that a client that left, or a waiting session, never waits for the whole of it."""
@@ -44,7 +44,7 @@ class VLLMSession(SessionBase):
             return 0
         block = max(1, self.owner.block_size)
         last = len(self.ids) - 1  # the last prompt token stays for the verify (its rows are asked)
-        end = min(last, self.cached + max(block, most))
+        end = min(last, self.cached + max(block, limit))
         if end < last:
             end -= end % block
         if end > self.cached:

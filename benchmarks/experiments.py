@@ -1,9 +1,8 @@
-"""The experiment commands of `omnidraft`: adapt, bench-cache, bench-draft, bench-drafters, bench-replay
-and bench-switch.
+"""The lab's experiment commands: `python -m benchmarks adapt | draft-lengths | replay | ngram-cache
+| switch | drafters`.
 
-Each turns parsed arguments (omnidraft/cli/options.py's parser) into one run of its bench/
-module and prints the report. Split from omnidraft/cli/, which keeps the parser and the
-commands a user runs day to day.
+Each turns parsed arguments (benchmarks/__main__.py's parser) into one run of its module and
+prints the report. The commands a user runs day to day stay in omnidraft/cli/.
 """
 
 from __future__ import annotations

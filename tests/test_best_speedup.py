@@ -1,5 +1,5 @@
 """Whether drafting can pay at all, decided before any request from a target's measured verify
-costs (adaptive/policy.py `outlook`): where it cannot, the pairing decodes with the target alone
+costs (adaptive/policy.py `best_speedup`): where it cannot, the pairing decodes with the target alone
 and never probes; where only free retrieved drafts can, it drafts no model tokens."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 import pytest
 
 import omnidraft.runtime.backends
-from omnidraft.adaptive.policy import outlook
+from omnidraft.adaptive.policy import best_speedup
 from omnidraft.runtime import measured
 from tests.conftest import target_greedy
 
@@ -44,18 +44,18 @@ def drafter_cost(monkeypatch):
     monkeypatch.setattr(omnidraft.runtime.backends, "drafting_cost", lambda drafter: 0.005)
 
 
-def test_the_outlook_of_linear_cheap_and_costly_drafts():
-    linear = outlook(LINEAR, 0.0)
+def test_the_best_speedup_of_linear_cheap_and_costly_drafts():
+    linear = best_speedup(LINEAR, 0.0)
     assert linear.free < 1 and not linear.free_pays and not linear.model_pays
-    cheap = outlook(CHEAP, 0.002)
+    cheap = best_speedup(CHEAP, 0.002)
     assert cheap.free_pays and cheap.model_pays and cheap.free > cheap.model
-    costly = outlook(CHEAP, 0.05)  # a drafted token dearer than two decoding steps
+    costly = best_speedup(CHEAP, 0.05)  # a drafted token dearer than two decoding steps
     assert costly.free_pays and not costly.model_pays
     assert "decoding steps" in costly.reason() and "1.20x" in costly.reason()
     with pytest.raises(ValueError, match="one token"):
-        outlook({2: 0.1}, 0.0)
+        best_speedup({2: 0.1}, 0.0)
     with pytest.raises(ValueError, match="acceptance"):
-        outlook(CHEAP, 0.0, acceptance=1.0)
+        best_speedup(CHEAP, 0.0, acceptance=1.0)
 
 
 def test_where_drafting_cannot_pay_the_pairing_decodes_alone_and_says_why(tiny_drafter, tiny_target, caplog):
@@ -90,7 +90,7 @@ def test_where_only_free_drafts_can_pay_no_model_token_is_drafted(tiny_drafter, 
 def test_where_drafting_can_pay_the_pairing_drafts(tiny_drafter, tiny_target):
     pairing = tiny_drafter.pair(CostedTarget(tiny_target, CHEAP))
     assert (
-        pairing.speculator.outlook.model_pays
+        pairing.speculator.best_speedup.model_pays
         and pairing.speculator.model_drafts
         and pairing.speculator.free_drafts
     )
@@ -110,10 +110,10 @@ def test_drafts_stop_where_the_context_makes_verifying_cost_a_step_a_token(tiny_
     assert late and all(r.drafted == 0 and r.proposed == 0 for r in late)
 
 
-def test_a_fixed_draft_length_or_learning_skips_the_outlook(tiny_drafter, tiny_target):
+def test_a_fixed_draft_length_or_learning_skips_the_best_speedup_check(tiny_drafter, tiny_target):
     target = CostedTarget(tiny_target, LINEAR)
-    assert tiny_drafter.pair(target, k=4).speculator.outlook is None
-    assert tiny_drafter.pair(target, objective="compute").speculator.outlook is None
+    assert tiny_drafter.pair(target, k=4).speculator.best_speedup is None
+    assert tiny_drafter.pair(target, objective="compute").speculator.best_speedup is None
 
 
 def test_machine_figures_are_measured_once_and_survive_a_corrupt_file(tmp_path, monkeypatch):
