@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omnidraft.cli.options import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
 
-from . import experiments, users
+from . import experiments, learning_cost, users
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -274,6 +274,7 @@ def _parser() -> argparse.ArgumentParser:
     add_decoding_args(c)
 
     users.add_args(sub)
+    learning_cost.add_args(sub)
     return p
 
 
@@ -355,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         "server-rounds": _server_rounds,
         "shortlists": _shortlists,
         "users": users.run,
+        "learning-cost": learning_cost.run,
     }
     run[args.command](args)
 

@@ -12,7 +12,10 @@ beside the results, adapt_eval.traces_for); everything after runs the drafter on
   that user's stream in order, scored on that user's held-back requests after each checkpoint;
 - "shared": one adapter trained on every user's stream interleaved (request i of each user in
   turn), scored at the same checkpoints of each user's stream;
-- "cross": each user's final adapter on every other user's held-back requests.
+- "cross": each user's final adapter on every other user's held-back requests;
+- "switch:A" (`switch=(A, B)`): user A's whole stream, then B's, scored on B's held-back requests
+  at 0, 5, 10 and 25 requests of B's work: how fast an adapter recovers when its user's work
+  changes (against B's "none" and "own" rows).
 Figures per score: greedy acceptance, tau (adapt_eval.evaluate). Costs: the adapter's bytes,
 training seconds per request and per committed token, the process's peak RSS. The plot (PNG):
 acceptance against the user's requests, one line per user and adapter kind.
@@ -40,6 +43,7 @@ __all__ = ["USERS", "add_args", "markdown", "run", "run_users"]
 log = logging.getLogger("omnidraft")
 
 USERS = {"developer": "humaneval", "math-tutor": "gsm8k", "news-summarizer": "summarize", "analyst": "rag"}
+SWITCH_AFTER = (0, 5, 10, 25)  # requests of the new work after a switch, scored
 
 
 def run_users(
@@ -56,6 +60,7 @@ def run_users(
     out: Path,
     name: str,
     users: dict[str, str] = USERS,
+    switch: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The experiment of the module doc; writes `name`.json/.md/.png under `out`."""
     from omnidraft.distill.adapters import AdapterConfig
@@ -127,6 +132,20 @@ def run_users(
                     {"user": other, "adapter": f"cross:{user}", "requests": n_train, **score(adapter, other)}
                 )
     save()
+    if switch is not None:  # a user whose work changes: A's stream, then B's
+        first, then = switch
+        after = [c for c in SWITCH_AFTER if c <= n_train]
+        adapter = f"switch_{time.time_ns()}"
+        stream = streams[first] + streams[then][: max(after)]
+        marks = [n_train + c for c in after]
+        trained = _train(drafter, adapter, lora, t2d, target, config, [stream], marks, costs, "switch")
+        for requests, state in trained.items():
+            _rewind(drafter, adapter, state)
+            kind = f"switch:{first}"
+            rows.append(
+                {"user": then, "adapter": kind, "requests": requests - n_train, **score(adapter, then)}
+            )
+        save()
     _plot(result, out / f"{name}.png")
     return result
 
@@ -160,7 +179,10 @@ def _train(
             trace, prompt = stream[i]
             started = time.perf_counter()
             drafter.activate(adapter)
-            example = build_example(request_of(trace, prompt, config.topk), drafter, target.token_bytes, t2d)
+            request = request_of(trace, prompt, config.topk)
+            example = build_example(
+                request, drafter, target.token_bytes, t2d, spans=config.spans, context=config.context
+            )
             if trainer.add(example):
                 trainer.update()
             seconds += time.perf_counter() - started
@@ -254,10 +276,18 @@ def add_args(sub: Any) -> None:
     u.add_argument("--interval", type=int, default=4, help="requests between updates")
     u.add_argument("--epochs", type=int, default=2, help="passes over the buffer per update")
     u.add_argument("--lr", type=float, default=1e-3)
+    u.add_argument(
+        "--context", type=int, default=0, help="prompt tokens kept before each reply in training (0: all)"
+    )
     u.add_argument("--rank", type=int, default=8)
     u.add_argument("--k", type=int, default=4)
     u.add_argument("--out", default="users_out")
     u.add_argument("--name", default="users")
+    u.add_argument(
+        "--switch",
+        metavar="A:B",
+        help="also a user whose work changes: user A's stream, then user B's (e.g. developer:math-tutor)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -268,10 +298,15 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(
             "--n-train, --n-test, --max-new-tokens, --interval, --epochs, --rank, --k must be >= 1"
         )
+    if args.context < 0:
+        raise SystemExit(f"--context must be >= 0 (0: the whole prompt), got {args.context}")
+    switch = tuple(args.switch.split(":")) if args.switch else None
+    if switch is not None and (len(switch) != 2 or not set(switch) <= set(USERS) or switch[0] == switch[1]):
+        raise SystemExit(f"--switch takes two different users A:B of {', '.join(USERS)}; got {args.switch!r}")
     drafter_spec, target_spec = split_pair(args.pair)
     drafter = od.Drafter.load(drafter_spec, backend="torch")
     target = od.LocalTarget.load(target_spec, kernels=False)
-    config = TrainConfig(interval=args.interval, epochs=args.epochs, lr=args.lr)
+    config = TrainConfig(interval=args.interval, epochs=args.epochs, lr=args.lr, context=args.context)
     result = run_users(
         drafter,
         target,
@@ -284,5 +319,6 @@ def run(args: argparse.Namespace) -> None:
         k=args.k,
         out=Path(args.out),
         name=args.name,
+        switch=switch,
     )
     print(markdown(result))

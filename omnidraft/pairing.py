@@ -262,7 +262,7 @@ class Pairing:
     def _whole(
         self,
         text: str,
-        most: int,
+        limit: int,
         stop: str | Sequence[str],
         rng: torch.Generator | None,
         special: bool,
@@ -271,7 +271,7 @@ class Pairing:
     ) -> Generation:
         """One request run to its end: the finished Generation."""
         done: list[Generation] = []
-        for _ in self._stream(text, most, stop, rng, special, done, {**sampling, "seed": seed}):
+        for _ in self._stream(text, limit, stop, rng, special, done, {**sampling, "seed": seed}):
             pass
         return done[0]
 
@@ -325,13 +325,16 @@ class Pairing:
         rounds: list[RoundRecord] = []
         rows: list[tuple] = []  # the target's top-k rows, for distillation and logprobs
         text, shown, reason = "", 0, "length"
-        learner = self.learner if self.learner is not None and self.learner.config.tts_every else None
+        learning = self.learner  # (its thread learns only between requests)
+        learner = learning if learning is not None and learning.config.tts_every else None
         tts = learner.config.tts_every if learner is not None else 0
-        if learner is not None:
-            learner.begin_request()
-        mode = self.speculator.mode(rule, logprobs)
-        call = Call(prompt, rule, max_new_tokens, generator, special, logprobs)
+        if learning is not None:
+            learning.pause()
         try:
+            if learner is not None:
+                learner.begin_request()
+            mode = self.speculator.mode(rule, logprobs)
+            call = Call(prompt, rule, max_new_tokens, generator, special, logprobs)
             for new, record in self.speculator.rounds(mode, call, rows):
                 rounds.append(record)
                 out += new
@@ -355,6 +358,8 @@ class Pairing:
         finally:
             if learner is not None:
                 learner.end_request()  # the request's fast steps end with it, however it ends
+            if learning is not None:
+                learning.resume()
         if reason != "stop":
             text += decoder.decode(b"", final=True)
         if len(text) > shown:

@@ -3,6 +3,8 @@ adapter switching between targets, and profiles that survive save/load."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -197,7 +199,7 @@ def test_learning_raises_acceptance_on_what_it_has_seen(drafter, tiny_target, tm
         k=4,
         learn=True,
         adapter=AdapterConfig(rank=8, alpha=16, modules=("q_proj", "v_proj")),
-        train=TrainConfig(interval=1, epochs=60, lr=5e-2),
+        train=TrainConfig(interval=1, epochs=60, lr=5e-2, background=False),
         store=ProfileStore(tmp_path),
     )
     before = pair.generate(PROMPTS[1], max_new_tokens=24).stats.acceptance_rate
@@ -319,7 +321,7 @@ def test_profile_save_and_load_restore_adapter_cache_and_metrics(
 def test_lr_schedule_anneals_along_a_cosine_and_a_reloaded_profile_resumes_it(drafter, tiny_target, tmp_path):
     import math
 
-    cfg = TrainConfig(interval=1, lr=1e-2, decay_steps=4, final_lr_ratio=0.1)
+    cfg = TrainConfig(interval=1, lr=1e-2, decay_steps=4, final_lr_ratio=0.1, background=False)
     assert [cfg.lr_at(s) for s in (0, 4, 9)] == [1e-2, pytest.approx(1e-3), pytest.approx(1e-3)]
     assert cfg.lr_at(2) == pytest.approx(1e-3 + 0.9e-2 * 0.5 * (1 + math.cos(math.pi / 2)))
     assert TrainConfig(lr=1e-2).lr_at(1000) == 1e-2  # decay_steps 0: constant, Algorithm 2's
@@ -351,6 +353,69 @@ def test_background_training_never_changes_the_output(drafter, tiny_target, tmp_
         assert pair.generate(prompt, max_new_tokens=16).token_ids == target_greedy(tiny_target, prompt, 16)
     pair.save()  # waits for the update in flight
     assert pair.steps == 6
+
+
+def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafter, tiny_target, tmp_path):
+    """Background learning (the default): `generate` returns before its request is learned from,
+    and no unit of learning (a request scored, an optimizer step) runs while a request does."""
+    import threading
+
+    from benchmarks.learning_cost import markdown, session
+
+    pair = drafter.pair(
+        tiny_target, k=4, user="dora", learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
+        train=TrainConfig(interval=1, lr=1e-2),
+    )  # fmt: skip
+    learner, running, overlaps = pair.learner, threading.Event(), []
+    step, score = learner.trainer.step, learner._score
+
+    def watched(real):
+        def call(*args, **kwargs):
+            overlaps.append(running.is_set())
+            return real(*args, **kwargs)
+
+        return call
+
+    learner.trainer.step, learner._score = watched(step), watched(score)
+    blocked = threading.Event()
+    learner._idle.acquire()  # the learning thread cannot take its first unit yet
+    try:
+        out = pair.generate(PROMPTS[0], max_new_tokens=16)  # ... yet the reply is here
+        blocked.set()
+    finally:
+        learner._idle.release()
+    assert blocked.is_set() and out.token_ids == target_greedy(tiny_target, PROMPTS[0], 16)
+    for prompt in PROMPTS:
+        learner.pause()
+        running.set()
+        time.sleep(0.05)  # a request's time: the thread must not start a unit in it
+        running.clear()
+        learner.resume()
+        pair.generate(prompt, max_new_tokens=16)
+    learner.wait()
+    assert pair.steps == 1 + len(PROMPTS) and overlaps and not any(overlaps)
+    off = session(drafter.pair(tiny_target, k=4), PROMPTS[:2], 8, 0.0)
+    on = session(pair, PROMPTS[:2], 8, 0.0)
+    assert len(on["latency_s"]) == 2 and on["steps"] == pair.steps and off["steps"] == 0
+    result = {"pair": "tiny", "target_backend": "torch", "requests": 2, "dataset": "x", "max_new_tokens": 8}
+    table = markdown({**result, "think": 0.0, "runs": {"off": off, "background": on, "inline": on}})
+    assert "| background |" in table and "of the requests' own CPU time" in table
+
+
+def test_a_training_context_cap_keeps_the_labels_and_drops_the_prompts_head(drafter, tiny_target):
+    t2d = build_vocab_map(
+        drafter.token_bytes, tiny_target.token_bytes, drafter.tokenizer, tiny_target.tokenizer
+    ).t2d
+    request = _request(drafter, tiny_target, PROMPTS[0] * 3)
+    whole = build_example(request, drafter, tiny_target.token_bytes, t2d, spans=True)
+    cut = build_example(request, drafter, tiny_target.token_bytes, t2d, spans=True, context=4)
+    dropped = len(whole.ids) - len(cut.ids)
+    assert dropped > 0 and torch.equal(cut.ids, whole.ids[dropped:])
+    assert torch.equal(cut.kl_rows, whole.kl_rows - dropped) and torch.equal(
+        cut.ng_rows, whole.ng_rows - dropped
+    )
+    with pytest.raises(ValueError, match="context"):
+        TrainConfig(context=-1)
 
 
 def test_bad_train_config_names_the_value():
@@ -727,8 +792,8 @@ def test_adapters_go_out_and_come_back_in_peft_format(drafter, tiny_target, draf
     )
     for prompt in ("Question: how many apples", "def add(a, b):"):
         pair.generate(prompt, max_new_tokens=16)
+    out = pair.save_adapter(tmp_path / "adapter")  # (after the learning queued so far)
     assert pair.steps > 0
-    out = pair.save_adapter(tmp_path / "adapter")
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     import json
 
@@ -758,7 +823,9 @@ def test_adapters_go_out_and_come_back_in_peft_format(drafter, tiny_target, draf
         other.pair(tiny_target).save_adapter(tmp_path / "none")
 
 
-STRONG = TrainConfig(interval=1, epochs=60, lr=5e-2)  # learns a prompt it has seen in one update
+STRONG = TrainConfig(
+    interval=1, epochs=60, lr=5e-2, background=False
+)  # learns a prompt it has seen in one update
 QV = AdapterConfig(rank=8, alpha=16, modules=("q_proj", "v_proj"))
 
 
@@ -776,7 +843,13 @@ def test_a_users_adapter_scoring_below_the_shared_one_drafts_with_the_shared_one
         shared.generate(PROMPTS[1], max_new_tokens=24)
     shared.save()
     alice = drafter.pair(
-        tiny_target, k=4, user="alice", learn=True, adapter=QV, train=TrainConfig(interval=1000), store=store
+        tiny_target,
+        k=4,
+        user="alice",
+        learn=True,
+        adapter=QV,
+        train=TrainConfig(interval=1000, background=False),
+        store=store,
     )
     assert alice.learner.baseline == drafter.adapter_name(tiny_target.name, "default")
     for _ in range(3):
@@ -809,7 +882,8 @@ def test_a_users_adapter_that_scores_as_well_as_its_baseline_drafts(drafter, tin
 
 def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, tiny_target, tmp_path):
     """`python -m benchmarks users` on tiny models: every user gets a "none" row, an "own" and a
-    "shared" row per checkpoint and a "cross" row per other user; costs, a table and a plot."""
+    "shared" row per checkpoint and a "cross" row per other user, a user whose work changes is
+    scored on the new work; costs, a table and a plot."""
     from benchmarks.users import run_users
 
     torch.manual_seed(0)
@@ -827,6 +901,7 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
         out=tmp_path,
         name="users",
         users=users,
+        switch=("developer", "tutor"),
     )
     kinds = {(r["user"], r["adapter"], r["requests"]) for r in result["rows"]}
     for user in users:
@@ -838,7 +913,11 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
             (user, "shared", 4),
         } <= kinds
     assert ("tutor", "cross:developer", 4) in kinds and ("developer", "cross:tutor", 4) in kinds
-    assert set(result["costs"]) == {"tutor", "developer", "shared"} and result["costs"]["shared"]["steps"] > 0
+    assert ("tutor", "switch:developer", 0) in kinds
+    assert (
+        set(result["costs"]) == {"tutor", "developer", "shared", "switch"}
+        and result["costs"]["shared"]["steps"] > 0
+    )
     assert all(0 <= r["acceptance"] <= 1 and r["tau"] >= 1 for r in result["rows"])
     assert (tmp_path / "users.md").read_text().count("| tutor |") >= 5 and (
         tmp_path / "users.png"

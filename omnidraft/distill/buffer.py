@@ -87,10 +87,15 @@ def build_example(
     max_len: int = 1024,
     *,
     spans: bool = False,
+    context: int = 0,
 ) -> Example:
     """Label `request` for the drafter (see module doc). `max_len` caps L, cutting from the end;
-    `spans` also labels misaligned runs of target tokens."""
+    `spans` also labels misaligned runs of target tokens; `context` > 0 keeps only that many of the
+    prompt's last tokens before the reply (a long prompt's forward and backward cost the most, and
+    no loss reads its rows; 0 keeps the whole prompt)."""
     prompt = drafter.tokenizer(request.prompt)["input_ids"]
+    if context > 0:
+        prompt = prompt[-context:]
     pieces = [target_bytes.table[t] or b"" for t in request.tokens]
     cont = drafter.codec.encode(b"".join(pieces)) if any(pieces) else []
     ids = list(prompt) + cont

@@ -1,10 +1,14 @@
 """What `learn=True` adds to a pairing: each verified request becomes a distillation example, and
-every `interval` requests the pairing's adapter is updated (Algorithm 2), either right after the
-request that completes the interval or in a background thread.
+every `interval` requests the pairing's adapter is updated (Algorithm 2).
 
-An update holds the drafter's lock from start to end: drafting (of this pairing or another one on
-the same drafter) waits rather than read an adapter mid-step or the wrong active adapter. Learning
-changes how fast the pairing is, never what the target commits.
+Learning never holds up a reply. By default (`TrainConfig.background`) a request's learning is
+queued when it ends, and a thread of the learner's own does it in units (one request scored and
+buffered, or one optimizer step) while no request of the pairing runs: `pause` / `resume` bracket
+each request, and a request that arrives while a unit runs waits for that one unit only. Inline
+(`background=False`) the learning is done before `generate` returns: reproducible, for tests and
+benchmarks. Each unit holds the drafter's lock: drafting (of this pairing or another one on the
+same drafter) never reads an adapter mid-step or the wrong active adapter. Learning changes how
+fast the pairing is, never what the target commits.
 
 Test-Time Speculation (`TrainConfig.tts_every`): a long request also teaches the drafter while it
 runs. `begin_request` keeps a copy of the adapter, `within_request` takes one fast Adam step on the
@@ -25,11 +29,11 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from .buffer import VerifiedRequest, build_example
+from .buffer import Example, VerifiedRequest, build_example
 from .trainer import OnlineTrainer, TrainConfig
 
 __all__ = ["Learner"]
@@ -67,6 +71,14 @@ class Learner:
             tuple[float, float]
         ] = []  # (acceptance rate, tau) of requests since the last update
         self._thread: threading.Thread | None = None
+        self._idle = threading.Condition()  # guards the queue, the units and the requests running
+        self._queue: deque[tuple[VerifiedRequest, float, float]] = deque()  # requests to learn from
+        self._steps: deque[tuple[Literal["step", "done"], list[Example]]] = deque()  # an update's
+        self._logs: list[dict[str, float]] = []  # the running update's step logs
+        self._serving = 0  # requests of the pairing running now
+        self._busy = False  # a unit of learning is running
+        self._working = False  # the learning thread has work or is doing it
+        self.requests = 0  # requests handed to the learner
         self.error: BaseException | None = None
         self._saved: list[torch.Tensor] | None = None  # the adapter as it was before this request (TTS)
         self._fast: torch.optim.Optimizer | None = None
@@ -105,9 +117,9 @@ class Learner:
     def note(self) -> str:
         """When the adapter's next update comes, and which adapter drafts if not the learned one,
         in words (a request's stats carry it)."""
-        interval, seen = self.config.interval, self.trainer.requests
-        if self._thread is not None and self._thread.is_alive():
-            when = "an update is running beside the requests"
+        interval, seen = self.config.interval, self.requests
+        if self._steps:
+            when = "an update is under way between requests"
         else:
             left = interval - seen % interval
             first = "the first update" if self.steps == 0 else "the next update"
@@ -142,28 +154,97 @@ class Learner:
                 )
 
     def observe(self, request: VerifiedRequest, acceptance_rate: float, tau: float) -> None:
-        """Buffer one verified request; train when the interval is complete."""
-        self._recent.append((acceptance_rate, tau))
-        example = build_example(request, self.drafter, self.target_bytes, self.t2d, spans=self.config.spans)
-        if self._thread is None or not self._thread.is_alive():  # (an update holds the drafter: skip)
-            self._score(example)
-        if not self.trainer.add(example):
+        """One verified request to learn from: queued for the learning thread, or (inline) scored,
+        buffered and, when the interval is complete, trained on before this returns."""
+        self.requests += 1
+        if not self.config.background:
+            if self._learn(request, acceptance_rate, tau):
+                self._update()
             return
-        self.wait()
-        if self.config.background:
-            self._thread = threading.Thread(
-                target=self._update, name=f"omnidraft-learn-{self.adapter}", daemon=True
-            )
-            self._thread.start()
-        else:
-            self._update()
+        with self._idle:
+            self._queue.append((request, acceptance_rate, tau))
+            if not self._working:
+                self._working = True
+                self._thread = threading.Thread(
+                    target=self._work, name=f"omnidraft-learn-{self.adapter}", daemon=True
+                )
+                self._thread.start()
+            self._idle.notify_all()
+
+    def pause(self) -> None:
+        """A request of the pairing begins: no unit of learning starts until it ends (`resume`); one
+        that is running is waited for."""
+        with self._idle:
+            while self._busy:
+                self._idle.wait()
+            self._serving += 1
+
+    def resume(self) -> None:
+        """A request of the pairing has ended (after `pause`)."""
+        with self._idle:
+            self._serving -= 1
+            self._idle.notify_all()
+
+    def _learn(self, request: VerifiedRequest, acceptance_rate: float, tau: float) -> bool:
+        """Score and buffer one request; True when the interval is complete (an update is due)."""
+        self._recent.append((acceptance_rate, tau))
+        example = self._example(request)
+        self._score(example)
+        return self.trainer.add(example)
+
+    def _work(self) -> None:
+        """The learning thread: one unit at a time, each while no request runs; it ends when the
+        queue is empty (`observe` starts another)."""
+        while True:
+            with self._idle:
+                while self._serving and (self._queue or self._steps):
+                    self._idle.wait()
+                if self.error is not None or not (self._queue or self._steps):
+                    self._working = False
+                    self._idle.notify_all()
+                    return
+                self._busy = True
+                step = self._steps.popleft() if self._steps else None
+                request = self._queue.popleft() if step is None else None
+            try:
+                if step is not None:
+                    self._unit(*step)
+                elif request is not None and self._learn(*request):
+                    batches = self.trainer.take_batches()
+                    with self._idle:
+                        self._steps.extend([("step", b) for b in batches] + [("done", [])])
+            except BaseException as exc:  # a thread has nobody to raise to: kept for wait()
+                self.error = exc
+            finally:
+                with self._idle:
+                    self._busy = False
+                    self._idle.notify_all()
+
+    def _unit(self, kind: Literal["step", "done"], batch: list[Example]) -> None:
+        """One optimizer step of an update on `batch`, or ("done") the update's bookkeeping."""
+        if kind == "done":
+            logs, self._logs = self._logs, []
+            self._record(logs)
+            return
+        with self.drafter.lock:
+            previous = self.drafter.active
+            self.drafter.activate(self.adapter)
+            try:
+                self._logs.append(self.trainer.step(batch))
+            finally:
+                self.drafter.activate(previous)
+
+    def _example(self, request: VerifiedRequest) -> Any:
+        cfg = self.config
+        return build_example(
+            request, self.drafter, self.target_bytes, self.t2d, spans=cfg.spans, context=cfg.context
+        )
 
     def begin_request(self) -> None:
         """Test-Time Speculation: remember the adapter before a request changes it (no-op when off)."""
         if not self.config.tts_every:
             return
-        self.wait()  # a background update must land before the copy is taken
-        with self.drafter.lock:
+        with self.drafter.lock:  # (no unit of learning runs while a request does: `pause`)
             self._saved = [p.detach().clone() for p in self.trainer.params]
         self._fast = torch.optim.Adam(self.trainer.params, lr=self.config.tts_lr)
 
@@ -172,7 +253,7 @@ class Learner:
         if self._fast is None:
             raise RuntimeError("within_request() outside a request: call begin_request() first")
         started = time.perf_counter()
-        example = build_example(request, self.drafter, self.target_bytes, self.t2d, spans=self.config.spans)
+        example = self._example(request)
         if not len(example.kl_rows) and not len(example.ng_rows):
             return  # nothing labelled yet (e.g. only misaligned tokens)
         with self.drafter.lock:
@@ -195,28 +276,28 @@ class Learner:
                 p.copy_(old)
 
     def wait(self) -> None:
-        """Block until a background update in flight has finished; re-raise its error, if any."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Block until the learning queued so far is done; re-raise the learning thread's error, if
+        any. (Never from inside a request of the pairing: the thread waits for it to end.)"""
+        with self._idle:
+            while self._working:
+                self._idle.wait()
         if self.error is not None:
             error, self.error = self.error, None
             raise RuntimeError(f"background training of adapter {self.adapter!r} failed") from error
 
     def _update(self) -> None:
-        try:
-            with self.drafter.lock:
-                previous = self.drafter.active
-                self.drafter.activate(self.adapter)
-                try:
-                    logs = self.trainer.update()
-                finally:
-                    self.drafter.activate(previous)
-        except BaseException as exc:  # a background thread has nobody to raise to: keep it for wait()
-            if not self.config.background:
-                raise
-            self.error = exc
-            return
+        """An update inline: `epochs` passes over the buffer."""
+        with self.drafter.lock:
+            previous = self.drafter.active
+            self.drafter.activate(self.adapter)
+            try:
+                logs = self.trainer.update()
+            finally:
+                self.drafter.activate(previous)
+        self._record(logs)
+
+    def _record(self, logs: list[dict[str, float]]) -> None:
+        """An update's metrics row: its steps' mean loss and the requests' acceptance and tau."""
         recent, self._recent = self._recent, []
         entry = {
             "requests": self.trainer.requests,

@@ -43,7 +43,12 @@ class TrainConfig:
     `decay_steps` > 0 anneals the learning rate from `lr` to `lr * final_lr_ratio` along a cosine
     over that many optimizer steps, then holds it there (0: constant, Algorithm 2's); the steps a
     profile already had count (`OnlineTrainer(start_step=)`), so a reloaded profile resumes the schedule.
-    `topk`: target log-probabilities kept per position. `background`: train in a thread.
+    `context` > 0 keeps only that many prompt tokens before each reply in an example (the rest
+    costs forward and backward time and carries no loss; 0: the whole prompt).
+    `topk`: target log-probabilities kept per position.
+    `background`: learn in a thread of the learner's own while no request runs
+    (distill/learner.py), so no reply waits for it; False learns inline, before `generate` returns
+    (reproducible: tests and benchmarks).
     `tts_every` > 0 turns on Test-Time Speculation: inside one request, every `tts_every` rounds a
     fast step (Adam, fresh for each request, `tts_lr`) on what that request has verified so far,
     undone at its end."""
@@ -63,8 +68,9 @@ class TrainConfig:
     beta: float = 0.0
     draft_len: int = 6
     topk: int = 32
+    context: int = 0
     capacity: int = 256
-    background: bool = False
+    background: bool = True
     seed: int = 0
     tts_every: int = 0
     tts_lr: float = 1e-3
@@ -79,6 +85,10 @@ class TrainConfig:
         )
 
     def __post_init__(self) -> None:
+        if not isinstance(self.context, int) or self.context < 0:
+            raise ValueError(
+                f"TrainConfig.context must be an integer >= 0 (0: the whole prompt), got {self.context!r}"
+            )
         for name in ("interval", "batch_size", "epochs", "topk", "capacity", "draft_len"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
@@ -140,12 +150,14 @@ class OnlineTrainer:
 
     def update(self) -> list[dict[str, float]]:
         """`epochs` passes over the buffer, one optimizer step per batch; then the buffer is emptied."""
-        logs = []
-        for _ in range(self.config.epochs):
-            for batch in self.buffer.batches(self.config.batch_size, self._rng):
-                logs.append(self.step(batch))
+        return [self.step(batch) for batch in self.take_batches()]
+
+    def take_batches(self) -> list[list[Example]]:
+        """An update's batches (`epochs` shuffled passes over the buffer), the buffer emptied."""
+        size = self.config.batch_size
+        batches = [b for _ in range(self.config.epochs) for b in self.buffer.batches(size, self._rng)]
         self.buffer.clear()
-        return logs
+        return batches
 
     def step(self, batch: list[Example], optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
         """One optimizer step on `batch`. With another `optimizer` (Test-Time Speculation's fast

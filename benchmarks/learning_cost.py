@@ -1,0 +1,129 @@
+"""`python -m benchmarks learning-cost`: what learning (`learn=True`) costs a user's replies and the
+device's CPU, on the real pair.
+
+One user's session: `--requests` prompts of a dataset in order, each reply followed by `--think`
+seconds with nothing asked (the user reading it). The same session runs three times, each on a
+fresh pairing and a fresh adapter: learning off; learning on in the background (the default: the
+learner's thread works only between requests); learning on inline (`TrainConfig(background=False)`:
+done before `generate` returns). Per run: every reply's latency (median and worst), the process's
+CPU seconds inside requests and between them, the adapter's optimizer steps, and the time the last
+requests' learning took after the session (`learner.wait()`). Learning's CPU share: the CPU spent
+with learning on (inside requests, between them and at the end) less the same with it off, over the
+CPU of the requests with it off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_args", "markdown", "run", "session"]
+
+RUNS = ("off", "background", "inline")
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) -> dict[str, Any]:
+    """Run `prompts` through `pair` as one user would, `think` seconds after each reply."""
+    latencies, cpu_in, cpu_between = [], 0.0, 0.0
+    for prompt in prompts:
+        c0, t0 = _cpu(), time.perf_counter()
+        pair.generate(prompt, max_new_tokens=max_new_tokens)
+        latencies.append(time.perf_counter() - t0)
+        c1 = _cpu()
+        cpu_in += c1 - c0
+        time.sleep(think)
+        cpu_between += _cpu() - c1
+    c2, t2 = _cpu(), time.perf_counter()
+    if pair.learner is not None:
+        pair.learner.wait()
+    return {
+        "latency_s": latencies,
+        "cpu_in_requests_s": cpu_in,
+        "cpu_between_s": cpu_between,
+        "cpu_after_s": _cpu() - c2,
+        "wait_after_s": time.perf_counter() - t2,
+        "steps": pair.learner.steps if pair.learner is not None else 0,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"# Learning's cost: {result['pair']} on {result['target_backend']}, {result['requests']} "
+        f"{result['dataset']} requests x {result['max_new_tokens']} tokens, {result['think']} s "
+        "between requests",
+        "",
+        "| learning | reply median s | worst reply s | CPU s in requests | CPU s between | CPU s after "
+        "| steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in RUNS:
+        r = result["runs"][name]
+        lat = r["latency_s"]
+        lines.append(
+            f"| {name} | {statistics.median(lat):.2f} | {max(lat):.2f} | {r['cpu_in_requests_s']:.1f} | "
+            f"{r['cpu_between_s']:.1f} | {r['cpu_after_s']:.1f} | {r['steps']} |"
+        )
+    off = result["runs"]["off"]
+    base = off["cpu_in_requests_s"] + off["cpu_between_s"] + off["cpu_after_s"]
+    for name in RUNS[1:]:
+        r = result["runs"][name]
+        extra = r["cpu_in_requests_s"] + r["cpu_between_s"] + r["cpu_after_s"] - base
+        lines.append(
+            f"\nLearning {name}: {extra:.1f} CPU s, {extra / max(off['cpu_in_requests_s'], 1e-9):.0%} of the "
+            "requests' own CPU time."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def add_args(sub: Any) -> None:
+    p = sub.add_parser("learning-cost", help="what learn=True costs a user's replies and the CPU")
+    p.add_argument("--pair", default="smollm2-135m:qwen2.5-coder-0.5b")
+    p.add_argument("--target-backend", choices=["llama.cpp", "torch"], default="llama.cpp")
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--think", type=float, default=3.0, help="seconds between a reply and the next request")
+    p.add_argument("--interval", type=int, default=8, help="requests between updates (TrainConfig)")
+    p.add_argument("--context", type=int, default=0, help="TrainConfig.context (0: the whole prompt)")
+    p.add_argument("--out", default="users_out")
+    p.add_argument("--name", default="learning-cost")
+
+
+def run(args: argparse.Namespace) -> None:
+    import omnidraft as od
+    from omnidraft.bench.datasets import load_prompts
+    from omnidraft.cli.options import split_pair
+    from omnidraft.distill.trainer import TrainConfig
+    from omnidraft.store.profiles import ProfileStore
+
+    if args.requests < 1 or args.max_new_tokens < 1 or args.think < 0 or args.interval < 1:
+        raise SystemExit("--requests, --max-new-tokens and --interval must be >= 1, --think >= 0")
+    drafter_spec, target_spec = split_pair(args.pair)
+    drafter = od.Drafter.load(drafter_spec, backend="torch")
+    target = (od.LlamaCppTarget if args.target_backend == "llama.cpp" else od.LocalTarget).load(target_spec)
+    prompts = load_prompts(args.dataset, args.requests)
+    result: dict[str, Any] = {**{k: v for k, v in vars(args).items() if k != "func"}, "runs": {}}
+    with tempfile.TemporaryDirectory() as store_dir:
+        store = ProfileStore(store_dir)
+        drafter.pair(target, k=4).generate("Warm up.", max_new_tokens=8)
+        for name in RUNS:
+            learn = name != "off"
+            train = TrainConfig(interval=args.interval, context=args.context, background=name == "background")
+            pair = drafter.pair(target, k=4, user=f"user-{name}", learn=learn, train=train, store=store)
+            result["runs"][name] = session(pair, prompts, args.max_new_tokens, args.think)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{args.name}.md").write_text(markdown(result))
+    print(markdown(result))
