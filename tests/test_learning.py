@@ -904,6 +904,7 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
         switch=("developer", "tutor"),
     )
     kinds = {(r["user"], r["adapter"], r["requests"]) for r in result["rows"]}
+    none = {r["user"]: r["tau"] for r in result["rows"] if r["adapter"] == "none"}
     for user in users:
         assert {
             (user, "none", 0),
@@ -914,6 +915,8 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
         } <= kinds
     assert ("tutor", "cross:developer", 4) in kinds and ("developer", "cross:tutor", 4) in kinds
     assert ("tutor", "switch:developer", 0) in kinds
+    trained = [r for r in result["rows"] if r["adapter"] in ("own", "shared")]
+    assert any(r["tau"] != none[r["user"]] for r in trained), "were the drafts made with the adapters?"
     assert (
         set(result["costs"]) == {"tutor", "developer", "shared", "switch"}
         and result["costs"]["shared"]["steps"] > 0
