@@ -110,7 +110,7 @@ def evaluate(
             k=k, stop_confidence=stop_confidence, strategy=strategy, ngram=ngram or NgramCacheConfig()
         ),
     )
-    pair.adapter = pair.speculator.adapter = adapter  # its own, and the one its drafts are made with
+    pair.adapter = adapter  # (its drafts are made with it too)
     if cache is not None:
         pair.speculator.translator.cache = cache
     if tts is not None:

@@ -34,7 +34,7 @@ from .decode.rounds import (
 )
 from .decode.speculator import Speculator, pair_fingerprint
 from .decode.stats import GenerationStats, RoundRecord
-from .distill.attach import attach_adapter
+from .distill.attach import attach_adapter, shared_adapter
 from .errors import TargetError
 from .translate.tables import TABLES_KEPT, pair_tables
 
@@ -83,31 +83,14 @@ class Pairing:
         self.metrics: list[dict[str, Any]] = list(profile.metrics) if profile else []
         self._steps0 = profile.steps if profile else 0
         saved = profile.tensors.get("adapter") if profile else None
-        self.adapter = attach_adapter(drafter, target.name, user, learn=learn, adapter=adapter, saved=saved)
+        self._adapter = attach_adapter(drafter, target.name, user, learn=learn, adapter=adapter, saved=saved)
         self.speculator = Speculator(
-            drafter, target, config, user=user, profile=profile, adapter=self.adapter, learn=learn,
+            drafter, target, config, user=user, profile=profile, adapter=self._adapter, learn=learn,
             proposer=proposer,
         )  # fmt: skip
-        self.learner = self._learner(train, self._shared_adapter()) if learn else None
+        baseline = shared_adapter(drafter, target.name, user, self.store, self.fingerprint) if learn else None
+        self.learner = self._learner(train, baseline) if learn else None
         self.last: Generation | None = None
-
-    def _shared_adapter(self) -> str | None:
-        """For a named user's learning: the per-target adapter every user shares (the profile of
-        user `SHARED_USER`, if saved), loaded beside the user's own as the baseline it must score at
-        least as well as before it drafts (distill/learner.py); None: the base drafter is."""
-        from .store.profiles import SHARED_USER
-
-        if self.user in (None, SHARED_USER):
-            return None
-        profile = self.store.load(
-            self.drafter.name, self.target.name, SHARED_USER, fingerprint=self.fingerprint
-        )
-        if profile is None or "adapter" not in profile.tensors:
-            return None
-        saved = profile.tensors["adapter"]
-        return attach_adapter(
-            self.drafter, self.target.name, SHARED_USER, learn=False, adapter=None, saved=saved
-        )
 
     def _learner(self, train: TrainConfig | None, baseline: str | None) -> Learner:
         """The online distillation into the pairing's adapter (`learn=True`)."""
@@ -125,6 +108,15 @@ class Pairing:
             start_step=self._steps0,
             baseline=baseline,
         )
+
+    @property
+    def adapter(self) -> str | None:
+        """This pairing's adapter on its drafter (None: the base drafter); set, it also drafts."""
+        return self._adapter
+
+    @adapter.setter
+    def adapter(self, name: str | None) -> None:
+        self._adapter = self.speculator.adapter = name
 
     @property
     def learner(self) -> Learner | None:

@@ -925,3 +925,17 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
     assert (tmp_path / "users.md").read_text().count("| tutor |") >= 5 and (
         tmp_path / "users.png"
     ).stat().st_size > 0
+
+
+def test_setting_a_pairings_adapter_drafts_with_it(drafter, tiny_target):
+    """`pair.adapter = name` is what the pairing drafts with from its next request on."""
+    drafter.add_adapter("other", SMALL)
+    pair = drafter.pair(tiny_target, k=4)
+    assert pair.adapter is None and pair.speculator.adapter is None
+    pair.adapter = "other"
+    assert pair.speculator.adapter == "other"
+    active = []
+    real = drafter.activate
+    drafter.activate = lambda name: active.append(name) or real(name)
+    pair.generate(PROMPTS[0], max_new_tokens=8)
+    assert "other" in active

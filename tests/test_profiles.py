@@ -177,6 +177,52 @@ def test_two_writers_and_a_reader_never_see_a_half_written_profile(tmp_path):
     assert numbers[-1] == 601  # one version per save: no two writers picked the same number
 
 
+def _learning_user(root: str, seed: int, requests: int) -> None:
+    """One process of user "pat": a learning pairing that saves its profile after every request."""
+    from omnidraft import LocalTarget, TorchDrafter
+    from omnidraft.distill.trainer import TrainConfig
+    from tests.conftest import gsm8k_texts, tiny_llama, train_bpe
+
+    texts = gsm8k_texts()
+    dt, tt = train_bpe(400, texts), train_bpe(700, texts)
+    target = LocalTarget(tiny_llama(len(tt), seed=1, logit_scale=30.0), tt, "tiny-target")
+    drafter = TorchDrafter(tiny_llama(len(dt), seed=2, logit_scale=30.0), dt, "tiny-drafter")
+    torch.manual_seed(seed)
+    train = TrainConfig(interval=1, lr=1e-2)
+    pair = drafter.pair(target, k=4, user="pat", learn=True, store=ProfileStore(root), train=train)
+    for i in range(requests):
+        pair.generate(f"Question: Tom has {seed} apples and buys {i} more.", max_new_tokens=12)
+        pair.save()
+
+
+def test_two_learning_processes_of_one_user_leave_a_whole_profile(tmp_path, draft_tokenizer, tiny_target):
+    """Two processes of one user learn and save the same profile at once: both finish, and the
+    profile loads whole (one process's last save) into a pairing that still drafts losslessly."""
+    import multiprocessing
+
+    from omnidraft import TorchDrafter
+
+    from .conftest import target_greedy, tiny_llama
+
+    ctx = multiprocessing.get_context("spawn")
+    users = [ctx.Process(target=_learning_user, args=(str(tmp_path), seed, 6)) for seed in (1, 2)]
+    for u in users:
+        u.start()
+    for u in users:
+        u.join(timeout=300)
+        assert u.exitcode == 0
+    store = ProfileStore(tmp_path)
+    profile = store.load("tiny-drafter", "tiny-target", "pat", fingerprint=None)
+    assert profile is not None and profile.steps >= 6 and "adapter" in profile.tensors
+    drafter = TorchDrafter(
+        tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0), draft_tokenizer, "tiny-drafter"
+    )  # (a fresh one: learning wraps a drafter)
+    pair = drafter.pair(tiny_target, k=4, user="pat", learn=True, store=store)
+    assert pair.steps == profile.steps
+    prompt = "Question: A train travels 60 miles in 2 hours."
+    assert pair.generate(prompt, max_new_tokens=16).token_ids == target_greedy(tiny_target, prompt, 16)
+
+
 def test_a_broken_current_falls_back_to_the_previous_version(tmp_path):
     store = ProfileStore(tmp_path)
     store.save(_profile(steps=1))

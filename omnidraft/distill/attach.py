@@ -8,7 +8,7 @@ from typing import Any
 
 from ..draft.picking import Adaptable
 
-__all__ = ["attach_adapter"]
+__all__ = ["attach_adapter", "shared_adapter"]
 
 
 def attach_adapter(
@@ -34,3 +34,18 @@ def attach_adapter(
     name = drafter.adapter_name(target, user)
     drafter.add_adapter(name, config_from_state(saved) if saved is not None else adapter, saved)
     return name
+
+
+def shared_adapter(drafter: Any, target: str, user: str | None, store: Any, fingerprint: str) -> str | None:
+    """For a named user's learning: the per-target adapter every user shares (the profile of user
+    `SHARED_USER`, if saved), loaded beside the user's own as the baseline it must score at least as
+    well as before it drafts (learner.py); None: the base drafter is."""
+    from ..store.profiles import SHARED_USER
+
+    if user in (None, SHARED_USER):
+        return None
+    profile = store.load(drafter.name, target, SHARED_USER, fingerprint=fingerprint)
+    if profile is None or "adapter" not in profile.tensors:
+        return None
+    saved = profile.tensors["adapter"]
+    return attach_adapter(drafter, target, SHARED_USER, learn=False, adapter=None, saved=saved)

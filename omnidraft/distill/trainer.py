@@ -47,8 +47,9 @@ class TrainConfig:
     costs forward and backward time and carries no loss; 0: the whole prompt).
     `topk`: target log-probabilities kept per position.
     `background`: learn in a thread of the learner's own while no request runs
-    (distill/learner.py), so no reply waits for it; False learns inline, before `generate` returns
-    (reproducible: tests and benchmarks).
+    (distill/learner.py): a reply never waits for its own request's learning, a request that comes
+    while a unit of learning runs waits for that unit; False learns inline, before `generate`
+    returns (reproducible: tests and benchmarks).
     `tts_every` > 0 turns on Test-Time Speculation: inside one request, every `tts_every` rounds a
     fast step (Adam, fresh for each request, `tts_lr`) on what that request has verified so far,
     undone at its end."""
