@@ -939,3 +939,27 @@ def test_setting_a_pairings_adapter_drafts_with_it(drafter, tiny_target):
     drafter.activate = lambda name: active.append(name) or real(name)
     pair.generate(PROMPTS[0], max_new_tokens=8)
     assert "other" in active
+
+
+def test_the_guard_stops_and_resumes_with_a_margin(drafter, tiny_target, tmp_path):
+    """A learned adapter a hair below its baseline keeps drafting; clearly below, it stops; it
+    drafts again once it scores at least as well (no turn-taking request by request)."""
+    from omnidraft.distill.learner import MARGIN, WINDOW
+
+    train = TrainConfig(interval=1000, background=False)
+    pair = drafter.pair(
+        tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path), train=train
+    )
+    learner, fed = pair.learner, []
+    learner.trainer.agreement = lambda example: fed.pop(0)
+
+    def requests(own: int, base: int, n: int) -> bool:
+        for _ in range(n):
+            fed.extend([(own, 100), (base, 100)])
+            learner._score(None)
+        return learner.trusted
+
+    assert requests(50 - int(100 * MARGIN) + 1, 50, WINDOW)  # within the margin: still drafting
+    assert not requests(40, 50, WINDOW) and learner.drafting_adapter is None  # the baseline drafts
+    assert not requests(49, 50, WINDOW)  # back within the margin is not enough
+    assert requests(50, 50, WINDOW) and learner.drafting_adapter == pair.adapter

@@ -19,8 +19,9 @@ stays correct (the target decides what is committed), only slightly less well ai
 Learning that cannot hurt: each verified request is also scored, teacher-forced, with the adapter
 being learned and with its `baseline` (the per-target adapter every user shares, or the base
 drafter): how many of its direct positions each one's top-1 gets right, which is greedy acceptance
-per position. The pairing drafts with the learned adapter only while it scores at least as well as
-the baseline over the last `WINDOW` requests (`drafting_adapter`); it goes on learning either way.
+per position. Over the last `WINDOW` requests, the pairing stops drafting with the learned adapter
+once it scores `MARGIN` below the baseline and drafts with it again once it scores at least as well
+(`drafting_adapter`); it goes on learning either way.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ log = logging.getLogger("omnidraft")
 
 WINDOW = 8  # requests the learned adapter and its baseline are compared over
 MIN_POSITIONS = 32  # direct positions scored before the comparison decides anything
+MARGIN = 0.02  # agreement a trusted adapter may fall below its baseline's before it stops drafting
 
 
 class Learner:
@@ -79,6 +81,7 @@ class Learner:
         self._busy = False  # a unit of learning is running
         self._working = False  # the learning thread has work or is doing it
         self.requests = 0  # requests handed to the learner
+        self._trusted = True  # the pairing drafts with the adapter (see `trusted`)
         self.error: BaseException | None = None
         self._saved: list[torch.Tensor] | None = None  # the adapter as it was before this request (TTS)
         self._fast: torch.optim.Optimizer | None = None
@@ -104,9 +107,10 @@ class Learner:
 
     @property
     def trusted(self) -> bool:
-        """Whether the adapter scores at least as well as its baseline (True until it is measured)."""
-        scores = self.scores
-        return scores is None or scores[0] >= scores[1]
+        """Whether the pairing drafts with the adapter: True until it is measured; then False once it
+        scores `MARGIN` below its baseline, True again once it scores at least as well (a margin, so
+        two near-equal adapters do not take turns request by request)."""
+        return self._trusted
 
     @property
     def drafting_adapter(self) -> str | None:
@@ -145,8 +149,10 @@ class Learner:
             finally:
                 self.drafter.activate(previous)
         if n:
-            trusted = self.trusted
+            trusted = self._trusted
             self._scores.append((own, base, n))
+            if (scores := self.scores) is not None:
+                self._trusted = scores[0] >= scores[1] - (MARGIN if trusted else 0.0)
             if trusted != self.trusted:
                 other = self.baseline or "the base drafter"
                 log.info(
