@@ -107,8 +107,15 @@ def run(args: argparse.Namespace) -> None:
     from omnidraft.distill.trainer import TrainConfig
     from omnidraft.store.profiles import ProfileStore
 
-    if args.requests < 1 or args.max_new_tokens < 1 or args.think < 0 or args.interval < 1:
-        raise SystemExit("--requests, --max-new-tokens and --interval must be >= 1, --think >= 0")
+    if args.requests < 1 or args.max_new_tokens < 1 or args.think < 0:
+        raise SystemExit("--requests and --max-new-tokens must be >= 1, --think >= 0")
+    try:  # TrainConfig checks its own values (--interval, --context), before anything loads
+        configs = {
+            name: TrainConfig(interval=args.interval, context=args.context, background=name == "background")
+            for name in RUNS
+        }
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     drafter_spec, target_spec = split_pair(args.pair)
     drafter = od.Drafter.load(drafter_spec, backend="torch")
     target = (od.LlamaCppTarget if args.target_backend == "llama.cpp" else od.LocalTarget).load(target_spec)
@@ -119,7 +126,7 @@ def run(args: argparse.Namespace) -> None:
         drafter.pair(target, k=4).generate("Warm up.", max_new_tokens=8)
         for name in RUNS:
             learn = name != "off"
-            train = TrainConfig(interval=args.interval, context=args.context, background=name == "background")
+            train = configs[name]
             pair = drafter.pair(target, k=4, user=f"user-{name}", learn=learn, train=train, store=store)
             result["runs"][name] = session(pair, prompts, args.max_new_tokens, args.think)
     out = Path(args.out)

@@ -294,19 +294,18 @@ def run(args: argparse.Namespace) -> None:
     import omnidraft as od
     from omnidraft.cli.options import split_pair
 
-    if min(args.n_train, args.n_test, args.max_new_tokens, args.interval, args.epochs, args.rank, args.k) < 1:
-        raise SystemExit(
-            "--n-train, --n-test, --max-new-tokens, --interval, --epochs, --rank, --k must be >= 1"
-        )
-    if args.context < 0:
-        raise SystemExit(f"--context must be >= 0 (0: the whole prompt), got {args.context}")
+    if min(args.n_train, args.n_test, args.max_new_tokens, args.rank, args.k) < 1:
+        raise SystemExit("--n-train, --n-test, --max-new-tokens, --rank, --k must be >= 1")
+    try:  # TrainConfig checks its own values (--interval, --epochs, --context), before anything loads
+        config = TrainConfig(interval=args.interval, epochs=args.epochs, lr=args.lr, context=args.context)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     switch = tuple(args.switch.split(":")) if args.switch else None
     if switch is not None and (len(switch) != 2 or not set(switch) <= set(USERS) or switch[0] == switch[1]):
         raise SystemExit(f"--switch takes two different users A:B of {', '.join(USERS)}; got {args.switch!r}")
     drafter_spec, target_spec = split_pair(args.pair)
     drafter = od.Drafter.load(drafter_spec, backend="torch")
     target = od.LocalTarget.load(target_spec, kernels=False)
-    config = TrainConfig(interval=args.interval, epochs=args.epochs, lr=args.lr, context=args.context)
     result = run_users(
         drafter,
         target,

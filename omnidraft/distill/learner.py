@@ -30,6 +30,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -72,7 +74,6 @@ class Learner:
         self._recent: list[
             tuple[float, float]
         ] = []  # (acceptance rate, tau) of requests since the last update
-        self._thread: threading.Thread | None = None
         self._idle = threading.Condition()  # guards the queue, the units and the requests running
         self._queue: deque[tuple[VerifiedRequest, float, float]] = deque()  # requests to learn from
         self._steps: deque[tuple[Literal["step", "done"], list[Example]]] = deque()  # an update's
@@ -139,15 +140,10 @@ class Learner:
 
     def _score(self, example: Any) -> None:
         """Score `example` with the adapter and with its baseline (teacher-forced top-1)."""
-        with self.drafter.lock:
-            previous = self.drafter.active
-            try:
-                self.drafter.activate(self.adapter)
-                own, n = self.trainer.agreement(example)
-                self.drafter.activate(self.baseline)
-                base, _ = self.trainer.agreement(example)
-            finally:
-                self.drafter.activate(previous)
+        with self._drafter_on(self.adapter):
+            own, n = self.trainer.agreement(example)
+            self.drafter.activate(self.baseline)
+            base, _ = self.trainer.agreement(example)
         if n:
             trusted = self._trusted
             self._scores.append((own, base, n))
@@ -171,10 +167,8 @@ class Learner:
             self._queue.append((request, acceptance_rate, tau))
             if not self._working:
                 self._working = True
-                self._thread = threading.Thread(
-                    target=self._work, name=f"omnidraft-learn-{self.adapter}", daemon=True
-                )
-                self._thread.start()
+                name = f"omnidraft-learn-{self.adapter}"
+                threading.Thread(target=self._work, name=name, daemon=True).start()
             self._idle.notify_all()
 
     def pause(self) -> None:
@@ -232,11 +226,17 @@ class Learner:
             logs, self._logs = self._logs, []
             self._record(logs)
             return
+        with self._drafter_on(self.adapter):
+            self._logs.append(self.trainer.step(batch))
+
+    @contextmanager
+    def _drafter_on(self, adapter: str | None) -> Iterator[None]:
+        """The drafter held (its lock) with `adapter` active; the adapter it had comes back after."""
         with self.drafter.lock:
             previous = self.drafter.active
-            self.drafter.activate(self.adapter)
             try:
-                self._logs.append(self.trainer.step(batch))
+                self.drafter.activate(adapter)
+                yield
             finally:
                 self.drafter.activate(previous)
 
@@ -262,13 +262,8 @@ class Learner:
         example = self._example(request)
         if not len(example.kl_rows) and not len(example.ng_rows):
             return  # nothing labelled yet (e.g. only misaligned tokens)
-        with self.drafter.lock:
-            previous = self.drafter.active
-            self.drafter.activate(self.adapter)
-            try:
-                self.trainer.step([example], optimizer=self._fast)
-            finally:
-                self.drafter.activate(previous)
+        with self._drafter_on(self.adapter):
+            self.trainer.step([example], optimizer=self._fast)
         self.fast_steps += 1
         self.fast_seconds += time.perf_counter() - started
 
@@ -293,13 +288,8 @@ class Learner:
 
     def _update(self) -> None:
         """An update inline: `epochs` passes over the buffer."""
-        with self.drafter.lock:
-            previous = self.drafter.active
-            self.drafter.activate(self.adapter)
-            try:
-                logs = self.trainer.update()
-            finally:
-                self.drafter.activate(previous)
+        with self._drafter_on(self.adapter):
+            logs = self.trainer.update()
         self._record(logs)
 
     def _record(self, logs: list[dict[str, float]]) -> None:
