@@ -2,10 +2,11 @@
 device's CPU, on the real pair.
 
 One user's session: `--requests` prompts of a dataset in order, each reply followed by `--think`
-seconds with nothing asked (the user reading it). The same session runs three times, each on a
-fresh pairing and a fresh adapter: learning off; learning on in the background (the default: the
-learner's thread works only between requests); learning on inline (`TrainConfig(background=False)`:
-done before `generate` returns). Per run: every reply's latency (median and worst), the process's
+seconds with nothing asked (the user reading it). The same session runs on a fresh pairing and a
+fresh adapter each time: learning off; learning on in the background (the default: the learner's
+thread works only between requests); with `--cpu-share`, the same held to that share of the
+requests' CPU (`TrainConfig.cpu_share`); learning on inline (`TrainConfig(background=False)`: done
+before `generate` returns). Per run: every reply's latency (median and worst), the process's
 CPU seconds inside requests and between them, the adapter's optimizer steps, and the time the last
 requests' learning took after the session (`learner.wait()`). Learning's CPU share: the CPU spent
 with learning on (inside requests, between them and at the end) less the same with it off, over the
@@ -25,7 +26,7 @@ from typing import Any
 
 __all__ = ["add_args", "markdown", "run", "session"]
 
-RUNS = ("off", "background", "inline")
+RUNS = ("off", "background", "capped", "inline")
 
 
 def _cpu() -> float:
@@ -54,6 +55,7 @@ def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) ->
         "cpu_after_s": _cpu() - c2,
         "wait_after_s": time.perf_counter() - t2,
         "steps": pair.learner.steps if pair.learner is not None else 0,
+        "learned_from": len(prompts) - pair.learner.skipped if pair.learner is not None else 0,
     }
 
 
@@ -64,19 +66,21 @@ def markdown(result: dict[str, Any]) -> str:
         "between requests",
         "",
         "| learning | reply median s | worst reply s | CPU s in requests | CPU s between | CPU s after "
-        "| steps |",
-        "|---|---|---|---|---|---|---|",
+        "| steps | requests learned from |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name in RUNS:
+    runs = [name for name in RUNS if name in result["runs"]]
+    for name in runs:
         r = result["runs"][name]
         lat = r["latency_s"]
         lines.append(
             f"| {name} | {statistics.median(lat):.2f} | {max(lat):.2f} | {r['cpu_in_requests_s']:.1f} | "
-            f"{r['cpu_between_s']:.1f} | {r['cpu_after_s']:.1f} | {r['steps']} |"
+            f"{r['cpu_between_s']:.1f} | {r['cpu_after_s']:.1f} | {r['steps']} | {r.get('learned_from', '')} "
+            "|"
         )
     off = result["runs"]["off"]
     base = off["cpu_in_requests_s"] + off["cpu_between_s"] + off["cpu_after_s"]
-    for name in RUNS[1:]:
+    for name in runs[1:]:
         r = result["runs"][name]
         extra = r["cpu_in_requests_s"] + r["cpu_between_s"] + r["cpu_after_s"] - base
         lines.append(
@@ -96,6 +100,7 @@ def add_args(sub: Any) -> None:
     p.add_argument("--think", type=float, default=3.0, help="seconds between a reply and the next request")
     p.add_argument("--interval", type=int, default=8, help="requests between updates (TrainConfig)")
     p.add_argument("--context", type=int, default=0, help="TrainConfig.context (0: the whole prompt)")
+    p.add_argument("--cpu-share", type=float, default=0.0, help="adds a run with TrainConfig.cpu_share")
     p.add_argument("--out", default="users_out")
     p.add_argument("--name", default="learning-cost")
 
@@ -111,8 +116,14 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("--requests and --max-new-tokens must be >= 1, --think >= 0")
     try:  # TrainConfig checks its own values (--interval, --context), before anything loads
         configs = {
-            name: TrainConfig(interval=args.interval, context=args.context, background=name == "background")
+            name: TrainConfig(
+                interval=args.interval,
+                context=args.context,
+                background=name != "inline",
+                cpu_share=args.cpu_share if name == "capped" else 0.0,
+            )
             for name in RUNS
+            if name != "capped" or args.cpu_share
         }
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
@@ -124,7 +135,7 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as store_dir:
         store = ProfileStore(store_dir)
         drafter.pair(target, k=4).generate("Warm up.", max_new_tokens=8)
-        for name in RUNS:
+        for name in configs:
             learn = name != "off"
             train = configs[name]
             pair = drafter.pair(target, k=4, user=f"user-{name}", learn=learn, train=train, store=store)

@@ -357,7 +357,8 @@ def test_background_training_never_changes_the_output(drafter, tiny_target, tmp_
 
 def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafter, tiny_target, tmp_path):
     """Background learning (the default): `generate` returns before its request is learned from,
-    and no unit of learning (a request scored, an optimizer step) runs while a request does."""
+    and no unit of learning (a request scored, an example's gradient, an optimizer step) runs
+    while a request does."""
     import threading
 
     from benchmarks.learning_cost import markdown, session
@@ -367,7 +368,7 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
         train=TrainConfig(interval=1, lr=1e-2),
     )  # fmt: skip
     learner, running, overlaps = pair.learner, threading.Event(), []
-    step, score = learner.trainer.step, learner._score
+    accumulate, apply, score = learner.trainer.accumulate, learner.trainer.apply, learner._score
 
     def watched(real):
         def call(*args, **kwargs):
@@ -376,7 +377,8 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
 
         return call
 
-    learner.trainer.step, learner._score = watched(step), watched(score)
+    learner.trainer.accumulate, learner.trainer.apply = watched(accumulate), watched(apply)
+    learner._score = watched(score)
     blocked = threading.Event()
     learner._idle.acquire()  # the learning thread cannot take its first unit yet
     try:
@@ -400,6 +402,68 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
     result = {"pair": "tiny", "target_backend": "torch", "requests": 2, "dataset": "x", "max_new_tokens": 8}
     table = markdown({**result, "think": 0.0, "runs": {"off": off, "background": on, "inline": on}})
     assert "| background |" in table and "of the requests' own CPU time" in table
+
+
+def test_gradients_accumulated_example_by_example_are_the_batchs_gradient(drafter, tiny_target):
+    """A step built one example at a time (the learner's units) is the step on the whole batch:
+    each example adds its share of the batch's loss, for every loss term."""
+    config = TrainConfig(lam=0.2, beta=0.3, spans=True)
+    _, _, vmap, examples, _ = _loss_and_reference_logits(drafter, tiny_target, config)
+    trainer = OnlineTrainer(drafter.trainable, vmap.t2d, config)
+    total, _ = trainer.loss(examples)
+    whole = torch.autograd.grad(total, trainer.params)
+    for e in examples:
+        trainer.accumulate(e, examples)
+    assert trainer._parts["loss"] == pytest.approx(float(total), rel=1e-5)
+    for g, acc in zip(whole, trainer._grads):
+        torch.testing.assert_close(acc, g, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("when", ["forward", "backward"])
+def test_a_unit_of_learning_stops_at_a_layer_and_adds_nothing(drafter, tiny_target, when):
+    """`stop` is asked at every decoder layer, forward and backward: once it says so, the unit
+    raises Preempted and the step being built is as it was."""
+    from omnidraft.distill.trainer import Preempted
+
+    config = TrainConfig()
+    _, _, vmap, examples, _ = _loss_and_reference_logits(drafter, tiny_target, config)
+    trainer = OnlineTrainer(drafter.trainable, vmap.t2d, config)
+    trainer.accumulate(examples[0], examples)
+    before = [g.clone() for g in trainer._grads]
+    layers = len(drafter.trainable.get_base_model().model.layers)
+    asked = []
+    after = layers + 1 if when == "backward" else 1  # the forward asks once a layer, then backward
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > after
+
+    with pytest.raises(Preempted):
+        trainer.accumulate(examples[1], examples, stop)
+    assert all(torch.equal(a, b) for a, b in zip(trainer._grads, before))
+    assert len(asked) == after + 1
+    with pytest.raises(Preempted):
+        trainer.agreement(examples[1], lambda: True)
+    trainer.accumulate(examples[1], examples, lambda: False)  # asked and let through: it adds
+    assert not all(torch.equal(a, b) for a, b in zip(trainer._grads, before))
+
+
+def test_a_cpu_share_holds_learning_to_its_part_of_the_requests_cpu(drafter, tiny_target, tmp_path):
+    """With `cpu_share`, a request is learned from only while learning's CPU time stays within
+    that share of the requests' own; the ones left out are counted and the stats say so."""
+    pair = drafter.pair(
+        tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
+        train=TrainConfig(interval=1, cpu_share=0.01, background=False),
+    )  # fmt: skip
+    for prompt in PROMPTS * 2:
+        out = pair.generate(prompt, max_new_tokens=16)
+        assert out.token_ids == target_greedy(tiny_target, prompt, 16)
+    learner = pair.learner
+    assert learner.skipped > 0 and pair.steps == 6 - learner.skipped >= 1
+    assert learner.cpu_learning > 0 and learner.cpu_requests > 0
+    assert f"learning from {6 - learner.skipped} of 6 requests" in out.stats.adapter_note
+    with pytest.raises(ValueError, match="cpu_share"):
+        TrainConfig(cpu_share=-0.5)
 
 
 def test_a_training_context_cap_keeps_the_labels_and_drops_the_prompts_head(drafter, tiny_target):
@@ -752,6 +816,7 @@ def test_an_int8_drafter_learns_through_the_weights_it_drafts_with(
     before = adapter_state(drafter.trainable, pair.adapter)
     for prompt in PROMPTS:
         assert pair.generate(prompt, max_new_tokens=16).token_ids == target_greedy(tiny_target, prompt, 16)
+    pair.learner.wait()  # (the last request's learning runs after its reply)
     assert pair.steps == 3 and any(
         not torch.equal(v, adapter_state(drafter.trainable, pair.adapter)[k]) for k, v in before.items()
     )
@@ -824,8 +889,8 @@ def test_adapters_go_out_and_come_back_in_peft_format(drafter, tiny_target, draf
 
 
 STRONG = TrainConfig(
-    interval=1, epochs=60, lr=5e-2, background=False
-)  # learns a prompt it has seen in one update
+    interval=1, epochs=60, lr=5e-2, background=False, guard_every=1
+)  # learns a prompt it has seen in one update; every request scored
 QV = AdapterConfig(rank=8, alpha=16, modules=("q_proj", "v_proj"))
 
 
@@ -848,7 +913,7 @@ def test_a_users_adapter_scoring_below_the_shared_one_drafts_with_the_shared_one
         user="alice",
         learn=True,
         adapter=QV,
-        train=TrainConfig(interval=1000, background=False),
+        train=TrainConfig(interval=1000, background=False, guard_every=1),
         store=store,
     )
     assert alice.learner.baseline == drafter.adapter_name(tiny_target.name, "default")
@@ -951,7 +1016,7 @@ def test_the_guard_stops_and_resumes_with_a_margin(drafter, tiny_target, tmp_pat
         tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path), train=train
     )
     learner, fed = pair.learner, []
-    learner.trainer.agreement = lambda example: fed.pop(0)
+    learner.trainer.agreement = lambda example, stop=None: fed.pop(0)
 
     def requests(own: int, base: int, n: int) -> bool:
         for _ in range(n):

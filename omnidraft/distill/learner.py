@@ -2,13 +2,16 @@
 every `interval` requests the pairing's adapter is updated (Algorithm 2).
 
 Learning never holds up a reply. By default (`TrainConfig.background`) a request's learning is
-queued when it ends, and a thread of the learner's own does it in units (one request scored and
-buffered, or one optimizer step) while no request of the pairing runs: `pause` / `resume` bracket
-each request, and a request that arrives while a unit runs waits for that one unit only. Inline
-(`background=False`) the learning is done before `generate` returns: reproducible, for tests and
-benchmarks. Each unit holds the drafter's lock: drafting (of this pairing or another one on the
-same drafter) never reads an adapter mid-step or the wrong active adapter. Learning changes how
-fast the pairing is, never what the target commits.
+queued when it ends, and a thread of the learner's own does it in units while no request of the
+pairing runs: a request taken in, a request scored, one example's gradient (forward and backward
+over one example), an optimizer step. `pause` / `resume` bracket each request; a unit running
+when a request begins stops at its next decoder layer, forward or backward (`Preempted`), and is
+done again after it, so a request waits for at most one layer. Inline (`background=False`) the
+same units run before `generate` returns: reproducible, for tests and benchmarks. Each unit holds
+the drafter's lock: drafting (of this pairing or another one on the same drafter) never reads an
+adapter mid-step or the wrong active adapter. Learning changes how fast the pairing is, never
+what the target commits. `TrainConfig.cpu_share` caps learning's CPU time at a share of the
+requests' own (`cpu_learning`, `cpu_requests`): a request over it is not learned from (`skipped`).
 
 Test-Time Speculation (`TrainConfig.tts_every`): a long request also teaches the drafter while it
 runs. `begin_request` keeps a copy of the adapter, `within_request` takes one fast Adam step on the
@@ -16,12 +19,13 @@ request so far, `end_request` puts the copy back, so Algorithm 2's updates see o
 The drafter's KV cache of the running request keeps what the older weights computed; drafting from it
 stays correct (the target decides what is committed), only slightly less well aimed.
 
-Learning that cannot hurt: each verified request is also scored, teacher-forced, with the adapter
-being learned and with its `baseline` (the per-target adapter every user shares, or the base
-drafter): how many of its direct positions each one's top-1 gets right, which is greedy acceptance
-per position. Over the last `WINDOW` requests, the pairing stops drafting with the learned adapter
-once it scores `MARGIN` below the baseline and drafts with it again once it scores at least as well
-(`drafting_adapter`); it goes on learning either way.
+Learning that cannot hurt: one verified request in `TrainConfig.guard_every` is also scored,
+teacher-forced, with the adapter being learned and with its `baseline` (the per-target adapter
+every user shares, or the base drafter): how many of its direct positions each one's top-1 gets
+right, which is greedy acceptance per position. Over the last `WINDOW` scored requests, the
+pairing stops drafting with the learned adapter once it scores `MARGIN` below the baseline and
+drafts with it again once it scores at least as well (`drafting_adapter`); it goes on learning
+either way.
 """
 
 from __future__ import annotations
@@ -32,12 +36,12 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Callable
 
 import torch
 
-from .buffer import Example, VerifiedRequest, build_example
-from .trainer import OnlineTrainer, TrainConfig
+from .buffer import VerifiedRequest, build_example
+from .trainer import OnlineTrainer, Preempted, TrainConfig
 
 __all__ = ["Learner"]
 
@@ -75,12 +79,15 @@ class Learner:
             tuple[float, float]
         ] = []  # (acceptance rate, tau) of requests since the last update
         self._idle = threading.Condition()  # guards the queue, the units and the requests running
-        self._queue: deque[tuple[VerifiedRequest, float, float]] = deque()  # requests to learn from
-        self._steps: deque[tuple[Literal["step", "done"], list[Example]]] = deque()  # an update's
+        self._units: deque[tuple[str, Any]] = deque()  # learning to do, in order (see `_admit`)
         self._logs: list[dict[str, float]] = []  # the running update's step logs
         self._serving = 0  # requests of the pairing running now
         self._busy = False  # a unit of learning is running
         self._working = False  # the learning thread has work or is doing it
+        self.cpu_requests = 0.0  # the process's CPU seconds while requests of the pairing ran
+        self.cpu_learning = 0.0  # and in units of learning (no request runs beside one)
+        self._cpu_since = 0.0
+        self.skipped = 0  # requests not learned from: `cpu_share` was spent
         self.requests = 0  # requests handed to the learner
         self._trusted = True  # the pairing drafts with the adapter (see `trusted`)
         self.error: BaseException | None = None
@@ -122,13 +129,18 @@ class Learner:
     def note(self) -> str:
         """When the adapter's next update comes, and which adapter drafts if not the learned one,
         in words (a request's stats carry it)."""
-        interval, seen = self.config.interval, self.requests
-        if self._steps:
+        interval, seen = self.config.interval, self.requests - self.skipped
+        with self._idle:
+            updating = any(kind == "step" for kind, _ in self._units)
+        if updating:
             when = "an update is under way between requests"
         else:
             left = interval - seen % interval
             first = "the first update" if self.steps == 0 else "the next update"
             when = f"{first} after {left} more request{'s' if left != 1 else ''} (one every {interval})"
+        if self.skipped:
+            share = f"{self.config.cpu_share:.0%}"
+            when += f"; learning from {seen} of {self.requests} requests (a CPU share of {share})"
         if self.trusted:
             return when
         own, base, n = self.scores or (0.0, 0.0, 0)
@@ -138,12 +150,12 @@ class Learner:
             f"{n} positions over its last requests, {other} on {base:.0%}"
         )
 
-    def _score(self, example: Any) -> None:
+    def _score(self, example: Any, stop: Callable[[], bool] | None = None) -> None:
         """Score `example` with the adapter and with its baseline (teacher-forced top-1)."""
         with self._drafter_on(self.adapter):
-            own, n = self.trainer.agreement(example)
+            own, n = self.trainer.agreement(example, stop)
             self.drafter.activate(self.baseline)
-            base, _ = self.trainer.agreement(example)
+            base, _ = self.trainer.agreement(example, stop)
         if n:
             trusted = self._trusted
             self._scores.append((own, base, n))
@@ -156,15 +168,16 @@ class Learner:
                 )
 
     def observe(self, request: VerifiedRequest, acceptance_rate: float, tau: float) -> None:
-        """One verified request to learn from: queued for the learning thread, or (inline) scored,
-        buffered and, when the interval is complete, trained on before this returns."""
+        """One verified request to learn from: queued for the learning thread, or (inline) learned
+        from before this returns."""
         self.requests += 1
         if not self.config.background:
-            if self._learn(request, acceptance_rate, tau):
-                self._update()
+            self._units.append(("request", (request, acceptance_rate, tau)))
+            while self._units:
+                self._run(self._units.popleft(), None)
             return
         with self._idle:
-            self._queue.append((request, acceptance_rate, tau))
+            self._units.append(("request", (request, acceptance_rate, tau)))
             if not self._working:
                 self._working = True
                 name = f"omnidraft-learn-{self.adapter}"
@@ -173,46 +186,60 @@ class Learner:
 
     def pause(self) -> None:
         """A request of the pairing begins: no unit of learning starts until it ends (`resume`); one
-        that is running is waited for."""
+        that is running stops at its next layer (it is done again later)."""
         with self._idle:
+            if not self._serving:
+                self._cpu_since = time.process_time()
+            self._serving += 1
             while self._busy:
                 self._idle.wait()
-            self._serving += 1
 
     def resume(self) -> None:
         """A request of the pairing has ended (after `pause`)."""
         with self._idle:
             self._serving -= 1
+            if not self._serving:
+                self.cpu_requests += time.process_time() - self._cpu_since
             self._idle.notify_all()
 
-    def _learn(self, request: VerifiedRequest, acceptance_rate: float, tau: float) -> bool:
-        """Score and buffer one request; True when the interval is complete (an update is due)."""
+    def _admit(self, request: VerifiedRequest, acceptance_rate: float, tau: float) -> None:
+        """Take one request into learning (unless it would go over `cpu_share`): its example is
+        buffered, every `guard_every`-th one scored, and once the interval is complete the
+        update's units are queued: one per example of each batch, a step after each batch."""
+        cfg = self.config
         self._recent.append((acceptance_rate, tau))
+        admitted = self.trainer.requests
+        cost = self.cpu_learning / admitted if admitted else 0.0  # a request's learning, so far
+        if cfg.cpu_share and self.cpu_learning + cost > cfg.cpu_share * self.cpu_requests:
+            self.skipped += 1
+            return
         example = self._example(request)
-        self._score(example)
-        return self.trainer.add(example)
+        if admitted % cfg.guard_every == 0:
+            self._units.append(("score", example))
+        if self.trainer.add(example):
+            for batch in self.trainer.take_batches():
+                self._units.extend([("grad", (e, batch)) for e in batch] + [("step", None)])
+            self._units.append(("done", None))
 
     def _work(self) -> None:
-        """The learning thread: one unit at a time, each while no request runs; it ends when the
-        queue is empty (`observe` starts another)."""
+        """The learning thread: one unit at a time, each while no request runs; a unit a request
+        stopped goes back to the queue's head. It ends when the queue is empty (`observe` starts
+        another)."""
         while True:
             with self._idle:
-                while self._serving and (self._queue or self._steps):
+                while self._serving and self._units:
                     self._idle.wait()
-                if self.error is not None or not (self._queue or self._steps):
+                if self.error is not None or not self._units:
                     self._working = False
                     self._idle.notify_all()
                     return
                 self._busy = True
-                step = self._steps.popleft() if self._steps else None
-                request = self._queue.popleft() if step is None else None
+                unit = self._units.popleft()
             try:
-                if step is not None:
-                    self._unit(*step)
-                elif request is not None and self._learn(*request):
-                    batches = self.trainer.take_batches()
-                    with self._idle:
-                        self._steps.extend([("step", b) for b in batches] + [("done", [])])
+                self._run(unit, lambda: self._serving > 0)
+            except Preempted:
+                with self._idle:
+                    self._units.appendleft(unit)
             except BaseException as exc:  # a thread has nobody to raise to: kept for wait()
                 self.error = exc
             finally:
@@ -220,14 +247,27 @@ class Learner:
                     self._busy = False
                     self._idle.notify_all()
 
-    def _unit(self, kind: Literal["step", "done"], batch: list[Example]) -> None:
-        """One optimizer step of an update on `batch`, or ("done") the update's bookkeeping."""
-        if kind == "done":
-            logs, self._logs = self._logs, []
-            self._record(logs)
-            return
-        with self._drafter_on(self.adapter):
-            self._logs.append(self.trainer.step(batch))
+    def _run(self, unit: tuple[str, Any], stop: Callable[[], bool] | None) -> None:
+        """One unit of learning (see `_admit`); its CPU time is counted in `cpu_learning`."""
+        kind, what = unit
+        started = time.process_time()
+        try:
+            if kind == "request":
+                self._admit(*what)
+            elif kind == "score":
+                self._score(what, stop)
+            elif kind == "grad":
+                example, batch = what
+                with self._drafter_on(self.adapter):
+                    self.trainer.accumulate(example, batch, stop)
+            elif kind == "step":
+                with self._drafter_on(self.adapter):
+                    self._logs.append(self.trainer.apply())
+            else:
+                logs, self._logs = self._logs, []
+                self._record(logs)
+        finally:
+            self.cpu_learning += time.process_time() - started
 
     @contextmanager
     def _drafter_on(self, adapter: str | None) -> Iterator[None]:
@@ -285,12 +325,6 @@ class Learner:
         if self.error is not None:
             error, self.error = self.error, None
             raise RuntimeError(f"background training of adapter {self.adapter!r} failed") from error
-
-    def _update(self) -> None:
-        """An update inline: `epochs` passes over the buffer."""
-        with self._drafter_on(self.adapter):
-            logs = self.trainer.update()
-        self._record(logs)
 
     def _record(self, logs: list[dict[str, float]]) -> None:
         """An update's metrics row: its steps' mean loss and the requests' acceptance and tau."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import random
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,11 @@ import torch
 from .buffer import Buffer, Example
 from .losses import direct_kl, ngram_approx_kl, ngram_nll, position_weights
 
-__all__ = ["OnlineTrainer", "TrainConfig"]
+__all__ = ["OnlineTrainer", "Preempted", "TrainConfig"]
+
+
+class Preempted(Exception):
+    """A unit of learning stopped at a layer boundary because a request began (`stop`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +52,10 @@ class TrainConfig:
     `context` > 0 keeps only that many prompt tokens before each reply in an example (the rest
     costs forward and backward time and carries no loss; 0: the whole prompt).
     `topk`: target log-probabilities kept per position.
+    `guard_every`: one request in this many is scored for the learner's guard (distill/learner.py:
+    the adapter against its baseline, two forwards without gradient).
+    `cpu_share` > 0 holds learning to that share of the CPU time the pairing's requests take: a
+    request that would go over it is not learned from (0: every request is).
     `background`: learn in a thread of the learner's own while no request runs
     (distill/learner.py): a reply never waits for its own request's learning, a request that comes
     while a unit of learning runs waits for that unit; False learns inline, before `generate`
@@ -71,6 +81,8 @@ class TrainConfig:
     topk: int = 32
     context: int = 0
     capacity: int = 256
+    guard_every: int = 2
+    cpu_share: float = 0.0
     background: bool = True
     seed: int = 0
     tts_every: int = 0
@@ -90,7 +102,11 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.context must be an integer >= 0 (0: the whole prompt), got {self.context!r}"
             )
-        for name in ("interval", "batch_size", "epochs", "topk", "capacity", "draft_len"):
+        if not isinstance(self.cpu_share, (int, float)) or not 0 <= self.cpu_share:
+            raise ValueError(
+                f"TrainConfig.cpu_share must be a number >= 0 (0: no cap), got {self.cpu_share!r}"
+            )
+        for name in ("interval", "batch_size", "epochs", "topk", "capacity", "draft_len", "guard_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not self.lr > 0 or self.weight_decay < 0 or self.beta < 0 or self.direct_nll < 0:
@@ -142,6 +158,8 @@ class OnlineTrainer:
         self.history: list[dict[str, Any]] = []  # one dict per optimizer step
         self.start_step = start_step
         self._rng = random.Random(config.seed)
+        self._grads: list[torch.Tensor] | None = None  # the step being built (`accumulate`)
+        self._parts: dict[str, float] = {}  # and its loss terms so far
 
     def add(self, example: Example) -> bool:
         """Buffer one request's example; True when `interval` requests have come since the last update."""
@@ -161,77 +179,142 @@ class OnlineTrainer:
         return batches
 
     def step(self, batch: list[Example], optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
-        """One optimizer step on `batch`. With another `optimizer` (Test-Time Speculation's fast
-        steps) the step is not counted in `steps` or `history`: those record the lasting updates."""
-        opt = optimizer or self.optimizer
+        """One optimizer step on `batch`: its examples' gradients accumulated one by one, then
+        applied. With another `optimizer` (Test-Time Speculation's fast steps) the step is not
+        counted in `steps` or `history`: those record the lasting updates."""
+        for example in batch:
+            self.accumulate(example, batch)
+        return self.apply(optimizer)
+
+    def accumulate(
+        self, example: Example, batch: list[Example], stop: Callable[[], bool] | None = None
+    ) -> None:
+        """Add `example`'s share of `batch`'s loss gradient to the step being built (`apply` takes
+        it): one forward and backward over one example, a unit of learning a request waits for at
+        most one layer of (`stop`: checked at every layer, forward and backward; True raises
+        `Preempted` and adds nothing)."""
         was_training = self.model.training
         self.model.train()
         try:
-            total, parts = self.loss(batch)
-            opt.zero_grad(set_to_none=True)
-            total.backward()
-            if optimizer is None:
-                for group in opt.param_groups:
-                    group["lr"] = self.config.lr_at(self.start_step + self.steps)
-            with self.step_lock:
-                opt.step()
+            with self._stoppable(stop):
+                total, parts = self.loss(batch, part=[example])
+                grads = torch.autograd.grad(total, self.params, allow_unused=True)
         finally:
             self.model.train(was_training)
+        if self._grads is None:
+            self._grads = [torch.zeros_like(p) for p in self.params]
+        for acc, g in zip(self._grads, grads):
+            if g is not None:
+                acc += g
+        for name, value in {"loss": float(total.detach()), **parts}.items():
+            self._parts[name] = self._parts.get(name, 0.0) + value
+
+    def apply(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+        """One optimizer step with the gradient accumulated since the last one (`accumulate`)."""
+        opt = optimizer or self.optimizer
+        grads, self._grads, parts, self._parts = self._grads, None, self._parts, {}
+        if grads is None:
+            raise RuntimeError("apply() with no gradient accumulated: accumulate() an example first")
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        if optimizer is None:
+            for group in opt.param_groups:
+                group["lr"] = self.config.lr_at(self.start_step + self.steps)
+        with self.step_lock:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
         if optimizer is not None:
-            return {"loss": float(total.detach()), **parts}
+            return parts
         self.steps += 1
-        log = {"step": self.steps, "loss": float(total.detach()), "lr": opt.param_groups[0]["lr"], **parts}
+        log = {"step": self.steps, "lr": opt.param_groups[0]["lr"], **parts}
         self.history.append(log)
         return log
 
-    def loss(self, batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
-        """The hybrid loss of one batch, and its terms as floats."""
+    def loss(
+        self, batch: list[Example], part: list[Example] | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The hybrid loss of one batch (each term a mean over the batch's labelled rows), and its
+        terms as floats; with `part`, those examples' share of it (the parts' shares add up to the
+        batch's loss: one forward over `part` only)."""
         cfg = self.config
-        logits, kl_logits, ng_logits = self._logits(batch)
-        cat = lambda name: torch.cat([getattr(e, name) for e in batch])  # noqa: E731
+        part = batch if part is None else part
+        logits, kl_logits, ng_logits = self._logits(part)
+        cat = lambda name: torch.cat([getattr(e, name) for e in part])  # noqa: E731
+        share = lambda name, w: w.sum() / sum(self._weights(e)[name].sum() for e in batch)  # noqa: E731
         total, parts = logits.sum() * 0.0, {}
+        weights = {name: torch.cat([self._weights(e)[name] for e in part]) for name in ("kl", "ng")}
         if cfg.kl and len(kl_logits):
-            w = position_weights(cat("kl_pos"), cfg.beta, cfg.draft_len) if cfg.beta > 0 else None
-            term = direct_kl(kl_logits, cat("kl_ids"), cat("kl_logp"), self.t2d, w)
+            w = weights["kl"]
+            term = direct_kl(kl_logits, cat("kl_ids"), cat("kl_logp"), self.t2d, w) * share("kl", w)
             total, parts["kl"] = total + term, float(term.detach())
         if cfg.direct_nll > 0 and len(kl_logits):
-            committed = torch.cat([e.ids[e.kl_rows + 1] for e in batch])  # row r predicts ids[r + 1]
-            term = ngram_nll(kl_logits, committed)
+            committed = torch.cat([e.ids[e.kl_rows + 1] for e in part])  # row r predicts ids[r + 1]
+            w = torch.ones(len(committed))
+            term = ngram_nll(kl_logits, committed) * share("rows", w)
             total, parts["direct_nll"] = total + cfg.direct_nll * term, float(term.detach())
         if cfg.ngram_loss != "none" and len(ng_logits):
-            term = self._ngram_term(batch, ng_logits)
+            term = self._ngram_term(part, ng_logits, weights["ng"]) * share("ng", weights["ng"])
             lam = 1.0 if cfg.lam == "dynamic" else float(cfg.lam)
             total, parts["ngram"] = total + lam * term, float(term.detach())
         return total, parts
 
-    def _ngram_term(self, batch: list[Example], logits: torch.Tensor) -> torch.Tensor:
+    def _weights(self, e: Example) -> dict[str, torch.Tensor]:
+        """Each loss term's row weights in `e`: "kl" its direct rows, "rows" the same unweighted,
+        "ng" its n-gram rows (or, for the approximate KL, its n-gram tokens)."""
         cfg = self.config
-        tokens = torch.cat([e.ng_tokens for e in batch])
+        rows = torch.ones(len(e.kl_rows))
+        kl = position_weights(e.kl_pos, cfg.beta, cfg.draft_len) if cfg.beta > 0 else rows
         if cfg.ngram_loss == "approx_kl":
-            shift = torch.tensor([0] + [e.ng_logp.numel() for e in batch[:-1]]).cumsum(0)
-            group = torch.cat([e.ng_group + s for e, s in zip(batch, shift)])
-            return ngram_approx_kl(logits, tokens, group, torch.cat([e.ng_logp for e in batch]))
-        weights = torch.ones(len(tokens))
-        if cfg.lam == "dynamic":
-            weights = torch.cat([e.ng_logp[e.ng_group].exp() for e in batch])
+            return {"kl": kl, "rows": rows, "ng": torch.ones(e.ng_logp.numel())}
+        ng = e.ng_logp[e.ng_group].exp() if cfg.lam == "dynamic" else torch.ones(len(e.ng_tokens))
         if cfg.beta > 0:
-            weights = weights * position_weights(
-                torch.cat([e.ng_pos for e in batch]), cfg.beta, cfg.draft_len
-            )
+            ng = ng * position_weights(e.ng_pos, cfg.beta, cfg.draft_len)
+        return {"kl": kl, "rows": rows, "ng": ng}
+
+    def _ngram_term(self, part: list[Example], logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        tokens = torch.cat([e.ng_tokens for e in part])
+        if self.config.ngram_loss == "approx_kl":
+            shift = torch.tensor([0] + [e.ng_logp.numel() for e in part[:-1]]).cumsum(0)
+            group = torch.cat([e.ng_group + s for e, s in zip(part, shift)])
+            return ngram_approx_kl(logits, tokens, group, torch.cat([e.ng_logp for e in part]))
         return ngram_nll(logits, tokens, weights)
 
+    @contextmanager
+    def _stoppable(self, stop: Callable[[], bool] | None) -> Iterator[None]:
+        """While inside, every decoder layer's forward and backward first asks `stop`."""
+        if stop is None:
+            yield
+            return
+
+        def check(*_: Any) -> None:
+            if stop():
+                raise Preempted
+
+        handles = []
+        for layer in self._base().model.layers:
+            handles += [layer.register_forward_pre_hook(check), layer.register_full_backward_pre_hook(check)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _base(self) -> Any:
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
     @torch.no_grad()
-    def agreement(self, example: Example) -> tuple[int, int]:
+    def agreement(self, example: Example, stop: Callable[[], bool] | None = None) -> tuple[int, int]:
         """(right, positions) at `example`'s direct positions: where the model's top-1, with
         whatever adapter is active, is the committed token (what greedy verification accepts). One
-        forward over the example, no gradient, dropout off."""
+        forward over the example, no gradient, dropout off; `stop` as for `accumulate`."""
         if not len(example.kl_rows):
             return 0, 0
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base = self._base()
         training = base.training
         base.eval()
         try:
-            hidden = base.model(input_ids=example.ids[None]).last_hidden_state[0]
+            with self._stoppable(stop):
+                hidden = base.model(input_ids=example.ids[None]).last_hidden_state[0]
             top = base.lm_head(hidden[example.kl_rows]).argmax(-1)
         finally:
             base.train(training)
@@ -245,7 +328,7 @@ class OnlineTrainer:
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for b, e in enumerate(batch):
             ids[b, : len(e.ids)], mask[b, : len(e.ids)] = e.ids, 1
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base = self._base()
         hidden = base.model(input_ids=ids, attention_mask=mask).last_hidden_state.flatten(0, 1)
         kl = torch.cat([e.kl_rows + b * width for b, e in enumerate(batch)])
         ng = torch.cat([e.ng_rows + b * width for b, e in enumerate(batch)])
