@@ -432,7 +432,7 @@ def test_a_unit_of_learning_stops_at_a_layer_and_adds_nothing(drafter, tiny_targ
     before = [g.clone() for g in trainer._grads]
     layers = len(drafter.trainable.get_base_model().model.layers)
     asked = []
-    after = layers + 1 if when == "backward" else 1  # the forward asks once a layer, then backward
+    after = layers if when == "backward" else 1  # the forward asks at each layer, then the backward
 
     def stop() -> bool:
         asked.append(1)
@@ -446,6 +446,29 @@ def test_a_unit_of_learning_stops_at_a_layer_and_adds_nothing(drafter, tiny_targ
         trainer.agreement(examples[1], lambda: True)
     trainer.accumulate(examples[1], examples, lambda: False)  # asked and let through: it adds
     assert not all(torch.equal(a, b) for a, b in zip(trainer._grads, before))
+
+
+def test_a_unit_that_requests_keep_stopping_is_given_up(drafter, tiny_target, tmp_path):
+    """Learning that never fits between requests does not take their CPU: a unit stopped `TRIES`
+    times is dropped, and the learning thread ends."""
+    from omnidraft.distill.learner import TRIES
+    from omnidraft.distill.trainer import Preempted
+
+    pair = drafter.pair(
+        tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
+        train=TrainConfig(interval=1),
+    )  # fmt: skip
+    learner, tried = pair.learner, []
+
+    def stopped(unit, stop):
+        tried.append(unit[0])
+        raise Preempted
+
+    learner._run = stopped
+    pair.generate(PROMPTS[0], max_new_tokens=8)
+    learner.wait()
+    assert tried == ["request"] * TRIES and learner.dropped == 1 and not learner._units
+    assert pair.steps == 0
 
 
 def test_a_cpu_share_holds_learning_to_its_part_of_the_requests_cpu(drafter, tiny_target, tmp_path):

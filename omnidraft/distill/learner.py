@@ -5,13 +5,15 @@ Learning never holds up a reply. By default (`TrainConfig.background`) a request
 queued when it ends, and a thread of the learner's own does it in units while no request of the
 pairing runs: a request taken in, a request scored, one example's gradient (forward and backward
 over one example), an optimizer step. `pause` / `resume` bracket each request; a unit running
-when a request begins stops at its next decoder layer, forward or backward (`Preempted`), and is
-done again after it, so a request waits for at most one layer. Inline (`background=False`) the
-same units run before `generate` returns: reproducible, for tests and benchmarks. Each unit holds
-the drafter's lock: drafting (of this pairing or another one on the same drafter) never reads an
-adapter mid-step or the wrong active adapter. Learning changes how fast the pairing is, never
-what the target commits. `TrainConfig.cpu_share` caps learning's CPU time at a share of the
-requests' own (`cpu_learning`, `cpu_requests`): a request over it is not learned from (`skipped`).
+when a request begins stops at its next decoder layer, forward or backward (`Preempted`), so a
+request waits for at most one layer, and the unit is done again after it (one stopped `TRIES`
+times is given up, `dropped`: learning that never fits between requests does not take their
+CPU). Inline (`background=False`) the same units run before `generate` returns: reproducible,
+for tests and benchmarks. Each unit holds the drafter's lock: drafting (of this pairing or
+another one on the same drafter) never reads an adapter mid-step or the wrong active adapter.
+Learning changes how fast the pairing is, never what the target commits. `TrainConfig.cpu_share`
+caps learning's CPU time at a share of the requests' own (`cpu_learning`, `cpu_requests`): a
+request over it is not learned from (`skipped`).
 
 Test-Time Speculation (`TrainConfig.tts_every`): a long request also teaches the drafter while it
 runs. `begin_request` keeps a copy of the adapter, `within_request` takes one fast Adam step on the
@@ -49,6 +51,7 @@ log = logging.getLogger("omnidraft")
 
 WINDOW = 8  # requests the learned adapter and its baseline are compared over
 MIN_POSITIONS = 32  # direct positions scored before the comparison decides anything
+TRIES = 2  # times a unit of learning may be stopped by requests before it is given up
 MARGIN = 0.02  # agreement a trusted adapter may fall below its baseline's before it stops drafting
 
 
@@ -79,7 +82,7 @@ class Learner:
             tuple[float, float]
         ] = []  # (acceptance rate, tau) of requests since the last update
         self._idle = threading.Condition()  # guards the queue, the units and the requests running
-        self._units: deque[tuple[str, Any]] = deque()  # learning to do, in order (see `_admit`)
+        self._units: deque[tuple[str, Any, int]] = deque()  # (kind, what, times stopped): see `_admit`
         self._logs: list[dict[str, float]] = []  # the running update's step logs
         self._serving = 0  # requests of the pairing running now
         self._busy = False  # a unit of learning is running
@@ -88,6 +91,7 @@ class Learner:
         self.cpu_learning = 0.0  # and in units of learning (no request runs beside one)
         self._cpu_since = 0.0
         self.skipped = 0  # requests not learned from: `cpu_share` was spent
+        self.dropped = 0  # units of learning given up: requests stopped them `TRIES` times
         self.requests = 0  # requests handed to the learner
         self._trusted = True  # the pairing drafts with the adapter (see `trusted`)
         self.error: BaseException | None = None
@@ -131,7 +135,7 @@ class Learner:
         in words (a request's stats carry it)."""
         interval, seen = self.config.interval, self.requests - self.skipped
         with self._idle:
-            updating = any(kind == "step" for kind, _ in self._units)
+            updating = any(kind == "step" for kind, _, _ in self._units)
         if updating:
             when = "an update is under way between requests"
         else:
@@ -172,12 +176,12 @@ class Learner:
         from before this returns."""
         self.requests += 1
         if not self.config.background:
-            self._units.append(("request", (request, acceptance_rate, tau)))
+            self._units.append(("request", (request, acceptance_rate, tau), 0))
             while self._units:
                 self._run(self._units.popleft(), None)
             return
         with self._idle:
-            self._units.append(("request", (request, acceptance_rate, tau)))
+            self._units.append(("request", (request, acceptance_rate, tau), 0))
             if not self._working:
                 self._working = True
                 name = f"omnidraft-learn-{self.adapter}"
@@ -215,11 +219,13 @@ class Learner:
             return
         example = self._example(request)
         if admitted % cfg.guard_every == 0:
-            self._units.append(("score", example))
-        if self.trainer.add(example):
+            self._units.append(("score", example, 0))
+        if self.trainer.add(example):  # the update runs before the requests queued after this one
+            update: list[tuple[str, Any, int]] = []
             for batch in self.trainer.take_batches():
-                self._units.extend([("grad", (e, batch)) for e in batch] + [("step", None)])
-            self._units.append(("done", None))
+                update += [("grad", (e, batch), 0) for e in batch] + [("step", None, 0)]
+            recent, self._recent = self._recent, []
+            self._units.extendleft(reversed(update + [("done", (self.trainer.requests, recent), 0)]))
 
     def _work(self) -> None:
         """The learning thread: one unit at a time, each while no request runs; a unit a request
@@ -237,9 +243,13 @@ class Learner:
                 unit = self._units.popleft()
             try:
                 self._run(unit, lambda: self._serving > 0)
-            except Preempted:
+            except Preempted:  # done again after the request, or given up after `TRIES`
+                kind, what, tries = unit
                 with self._idle:
-                    self._units.appendleft(unit)
+                    if tries + 1 < TRIES:
+                        self._units.appendleft((kind, what, tries + 1))
+                    else:
+                        self.dropped += 1
             except BaseException as exc:  # a thread has nobody to raise to: kept for wait()
                 self.error = exc
             finally:
@@ -247,9 +257,9 @@ class Learner:
                     self._busy = False
                     self._idle.notify_all()
 
-    def _run(self, unit: tuple[str, Any], stop: Callable[[], bool] | None) -> None:
+    def _run(self, unit: tuple[str, Any, int], stop: Callable[[], bool] | None) -> None:
         """One unit of learning (see `_admit`); its CPU time is counted in `cpu_learning`."""
-        kind, what = unit
+        kind, what, _ = unit
         started = time.process_time()
         try:
             if kind == "request":
@@ -261,11 +271,12 @@ class Learner:
                 with self._drafter_on(self.adapter):
                     self.trainer.accumulate(example, batch, stop)
             elif kind == "step":
-                with self._drafter_on(self.adapter):
-                    self._logs.append(self.trainer.apply())
+                if self.trainer.accumulated:  # (none where every example's unit was given up)
+                    with self._drafter_on(self.adapter):
+                        self._logs.append(self.trainer.apply())
             else:
                 logs, self._logs = self._logs, []
-                self._record(logs)
+                self._record(logs, *what)
         finally:
             self.cpu_learning += time.process_time() - started
 
@@ -326,11 +337,11 @@ class Learner:
             error, self.error = self.error, None
             raise RuntimeError(f"background training of adapter {self.adapter!r} failed") from error
 
-    def _record(self, logs: list[dict[str, float]]) -> None:
-        """An update's metrics row: its steps' mean loss and the requests' acceptance and tau."""
-        recent, self._recent = self._recent, []
+    def _record(self, logs: list[dict[str, float]], requests: int, recent: list[tuple[float, float]]) -> None:
+        """An update's metrics row: its steps' mean loss, the requests learned from so far and the
+        acceptance and tau of the ones since the last update (`recent`)."""
         entry = {
-            "requests": self.trainer.requests,
+            "requests": requests,
             "steps": self.trainer.steps,
             "loss": sum(x["loss"] for x in logs) / max(1, len(logs)),
             "acceptance_rate": sum(a for a, _ in recent) / max(1, len(recent)),

@@ -209,6 +209,11 @@ class OnlineTrainer:
         for name, value in {"loss": float(total.detach()), **parts}.items():
             self._parts[name] = self._parts.get(name, 0.0) + value
 
+    @property
+    def accumulated(self) -> bool:
+        """Whether a gradient is waiting for `apply`."""
+        return self._grads is not None
+
     def apply(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
         """One optimizer step with the gradient accumulated since the last one (`accumulate`)."""
         opt = optimizer or self.optimizer
@@ -290,9 +295,10 @@ class OnlineTrainer:
             if stop():
                 raise Preempted
 
-        handles = []
-        for layer in self._base().model.layers:
-            handles += [layer.register_forward_pre_hook(check), layer.register_full_backward_pre_hook(check)]
+        layers = list(self._base().model.layers)
+        handles = [layer.register_forward_pre_hook(check) for layer in layers]
+        # (backward: the first layer's turn is the last, and its inputs need no gradient)
+        handles += [layer.register_full_backward_pre_hook(check) for layer in layers[1:]]
         try:
             yield
         finally:

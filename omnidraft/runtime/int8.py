@@ -170,7 +170,9 @@ class FakeInt8Linear(nn.Module):
     each input row quantized as the kernel quantizes one call (asymmetric, `ACTIVATION_LEVELS` steps
     between min(x, 0) and max(x, 0)), with a straight-through gradient. On one row (a decode step)
     it matches the kernel to float rounding; over a longer call the kernel shares one scale across
-    the rows, this keeps one per row. It has no parameters: nothing of it trains."""
+    the rows, this keeps one per row. It has no parameters: nothing of it trains. The kernel's
+    packed weights are unpacked once, at the first call, and kept (one byte a weight): unpacking
+    them at every call cost more than the matmul itself."""
 
     source: Any  # a torch.ao dynamic quantized Linear, whose weight() and bias() are methods
 
@@ -178,10 +180,17 @@ class FakeInt8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
         self.__dict__["source"] = source  # not a submodule: its weights stay the quantized model's
+        self.__dict__["unpacked"] = None  # (int8 weight, bias), at the first call
+
+    def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The source's int8 weight (a quantized tensor) and its bias, unpacked once."""
+        if self.__dict__["unpacked"] is None:
+            self.__dict__["unpacked"] = (self.source.weight(), self.source.bias())
+        return self.__dict__["unpacked"]
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.source.weight().dequantize()
+        return self.int8_weights()[0].dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lo = x.detach().amin(-1, keepdim=True).clamp(max=0)
@@ -189,7 +198,8 @@ class FakeInt8Linear(nn.Module):
         scale = ((hi - lo) / ACTIVATION_LEVELS).clamp_min(torch.finfo(x.dtype).tiny)
         zero = torch.round(-lo / scale)
         q = (torch.clamp(torch.round(x.detach() / scale) + zero, 0, ACTIVATION_LEVELS) - zero) * scale
-        return nn.functional.linear(x + (q - x.detach()), self.weight, self.source.bias())
+        weight, bias = self.int8_weights()
+        return nn.functional.linear(x + (q - x.detach()), weight.dequantize(), bias)
 
 
 def fake_int8(model: Any) -> Any:
