@@ -3,14 +3,15 @@ device's CPU, on the real pair.
 
 One user's session: `--requests` prompts of a dataset in order, each reply followed by `--think`
 seconds with nothing asked (the user reading it). The same session runs on a fresh pairing and a
-fresh adapter each time: learning off; learning on in the background (the default: the learner's
-thread works only between requests); with `--cpu-share`, the same held to that share of the
-requests' CPU (`TrainConfig.cpu_share`); learning on inline (`TrainConfig(background=False)`: done
-before `generate` returns). Per run: every reply's latency (median and worst), the process's
-CPU seconds inside requests and between them, the adapter's optimizer steps, and the time the last
-requests' learning took after the session (`learner.wait()`). Learning's CPU share: the CPU spent
-with learning on (inside requests, between them and at the end) less the same with it off, over the
-CPU of the requests with it off.
+fresh adapter each time, after one warm-up request: no adapter ("off"); a fresh adapter drafting,
+learning off ("adapter": what drafting through LoRA layers costs, whatever the adapter learned);
+learning on in the background (the default: the learner's thread works only between requests);
+with `--cpu-share`, the same held to that share of the requests' CPU (`TrainConfig.cpu_share`);
+learning on inline (`TrainConfig(background=False)`: done before `generate` returns). Per run:
+every reply's latency (median and worst), the process's CPU seconds inside requests and between
+them, the adapter's optimizer steps, and the time the last requests' learning took after the
+session (`learner.wait()`). Learning's CPU share: the CPU spent with learning on (inside requests,
+between them and at the end) less the same in the "adapter" run, over that run's requests' CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 __all__ = ["add_args", "markdown", "run", "session"]
 
-RUNS = ("off", "background", "capped", "inline")
+RUNS = ("off", "adapter", "background", "capped", "inline")
 
 
 def _cpu() -> float:
@@ -78,9 +79,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['cpu_between_s']:.1f} | {r['cpu_after_s']:.1f} | {r['steps']} | {r.get('learned_from', '')} "
             "|"
         )
-    off = result["runs"]["off"]
+    off = result["runs"]["adapter" if "adapter" in runs else "off"]
     base = off["cpu_in_requests_s"] + off["cpu_between_s"] + off["cpu_after_s"]
-    for name in runs[1:]:
+    for name in [n for n in runs if n not in ("off", "adapter")]:
         r = result["runs"][name]
         extra = r["cpu_in_requests_s"] + r["cpu_between_s"] + r["cpu_after_s"] - base
         lines.append(
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> None:
     import omnidraft as od
     from omnidraft.bench.datasets import load_prompts
     from omnidraft.cli.options import split_pair
+    from omnidraft.distill.adapters import AdapterConfig
     from omnidraft.distill.trainer import TrainConfig
     from omnidraft.store.profiles import ProfileStore
 
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace) -> None:
                 cpu_share=args.cpu_share if name == "capped" else 0.0,
             )
             for name in RUNS
-            if name != "capped" or args.cpu_share
+            if name not in ("off", "adapter") and (name != "capped" or args.cpu_share)
         }
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
@@ -134,11 +136,18 @@ def run(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {**{k: v for k, v in vars(args).items() if k != "func"}, "runs": {}}
     with tempfile.TemporaryDirectory() as store_dir:
         store = ProfileStore(store_dir)
-        drafter.pair(target, k=4).generate("Warm up.", max_new_tokens=8)
-        for name in configs:
-            learn = name != "off"
-            train = configs[name]
-            pair = drafter.pair(target, k=4, user=f"user-{name}", learn=learn, train=train, store=store)
+        drafter.add_adapter("learning-cost-fixed", AdapterConfig())  # the "adapter" run's: never trained
+        for name in [n for n in RUNS if n in configs or n in ("off", "adapter")]:
+            if name in configs:
+                pair = drafter.pair(
+                    target, k=4, user=f"user-{name}", learn=True, train=configs[name], store=store
+                )
+            else:
+                pair = drafter.pair(target, k=4)
+                pair.adapter = "learning-cost-fixed" if name == "adapter" else None
+            pair.generate("Warm up.", max_new_tokens=8)
+            if pair.learner is not None:
+                pair.learner.wait()
             result["runs"][name] = session(pair, prompts, args.max_new_tokens, args.think)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
