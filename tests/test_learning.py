@@ -376,6 +376,7 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
         train=TrainConfig(interval=1, lr=1e-2),
     )  # fmt: skip
     learner, running, overlaps = pair.learner, threading.Event(), []
+    threads = torch.get_num_threads()
     accumulate, apply, score = learner.trainer.accumulate, learner.trainer.apply, learner._score
 
     def watched(real):
@@ -404,6 +405,7 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
         pair.generate(prompt, max_new_tokens=16)
     learner.wait()
     assert pair.steps == 1 + len(PROMPTS) and overlaps and not any(overlaps)
+    assert torch.get_num_threads() == threads  # the learning thread's one intra-op thread is its own
     off = session(drafter.pair(tiny_target, k=4), PROMPTS[:2], 8, 0.0)
     on = session(pair, PROMPTS[:2], 8, 0.0)
     assert len(on["latency_s"]) == 2 and on["steps"] == pair.steps and off["steps"] == 0

@@ -231,6 +231,9 @@ class Learner:
         """The learning thread: one unit at a time, each while no request runs; a unit a request
         stopped goes back to the queue's head. It ends when the queue is empty (`observe` starts
         another)."""
+        # one intra-op thread here: a second thread driving PyTorch's full pool left the requests'
+        # own threads partly idle afterwards (docs/personalization.md), and learning has no hurry
+        torch.set_num_threads(1)
         while True:
             with self._idle:
                 while self._serving and self._units:
