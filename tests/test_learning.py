@@ -427,6 +427,9 @@ def test_gradients_accumulated_example_by_example_are_the_batchs_gradient(drafte
     assert trainer._parts["loss"] == pytest.approx(float(total), rel=1e-5)
     for g, acc in zip(whole, trainer._grads):
         torch.testing.assert_close(acc, g, rtol=1e-4, atol=1e-7)
+    pending = [g.clone() for g in trainer._grads]
+    trainer.step(examples[:1], optimizer=torch.optim.SGD(trainer.params, lr=0.0))  # a fast step between
+    assert all(torch.equal(a, b) for a, b in zip(trainer._grads, pending))  # the step being built stays
 
 
 @pytest.mark.parametrize("when", ["forward", "backward"])

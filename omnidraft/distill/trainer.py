@@ -182,9 +182,13 @@ class OnlineTrainer:
         """One optimizer step on `batch`: its examples' gradients accumulated one by one, then
         applied. With another `optimizer` (Test-Time Speculation's fast steps) the step is not
         counted in `steps` or `history`: those record the lasting updates."""
-        for example in batch:
-            self.accumulate(example, batch)
-        return self.apply(optimizer)
+        pending, self._grads, self._parts = (self._grads, self._parts), None, {}
+        try:  # (a step being built between requests is left as it was: Test-Time Speculation's
+            for example in batch:  # fast steps come inside a request that stopped it)
+                self.accumulate(example, batch)
+            return self.apply(optimizer)
+        finally:
+            self._grads, self._parts = pending
 
     def accumulate(
         self, example: Example, batch: list[Example], stop: Callable[[], bool] | None = None
