@@ -249,9 +249,12 @@ class OnlineTrainer:
         part = batch if part is None else part
         logits, kl_logits, ng_logits = self._logits(part)
         cat = lambda name: torch.cat([getattr(e, name) for e in part])  # noqa: E731
-        share = lambda name, w: w.sum() / sum(self._weights(e)[name].sum() for e in batch)  # noqa: E731
+        mine = [self._weights(e) for e in part]
+        whole = [self._weights(e) for e in batch] if part is not batch else mine
+        totals = {name: sum(w[name].sum() for w in whole) for name in ("kl", "rows", "ng")}
+        share = lambda name, w: w.sum() / totals[name]  # noqa: E731
         total, parts = logits.sum() * 0.0, {}
-        weights = {name: torch.cat([self._weights(e)[name] for e in part]) for name in ("kl", "ng")}
+        weights = {name: torch.cat([w[name] for w in mine]) for name in ("kl", "ng")}
         if cfg.kl and len(kl_logits):
             w = weights["kl"]
             term = direct_kl(kl_logits, cat("kl_ids"), cat("kl_logp"), self.t2d, w) * share("kl", w)
