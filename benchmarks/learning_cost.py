@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> None:
 
     if args.requests < 1 or args.max_new_tokens < 1 or args.think < 0:
         raise SystemExit("--requests and --max-new-tokens must be >= 1, --think >= 0")
+    runs = [name for name in RUNS if name != "capped" or args.cpu_share]
     try:  # TrainConfig checks its own values (--interval, --context), before anything loads
         configs = {
             name: TrainConfig(
@@ -124,8 +125,8 @@ def run(args: argparse.Namespace) -> None:
                 background=name != "inline",
                 cpu_share=args.cpu_share if name == "capped" else 0.0,
             )
-            for name in RUNS
-            if name not in ("off", "adapter") and (name != "capped" or args.cpu_share)
+            for name in runs
+            if name not in ("off", "adapter")
         }
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as store_dir:
         store = ProfileStore(store_dir)
         drafter.add_adapter("learning-cost-fixed", AdapterConfig())  # the "adapter" run's: never trained
-        for name in [n for n in RUNS if n in configs or n in ("off", "adapter")]:
+        for name in runs:
             if name in configs:
                 pair = drafter.pair(
                     target, k=4, user=f"user-{name}", learn=True, train=configs[name], store=store
