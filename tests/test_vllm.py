@@ -369,6 +369,39 @@ def test_sampling_in_the_engines_own_step_follows_the_targets_distribution(vllm_
         assert chi_square_p(observed, expected) > 1e-3, (proposal, counts)
 
 
+def test_the_cpu_samplers_expand_kernel_writes_its_output_whatever_its_dtype(vllm_target):
+    """vLLM's rejection sampler spreads each request's temperature (0 read as 1), top-k and top-p
+    over its draft positions; on a CPU without Triton that kernel is vLLM's stand-in, which wrote
+    into an int64 copy of its output and dropped it (temperatures and top-p of sampled drafts
+    were uninitialised memory). The engine built here runs omnidraft's mended kernel."""
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    cu = torch.tensor([3, 3, 5], dtype=torch.int32)  # the second request drafted nothing
+    temperature = expand_batch_to_tokens(torch.tensor([0.7, 0.2, 0.0]), cu, 5, replace_from=0, replace_to=1)
+    assert temperature.tolist() == pytest.approx([0.7, 0.7, 0.7, 1.0, 1.0])
+    top_k = expand_batch_to_tokens(torch.tensor([20, 5, 10], dtype=torch.int32), cu, 5)
+    assert top_k.dtype == torch.int32 and top_k.tolist() == [20, 20, 20, 10, 10]
+    top_p = expand_batch_to_tokens(torch.tensor([0.95, 0.5, 0.9], dtype=torch.float64), cu, 5)
+    assert top_p.tolist() == pytest.approx([0.95, 0.95, 0.95, 0.9, 0.9])
+
+
+def test_a_sampled_request_accepts_drafts_past_the_first(vllm_target):
+    """At a temperature near 0 the target's likeliest tokens are drawn with probability near 1: a
+    proposal of the next four greedy tokens is mostly accepted whole by vLLM's rejection sampler,
+    the step that verifies it committing five tokens, the fifth its own. Before the mended kernel
+    (vllm_engine.mend_cpu_expand) the positions past the first were judged under uninitialised
+    sampling parameters: never accepted, or the engine step failed on a garbage top-k."""
+    ids = _ids(vllm_target, PROMPTS[1])
+    greedy = vllm_target.generate(ids, 5)
+    whole = 0
+    for seed in range(12):
+        rounds = _ProposeAfter(ids + greedy[:1], greedy[1:5])
+        rule = Rule(mode="match", temperature=0.05, top_k=20, top_p=0.95, seed=seed)
+        steps = list(vllm_target.begin(ids).steps(8, rounds, rule=rule, eos=False))
+        whole += len(steps) > 1 and len(steps[1]) == 5 and steps[1][:4] == greedy[1:5]
+    assert whole >= 4, (whole, greedy, steps)
+
+
 def test_a_device_drafting_across_a_round_trip_gets_the_engines_own_greedy_output(vllm_target, tiny_drafter):
     """The device's streaming design (targets/remote_stream.py) across a delaying proxy of 40 ms: its
     proposals drafted ahead and posted from their own thread, the server's lookup fallback;

@@ -50,7 +50,48 @@ def require_vllm() -> Any:
             "VLLMTarget needs vLLM: pip install 'omnidraft[vllm]' (the CPU build "
             "matching the torch pin) or vLLM itself on a GPU host"
         ) from exc
+    mend_cpu_expand()
     return vllm
+
+
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def expand_by_request(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from: float,
+    replace_to: float,
+    MAX_NUM_TOKENS: int | None = None,  # noqa: N803 (the kernel's own argument name)
+) -> None:
+    """vLLM's rejection sampler's `expand_kernel`: each request's value (`input_val`, with
+    `replace_from` read as `replace_to`) written over its draft positions of `output`, which
+    `cu_num_tokens` (cumulative draft tokens per request) delimits; any dtype."""
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1).to(torch.int64))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    output.copy_(torch.repeat_interleave(values, counts)[: output.numel()].to(output.dtype))
+
+
+def mend_cpu_expand() -> None:
+    """Replace the stand-in that vLLM's CPU backend registers for `expand_kernel` (without
+    Triton-CPU) by `expand_by_request`. That stand-in writes into an int64 copy of its output
+    and drops it, so a sampled request's temperature, top-p and top-k at its draft positions
+    were uninitialised memory: its drafts were judged against a wrong distribution (those past the
+    first never accepted, a draft accepted at the wrong rate), or a garbage top-k failed the whole
+    engine step. Applied before an engine registers its kernels; an engine built earlier in this
+    process is rebound."""
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:  # a build without the CPU backend's stand-ins
+        return
+    if cpu_triton_utils._expand_kernel_impl is expand_by_request:
+        return
+    cpu_triton_utils._expand_kernel_impl = expand_by_request
+    from vllm.triton_utils import dispatcher
+
+    if EXPAND_KERNEL in dispatcher._registry:
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_by_request})
 
 
 def engine_defaults(engine_args: dict[str, Any]) -> dict[str, Any]:
