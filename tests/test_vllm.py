@@ -335,38 +335,48 @@ def test_sampling_in_the_engines_own_step_follows_the_targets_distribution(vllm_
     """A sampled request (temperature 0.3) verified by vLLM's rejection sampler in its own step
     (one-hot proposals): the second token, among samples whose first is the most likely one,
     follows the target's tempered softmax there, whether the proposal after that first token is
-    the likely token or an unlikely one. Chi-square over the tokens with expected count >= 5 plus
-    a pooled bin, alpha = 0.001 per proposal (a correct engine fails by chance about twice in
-    1,000 runs); fixed seeds."""
+    the likely token or an unlikely one; and the third token, at the proposal's second position,
+    among samples whose first two are the likely ones. Chi-square over the tokens with expected
+    count >= 5 plus a pooled bin, alpha = 0.001 per check (a correct engine fails by chance about
+    three times in 1,000 runs); fixed seeds."""
     from omnidraft.target import Rule
 
     model = tiny_vllm_model[1]
     ids = _ids(vllm_target, PROMPTS[0])
     temperature = 0.3
-    with torch.no_grad():
-        first = torch.softmax(model(torch.tensor([ids])).logits[0, -1].float() / temperature, -1)
-        top = int(first.argmax())
-        second = torch.softmax(model(torch.tensor([ids + [top]])).logits[0, -1].float() / temperature, -1)
+
+    def tempered(context: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.softmax(model(torch.tensor([context])).logits[0, -1].float() / temperature, -1)
+
+    top = int(tempered(ids).argmax())
+    second = tempered(ids + [top])
     likely, unlikely = int(second.argmax()), int(second.argsort()[len(second) // 2])
+    third = tempered(ids + [top, likely])
 
     def sample(proposal: list[int], seed: int) -> list[int]:
         rounds = _ProposeAfter(ids + [top], proposal)
         rule = Rule(mode="match", temperature=temperature, seed=10_000 + seed)
-        return [t for step in vllm_target.begin(ids).steps(2, rounds, rule=rule, eos=False) for t in step]
+        return [t for step in vllm_target.begin(ids).steps(3, rounds, rule=rule, eos=False) for t in step]
 
-    for proposal in ([likely, likely], [unlikely]):
+    def follows(outs: list[list[int]], prefix: list[int], dist: torch.Tensor) -> None:
         counts: dict[int, int] = {}
-        with ThreadPoolExecutor(16) as pool:  # concurrent requests: vLLM batches them in its steps
-            outs = list(pool.map(lambda seed: sample(proposal, seed), range(1200)))
         for out in outs:
-            if out[0] == top:
-                counts[out[1]] = counts.get(out[1], 0) + 1
+            if out[: len(prefix)] == prefix:
+                counts[out[len(prefix)]] = counts.get(out[len(prefix)], 0) + 1
         n = sum(counts.values())
-        big = [t for t in range(len(second)) if second[t] * n >= 5]
+        big = [t for t in range(len(dist)) if dist[t] * n >= 5]
         observed = [counts.get(t, 0) for t in big] + [n - sum(counts.get(t, 0) for t in big)]
-        expected = [float(second[t]) * n for t in big] + [n - sum(float(second[t]) * n for t in big)]
-        assert n >= 200 and len(big) >= 3, (n, len(big))
-        assert chi_square_p(observed, expected) > 1e-3, (proposal, counts)
+        expected = [float(dist[t]) * n for t in big] + [n - sum(float(dist[t]) * n for t in big)]
+        assert n >= 150 and len(big) >= 3, (prefix, n, len(big))
+        assert chi_square_p(observed, expected) > 1e-3, (prefix, counts)
+
+    for proposal in ([likely, int(third.argmax())], [unlikely]):
+        with ThreadPoolExecutor(16) as pool:  # concurrent requests: vLLM batches them in its steps
+            outs = list(pool.map(lambda seed: sample(proposal, seed), range(1400)))
+        follows(outs, [top], second)
+        if proposal[0] == likely:
+            follows(outs, [top, likely], third)
 
 
 def test_the_cpu_samplers_expand_kernel_writes_its_output_whatever_its_dtype(vllm_target):
