@@ -1,11 +1,12 @@
 """The README's by-hand install, as a new user runs it: a fresh venv, the README's own lines, then
-its Quickstart, the examples and `omnidraft doctor` in that venv, each without a crash or a warning
-the user did not ask for (the cloud example starts a server whose log is its own: it runs in
-tests/test_examples.py). It installs gigabytes, so `make test-install` runs it, not `make test`."""
+its Quickstart, every example and `omnidraft doctor` in that venv, each without a crash or a
+warning the user did not ask for (the cloud example's server prints only its start line). It
+installs gigabytes, so `make test-install` runs it, not `make test`."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,21 @@ def test_the_readmes_by_hand_install_runs_the_quickstart_and_doctor_quietly(tmp_
             text=True,
         )
         assert run.returncode == 0 and not run.stderr.strip(), (example, run.stderr[-3000:])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cloud = subprocess.run(
+        [str(python), str(ROOT / "examples" / "cloud_target_with_user_adapter.py"), "--port", str(port)]
+        + ["--max-new-tokens", "8", "--requests", "1", "--profiles", str(tmp_path / "profiles")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert cloud.returncode == 0, cloud.stderr[-3000:]
+    server_lines = [line for line in cloud.stderr.splitlines() if line.strip()]
+    assert all(line.startswith("omnidraft serve: ") for line in server_lines), cloud.stderr[-3000:]
+    assert "profile of alice@example.com saved" in cloud.stdout, cloud.stdout
     doctor = subprocess.run(
         [str(venv / "bin" / "omnidraft"), "doctor"], cwd=tmp_path, env=env, capture_output=True, text=True
     )

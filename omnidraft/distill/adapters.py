@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,9 @@ def add_adapter(model: Any, name: str, config: AdapterConfig = AdapterConfig()) 
     if isinstance(model, PeftModel):
         model.add_adapter(name, lora)
     else:
-        model = get_peft_model(model, lora, adapter_name=name)
+        with warnings.catch_warnings():  # peft reads an attribute newer transformers deprecate
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            model = get_peft_model(model, lora, adapter_name=name)
     set_active(model, name)
     return model
 
