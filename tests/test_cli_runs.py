@@ -90,6 +90,21 @@ def test_bench_on_llama_cpp_reports_every_row(models, tmp_path):
     assert all(r["identical"] for r in rows if r["row"] != "PyTorch fp32 target alone")
 
 
+def test_bench_on_llama_cpp_repeats_each_request_and_keeps_only_omnidraft_without_peers(models, tmp_path):
+    """`--repeats 2`: every request run twice, interleaved, its time the median; `--no-peers`: only
+    llama.cpp alone and omnidraft's rows; a repeat count below 1 is a usage error."""
+    pair = f"{models['drafter.gguf']}:{models['target.gguf']}"
+    argv = ["bench", "--target-backend", "llama.cpp", "--pair", pair, "--dataset", "gsm8k", *FEW]
+    assert run_cli([*argv, "--no-peers", "--repeats", "2", "--out", str(tmp_path), "--name", "l"]) == 0
+    (rows,) = json.loads((tmp_path / "l.json").read_text()).values()
+    names = {r["row"] for r in rows}
+    assert "llama.cpp alone" in names and all(
+        n == "llama.cpp alone" or n.startswith("omnidraft") for n in names
+    )
+    assert all(r["identical"] for r in rows)
+    assert run_cli([*argv, "--repeats", "0", "--out", str(tmp_path)]) == 2  # argparse's usage error
+
+
 @pytest.mark.exclusive  # vLLM binds its own threads: run with the other vLLM tests
 def test_bench_on_vllm_reports_every_row(models, tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIDRAFT_VLLM_EAGER", "1")  # its three engines start without compiling

@@ -300,6 +300,8 @@ def bench_engine(args: argparse.Namespace) -> None:
                     args.max_new_tokens,
                     same_vocab_draft=same,
                     fp32=not args.no_peers,
+                    peers=not args.no_peers,
+                    repeats=args.repeats,
                     notes=notes[dataset],
                     progress=bar.set_postfix_str,
                 )

@@ -86,11 +86,15 @@ def run_llama(
     *,
     same_vocab_draft: str | None,
     fp32: bool = True,
+    peers: bool = True,
+    repeats: int = 1,
     notes: list[str] | None = None,
     progress: Callable[[str], object] = lambda _: None,
 ) -> list[dict[str, Any]]:
     """Per prompt, per row: {"row", "prompt", "tokens", "seconds", "identical"} (identical: the
-    same ids as llama.cpp alone). `notes` receives each pairing's best speedup (why it drafts or not)."""
+    same ids as llama.cpp alone; seconds: the median of `repeats` runs, see `time_rows`). `notes`
+    receives each pairing's best speedup (why it drafts or not). Without `peers`, only llama.cpp
+    alone and omnidraft's rows."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     import omnidraft as od
@@ -112,11 +116,12 @@ def run_llama(
         "llama.cpp alone": lambda p, ids: engine_generate(plain, ids, max_new_tokens, target.eos_ids)
     }
     drafts: dict[str, Any] = {}
-    if same_vocab_draft:
+    if same_vocab_draft and peers:
         drafts[f"llama.cpp speculative ({same_vocab_draft} draft)"] = GgufDraft(
             LlamaEngine(gguf_file(same_vocab_draft)[0], n_ctx=n_ctx)
         )
-    drafts["llama.cpp prompt lookup"] = LlamaPromptLookupDecoding()
+    if peers:
+        drafts["llama.cpp prompt lookup"] = LlamaPromptLookupDecoding()
     drafts["omnidraft via draft_model"] = OmnidraftDraftModel(drafters["llama.cpp"], target)
 
     def with_draft(draft: Any) -> Callable[[str, list[int]], Timed]:
@@ -146,7 +151,7 @@ def run_llama(
 
         local = od.LocalTarget.load(target_spec)
         rows["PyTorch fp32 target alone"] = lambda p, ids: target_alone(local, p, max_new_tokens)
-    return time_rows(rows, prompts, target.tokenizer, progress)
+    return time_rows(rows, prompts, target.tokenizer, progress, repeats=repeats)
 
 
 def time_rows(
@@ -155,30 +160,39 @@ def time_rows(
     tokenizer: Any,
     progress: Callable[[str], object],
     references: list[list[int]] | None = None,
+    repeats: int = 1,
 ) -> list[dict[str, Any]]:
-    """Every row on every prompt, in order per prompt; the first row's output is the reference
-    each other row's is compared with (a shorter output compares as far as it goes: it stopped),
-    unless `references` gives each prompt's (then every row is compared with it, and the outputs
-    of the first row are appended to a list passed as `references=[]`)."""
+    """Every row on every prompt, in order per prompt, the rows' round repeated `repeats` times (a
+    request's seconds: the median of its runs, so that a burst of the host's noise does not decide
+    a request's ratio); the first row's output is the reference each other row's is compared with
+    (a shorter output compares as far as it goes: it stopped; every run must agree), unless
+    `references` gives each prompt's (then every row is compared with it, and the outputs of the
+    first row are appended to a list passed as `references=[]`)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     results = []
     given = bool(references)
     for i, prompt in enumerate(prompts):
         ids = tokenizer(prompt)["input_ids"]
         reference = references[i] if given and references is not None else None
-        for name, run in rows.items():
-            progress(f"prompt {i + 1}/{len(prompts)}: {name}")
-            timed = run(prompt, ids)
-            if reference is None:
-                reference = timed.token_ids
-                if references is not None:
-                    references.append(reference)
+        runs: dict[str, list[Timed]] = {name: [] for name in rows}
+        for r in range(repeats):
+            for name, run in rows.items():
+                progress(f"prompt {i + 1}/{len(prompts)}, run {r + 1}/{repeats}: {name}")
+                runs[name].append(run(prompt, ids))
+                if reference is None:
+                    reference = runs[name][0].token_ids
+                    if references is not None:
+                        references.append(reference)
+        for name, timed in runs.items():
+            assert reference is not None
             results.append(
                 {
                     "row": name,
                     "prompt": i,
-                    "tokens": len(timed.token_ids),
-                    "seconds": timed.seconds,
-                    "identical": timed.token_ids == reference[: len(timed.token_ids)],
+                    "tokens": len(timed[0].token_ids),
+                    "seconds": float(np.median([t.seconds for t in timed])),
+                    "identical": all(t.token_ids == reference[: len(t.token_ids)] for t in timed),
                 }
             )
     return results

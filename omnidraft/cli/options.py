@@ -17,6 +17,17 @@ DRAFTER = "smollm2-135m"
 TARGET = "qwen2.5-coder-1.5b"
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1 (a clear usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_decoding_args(q: argparse.ArgumentParser) -> None:
     """The decoding options every command that builds a pairing takes."""
     from ..draft.base import BACKEND_ENV, BACKENDS
@@ -177,6 +188,12 @@ def _bench_args(sub: Any) -> None:
         "on stock kernels, lookup = HF prompt lookup, assisted = HF assisted generation",
     )
     b.add_argument("--no-peers", action="store_true", help="time only omnidraft and the target alone")
+    b.add_argument(
+        "--repeats",
+        type=at_least_one,
+        default=1,
+        help="llama.cpp: run each prompt's rows this many times, interleaved; a request's time is the median",
+    )
     b.add_argument("--out", default="bench_out")
     b.add_argument("--name", default="bench")
     b.add_argument("--trace", default=None, help="append per-round JSONL traces to this file")
