@@ -101,7 +101,7 @@ def test_bench_on_llama_cpp_repeats_each_request_and_keeps_only_omnidraft_withou
     assert "llama.cpp alone" in names and all(
         n == "llama.cpp alone" or n.startswith("omnidraft") for n in names
     )
-    assert all(r["identical"] for r in rows)
+    assert all(r["identical"] and len(r["runs"]) == 2 for r in rows)
     assert run_cli([*argv, "--repeats", "0", "--out", str(tmp_path)]) == 2  # argparse's usage error
 
 

@@ -163,11 +163,11 @@ def time_rows(
     repeats: int = 1,
 ) -> list[dict[str, Any]]:
     """Every row on every prompt, in order per prompt, the rows' round repeated `repeats` times (a
-    request's seconds: the median of its runs, so that a burst of the host's noise does not decide
-    a request's ratio); the first row's output is the reference each other row's is compared with
-    (a shorter output compares as far as it goes: it stopped; every run must agree), unless
-    `references` gives each prompt's (then every row is compared with it, and the outputs of the
-    first row are appended to a list passed as `references=[]`)."""
+    request's seconds: the median of its runs, kept in `runs`, so that a burst of the host's noise
+    does not decide a request's ratio). The first row's output is the reference each other row's
+    is compared with (a shorter output compares as far as it goes: it stopped; every run must
+    agree), unless `references` gives each prompt's (then every row is compared with it, and the
+    outputs of the first row are appended to a list passed as `references=[]`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     results = []
@@ -192,6 +192,7 @@ def time_rows(
                     "prompt": i,
                     "tokens": len(timed[0].token_ids),
                     "seconds": float(np.median([t.seconds for t in timed])),
+                    "runs": [t.seconds for t in timed],
                     "identical": all(t.token_ids == reference[: len(t.token_ids)] for t in timed),
                 }
             )
