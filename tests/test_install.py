@@ -6,12 +6,13 @@ installs gigabytes, so `make test-install` runs it, not `make test`."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from omnidraft.bench.network import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,9 +55,7 @@ def test_the_readmes_by_hand_install_runs_the_quickstart_and_doctor_quietly(tmp_
             text=True,
         )
         assert run.returncode == 0 and not run.stderr.strip(), (example, run.stderr[-3000:])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cloud = subprocess.run(
         [str(python), str(ROOT / "examples" / "cloud_target_with_user_adapter.py"), "--port", str(port)]
         + ["--max-new-tokens", "8", "--requests", "1", "--profiles", str(tmp_path / "profiles")],

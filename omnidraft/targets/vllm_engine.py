@@ -68,7 +68,8 @@ def expand_by_request(
     """vLLM's rejection sampler's `expand_kernel`: each request's value (`input_val`, with
     `replace_from` read as `replace_to`) written over its draft positions of `output`, which
     `cu_num_tokens` (cumulative draft tokens per request) delimits; any dtype."""
-    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1).to(torch.int64))
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
     values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
     output.copy_(torch.repeat_interleave(values, counts)[: output.numel()].to(output.dtype))
 
