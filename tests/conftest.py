@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,25 @@ def pin_xdist_worker() -> None:
     os.sched_setaffinity(0, share)
     torch.set_num_threads(len(share))
     os.environ["OMP_NUM_THREADS"] = str(len(share))
+
+
+# progress a run shows only the first time anything on the machine needs it: the presets' GGUF
+# dequantised and cached (transformers' bars), and the kernels timed once (ours)
+ONE_TIME_PROGRESS = (
+    "Converting and de-quantizing GGUF tensors",
+    "Writing model shards",
+    "timing linear kernels on this machine (once)",
+)
+
+
+def unasked_output(stderr: str) -> list[str]:
+    """What a run wrote to stderr besides the progress of one-time work: a warning, a log line,
+    a progress bar shown on every run. A quiet run has none."""
+    return [
+        piece
+        for piece in re.split(r"[\r\n]", stderr)
+        if piece.strip() and not piece.startswith(ONE_TIME_PROGRESS)
+    ]
 
 
 def gsm8k_texts(split: str = "train", n: int = 1500) -> list[str]:
