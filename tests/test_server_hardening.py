@@ -515,6 +515,37 @@ def test_a_prefill_call_is_sized_to_the_time_slice_by_the_last_calls_time(tiny_t
     assert middle and max(middle) <= 128 and min(middle) >= server_module.PREFILL_FIRST  # near the slice
 
 
+def test_a_prefill_at_a_slow_context_takes_the_smallest_calls_and_no_smaller(tiny_target, monkeypatch):
+    """At a long context on one CPU core a 64-token call held the model for 3.3 s (docs/remote.md),
+    and another session waited that long. Where the first call takes past the slice, the calls
+    after it drop to PREFILL_LEAST tokens, not to one token a call (each call pays the weights'
+    read and the cache's copy once)."""
+    from fastapi.testclient import TestClient
+
+    from omnidraft.server import service as server_module
+
+    monkeypatch.setattr(server_module, "PREFILL_SLICE_S", 0.004)
+    model, calls = tiny_target.model, []
+    forward = model.forward
+
+    def slow(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        time.sleep(0.001 * calls[-1])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow)
+    long_ids = (tiny_target.tokenizer(PROMPT * 40)["input_ids"] * 2)[:300]
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as c:
+        sid = c.post("/v1/sessions", json={"prompt_ids": long_ids}, headers=AUTH).json()["session"]
+        calls.clear()
+        r = c.post(
+            f"/v1/sessions/{sid}/verify", json={"committed": len(long_ids), "proposal": []}, headers=AUTH
+        )
+        assert r.status_code == 200, r.text
+    assert calls[0] == server_module.PREFILL_FIRST > server_module.PREFILL_LEAST
+    assert set(calls[1:-2]) == {server_module.PREFILL_LEAST}  # the last call takes what remains
+
+
 def test_the_anonymous_pairing_never_shares_an_adapter_with_a_named_user():
     from omnidraft import Drafter
 

@@ -42,7 +42,8 @@ from .text_routes import TextRoutes
 __all__ = ["PREFILL_CHUNK", "FairLock", "HTTPError", "ServerConfig", "Service", "sampling_rule"]
 
 PREFILL_CHUNK = 512  # prompt tokens one model call may take at most
-PREFILL_FIRST = 64  # a prefill's first and smallest call (fewer tokens pay a call's fixed cost for little)
+PREFILL_FIRST = 64  # a prefill's first call, before its time is known
+PREFILL_LEAST = 16  # the smallest call: where even this takes past the slice (a long context on a CPU)
 PREFILL_SLICE_S = 0.25  # seconds one prefill call aims to hold the model: what another session waits at most
 ACTIVE_S = 1.0  # a session that verified within this many seconds counts in the load a draft budget serves
 
@@ -258,9 +259,10 @@ class Service(TextRoutes, SpeculateRoutes):
     def _prefill(self, session: Session, cancel: threading.Event | None = None) -> None:
         """Feed a session's uncached prompt in model calls of about PREFILL_SLICE_S seconds each
         (each call sized by the last one's time, as a chunk's cost grows with the context it attends
-        to; at most PREFILL_CHUNK tokens), taking the model lock per call, so other sessions' verifies
-        interleave with a long prompt's prefill (on an engine that batches sessions, each call is a
-        request of its own beside theirs). Stops (499) once `cancel` is set or the session deleted."""
+        to; PREFILL_LEAST to PREFILL_CHUNK tokens), taking the model lock per call, so other
+        sessions' verifies interleave with a long prompt's prefill (on an engine that batches
+        sessions, each call is a request of its own beside theirs). Stops (499) once `cancel` is
+        set or the session deleted."""
         if not self.target.capabilities.prefills_in_chunks:
             return
         inner, limit = cast(ChunkedSession, session.inner), PREFILL_FIRST
@@ -273,7 +275,7 @@ class Service(TextRoutes, SpeculateRoutes):
                     return
                 took = time.perf_counter() - started
             limit = max(
-                PREFILL_FIRST, min(PREFILL_CHUNK, 2 * limit, int(limit * PREFILL_SLICE_S / max(took, 1e-4)))
+                PREFILL_LEAST, min(PREFILL_CHUNK, 2 * limit, int(limit * PREFILL_SLICE_S / max(took, 1e-4)))
             )
 
     def _stepwise(
