@@ -248,9 +248,13 @@ class DecodingSession(TargetSession, Protocol):
 
 class ChunkedSession(TargetSession, Protocol):
     """A session of a target with `capabilities.prefills_in_chunks`: `cached` tokens are in its
-    KV cache; `prefill(limit)` feeds up to `limit` more of its uncached prompt, returning how many."""
+    KV cache; `prefill(limit)` feeds up to `limit` more of its uncached prompt, returning how many
+    remain; `pending` says how many remain without a model call (0: a prefill has nothing to do)."""
 
     cached: int
+
+    @property
+    def pending(self) -> int: ...
 
     def prefill(self, limit: int) -> int: ...
 

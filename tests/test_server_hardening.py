@@ -758,3 +758,35 @@ def test_fuzzed_bodies_on_every_route_never_get_a_5xx(client, tiny_target, route
     assert r.status_code == 200
     want = tiny_target.tokenizer.decode(target_greedy(tiny_target, PROMPT, 3))
     assert r.json()["choices"][0]["text"] == want
+
+
+def test_a_verify_with_nothing_to_prefill_queues_for_the_model_once(client, tiny_target):
+    """During a 16k-token prefill on one core another session's verify waited for two prefill
+    calls: it queued once to learn that it had nothing to prefill and once to verify. A session
+    whose prompt is fed takes the model lock for its verify alone."""
+    sid, ids = _open(client, tiny_target)
+    service = client.app.state.service
+    first = client.post(
+        f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=AUTH
+    )
+    assert first.status_code == 200, first.text
+    lock, entered = service.model_lock, []
+
+    class Counting:
+        def __enter__(self):
+            entered.append(1)
+            return lock.__enter__()
+
+        def __exit__(self, *exc):
+            return lock.__exit__(*exc)
+
+    service.model_lock = Counting()
+    try:
+        r = client.post(
+            f"/v1/sessions/{sid}/verify",
+            json={"committed": first.json()["committed"], "proposal": []},
+            headers=AUTH,
+        )
+    finally:
+        service.model_lock = lock
+    assert r.status_code == 200 and len(entered) == 1, (r.text, entered)

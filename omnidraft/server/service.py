@@ -266,7 +266,7 @@ class Service(TextRoutes, SpeculateRoutes):
         if not self.target.capabilities.prefills_in_chunks:
             return
         inner, limit = cast(ChunkedSession, session.inner), PREFILL_FIRST
-        while True:
+        while inner.pending:  # a session with nothing to feed does not queue for the model twice
             if session.cancelled.is_set() or (cancel is not None and cancel.is_set()):
                 raise HTTPError(499, "the client or its session went away during the prefill")
             with self.model_lock:

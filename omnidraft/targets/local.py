@@ -60,6 +60,11 @@ class _LocalSession(SessionBase):
         """Tokens of the sequence already in the KV cache."""
         return self.runner.kv_len
 
+    @property
+    def pending(self) -> int:
+        """Prompt tokens a prefill would still feed (all but the last uncached one)."""
+        return max(0, len(self.runner.ids) - 1 - self.runner.kv_len)
+
     def prefill(self, limit: int) -> int:
         """Feed up to `limit` uncached tokens of the sequence (a server bounds how long one call
         holds the model this way); returns how many remain."""

@@ -35,6 +35,12 @@ class VLLMSession(SessionBase):
         self.cached = 0  # prompt tokens a `prefill` put in the prefix cache (it may evict them: no matter)
         self.started = False  # whether a verify or a stream of this session reached the engine
 
+    @property
+    def pending(self) -> int:
+        """Prompt tokens a prefill would still put in the prefix cache (none once the engine read
+        the prompt)."""
+        return 0 if self.started else max(0, len(self.ids) - 1 - self.cached)
+
     def prefill(self, limit: int) -> int:
         """Put up to `limit` more prompt tokens (whole cache blocks) into the engine's prefix cache,
         as one request of its own that `cancel` stops; returns how many remain. vLLM computes a
