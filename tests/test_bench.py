@@ -258,3 +258,26 @@ def test_the_paired_before_after_report_gives_a_median_ratio_and_checks_outputs(
     )
     row = report(runs, args).splitlines()[-1]
     assert row.startswith("| w | 1.00 | 2.00 | 2.000 | 2.000-2.000 | 2/3 |"), row
+
+
+def test_vllm_bench_repeats_take_each_requests_median_and_check_every_run():
+    """`bench --target-backend vllm --repeats N`: each row's engine ran the prompts N times over;
+    a request's seconds are the median of its runs (one run on this host moves 5-20%), and it is
+    identical only if every run gave vLLM alone's output."""
+    from omnidraft.bench.vllm import ENGINES, per_request
+
+    alone, ours = ENGINES[0], ENGINES[1]
+    outputs = {
+        alone: [{"s": [([1, 2, 3], 2.0)]}, {"s": [([1, 2, 3], 4.0)]}, {"s": [([1, 2, 3], 3.0)]}],
+        ours: [{"s": [([1, 2, 3], 1.0)]}, {"s": [([1, 2], 9.0)]}, {"s": [([1, 2, 4], 1.5)]}],
+    }
+    rows = {r["row"]: r for r in per_request(outputs, {"s": 1})["s"]}
+    assert (
+        rows[alone]["seconds"] == 3.0 and rows[alone]["runs"] == [2.0, 4.0, 3.0] and rows[alone]["identical"]
+    )
+    assert rows[ours]["seconds"] == 1.5 and rows[ours]["tokens"] == 3
+    assert not rows[ours]["identical"]  # its third run differed
+    outputs[ours][2] = {"s": [([1, 2, 3], 1.5)]}
+    assert {r["row"]: r for r in per_request(outputs, {"s": 1})["s"]}[ours][
+        "identical"
+    ]  # a shorter run: stopped

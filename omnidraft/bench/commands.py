@@ -288,6 +288,7 @@ def bench_engine(args: argparse.Namespace) -> None:
                 sets,
                 args.max_new_tokens,
                 ngram=not args.no_peers,
+                repeats=args.repeats,
                 notes=notes,
                 progress=bar.set_postfix_str,
             )

@@ -12,6 +12,7 @@ engines in one process and fails to start a third), so the machine runs one cont
 from __future__ import annotations
 
 import multiprocessing
+import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -21,7 +22,7 @@ from typing import Any, Callable
 from .baselines import Timed
 from .llama import pairing_row
 
-__all__ = ["run_vllm"]
+__all__ = ["per_request", "run_vllm"]
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 ENGINES = ("vLLM alone", "omnidraft (default)", "vLLM n-gram speculative")
@@ -70,41 +71,61 @@ def run_vllm(
     *,
     dtype: str = "float32",
     ngram: bool = True,
+    repeats: int = 1,
     notes: dict[str, list[str]] | None = None,
     progress: Callable[[str], object] = lambda _: None,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Per prompt set (dataset), per prompt, per row: {"row", "prompt", "tokens", "seconds",
-    "identical"} (identical: the same ids as vLLM alone). `notes` receives, per set, why a row is
-    absent and how the pairing ran."""
+    """Per prompt set (dataset), per prompt, per row: {"row", "prompt", "tokens", "seconds", "runs",
+    "identical"} (identical: the same ids as vLLM alone in every run). With `repeats`, the rows
+    run in turn that many times over (alone, omnidraft, n-gram, alone, ...), each on a fresh
+    engine, and a request's seconds are the median of its runs. `notes` receives, per set, why a
+    row is absent and how the pairing ran."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     notes = notes if notes is not None else {}
-    outputs: dict[str, dict[str, list[tuple[list[int], float]]]] = {}
-    for row in ENGINES if ngram else ENGINES[:2]:
-        progress(row)
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            try:
-                outputs[row], said = pool.submit(
-                    _outputs, row, drafter_spec, target_spec, prompt_sets, max_new_tokens, dtype
-                ).result()
-            except Exception as exc:  # e.g. the CPU build refuses n-gram: say so instead of a row
-                if row == ENGINES[0]:
-                    raise
-                said = [f"{row} did not run: {type(exc).__name__}: {exc}"[:400]]
-        for name in prompt_sets:
-            notes.setdefault(name, []).extend(said)
+    outputs: dict[str, list[dict[str, list[tuple[list[int], float]]]]] = {}
+    for r in range(repeats):
+        for row in ENGINES if ngram else ENGINES[:2]:
+            if r and row not in outputs:
+                continue  # it did not run the first time: the notes say why
+            progress(f"{row}, run {r + 1}/{repeats}")
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                try:
+                    out, said = pool.submit(
+                        _outputs, row, drafter_spec, target_spec, prompt_sets, max_new_tokens, dtype
+                    ).result()
+                except Exception as exc:  # e.g. the CPU build refuses n-gram: say so instead of a row
+                    if row == ENGINES[0] or r:
+                        raise
+                    said = [f"{row} did not run: {type(exc).__name__}: {exc}"[:400]]
+                else:
+                    outputs.setdefault(row, []).append(out)
+            for name in prompt_sets if not r else ():
+                notes.setdefault(name, []).extend(said)
+    return per_request(outputs, {name: len(prompts) for name, prompts in prompt_sets.items()})
+
+
+def per_request(
+    outputs: dict[str, list[dict[str, list[tuple[list[int], float]]]]], counts: dict[str, int]
+) -> dict[str, list[dict[str, Any]]]:
+    """Each row's runs (per run, per set, per prompt: ids and seconds) as one result a request:
+    the median of its runs' seconds, identical when every run gave vLLM alone's first ids (a
+    shorter output compares as far as it goes)."""
     results: dict[str, list[dict[str, Any]]] = {}
-    for name, prompts in prompt_sets.items():
+    for name, count in counts.items():
         results[name] = []
-        for i in range(len(prompts)):
-            reference = outputs[ENGINES[0]][name][i][0]
-            for row, out in outputs.items():
-                ids, seconds = out[name][i]
+        for i in range(count):
+            reference = outputs[ENGINES[0]][0][name][i][0]
+            for row, runs in outputs.items():
+                mine = [run[name][i] for run in runs]
                 results[name].append(
                     {
                         "row": row,
                         "prompt": i,
-                        "tokens": len(ids),
-                        "seconds": seconds,
-                        "identical": ids == reference[: len(ids)],
+                        "tokens": len(mine[0][0]),
+                        "seconds": float(statistics.median(seconds for _, seconds in mine)),
+                        "runs": [seconds for _, seconds in mine],
+                        "identical": all(ids == reference[: len(ids)] for ids, _ in mine),
                     }
                 )
     return results

@@ -192,7 +192,8 @@ def _bench_args(sub: Any) -> None:
         "--repeats",
         type=at_least_one,
         default=1,
-        help="llama.cpp: run each prompt's rows this many times, interleaved; a request's time is the median",
+        help="llama.cpp: run each prompt's rows this many times, interleaved; vllm: run the rows in turn "
+        "this many times over, each on a fresh engine; a request's time is the median of its runs",
     )
     b.add_argument("--out", default="bench_out")
     b.add_argument("--name", default="bench")
