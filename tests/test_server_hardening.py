@@ -482,27 +482,24 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_let_other_sessions_verify(tin
     ]  # served between two chunks, before the long prompt's verify ended
 
 
-def test_a_prefill_call_is_sized_to_the_time_slice_by_the_last_calls_time(tiny_target, monkeypatch):
-    """A chunk of 256 prompt tokens held a CPU core for seconds at long contexts, longer than a
-    client that left or another session should wait. Each call is now sized by the last one's
-    time to about PREFILL_SLICE_S: with a forward that takes 2 ms a token and a slice of 0.2 s,
-    the calls after the first settle near 100 tokens, far below the 512-token cap, and never below
-    PREFILL_FIRST (a call's fixed cost is paid for too few tokens there)."""
+def _prefill_calls(tiny_target, monkeypatch, slice_s: float, token_s: float, n: int) -> list[int]:
+    """The tokens of each model call a first verify of an `n`-token prompt makes, with a slice of
+    `slice_s` and a forward that takes `token_s` seconds a token."""
     from fastapi.testclient import TestClient
 
     from omnidraft.server import service as server_module
 
-    monkeypatch.setattr(server_module, "PREFILL_SLICE_S", 0.2)
+    monkeypatch.setattr(server_module, "PREFILL_SLICE_S", slice_s)
     model, calls = tiny_target.model, []
     forward = model.forward
 
     def slow(*args, **kwargs):
         calls.append(kwargs["input_ids"].shape[1])
-        time.sleep(0.002 * calls[-1])
+        time.sleep(token_s * calls[-1])
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", slow)
-    long_ids = (tiny_target.tokenizer(PROMPT * 40)["input_ids"] * 2)[:800]
+    long_ids = (tiny_target.tokenizer(PROMPT * 40)["input_ids"] * 2)[:n]
     with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as c:
         sid = c.post("/v1/sessions", json={"prompt_ids": long_ids}, headers=AUTH).json()["session"]
         calls.clear()
@@ -510,9 +507,21 @@ def test_a_prefill_call_is_sized_to_the_time_slice_by_the_last_calls_time(tiny_t
             f"/v1/sessions/{sid}/verify", json={"committed": len(long_ids), "proposal": []}, headers=AUTH
         )
         assert r.status_code == 200, r.text
-    assert calls[0] == server_module.PREFILL_FIRST and sum(calls) >= len(long_ids)
+    assert sum(calls) >= len(long_ids)
+    return calls
+
+
+def test_a_prefill_call_is_sized_to_the_time_slice_by_the_last_calls_time(tiny_target, monkeypatch):
+    """A chunk of 256 prompt tokens held a CPU core for seconds at long contexts, longer than a
+    client that left or another session should wait. Each call is now sized by the last one's
+    time to about PREFILL_SLICE_S: with a forward that takes 2 ms a token and a slice of 0.2 s,
+    the calls after the first settle near 100 tokens, far below the 512-token cap."""
+    from omnidraft.server.service import PREFILL_FIRST
+
+    calls = _prefill_calls(tiny_target, monkeypatch, 0.2, 0.002, 800)
+    assert calls[0] == PREFILL_FIRST
     middle = calls[1:-2]  # the last prefill call takes what remains, then the verify
-    assert middle and max(middle) <= 128 and min(middle) >= server_module.PREFILL_FIRST  # near the slice
+    assert middle and max(middle) <= 128 and min(middle) >= PREFILL_FIRST  # near the slice
 
 
 def test_a_prefill_at_a_slow_context_takes_the_smallest_calls_and_no_smaller(tiny_target, monkeypatch):
@@ -520,30 +529,11 @@ def test_a_prefill_at_a_slow_context_takes_the_smallest_calls_and_no_smaller(tin
     and another session waited that long. Where the first call takes past the slice, the calls
     after it drop to PREFILL_LEAST tokens, not to one token a call (each call pays the weights'
     read and the cache's copy once)."""
-    from fastapi.testclient import TestClient
+    from omnidraft.server.service import PREFILL_FIRST, PREFILL_LEAST
 
-    from omnidraft.server import service as server_module
-
-    monkeypatch.setattr(server_module, "PREFILL_SLICE_S", 0.004)
-    model, calls = tiny_target.model, []
-    forward = model.forward
-
-    def slow(*args, **kwargs):
-        calls.append(kwargs["input_ids"].shape[1])
-        time.sleep(0.001 * calls[-1])
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", slow)
-    long_ids = (tiny_target.tokenizer(PROMPT * 40)["input_ids"] * 2)[:300]
-    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as c:
-        sid = c.post("/v1/sessions", json={"prompt_ids": long_ids}, headers=AUTH).json()["session"]
-        calls.clear()
-        r = c.post(
-            f"/v1/sessions/{sid}/verify", json={"committed": len(long_ids), "proposal": []}, headers=AUTH
-        )
-        assert r.status_code == 200, r.text
-    assert calls[0] == server_module.PREFILL_FIRST > server_module.PREFILL_LEAST
-    assert set(calls[1:-2]) == {server_module.PREFILL_LEAST}  # the last call takes what remains
+    calls = _prefill_calls(tiny_target, monkeypatch, 0.004, 0.001, 300)
+    assert calls[0] == PREFILL_FIRST > PREFILL_LEAST
+    assert set(calls[1:-2]) == {PREFILL_LEAST}  # the last call takes what remains
 
 
 def test_the_anonymous_pairing_never_shares_an_adapter_with_a_named_user():
