@@ -100,8 +100,9 @@ def run_vllm(
                     said = [f"{row} did not run: {type(exc).__name__}: {exc}"[:400]]
                 else:
                     outputs.setdefault(row, []).append(out)
-            for name in prompt_sets if not r else ():
-                notes.setdefault(name, []).extend(said)
+            if r == 0:  # a row's notes once, not once a run
+                for name in prompt_sets:
+                    notes.setdefault(name, []).extend(said)
     return per_request(outputs, {name: len(prompts) for name, prompts in prompt_sets.items()})
 
 

@@ -68,10 +68,15 @@ class CausalRunner:
             self.hidden = out.hidden_states[-1][0, -keep:]
         return out.logits[0, -keep:]
 
+    @property
+    def pending(self) -> int:
+        """Tokens a prefill would still feed: all uncached ones but the last."""
+        return max(0, len(self.ids) - 1 - self.kv_len)
+
     @torch.inference_mode()
     def prefill(self, limit: int) -> int:
         """Feed at most `limit` of the tokens not yet cached, never the last one (a verify or decode
-        step feeds it with what follows); returns how many remain to feed before it."""
+        step feeds it with what follows); returns how many remain to feed before it (`pending`)."""
         end = min(self.kv_len + limit, len(self.ids) - 1)
         if end > self.kv_len:
             self.model(
@@ -81,7 +86,7 @@ class CausalRunner:
                 logits_to_keep=1,
             )
             self.kv_len = end
-        return max(0, len(self.ids) - 1 - self.kv_len)
+        return self.pending
 
     def crop(self, n: int) -> None:
         """Keep only the first `n` tokens (sequence and cache)."""

@@ -152,6 +152,10 @@ class StaticRunner(CausalRunner):
         self.kv_len = len(self.ids)
         return logits
 
+    @property
+    def pending(self) -> int:
+        return self.spilled.pending if self.spilled is not None else super().pending
+
     @torch.inference_mode()
     def prefill(self, limit: int) -> int:
         if self.spilled is not None or len(self.ids) > self.capacity:
@@ -162,7 +166,7 @@ class StaticRunner(CausalRunner):
             start = torch.tensor(self.kv_len, dtype=torch.long, device=self.device)
             self._run(ids, start, 1, False, self._span(end - self.kv_len))
             self.kv_len = end
-        return max(0, len(self.ids) - 1 - self.kv_len)
+        return self.pending
 
     def _span(self, n: int) -> int:
         """How many cache positions a feed of `n` tokens after the cached ones attends over."""

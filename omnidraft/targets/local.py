@@ -63,7 +63,7 @@ class _LocalSession(SessionBase):
     @property
     def pending(self) -> int:
         """Prompt tokens a prefill would still feed (all but the last uncached one)."""
-        return max(0, len(self.runner.ids) - 1 - self.runner.kv_len)
+        return self.runner.pending
 
     def prefill(self, limit: int) -> int:
         """Feed up to `limit` uncached tokens of the sequence (a server bounds how long one call

@@ -56,7 +56,7 @@ class VLLMSession(SessionBase):
         if end > self.cached:
             self.owner.request(self.ids[:end], self.salt, self.cancel, max_tokens=1)
             self.cached = end
-        return last - self.cached
+        return self.pending
 
     def verify(
         self,
