@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.omnidraft-installed
 DEMO_ARGS ?=
 LLAMA_CPP := 0.3.36
-LLAMA_TAG := omnidraft.2
+LLAMA_TAG := omnidraft.3
 WHEELS ?= $(HOME)/.cache/omnidraft/wheels
 OPTIMUM_VENV ?= .venv-optimum
 OPTIMUM_STAMP := $(OPTIMUM_VENV)/.omnidraft-installed
@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	@# torch first, at constraints.txt's pin: anything that lets pip pick a newer torch pulls a
 	@# multi-GB CUDA build; every install below keeps to the same constraints.
 	$(PY) -m pip install -q -c constraints.txt torch
-	@# llama.cpp compiles from source once per machine (about 5 min on 2 cores), with the one patch
-	@# tools/llama_wheel.py describes; the wheel is cached.
+	@# llama.cpp compiles from source once per machine (about 2 min on 2 cores: only what the
+	@# package loads), with the patch tools/llama_wheel.py describes; the wheel is cached.
 	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP)+$(LLAMA_TAG)-*.whl >/dev/null 2>&1 || \
 	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) tools/llama_wheel.py $(LLAMA_CPP) $(LLAMA_TAG) $(WHEELS)
 	$(PY) -m pip install -q -c constraints.txt --find-links $(WHEELS) 'llama-cpp-python==$(LLAMA_CPP)+$(LLAMA_TAG)'

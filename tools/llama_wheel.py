@@ -1,6 +1,6 @@
 """Build llama-cpp-python from its sdist with one change, into a cached wheel (see the Makefile).
 
-    python tools/llama_wheel.py 0.3.36 omnidraft.1 ~/.cache/omnidraft/wheels
+    python tools/llama_wheel.py 0.3.36 omnidraft.3 ~/.cache/omnidraft/wheels
 
 The change: ggml's CPU flash attention splits the KV cache across threads for a single query once
 the cache holds 512 cells or more (`use_split_kv_path` in ggml-cpu/ops.cpp), and reduces the
@@ -12,6 +12,11 @@ still measures which batches are exact (LlamaEngine.exact_limits): a stock build
 only slower at long contexts. The build enables this CPU's vector features by name, never AMX
 (`cpu_flags`). The wheel's version gets a local tag (`+omnidraft.N`, the Makefile's
 LLAMA_TAG), so it is told apart from a stock build everywhere, the engine's per-machine memo included.
+
+The build also leaves out what the Python package never loads here: llama.cpp's `common` library
+(the sdist forces it on, then installs nothing of it) and the multimodal `mtmd` library
+(`LLAVA_BUILD`, imported by llama-cpp-python only for image chat handlers): docs/llamacpp.md,
+"Building it".
 """
 
 from __future__ import annotations
@@ -25,16 +30,23 @@ from pathlib import Path
 
 SPLIT = "q->type == GGML_TYPE_F32 && nek1 >= 512;"
 UNSPLIT = "q->type == GGML_TYPE_F32 && nek1 >= 512 && false;  /* omnidraft: one query sums as several do */"
+COMMON = 'set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)'
+NO_COMMON = COMMON.replace(" ON ", " OFF ") + "  # omnidraft: never installed"
+# What the Python package does not need, left out of the compile (the module doc)
+LEAVE_OUT = ["-DLLAVA_BUILD=OFF"]
+
+
+def replace_once(path: Path, old: str, new: str, what: str) -> None:
+    text = path.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"{path}: {what} is not where this patch expects it; update tools/llama_wheel.py")
+    path.write_text(text.replace(old, new))
 
 
 def patch(root: Path, version: str, tag: str) -> None:
     ops = root / "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp"
-    text = ops.read_text()
-    if text.count(SPLIT) != 1:
-        raise SystemExit(
-            f"{ops}: the split-KV condition is not where this patch expects it; update tools/llama_wheel.py"
-        )
-    ops.write_text(text.replace(SPLIT, UNSPLIT))
+    replace_once(ops, SPLIT, UNSPLIT, "the split-KV condition")
+    replace_once(root / "CMakeLists.txt", COMMON, NO_COMMON, "the forced common library")
     init = root / "llama_cpp/__init__.py"
     line = f'__version__ = "{version}"'
     if line not in init.read_text():
@@ -70,7 +82,8 @@ def main(version: str, tag: str, wheels: str) -> None:
             archive.extractall(tmp, filter="data")
         root = Path(tmp) / f"llama_cpp_python-{version}"
         patch(root, version, tag)
-        env = {**os.environ, "CMAKE_ARGS": " ".join([os.environ.get("CMAKE_ARGS", ""), *cpu_flags()]).strip()}
+        options = [*LEAVE_OUT, os.environ.get("CMAKE_ARGS", ""), *cpu_flags()]
+        env = {**os.environ, "CMAKE_ARGS": " ".join(options).strip()}
         subprocess.run([*pip, "wheel", "-q", "--no-deps", str(root), "-w", str(out)], check=True, env=env)
 
 
