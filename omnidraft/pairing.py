@@ -34,7 +34,7 @@ from .decode.rounds import (
 )
 from .decode.speculator import Speculator, pair_fingerprint
 from .decode.stats import GenerationStats, RoundRecord
-from .distill.attach import attach_adapter, shared_adapter
+from .distill.attach import attach_adapter, shared_adapter, shared_state
 from .errors import TargetError
 from .translate.tables import TABLES_KEPT, pair_tables
 
@@ -83,12 +83,15 @@ class Pairing:
         self.metrics: list[dict[str, Any]] = list(profile.metrics) if profile else []
         self._steps0 = profile.steps if profile else 0
         saved = profile.tensors.get("adapter") if profile else None
-        self._adapter = attach_adapter(drafter, target.name, user, learn=learn, adapter=adapter, saved=saved)
+        shared = shared_state(drafter, target.name, user, self.store, self.fingerprint) if learn else None
+        self._adapter = attach_adapter(
+            drafter, target.name, user, learn=learn, adapter=adapter, saved=saved, shared=shared
+        )
         self.speculator = Speculator(
             drafter, target, config, user=user, profile=profile, adapter=self._adapter, learn=learn,
             proposer=proposer,
         )  # fmt: skip
-        baseline = shared_adapter(drafter, target.name, user, self.store, self.fingerprint) if learn else None
+        baseline = shared_adapter(drafter, target.name, shared)
         self.learner = self._learner(train, baseline) if learn else None
         self.last: Generation | None = None
 

@@ -931,19 +931,25 @@ STRONG = TrainConfig(
 QV = AdapterConfig(rank=8, alpha=16, modules=("q_proj", "v_proj"))
 
 
-def test_a_users_adapter_scoring_below_the_shared_one_drafts_with_the_shared_one(
-    drafter, tiny_target, tmp_path
-):
-    """Learning that cannot hurt: the shared per-target adapter (user "default") has learned a
-    prompt; a new user's adapter has not. Scored on the user's own requests it agrees less with
-    the target, so the user's pairing drafts with the shared adapter, says so in the stats, and
-    the output stays the target's own."""
+def _shared_profile_that_learned(drafter, tiny_target, tmp_path):
+    """A profile store whose shared per-target adapter (user "default") has learned PROMPTS[1]."""
     torch.manual_seed(0)
     store = ProfileStore(tmp_path)
     shared = drafter.pair(tiny_target, k=4, user="default", learn=True, adapter=QV, train=STRONG, store=store)
     for _ in range(2):
         shared.generate(PROMPTS[1], max_new_tokens=24)
     shared.save()
+    return store
+
+
+def test_a_users_adapter_scoring_below_the_shared_one_drafts_with_the_shared_one(
+    drafter, tiny_target, tmp_path
+):
+    """Learning that cannot hurt: the shared per-target adapter (user "default") has learned a
+    prompt; a new user's adapter of another shape (so it starts fresh) has not. Scored on the
+    user's own requests it agrees less with the target, so the user's pairing drafts with the
+    shared adapter, says so in the stats, and the output stays the target's own."""
+    store = _shared_profile_that_learned(drafter, tiny_target, tmp_path)
     alice = drafter.pair(
         tiny_target,
         k=4,
@@ -965,6 +971,50 @@ def test_a_users_adapter_scoring_below_the_shared_one_drafts_with_the_shared_one
     )
     shared_rate = alice.generate(PROMPTS[1], max_new_tokens=24).stats.acceptance_rate
     assert shared_rate > 0.5  # the shared adapter's drafts, accepted
+
+
+def test_a_new_learning_user_starts_from_the_shared_adapter_and_keeps_their_own(
+    drafter, tiny_target, tmp_path
+):
+    """A user who starts learning with no adapter of their own starts as the shared per-target
+    adapter (same tensors, trusted, its drafts accepted from the first request); what they learn
+    goes to their own profile, and the shared profile is left as it was. A shape the user asks
+    for that differs from the shared one starts fresh."""
+    store = _shared_profile_that_learned(drafter, tiny_target, tmp_path)
+    saved = {
+        k: v.clone()
+        for k, v in store.load(drafter.name, tiny_target.name, "default").tensors["adapter"].items()
+    }
+    for asked in (None, QV):
+        carol = drafter.pair(
+            tiny_target,
+            k=4,
+            user=f"carol-{asked is None}",
+            learn=True,
+            adapter=asked,
+            train=TrainConfig(interval=1, epochs=1, background=False, guard_every=1),
+            store=store,
+        )
+        own, base = (
+            adapter_state(drafter.trainable, carol.adapter),
+            adapter_state(drafter.trainable, carol.learner.baseline),
+        )
+        assert carol.adapter != carol.learner.baseline and own.keys() == base.keys()
+        assert all(torch.equal(own[k], base[k]) for k in own)
+        out = carol.generate(PROMPTS[1], max_new_tokens=24)
+        assert out.token_ids == target_greedy(tiny_target, PROMPTS[1], 24)
+        assert carol.learner.trusted and out.stats.acceptance_rate > 0.5  # the shared adapter's drafts
+        carol.save()
+    after = store.load(drafter.name, tiny_target.name, "default").tensors["adapter"]
+    assert all(torch.equal(after[k], saved[k]) for k in saved)  # the shared profile untouched
+    mine = store.load(drafter.name, tiny_target.name, "carol-True").tensors["adapter"]
+    assert any(not torch.equal(mine[k], saved[k]) for k in saved if "lora_" in k)  # it learned on
+    fresh = drafter.pair(
+        tiny_target, k=4, user="dave", learn=True, adapter=AdapterConfig(rank=4, alpha=8, modules=QV.modules),
+        store=store,
+    )  # fmt: skip
+    lora_b = [v for k, v in adapter_state(drafter.trainable, fresh.adapter).items() if "lora_B" in k]
+    assert lora_b and all(not v.any() for v in lora_b)  # a fresh LoRA: B = 0
 
 
 def test_a_users_adapter_that_scores_as_well_as_its_baseline_drafts(drafter, tiny_target, tmp_path):
