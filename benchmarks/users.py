@@ -13,6 +13,9 @@ beside the results, adapt_eval.traces_for); everything after runs the drafter on
 - "shared": one adapter trained on every user's stream interleaved (request i of each user in
   turn), scored at the same checkpoints of each user's stream;
 - "cross": each user's final adapter on every other user's held-back requests;
+- "own from shared" (`from_shared`): what a new user of the SDK gets when a shared adapter exists
+  (distill/attach.py): an adapter trained on the *other* users' streams, then on this user's own,
+  scored at 0 (the shared adapter without this user) and after each checkpoint of the user's stream;
 - "switch:A" (`switch=(A, B)`): user A's whole stream, then B's, scored on B's held-back requests
   at 0, 5, 10 and 25 requests of B's work: how fast an adapter recovers when its user's work
   changes (against B's "none" and "own" rows).
@@ -61,6 +64,7 @@ def run_users(
     name: str,
     users: dict[str, str] = USERS,
     switch: tuple[str, str] | None = None,
+    from_shared: bool = False,
 ) -> dict[str, Any]:
     """The experiment of the module doc; writes `name`.json/.md/.png under `out`."""
     from omnidraft.distill.adapters import AdapterConfig
@@ -132,6 +136,32 @@ def run_users(
                     {"user": other, "adapter": f"cross:{user}", "requests": n_train, **score(adapter, other)}
                 )
     save()
+    for user in users if from_shared else []:  # the others' shared adapter, then the user's own stream
+        others = [streams[other] for other in users if other != user]
+        base = f"without_{user}_{time.time_ns()}"
+        start = _train(drafter, base, lora, t2d, target, config, others, [n_train], costs, f"without {user}")
+        rows.append({"user": user, "adapter": "own from shared", "requests": 0, **score(base, user)})
+        adapter = f"from_shared_{user}_{time.time_ns()}"
+        label = f"{user} from shared"
+        trained = _train(
+            drafter,
+            adapter,
+            lora,
+            t2d,
+            target,
+            config,
+            [streams[user]],
+            checkpoints,
+            costs,
+            label,
+            start[n_train],
+        )
+        for requests, state in trained.items():
+            _rewind(drafter, adapter, state)
+            rows.append(
+                {"user": user, "adapter": "own from shared", "requests": requests, **score(adapter, user)}
+            )
+        save()
     if switch is not None:  # a user whose work changes: A's stream, then B's
         first, then = switch
         after = [c for c in SWITCH_AFTER if c <= n_train]
@@ -161,15 +191,19 @@ def _train(
     checkpoints: list[int],
     costs: dict[str, Any],
     label: str,
+    start: dict[str, Any] | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """A fresh `adapter` trained online on `streams` read in turn (request i of each, then i + 1);
-    its state at each checkpoint (requests per stream), kept to score after."""
+    """A fresh `adapter` (or one starting as the state `start`) trained online on `streams` read in
+    turn (request i of each, then i + 1); its state at each checkpoint (requests per stream), kept
+    to score after."""
     import torch
 
     from omnidraft.distill.adapters import adapter_state
 
     torch.manual_seed(config.seed)
     drafter.add_adapter(adapter, lora)
+    if start is not None:
+        _rewind(drafter, adapter, start)
     drafter.activate(adapter)
     trainer = OnlineTrainer(drafter.learner, t2d, config, step_lock=drafter.lock)
     states: dict[int, dict[str, Any]] = {}
@@ -248,13 +282,14 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for user in result["users"]:
         start = next(r["acceptance"] for r in result["rows"] if r["user"] == user and r["adapter"] == "none")
-        for kind, style in (("own", "-"), ("shared", "--")):
-            points = [(0, start)] + [
+        for kind, style in (("own", "-"), ("shared", "--"), ("own from shared", ":")):
+            points = ([] if kind == "own from shared" else [(0, start)]) + [
                 (r["requests"], r["acceptance"])
                 for r in result["rows"]
                 if r["user"] == user and r["adapter"] == kind
             ]
-            ax.plot(*zip(*points), style, marker="o", label=f"{user}, {kind}")
+            if len(points) > 1 or kind != "own from shared":
+                ax.plot(*zip(*points), style, marker="o", label=f"{user}, {kind}")
     ax.set_xlabel("the user's requests learned from")
     ax.set_ylabel("greedy acceptance on the user's held-back requests")
     ax.set_title(result["pair"])
@@ -283,6 +318,11 @@ def add_args(sub: Any) -> None:
     u.add_argument("--k", type=int, default=4)
     u.add_argument("--out", default="users_out")
     u.add_argument("--name", default="users")
+    u.add_argument(
+        "--from-shared",
+        action="store_true",
+        help="also each user's own adapter started from one trained on the other users' streams",
+    )
     u.add_argument(
         "--switch",
         metavar="A:B",
@@ -319,5 +359,6 @@ def run(args: argparse.Namespace) -> None:
         out=Path(args.out),
         name=args.name,
         switch=switch,
+        from_shared=args.from_shared,
     )
     print(markdown(result))

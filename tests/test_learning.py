@@ -955,7 +955,7 @@ def test_a_users_adapter_scoring_below_the_shared_one_drafts_with_the_shared_one
         k=4,
         user="alice",
         learn=True,
-        adapter=QV,
+        adapter=AdapterConfig(rank=4, alpha=8, modules=QV.modules),
         train=TrainConfig(interval=1000, background=False, guard_every=1),
         store=store,
     )
@@ -1034,8 +1034,9 @@ def test_a_users_adapter_that_scores_as_well_as_its_baseline_drafts(drafter, tin
 
 def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, tiny_target, tmp_path):
     """`python -m benchmarks users` on tiny models: every user gets a "none" row, an "own" and a
-    "shared" row per checkpoint and a "cross" row per other user, a user whose work changes is
-    scored on the new work; costs, a table and a plot."""
+    "shared" row per checkpoint and a "cross" row per other user, an "own from shared" row from 0
+    (the others' adapter) on, a user whose work changes is scored on the new work; costs, a table
+    and a plot."""
     from benchmarks.users import run_users
 
     torch.manual_seed(0)
@@ -1054,6 +1055,7 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
         name="users",
         users=users,
         switch=("developer", "tutor"),
+        from_shared=True,
     )
     kinds = {(r["user"], r["adapter"], r["requests"]) for r in result["rows"]}
     none = {r["user"]: r["tau"] for r in result["rows"] if r["adapter"] == "none"}
@@ -1064,17 +1066,23 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
             (user, "own", 4),
             (user, "shared", 2),
             (user, "shared", 4),
+            (user, "own from shared", 0),
+            (user, "own from shared", 2),
+            (user, "own from shared", 4),
         } <= kinds
     assert ("tutor", "cross:developer", 4) in kinds and ("developer", "cross:tutor", 4) in kinds
     assert ("tutor", "switch:developer", 0) in kinds
     trained = [r for r in result["rows"] if r["adapter"] in ("own", "shared")]
     assert any(r["tau"] != none[r["user"]] for r in trained), "were the drafts made with the adapters?"
     assert (
-        set(result["costs"]) == {"tutor", "developer", "shared", "switch"}
+        set(result["costs"])
+        == {"tutor", "developer", "shared", "switch"}
+        | {f"without {u}" for u in users}
+        | {f"{u} from shared" for u in users}
         and result["costs"]["shared"]["steps"] > 0
     )
     assert all(0 <= r["acceptance"] <= 1 and r["tau"] >= 1 for r in result["rows"])
-    assert (tmp_path / "users.md").read_text().count("| tutor |") >= 5 and (
+    assert (tmp_path / "users.md").read_text().count("| tutor |") >= 8 and (
         tmp_path / "users.png"
     ).stat().st_size > 0
 
