@@ -276,7 +276,6 @@ def bench_engine(args: argparse.Namespace) -> None:
     datasets = args.dataset or ["gsm8k", "humaneval"]
     for pair_spec in args.pair or [f"{DRAFTER}:{default}"]:
         drafter_spec, target_spec = split_pair(pair_spec)
-        same = "qwen2.5-coder-0.5b" if target_spec == "qwen2.5-coder-1.5b" else None
         runs: dict[str, list[dict[str, Any]]] = {}
         notes: dict[str, list[str]] = {d: [] for d in datasets}
         bar = tqdm(desc=f"{pair_spec} {engine}", file=sys.stderr)
@@ -299,8 +298,6 @@ def bench_engine(args: argparse.Namespace) -> None:
                     target_spec,
                     load_prompts(dataset, args.n),
                     args.max_new_tokens,
-                    same_vocab_draft=same,
-                    fp32=not args.no_peers,
                     peers=not args.no_peers,
                     repeats=args.repeats,
                     notes=notes[dataset],

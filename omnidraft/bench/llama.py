@@ -76,6 +76,7 @@ def pairing_row(pair: Pairing, n: int, prompt: str, ids: list[int]) -> Timed:
 
 
 N_CTX = 4096  # the context every llama.cpp row runs with
+SAME_VOCAB_DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}  # llama.cpp's own draft model, by target
 
 
 def run_llama(
@@ -84,8 +85,6 @@ def run_llama(
     prompts: list[str],
     max_new_tokens: int,
     *,
-    same_vocab_draft: str | None,
-    fp32: bool = True,
     peers: bool = True,
     repeats: int = 1,
     notes: list[str] | None = None,
@@ -93,8 +92,10 @@ def run_llama(
 ) -> list[dict[str, Any]]:
     """Per prompt, per row: {"row", "prompt", "tokens", "seconds", "identical"} (identical: the
     same ids as llama.cpp alone; seconds: the median of `repeats` runs, see `time_rows`). `notes`
-    receives each pairing's best speedup (why it drafts or not). Without `peers`, only llama.cpp
-    alone and omnidraft's rows."""
+    receives each pairing's best speedup (why it drafts or not). The peers: llama.cpp's own
+    speculative decoding with a draft model of the target's vocabulary (`SAME_VOCAB_DRAFT`), its
+    prompt lookup, and the PyTorch fp32 target; without `peers`, only llama.cpp alone and
+    omnidraft's rows."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     import omnidraft as od
@@ -116,6 +117,7 @@ def run_llama(
         "llama.cpp alone": lambda p, ids: engine_generate(plain, ids, max_new_tokens, target.eos_ids)
     }
     drafts: dict[str, Any] = {}
+    same_vocab_draft = SAME_VOCAB_DRAFT.get(target_spec)
     if same_vocab_draft and peers:
         drafts[f"llama.cpp speculative ({same_vocab_draft} draft)"] = GgufDraft(
             LlamaEngine(gguf_file(same_vocab_draft)[0], n_ctx=n_ctx)
@@ -146,7 +148,7 @@ def run_llama(
                 f"(model drafts {'on' if s.model_drafts else 'off'}, retrieved drafts "
                 f"{'on' if s.free_drafts else 'off'}): {s.best_speedup.reason()}"
             )
-    if fp32:
+    if peers:
         from .baselines import target_alone
 
         local = od.LocalTarget.load(target_spec)

@@ -26,6 +26,7 @@ __all__ = ["per_request", "run_vllm"]
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 ENGINES = ("vLLM alone", "omnidraft (default)", "vLLM n-gram speculative")
+DTYPE = "float32"  # every row's weights, as in docs/vllm.md
 
 
 def _engine_alone(target: Any, prompt: str, ids: list[int], n: int) -> Timed:
@@ -35,20 +36,20 @@ def _engine_alone(target: Any, prompt: str, ids: list[int], n: int) -> Timed:
 
 
 def _outputs(
-    row: str, drafter_spec: str, target_spec: str, sets: dict[str, list[str]], n: int, dtype: str
+    row: str, drafter_spec: str, target_spec: str, sets: dict[str, list[str]], n: int
 ) -> tuple[dict[str, list[tuple[list[int], float]]], list[str]]:
     """In a process of its own: one contender's (ids, seconds) per prompt of every set, and notes."""
     import omnidraft as od
 
     notes: list[str] = []
     if row == "omnidraft (default)":
-        target = od.VLLMTarget.load(target_spec, dtype=dtype)
+        target = od.VLLMTarget.load(target_spec, dtype=DTYPE)
         pair = od.Drafter.load(drafter_spec).pair(target)
         notes.append(f"{row}: drafts verified in vLLM's step: {target.capabilities.drafts_in_engine}")
         run: Callable[[str, list[int]], Timed] = partial(pairing_row, pair, n)
     else:
         extra = {"speculative_config": NGRAM} if row == "vLLM n-gram speculative" else {}
-        target = od.VLLMTarget.load(target_spec, dtype=dtype, draft_tokens=0, **extra)
+        target = od.VLLMTarget.load(target_spec, dtype=DTYPE, draft_tokens=0, **extra)
         run = partial(_engine_alone, target, n=n)
     try:
         out: dict[str, list[tuple[list[int], float]]] = {}
@@ -69,7 +70,6 @@ def run_vllm(
     prompt_sets: dict[str, list[str]],
     max_new_tokens: int,
     *,
-    dtype: str = "float32",
     ngram: bool = True,
     repeats: int = 1,
     notes: dict[str, list[str]] | None = None,
@@ -92,7 +92,7 @@ def run_vllm(
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 try:
                     out, said = pool.submit(
-                        _outputs, row, drafter_spec, target_spec, prompt_sets, max_new_tokens, dtype
+                        _outputs, row, drafter_spec, target_spec, prompt_sets, max_new_tokens
                     ).result()
                 except Exception as exc:  # e.g. the CPU build refuses n-gram: say so instead of a row
                     if row == ENGINES[0] or r:
