@@ -101,6 +101,28 @@ def test_the_sdk_never_imports_the_lab_and_no_file_is_over_400_lines():
         assert len(path.read_text(encoding="utf-8").splitlines()) <= 400, path
 
 
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = function.args
+    named = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+    return len(named) - (named[:1] != [] and named[0].arg in ("self", "cls")) + bool(a.vararg) + bool(a.kwarg)
+
+
+def test_no_function_is_over_80_lines_and_at_most_three_take_over_8_parameters():
+    """Long and wide functions are where a reader gets lost: none over 80 lines, and over 8
+    parameters only the three the public API needs (`pair`, `Pairing`, the OpenAI client's
+    options; `**overrides` and `*args` count as one each, `self` not at all)."""
+    functions = [
+        (path.relative_to(ROOT), node)
+        for path in SDK.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    long = [(str(p), f.name) for p, f in functions if f.end_lineno - f.lineno + 1 > 80]
+    wide = sorted((str(p), f.name) for p, f in functions if _parameters(f) > 8)
+    assert long == []
+    assert len(wide) <= 3, wide
+
+
 def test_the_shipped_bench_and_the_lab_share_no_file_name():
     """`omnidraft/bench/` (in the wheel) and `benchmarks/` (the lab): a name says which one."""
     shipped = {p.name for p in (SDK / "bench").glob("*.py")} - {"__init__.py", "__main__.py"}
