@@ -47,11 +47,8 @@ def patch(root: Path, version: str, tag: str) -> None:
     ops = root / "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp"
     replace_once(ops, SPLIT, UNSPLIT, "the split-KV condition")
     replace_once(root / "CMakeLists.txt", COMMON, NO_COMMON, "the forced common library")
-    init = root / "llama_cpp/__init__.py"
     line = f'__version__ = "{version}"'
-    if line not in init.read_text():
-        raise SystemExit(f"{init}: no {line!r} to tag")
-    init.write_text(init.read_text().replace(line, f'__version__ = "{version}+{tag}"'))
+    replace_once(root / "llama_cpp/__init__.py", line, f'__version__ = "{version}+{tag}"', f"{line!r}")
 
 
 def main(version: str, tag: str, wheels: str) -> None:
