@@ -18,7 +18,11 @@ beside the results, adapt_eval.traces_for); everything after runs the drafter on
   scored at 0 (the shared adapter without this user) and after each checkpoint of the user's stream;
 - "switch:A" (`switch=(A, B)`): user A's whole stream, then B's, scored on B's held-back requests
   at 0, 5, 10 and 25 requests of B's work: how fast an adapter recovers when its user's work
-  changes (against B's "none" and "own" rows).
+  changes (against B's "none" and "own" rows);
+- live (`live`, a target on the fastest local engine: `--live` puts the target on llama.cpp): each
+  user's held-back requests timed on that engine alone and through a pairing of its defaults
+  drafting with no adapter and with each kind's final adapter, side by side per request
+  (bench/llama.time_rows): the speed a user sees, against the engine and against no adapter.
 Figures per score: greedy acceptance, tau (adapt_eval.evaluate). Costs: the adapter's bytes,
 training seconds per request and per committed token, the process's peak RSS. The plot (PNG):
 acceptance against the user's requests, one line per user and adapter kind.
@@ -31,6 +35,7 @@ import json
 import logging
 import resource
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +70,8 @@ def run_users(
     users: dict[str, str] = USERS,
     switch: tuple[str, str] | None = None,
     from_shared: bool = False,
+    live: Any = None,
+    live_tokens: int = 64,
 ) -> dict[str, Any]:
     """The experiment of the module doc; writes `name`.json/.md/.png under `out`."""
     from omnidraft.distill.adapters import AdapterConfig
@@ -111,9 +118,9 @@ def run_users(
     for user in users:
         rows.append({"user": user, "adapter": "none", "requests": 0, **score(None, user)})
     save()
-    finals: dict[str, str] = {}
+    finals: dict[str, dict[str, str | None]] = {user: {"none": None} for user in users}
     for user in users:  # "own": each user's adapter on its own stream
-        adapter = finals[user] = f"user_{user}_{time.time_ns()}"
+        adapter = finals[user]["own"] = f"user_{user}_{time.time_ns()}"
         stream = streams[user]
         trained = _train(drafter, adapter, lora, t2d, target, config, [stream], checkpoints, costs, user)
         for requests, state in trained.items():
@@ -129,19 +136,19 @@ def run_users(
         for user in users:
             rows.append({"user": user, "adapter": "shared", "requests": requests, **score(shared, user)})
         save()
-    for user, adapter in finals.items():  # "cross": a user's final adapter on the others' requests
+    for user in users:  # "cross": a user's final adapter on the others' requests
+        finals[user]["shared"] = shared  # (left at its last checkpoint: the final one)
         for other in users:
             if other != user:
-                rows.append(
-                    {"user": other, "adapter": f"cross:{user}", "requests": n_train, **score(adapter, other)}
-                )
+                own = score(finals[user]["own"], other)
+                rows.append({"user": other, "adapter": f"cross:{user}", "requests": n_train, **own})
     save()
     for user in users if from_shared else []:  # the others' shared adapter, then the user's own stream
         others = [streams[other] for other in users if other != user]
         base = f"without_{user}_{time.time_ns()}"
         start = _train(drafter, base, lora, t2d, target, config, others, [n_train], costs, f"without {user}")
         rows.append({"user": user, "adapter": "own from shared", "requests": 0, **score(base, user)})
-        adapter = f"from_shared_{user}_{time.time_ns()}"
+        adapter = finals[user]["own from shared"] = f"from_shared_{user}_{time.time_ns()}"
         label = f"{user} from shared"
         trained = _train(
             drafter,
@@ -176,7 +183,55 @@ def run_users(
                 {"user": then, "adapter": kind, "requests": requests - n_train, **score(adapter, then)}
             )
         save()
+    if live is not None:  # last: the switch run moved no final adapter
+        result["live"] = live_speed(drafter, live, {u: held[u][1] for u in users}, finals, live_tokens)
+        save()
     _plot(result, out / f"{name}.png")
+    return result
+
+
+def live_speed(
+    drafter: Any,
+    target: Any,
+    prompts: dict[str, list[str]],
+    adapters: dict[str, dict[str, str | None]],
+    max_new_tokens: int,
+) -> dict[str, Any]:
+    """Per user, `prompts[user]` timed side by side: `target`'s engine alone (llama-cpp-python's own
+    generate for a llama.cpp target, as `omnidraft bench` times it) and one pairing of the defaults
+    per adapter kind, drafting with `adapters[user][kind]`. Per user and kind: the summary of
+    bench/llama.summarize_llama (speed over the engine, worst request, identical outputs) and the
+    speed over the pairing with no adapter."""
+    from omnidraft.bench.baselines import target_alone
+    from omnidraft.bench.llama import engine_generate, pairing_row, summarize_llama, time_rows
+    from omnidraft.llamacpp.llama_target import LlamaCppTarget
+    from omnidraft.llamacpp.loading import open_llama
+
+    alone = "engine alone"
+    if isinstance(target, LlamaCppTarget):  # the plain Llama the bench's "llama.cpp alone" row runs
+        plain = open_llama(target.engine.path)
+        engine: Any = lambda p, ids: engine_generate(plain, ids, max_new_tokens, target.eos_ids)  # noqa: E731
+    else:
+        engine = lambda p, ids: target_alone(target, p, max_new_tokens)  # noqa: E731
+    kinds = list(next(iter(adapters.values())))
+    pairs = {kind: drafter.pair(target) for kind in kinds}
+    engine("Warm up.", target.tokenizer("Warm up.")["input_ids"])
+    for kind, pair in pairs.items():
+        pair.adapter = None
+        pair.generate("Warm up.", max_new_tokens=8)
+    result: dict[str, Any] = {"engine": type(target).__name__, "tokens": max_new_tokens, "users": {}}
+    for user, texts in prompts.items():
+        rows = {alone: engine}
+        for kind, pair in pairs.items():
+            pair.adapter = adapters[user][kind]
+            rows[kind] = partial(pairing_row, pair, max_new_tokens)
+        log.info("live: %s, %d requests", user, len(texts))
+        results = time_rows(rows, texts, target.tokenizer, lambda _: None)
+        summary = summarize_llama(results, base=alone)
+        none_rate = next(s["tok_s"] for s in summary if s["row"] == "none")
+        for s in summary:
+            s["over_none"] = s["tok_s"] / none_rate
+        result["users"][user] = {"requests": results, "summary": summary}
     return result
 
 
@@ -269,6 +324,21 @@ def markdown(result: dict[str, Any]) -> str:
             f"{c['adapter_bytes']:,} |"
         )
     lines += ["", f"Peak RSS of the run: {result['peak_rss_mb']:.0f} MB."]
+    if "live" in result:
+        live = result["live"]
+        lines += [
+            "",
+            f"Live on {live['engine']}, {live['tokens']} tokens a request, each user's held-back requests:",
+            "",
+            "| user | run | tok/s | over the engine alone | worst request | over no adapter | identical |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for user, figures in live["users"].items():
+            for s in figures["summary"]:
+                lines.append(
+                    f"| {user} | {s['row']} | {s['tok_s']:.1f} | {s['speedup']:.2f}x | {s['worst']:.2f}x | "
+                    f"{s['over_none']:.2f}x | {s['identical']}/{s['prompts']} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -324,6 +394,12 @@ def add_args(sub: Any) -> None:
         help="also each user's own adapter started from one trained on the other users' streams",
     )
     u.add_argument(
+        "--live",
+        action="store_true",
+        help="also time each user's held-back requests on llama.cpp: alone, and drafting with each adapter",
+    )
+    u.add_argument("--live-tokens", type=int, default=64, help="tokens a live request generates")
+    u.add_argument(
         "--switch",
         metavar="A:B",
         help="also a user whose work changes: user A's stream, then user B's (e.g. developer:math-tutor)",
@@ -334,8 +410,8 @@ def run(args: argparse.Namespace) -> None:
     import omnidraft as od
     from omnidraft.cli.options import split_pair
 
-    if min(args.n_train, args.n_test, args.max_new_tokens, args.rank, args.k) < 1:
-        raise SystemExit("--n-train, --n-test, --max-new-tokens, --rank, --k must be >= 1")
+    if min(args.n_train, args.n_test, args.max_new_tokens, args.rank, args.k, args.live_tokens) < 1:
+        raise SystemExit("--n-train, --n-test, --max-new-tokens, --rank, --k, --live-tokens must be >= 1")
     try:  # TrainConfig checks its own values (--interval, --epochs, --context), before anything loads
         config = TrainConfig(interval=args.interval, epochs=args.epochs, lr=args.lr, context=args.context)
     except ValueError as exc:
@@ -346,6 +422,7 @@ def run(args: argparse.Namespace) -> None:
     drafter_spec, target_spec = split_pair(args.pair)
     drafter = od.Drafter.load(drafter_spec, backend="torch")
     target = od.LocalTarget.load(target_spec, kernels=False)
+    live = od.LlamaCppTarget(target_spec) if args.live else None
     result = run_users(
         drafter,
         target,
@@ -360,5 +437,7 @@ def run(args: argparse.Namespace) -> None:
         name=args.name,
         switch=switch,
         from_shared=args.from_shared,
+        live=live,
+        live_tokens=args.live_tokens,
     )
     print(markdown(result))

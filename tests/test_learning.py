@@ -1036,7 +1036,8 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
     """`python -m benchmarks users` on tiny models: every user gets a "none" row, an "own" and a
     "shared" row per checkpoint and a "cross" row per other user, an "own from shared" row from 0
     (the others' adapter) on, a user whose work changes is scored on the new work; costs, a table
-    and a plot."""
+    and a plot; and the live rows: each user's held-back requests timed alone and drafting with
+    each adapter kind, every output the target's own."""
     from benchmarks.users import run_users
 
     torch.manual_seed(0)
@@ -1056,6 +1057,8 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
         users=users,
         switch=("developer", "tutor"),
         from_shared=True,
+        live=tiny_target,
+        live_tokens=4,
     )
     kinds = {(r["user"], r["adapter"], r["requests"]) for r in result["rows"]}
     none = {r["user"]: r["tau"] for r in result["rows"] if r["adapter"] == "none"}
@@ -1085,6 +1088,11 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
     assert (tmp_path / "users.md").read_text().count("| tutor |") >= 8 and (
         tmp_path / "users.png"
     ).stat().st_size > 0
+    for user in users:
+        summary = result["live"]["users"][user]["summary"]
+        assert [s["row"] for s in summary] == ["engine alone", "none", "own", "shared", "own from shared"]
+        assert all(s["identical"] == s["prompts"] == 2 and s["tok_s"] > 0 for s in summary)
+    assert "Live on LocalTarget, 4 tokens" in (tmp_path / "users.md").read_text()
 
 
 def test_setting_a_pairings_adapter_drafts_with_it(drafter, tiny_target):
