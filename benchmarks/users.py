@@ -350,7 +350,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for user in result["users"]:
+    for i, user in enumerate(result["users"]):  # a colour per user, a line style per adapter kind
         start = next(r["acceptance"] for r in result["rows"] if r["user"] == user and r["adapter"] == "none")
         for kind, style in (("own", "-"), ("shared", "--"), ("own from shared", ":")):
             points = ([] if kind == "own from shared" else [(0, start)]) + [
@@ -359,7 +359,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
                 if r["user"] == user and r["adapter"] == kind
             ]
             if len(points) > 1 or kind != "own from shared":
-                ax.plot(*zip(*points), style, marker="o", label=f"{user}, {kind}")
+                ax.plot(*zip(*points), style, color=f"C{i}", marker="o", label=f"{user}, {kind}")
     ax.set_xlabel("the user's requests learned from")
     ax.set_ylabel("greedy acceptance on the user's held-back requests")
     ax.set_title(result["pair"])
