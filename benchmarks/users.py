@@ -45,8 +45,9 @@ from omnidraft.distill.trainer import OnlineTrainer, TrainConfig
 from omnidraft.translate.vocab_map import build_vocab_map
 
 from .adapt_eval import evaluate, prompts_for, request_of, traces_for
+from .users_report import markdown, plot
 
-__all__ = ["USERS", "add_args", "markdown", "run", "run_users"]
+__all__ = ["USERS", "add_args", "live_speed", "run", "run_users"]
 
 log = logging.getLogger("omnidraft")
 
@@ -186,7 +187,7 @@ def run_users(
     if live is not None:  # last: the switch run moved no final adapter
         result["live"] = live_speed(drafter, live, {u: held[u][1] for u in users}, finals, live_tokens)
         save()
-    _plot(result, out / f"{name}.png")
+    plot(result, out / f"{name}.png")
     return result
 
 
@@ -203,20 +204,18 @@ def live_speed(
     bench/llama.summarize_llama (speed over the engine, worst request, identical outputs) and the
     speed over the pairing with no adapter."""
     from omnidraft.bench.baselines import target_alone
-    from omnidraft.bench.llama import engine_generate, pairing_row, summarize_llama, time_rows
+    from omnidraft.bench.llama import llama_alone, pairing_row, summarize_llama, time_rows
     from omnidraft.llamacpp.llama_target import LlamaCppTarget
-    from omnidraft.llamacpp.loading import open_llama
 
     alone = "engine alone"
-    if isinstance(target, LlamaCppTarget):  # the plain Llama the bench's "llama.cpp alone" row runs
-        plain = open_llama(target.engine.path)
-        engine: Any = lambda p, ids: engine_generate(plain, ids, max_new_tokens, target.eos_ids)  # noqa: E731
+    if isinstance(target, LlamaCppTarget):
+        engine = llama_alone(target, max_new_tokens)
     else:
         engine = lambda p, ids: target_alone(target, p, max_new_tokens)  # noqa: E731
     kinds = list(next(iter(adapters.values())))
     pairs = {kind: drafter.pair(target) for kind in kinds}
     engine("Warm up.", target.tokenizer("Warm up.")["input_ids"])
-    for kind, pair in pairs.items():
+    for pair in pairs.values():
         pair.adapter = None
         pair.generate("Warm up.", max_new_tokens=8)
     result: dict[str, Any] = {"engine": type(target).__name__, "tokens": max_new_tokens, "users": {}}
@@ -299,74 +298,6 @@ def _rewind(drafter: Any, adapter: str, state: dict[str, Any]) -> None:
 
     with drafter.lock:
         load_adapter_state(drafter.trainable, adapter, state)
-
-
-def markdown(result: dict[str, Any]) -> str:
-    """The rows as tables: per user, acceptance / tau by adapter kind and requests; the costs."""
-    lines = [
-        f"# Per-user adapters: {result['pair']}, {result['n_train']} requests a user, "
-        f"{result['n_test']} held back, {result['max_new_tokens']} tokens, k {result['k']}",
-        "",
-        "| user | adapter | requests | acceptance | tau |",
-        "|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        user, kind, n = row["user"], row["adapter"], row["requests"]
-        lines.append(f"| {user} | {kind} | {n} | {row['acceptance']:.3f} | {row['tau']:.2f} |")
-    lines += [
-        "",
-        "| adapter | train s / request | train ms / token | steps | adapter bytes |",
-        "|---|---|---|---|---|",
-    ]
-    for label, c in result["costs"].items():
-        lines.append(
-            f"| {label} | {c['train_s_per_request']:.2f} | {c['train_ms_per_token']:.1f} | {c['steps']} | "
-            f"{c['adapter_bytes']:,} |"
-        )
-    lines += ["", f"Peak RSS of the run: {result['peak_rss_mb']:.0f} MB."]
-    if "live" in result:
-        live = result["live"]
-        lines += [
-            "",
-            f"Live on {live['engine']}, {live['tokens']} tokens a request, each user's held-back requests:",
-            "",
-            "| user | run | tok/s | over the engine alone | worst request | over no adapter | identical |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for user, figures in live["users"].items():
-            for s in figures["summary"]:
-                lines.append(
-                    f"| {user} | {s['row']} | {s['tok_s']:.1f} | {s['speedup']:.2f}x | {s['worst']:.2f}x | "
-                    f"{s['over_none']:.2f}x | {s['identical']}/{s['prompts']} |"
-                )
-    return "\n".join(lines) + "\n"
-
-
-def _plot(result: dict[str, Any], path: Path) -> None:
-    """Acceptance against the user's requests: a line per user and adapter kind ("none" at 0)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, user in enumerate(result["users"]):  # a colour per user, a line style per adapter kind
-        start = next(r["acceptance"] for r in result["rows"] if r["user"] == user and r["adapter"] == "none")
-        for kind, style in (("own", "-"), ("shared", "--"), ("own from shared", ":")):
-            points = ([] if kind == "own from shared" else [(0, start)]) + [
-                (r["requests"], r["acceptance"])
-                for r in result["rows"]
-                if r["user"] == user and r["adapter"] == kind
-            ]
-            if len(points) > 1 or kind != "own from shared":
-                ax.plot(*zip(*points), style, color=f"C{i}", marker="o", label=f"{user}, {kind}")
-    ax.set_xlabel("the user's requests learned from")
-    ax.set_ylabel("greedy acceptance on the user's held-back requests")
-    ax.set_title(result["pair"])
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def add_args(sub: Any) -> None:

@@ -30,7 +30,7 @@ from .baselines import Timed
 if TYPE_CHECKING:
     from ..pairing import Pairing
 
-__all__ = ["GgufDraft", "engine_generate", "run_llama", "summarize_llama", "time_rows"]
+__all__ = ["GgufDraft", "engine_generate", "llama_alone", "run_llama", "summarize_llama", "time_rows"]
 
 SPEC_MAX, SPEC_P_MIN = 16, 0.75  # llama.cpp's speculative defaults (draft-max, draft-p-min)
 
@@ -68,6 +68,18 @@ def engine_generate(llm: Any, ids: list[int], n: int, eos: frozenset[int]) -> Ti
     return Timed(out, time.perf_counter() - started)
 
 
+N_CTX = 4096  # the context every llama.cpp row runs with
+
+
+def llama_alone(target: Any, n: int, n_ctx: int = N_CTX) -> Callable[[str, list[int]], Timed]:
+    """The "llama.cpp alone" row, the speed to beat: llama-cpp-python's own `generate` on a plain
+    `Llama` of the `LlamaCppTarget` `target`'s GGUF file, `n` tokens a request."""
+    from ..llamacpp.loading import open_llama
+
+    plain = open_llama(target.engine.path, n_ctx=n_ctx)
+    return lambda prompt, ids: engine_generate(plain, ids, n, target.eos_ids)
+
+
 def pairing_row(pair: Pairing, n: int, prompt: str, ids: list[int]) -> Timed:
     """A timed row of `pair` generating `n` tokens after `prompt` (`ids`: the same, tokenized)."""
     started = time.perf_counter()
@@ -75,7 +87,6 @@ def pairing_row(pair: Pairing, n: int, prompt: str, ids: list[int]) -> Timed:
     return Timed(out.token_ids, time.perf_counter() - started)
 
 
-N_CTX = 4096  # the context every llama.cpp row runs with
 SAME_VOCAB_DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}  # llama.cpp's own draft model, by target
 
 
@@ -106,15 +117,14 @@ def run_llama(
 
     n_ctx = N_CTX
     target = od.LlamaCppTarget(target_spec, n_ctx=n_ctx)
-    path = target.engine.path
-    plain = open_llama(path, n_ctx=n_ctx)
-    spec = open_llama(path, n_ctx=n_ctx, logits_all=True)  # what llama-cpp-python sets with a draft model
+    rows: dict[str, Callable[[str, list[int]], Timed]] = {
+        "llama.cpp alone": llama_alone(target, max_new_tokens, n_ctx)
+    }
+    # what llama-cpp-python sets with a draft model
+    spec = open_llama(target.engine.path, n_ctx=n_ctx, logits_all=True)
     drafters = {
         "llama.cpp": od.Drafter.load(drafter_spec, backend="llama.cpp"),
         "torch int8": od.Drafter.load(drafter_spec, backend="torch"),
-    }
-    rows: dict[str, Callable[[str, list[int]], Timed]] = {
-        "llama.cpp alone": lambda p, ids: engine_generate(plain, ids, max_new_tokens, target.eos_ids)
     }
     drafts: dict[str, Any] = {}
     same_vocab_draft = SAME_VOCAB_DRAFT.get(target_spec)
