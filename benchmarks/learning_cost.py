@@ -7,11 +7,15 @@ fresh adapter each time, after one warm-up request: no adapter ("off"); a fresh 
 learning off ("adapter": what drafting through LoRA layers costs, whatever the adapter learned);
 learning on in the background (the default: the learner's thread works only between requests);
 with `--cpu-share`, the same held to that share of the requests' CPU (`TrainConfig.cpu_share`);
-learning on inline (`TrainConfig(background=False)`: done before `generate` returns). Per run:
-every reply's latency (median and worst), the process's CPU seconds inside requests and between
-them, the adapter's optimizer steps, and the time the last requests' learning took after the
-session (`learner.wait()`). Learning's CPU share: the CPU spent with learning on (inside requests,
-between them and at the end) less the same in the "adapter" run, over that run's requests' CPU.
+learning on inline (`TrainConfig(background=False)`: done before `generate` returns); and the
+"adapter" run again, last ("adapter-again"): what the same run reads twice, request by request, is
+the noise a learning run's replies are read against. Per run: every reply's latency (median and
+worst) and the time it waited for a unit of learning to stop (`learner.waited`), the process's CPU
+seconds inside requests and between them, the adapter's optimizer steps, and the time the last
+requests' learning took after the session (`learner.wait()`). Learning's CPU share: the CPU spent
+with learning on (inside requests, between them and at the end) less the same in the "adapter"
+run, over that run's requests' CPU; beside it the learner's own count (`cpu_learning` over
+`cpu_requests`: its units' CPU over the requests').
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from typing import Any
 
 __all__ = ["add_args", "markdown", "run", "session"]
 
-RUNS = ("off", "adapter", "background", "capped", "inline")
+RUNS = ("off", "adapter", "background", "capped", "inline", "adapter-again")
+CONTROL = ("off", "adapter", "adapter-again")  # runs that do not learn
 
 
 def _cpu() -> float:
@@ -37,26 +42,32 @@ def _cpu() -> float:
 
 def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) -> dict[str, Any]:
     """Run `prompts` through `pair` as one user would, `think` seconds after each reply."""
-    latencies, cpu_in, cpu_between = [], 0.0, 0.0
+    latencies, waits, cpu_in, cpu_between = [], [], 0.0, 0.0
+    learner = pair.learner
     for prompt in prompts:
+        w0 = learner.waited if learner is not None else 0.0
         c0, t0 = _cpu(), time.perf_counter()
         pair.generate(prompt, max_new_tokens=max_new_tokens)
         latencies.append(time.perf_counter() - t0)
+        waits.append(learner.waited - w0 if learner is not None else 0.0)
         c1 = _cpu()
         cpu_in += c1 - c0
         time.sleep(think)
         cpu_between += _cpu() - c1
     c2, t2 = _cpu(), time.perf_counter()
-    if pair.learner is not None:
-        pair.learner.wait()
+    if learner is not None:
+        learner.wait()
     return {
         "latency_s": latencies,
+        "waited_s": waits,
         "cpu_in_requests_s": cpu_in,
         "cpu_between_s": cpu_between,
         "cpu_after_s": _cpu() - c2,
         "wait_after_s": time.perf_counter() - t2,
-        "steps": pair.learner.steps if pair.learner is not None else 0,
-        "learned_from": len(prompts) - pair.learner.skipped if pair.learner is not None else 0,
+        "steps": learner.steps if learner is not None else 0,
+        "learned_from": len(prompts) - learner.skipped if learner is not None else 0,
+        "learner_cpu_s": learner.cpu_learning if learner is not None else 0.0,
+        "learner_requests_cpu_s": learner.cpu_requests if learner is not None else 0.0,
     }
 
 
@@ -79,14 +90,32 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['cpu_between_s']:.1f} | {r['cpu_after_s']:.1f} | {r['steps']} | {r.get('learned_from', '')} "
             "|"
         )
-    off = result["runs"]["adapter" if "adapter" in runs else "off"]
+    ref = "adapter" if "adapter" in runs else "off"
+    off = result["runs"][ref]
+    lines += [
+        "",
+        f"Request by request against the {ref!r} run (the same requests; the runs that do not learn read "
+        "the noise):",
+        "",
+        "| run | median reply ratio | total | worst request (which) | longest wait for learning to stop s |",
+        "|---|---|---|---|---|",
+    ]
+    for name in [n for n in runs if n != ref]:
+        r = result["runs"][name]
+        ratios = [a / max(b, 1e-9) for a, b in zip(r["latency_s"], off["latency_s"])]
+        worst = max(range(len(ratios)), key=ratios.__getitem__)
+        lines.append(
+            f"| {name} | {statistics.median(ratios):.3f} | {sum(r['latency_s']) / sum(off['latency_s']):.3f} "
+            f"| {ratios[worst]:.2f} (#{worst + 1}) | {max(r.get('waited_s') or [0.0]):.3f} |"
+        )
     base = off["cpu_in_requests_s"] + off["cpu_between_s"] + off["cpu_after_s"]
-    for name in [n for n in runs if n not in ("off", "adapter")]:
+    for name in [n for n in runs if n not in CONTROL]:
         r = result["runs"][name]
         extra = r["cpu_in_requests_s"] + r["cpu_between_s"] + r["cpu_after_s"] - base
+        own = r.get("learner_cpu_s", 0.0) / max(r.get("learner_requests_cpu_s", 0.0), 1e-9)
         lines.append(
             f"\nLearning {name}: {extra:.1f} CPU s, {extra / max(off['cpu_in_requests_s'], 1e-9):.0%} of the "
-            "requests' own CPU time."
+            f"requests' own CPU time ({own:.0%} by the learner's own count)."
         )
     return "\n".join(lines) + "\n"
 
@@ -126,7 +155,7 @@ def run(args: argparse.Namespace) -> None:
                 cpu_share=args.cpu_share if name == "capped" else 0.0,
             )
             for name in runs
-            if name not in ("off", "adapter")
+            if name not in CONTROL
         }
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
@@ -145,7 +174,7 @@ def run(args: argparse.Namespace) -> None:
                 )
             else:
                 pair = drafter.pair(target, k=4)
-                pair.adapter = "learning-cost-fixed" if name == "adapter" else None
+                pair.adapter = "learning-cost-fixed" if name.startswith("adapter") else None
             pair.generate("Warm up.", max_new_tokens=8)
             if pair.learner is not None:
                 pair.learner.wait()

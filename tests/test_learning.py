@@ -3,6 +3,7 @@ adapter switching between targets, and profiles that survive save/load."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -367,7 +368,6 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
     """Background learning (the default): `generate` returns before its request is learned from,
     and no unit of learning (a request scored, an example's gradient, an optimizer step) runs
     while a request does."""
-    import threading
 
     from benchmarks.learning_cost import markdown, session
 
@@ -412,6 +412,8 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
     result = {"pair": "tiny", "target_backend": "torch", "requests": 2, "dataset": "x", "max_new_tokens": 8}
     table = markdown({**result, "think": 0.0, "runs": {"off": off, "background": on, "inline": on}})
     assert "| background |" in table and "of the requests' own CPU time" in table
+    assert "learner's own count" in table and "worst request (which)" in table
+    assert len(on["waited_s"]) == 2 and on["learner_requests_cpu_s"] > 0
 
 
 def test_gradients_accumulated_example_by_example_are_the_batchs_gradient(drafter, tiny_target):
@@ -483,6 +485,35 @@ def test_a_unit_that_requests_keep_stopping_is_given_up(drafter, tiny_target, tm
     learner.wait()
     assert tried == ["request"] * 2 and learner.dropped == 1 and not learner._units
     assert pair.steps == 0
+
+
+def test_the_time_a_request_waits_for_a_unit_to_stop_is_counted(drafter, tiny_target, tmp_path):
+    """A request that begins while a unit of learning runs waits for it to stop, and that wait is
+    in `learner.waited` (the learning-cost bench reads it per reply)."""
+    from omnidraft.distill.trainer import Preempted
+
+    pair = drafter.pair(
+        tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
+        train=TrainConfig(interval=1),
+    )  # fmt: skip
+    learner, running = pair.learner, threading.Event()
+
+    def unit(unit, stop):
+        running.set()
+        deadline = time.perf_counter() + 5
+        while time.perf_counter() < deadline:
+            if stop():
+                time.sleep(0.05)  # the rest of the layer it was in
+                raise Preempted
+            time.sleep(0.001)
+
+    learner._run = unit
+    pair.generate(PROMPTS[0], max_new_tokens=8)
+    assert learner.waited == 0.0 and running.wait(5)
+    learner.pause()
+    learner.resume()
+    learner.wait()
+    assert learner.waited >= 0.04
 
 
 def test_a_cpu_share_holds_learning_to_its_part_of_the_requests_cpu(drafter, tiny_target, tmp_path):

@@ -90,6 +90,7 @@ class Learner:
         self.cpu_requests = 0.0  # the process's CPU seconds while requests of the pairing ran
         self.cpu_learning = 0.0  # and in units of learning (no request runs beside one)
         self._cpu_since = 0.0
+        self.waited = 0.0  # seconds requests waited in `pause` for a running unit to stop
         self.skipped = 0  # requests not learned from: `cpu_share` was spent
         self.dropped = 0  # units of learning given up: requests stopped them `TRIES` times
         self.requests = 0  # requests handed to the learner
@@ -190,13 +191,17 @@ class Learner:
 
     def pause(self) -> None:
         """A request of the pairing begins: no unit of learning starts until it ends (`resume`); one
-        that is running stops at its next layer (it is done again later)."""
+        that is running stops at its next layer (it is done again later); the time the request
+        waits for it is counted in `waited`."""
         with self._idle:
             if not self._serving:
                 self._cpu_since = time.process_time()
             self._serving += 1
-            while self._busy:
-                self._idle.wait()
+            if self._busy:
+                started = time.perf_counter()
+                while self._busy:
+                    self._idle.wait()
+                self.waited += time.perf_counter() - started
 
     def resume(self) -> None:
         """A request of the pairing has ended (after `pause`)."""
