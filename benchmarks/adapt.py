@@ -254,6 +254,11 @@ def run_adapt(
             result["live"]["variants"][variant] = check(*trained)
         if variant not in FULL:
             result["variants"][variant]["profile"] = profile_footprint(drafter, target, adapter)
+            drafter.merge_adapters = False  # the same adapter drafting through peft's LoRA layers
+            try:
+                result["variants"][variant]["through_lora"] = score(drafter, adapter)
+            finally:
+                drafter.merge_adapters = True
             if tts is not None:  # (a fully tuned drafter has no adapter for the fast steps to move)
                 result["variants"][variant]["tts"] = with_tts(drafter, adapter)
         write_report(out, name, result)

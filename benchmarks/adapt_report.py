@@ -95,6 +95,13 @@ def markdown(result: dict[str, Any]) -> str:
                 "cache); "
                 f"adapter {p['adapter_ram_bytes'] / 2**20:.2f} MB in RAM"
             )
+        if "through_lora" in v:
+            t = v["through_lora"]
+            lines.append(
+                f"\n{name}, drafting through peft's LoRA layers instead of merged (distill/merged.py): "
+                f"acceptance {t['acceptance_rate']:.3f}, τ {t['tau']:.2f} (merged: "
+                f"{v['final']['acceptance_rate']:.3f}, {v['final']['tau']:.2f})"
+            )
     lines += _agreement_table(result) + _tts_table(result) + _live_table(result)
     for row in result.get("cache_ablation", []):
         if row is result["cache_ablation"][0]:

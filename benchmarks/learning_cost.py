@@ -42,14 +42,16 @@ def _cpu() -> float:
 
 def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) -> dict[str, Any]:
     """Run `prompts` through `pair` as one user would, `think` seconds after each reply."""
-    latencies, waits, cpu_in, cpu_between = [], [], 0.0, 0.0
+    latencies, waits, rounds, cpu_in, cpu_between = [], [], [], 0.0, 0.0
     learner = pair.learner
     for prompt in prompts:
         w0 = learner.waited if learner is not None else 0.0
         c0, t0 = _cpu(), time.perf_counter()
-        pair.generate(prompt, max_new_tokens=max_new_tokens)
+        stats = pair.generate(prompt, max_new_tokens=max_new_tokens).stats
         latencies.append(time.perf_counter() - t0)
         waits.append(learner.waited - w0 if learner is not None else 0.0)
+        split = {part: share * stats.seconds for part, share in stats.time_split.items()}
+        rounds.append({"rounds": stats.rounds, "draft_s": split["draft"], "verify_s": split["verify"]})
         c1 = _cpu()
         cpu_in += c1 - c0
         time.sleep(think)
@@ -60,6 +62,7 @@ def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) ->
     return {
         "latency_s": latencies,
         "waited_s": waits,
+        "rounds": rounds,  # per reply: its rounds and the seconds they spent drafting and verifying
         "cpu_in_requests_s": cpu_in,
         "cpu_between_s": cpu_between,
         "cpu_after_s": _cpu() - c2,
@@ -69,6 +72,12 @@ def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) ->
         "learner_cpu_s": learner.cpu_learning if learner is not None else 0.0,
         "learner_requests_cpu_s": learner.cpu_requests if learner is not None else 0.0,
     }
+
+
+def _per_round(rounds: list[dict[str, Any]], part: str) -> str:
+    """Milliseconds a round spent in `part` over a run's replies (its interference shows here)."""
+    n = sum(r["rounds"] for r in rounds)
+    return f"{1000 * sum(r[part] for r in rounds) / n:.0f}" if n else "-"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -97,16 +106,21 @@ def markdown(result: dict[str, Any]) -> str:
         f"Request by request against the {ref!r} run (the same requests; the runs that do not learn read "
         "the noise):",
         "",
-        "| run | median reply ratio | total | worst request (which) | longest wait for learning to stop s |",
-        "|---|---|---|---|---|",
+        "| run | median reply ratio | total | worst request (which) | its rounds | longest wait for learning "
+        "to stop s | target ms a round | drafter ms a round |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in [n for n in runs if n != ref]:
         r = result["runs"][name]
         ratios = [a / max(b, 1e-9) for a, b in zip(r["latency_s"], off["latency_s"])]
         worst = max(range(len(ratios)), key=ratios.__getitem__)
+        per = r.get("rounds") or [{"rounds": 0, "draft_s": 0.0, "verify_s": 0.0}] * len(ratios)
+        both = off.get("rounds") or per
         lines.append(
             f"| {name} | {statistics.median(ratios):.3f} | {sum(r['latency_s']) / sum(off['latency_s']):.3f} "
-            f"| {ratios[worst]:.2f} (#{worst + 1}) | {max(r.get('waited_s') or [0.0]):.3f} |"
+            f"| {ratios[worst]:.2f} (#{worst + 1}) | {per[worst]['rounds']} against {both[worst]['rounds']} "
+            f"| {max(r.get('waited_s') or [0.0]):.3f} | {_per_round(per, 'verify_s')} "
+            f"| {_per_round(per, 'draft_s')} |"
         )
     base = off["cpu_in_requests_s"] + off["cpu_between_s"] + off["cpu_after_s"]
     for name in [n for n in runs if n not in CONTROL]:

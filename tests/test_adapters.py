@@ -140,3 +140,68 @@ def test_a_second_target_reuses_the_int8_drafters_copy(draft_tokenizer, tmp_path
     assert d.model is not quantized and {"a", "b", "c"} <= set(
         d.model.peft_config
     )  # rebuilt, every adapter kept
+
+
+def _act(model, name, scale=0.3):
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if f".{name}." in n and "lora_B" in n:
+                p.add_(scale)  # an optimizer step: in place, as Adam's
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_an_adapter_drafts_merged_into_its_projections_and_steps_are_live(drafter, int8):
+    """distill/merged.py: the model drafts compute what the LoRA layers compute (fp32: to float
+    rounding; int8: to the kernel's rounding), follow every in-place step and adapter switch, and
+    are the base's own weights where the adapter adds nothing."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    from omnidraft.distill.merged import MergedDrafting
+
+    source = int8_copy(drafter) if int8 else drafter
+    merged, x = MergedDrafting(), torch.tensor([[9, 8, 7, 6]])
+    tolerance = 0.05 if int8 else 1e-5
+    with torch.no_grad():
+        fresh = merged.model(source, "qwen")  # B = 0: the base's own projections, exactly
+        set_active(source, "qwen")
+        source.base_model.disable_adapter_layers()
+        bare = source(x).logits
+        source.base_model.enable_adapter_layers()
+        assert torch.equal(fresh(x).logits, bare) and torch.equal(merged.model(source, None)(x).logits, bare)
+        for step in range(2):
+            _act(drafter, "qwen")
+            ref = source(x).logits
+            got = merged.model(source, "qwen")(x).logits
+            assert torch.allclose(got, ref, atol=tolerance * ref.abs().max()), step
+        _act(drafter, "gemma", -0.2)
+        set_active(source, "gemma")
+        ref = source(x).logits
+        assert torch.allclose(merged.model(source, "gemma")(x).logits, ref, atol=tolerance * ref.abs().max())
+    shell = merged.model(source, "gemma")
+    assert not any(type(m).__name__ == "Linear" and hasattr(m, "lora_A") for m in shell.modules())
+    kinds = {type(m) for m in shell.modules()}
+    assert (DynamicLinear in kinds) == int8
+    assert shell.get_input_embeddings().weight is source.get_input_embeddings().weight  # shared, not copied
+
+
+def test_the_torch_drafter_drafts_with_the_merged_adapter(draft_tokenizer, tmp_path):
+    """`TorchDrafter.drafting_model`: the merged model once an adapter exists, each stream's
+    forward on it as it is then; `merge_adapters` off drafts through the LoRA layers."""
+    from omnidraft import TorchDrafter as Drafter
+
+    fp32 = tiny_llama(len(draft_tokenizer), seed=2, logit_scale=30.0)
+    d = Drafter(fp32, draft_tokenizer, "tiny")
+    assert d.drafting_model() is d.model  # no adapter: nothing merged
+    d.add_adapter("a", AdapterConfig(rank=2, alpha=4))
+    stream = d.stream([5, 6, 7])
+    first, _ = stream.logits()
+    assert d.drafting_model() is not d.model and stream.runner.model is d.drafting_model()
+    _act(d.trainable, "a")
+    stream.crop(0)  # (cached positions keep what the weights before the step computed)
+    stream.extend([5, 6, 7])
+    after, _ = stream.logits()
+    with torch.no_grad():
+        ref = d.model(torch.tensor([[5, 6, 7]])).logits[0, -1:]
+    assert not torch.allclose(first, after) and torch.allclose(after, ref, atol=1e-4)
+    d.merge_adapters = False
+    assert d.drafting_model() is d.model

@@ -496,13 +496,14 @@ def test_the_time_a_request_waits_for_a_unit_to_stop_is_counted(drafter, tiny_ta
         tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
         train=TrainConfig(interval=1),
     )  # fmt: skip
-    learner, running = pair.learner, threading.Event()
+    learner, running, stopped = pair.learner, threading.Event(), []
 
     def unit(unit, stop):
         running.set()
         deadline = time.perf_counter() + 5
-        while time.perf_counter() < deadline:
+        while not stopped and time.perf_counter() < deadline:  # (done again after: then it ends)
             if stop():
+                stopped.append(unit)
                 time.sleep(0.05)  # the rest of the layer it was in
                 raise Preempted
             time.sleep(0.001)
@@ -604,6 +605,8 @@ def test_adapt_experiment_writes_curves_table_and_plot(drafter, tiny_target, tmp
     assert {p.suffix for p in tmp_path.iterdir()} >= {".json", ".md", ".png", ".safetensors"}
     assert json.loads((tmp_path / "adapt.json").read_text())["n_eval"] == 2
     assert "| hybrid | 2 |" in (tmp_path / "adapt.md").read_text()
+    assert "hybrid, drafting through peft's LoRA layers" in (tmp_path / "adapt.md").read_text()
+    assert "through_lora" in result["variants"]["hybrid"] and "through_lora" not in result["variants"]["full"]
     recorded = sorted(tmp_path.glob("traces-*"))
     stamp = [p.stat().st_mtime_ns for p in recorded]
     # traces are reused, not recorded again; with an early stop the fixed-length figures come too;

@@ -282,6 +282,7 @@ class Learner:
                 if self.trainer.accumulated:  # (none where every example's unit was given up)
                     with self._drafter_on(self.adapter):
                         self._logs.append(self.trainer.apply())
+                        self.drafter.drafting_model()  # the merged weights built here, not in a reply
             else:
                 logs, self._logs = self._logs, []
                 self._record(logs, *what)
@@ -311,6 +312,7 @@ class Learner:
             return
         with self.drafter.lock:  # (no unit of learning runs while a request does: `pause`)
             self._saved = [p.detach().clone() for p in self.trainer.params]
+            self.drafter.merge_adapters = False  # fast steps every few rounds: draft through the LoRA layers
         self._fast = torch.optim.Adam(self.trainer.params, lr=self.config.tts_lr)
 
     def within_request(self, request: VerifiedRequest) -> None:
@@ -334,6 +336,7 @@ class Learner:
         with self.drafter.lock, torch.no_grad():
             for p, old in zip(self.trainer.params, saved):
                 p.copy_(old)
+            self.drafter.merge_adapters = True
 
     def wait(self) -> None:
         """Block until the learning queued so far is done; re-raise the learning thread's error, if

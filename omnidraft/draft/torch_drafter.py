@@ -10,10 +10,11 @@ step is live for drafting at no copy cost. `activate(name)` switches all in mill
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ..distill.merged import MergedDrafting
 from ..runtime.causal_runner import CausalRunner
 from ..runtime.int8 import quantize_int8
 from ..store.models import load_model
@@ -30,13 +31,16 @@ log = logging.getLogger("omnidraft")
 
 
 class TorchStream:
-    """A `Stream` on a PyTorch model (int8 or not): a `CausalRunner` and its KV cache."""
+    """A `Stream` on a PyTorch model (int8 or not): a `CausalRunner` and its KV cache. With
+    `model_for`, each forward runs on the model it returns then (the drafter's adapter may change
+    between two forwards of one stream: an optimizer step, another adapter activated)."""
 
     gives_hidden = True
 
-    def __init__(self, model: Any, ids: list[int]) -> None:
+    def __init__(self, model: Any, ids: list[int], model_for: Callable[[], Any] | None = None) -> None:
         self.runner = CausalRunner(model, ids)
         self.ids = self.runner.ids  # (the same list: the runner extends and crops it in place)
+        self.model_for = model_for
 
     def extend(self, ids: list[int]) -> None:
         self.runner.extend(ids)
@@ -45,6 +49,8 @@ class TorchStream:
         self.runner.crop(n)
 
     def logits(self, rows: int = 1, *, hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.model_for is not None:
+            self.runner.model = self.model_for()
         logits = _host(self.runner.forward(keep=rows, hidden=hidden))
         return logits, _host(self.runner.hidden) if hidden else None
 
@@ -86,6 +92,8 @@ class TorchDrafter(Drafter, name="torch"):
         self.learner: Any = None  # what adapters train through: `trainable`, or the int8 copy emulated
         self.active: str | None = None
         self.head: ShortlistHead | None = None  # the shortlisted LM head, when one is in use
+        self._merged = MergedDrafting()  # what drafts once adapters exist (see `drafting_model`)
+        self.merge_adapters = True  # False: draft through peft's LoRA layers (Test-Time Speculation)
 
     @classmethod
     def from_spec(
@@ -128,7 +136,16 @@ class TorchDrafter(Drafter, name="torch"):
         return drafter
 
     def stream(self, ids: list[int]) -> TorchStream:
-        return TorchStream(self.model, ids)
+        return TorchStream(self.model, ids, self.drafting_model)
+
+    def drafting_model(self) -> Any:
+        """What drafts now: `model`, or once adapters exist, the active one merged into a copy of its
+        projections (distill/merged.py: the bare drafter's speed, not peft's LoRA layers'), unless
+        `merge_adapters` is off."""
+        with self.lock:
+            if self.trainable is None or not self.merge_adapters:
+                return self.model
+            return self._merged.model(self.model, self.active)
 
     @property
     def cost_key(self) -> str:
