@@ -4,12 +4,15 @@ device's CPU, on the real pair.
 One user's session: `--requests` prompts of a dataset in order, each reply followed by `--think`
 seconds with nothing asked (the user reading it). The same session runs on a fresh pairing and a
 fresh adapter each time, after one warm-up request: no adapter ("off"); a fresh adapter drafting,
-learning off ("adapter": what drafting through LoRA layers costs, whatever the adapter learned);
-learning on in the background (the default: the learner's thread works only between requests);
-with `--cpu-share`, the same held to that share of the requests' CPU (`TrainConfig.cpu_share`);
-learning on inline (`TrainConfig(background=False)`: done before `generate` returns); and the
+learning off ("adapter": what drafting with an adapter costs, whatever the adapter learned);
+learning on in the background (the default: the learner's thread works only between requests,
+held to `TrainConfig.cpu_share` of the requests' CPU, or `--cpu-share`); the same learning from
+every request ("uncapped": `cpu_share=0`); learning on inline (`TrainConfig(background=False)`:
+done before `generate` returns, at the same share as "background"); and the
 "adapter" run again, last ("adapter-again"): what the same run reads twice, request by request, is
-the noise a learning run's replies are read against. Per run: every reply's latency (median and
+the noise a learning run's replies are read against; a learning run's replies before its adapter's
+first step draft with the same weights as the "adapter" run's, so what differs there is learning's
+work between requests, not what the adapter learned. Per run: every reply's latency (median and
 worst) and the time it waited for a unit of learning to stop (`learner.waited`), the process's CPU
 seconds inside requests and between them, the adapter's optimizer steps, and the time the last
 requests' learning took after the session (`learner.wait()`). Learning's CPU share: the CPU spent
@@ -31,7 +34,7 @@ from typing import Any
 
 __all__ = ["add_args", "markdown", "run", "session"]
 
-RUNS = ("off", "adapter", "background", "capped", "inline", "adapter-again")
+RUNS = ("off", "adapter", "background", "uncapped", "inline", "adapter-again")
 CONTROL = ("off", "adapter", "adapter-again")  # runs that do not learn
 
 
@@ -42,10 +45,11 @@ def _cpu() -> float:
 
 def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) -> dict[str, Any]:
     """Run `prompts` through `pair` as one user would, `think` seconds after each reply."""
-    latencies, waits, rounds, cpu_in, cpu_between = [], [], [], 0.0, 0.0
+    latencies, waits, rounds, stepped, cpu_in, cpu_between = [], [], [], [], 0.0, 0.0
     learner = pair.learner
     for prompt in prompts:
         w0 = learner.waited if learner is not None else 0.0
+        stepped.append(learner.steps if learner is not None else 0)
         c0, t0 = _cpu(), time.perf_counter()
         stats = pair.generate(prompt, max_new_tokens=max_new_tokens).stats
         latencies.append(time.perf_counter() - t0)
@@ -63,6 +67,7 @@ def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) ->
         "latency_s": latencies,
         "waited_s": waits,
         "rounds": rounds,  # per reply: its rounds and the seconds they spent drafting and verifying
+        "steps_before": stepped,  # per reply: the adapter's optimizer steps when it began
         "cpu_in_requests_s": cpu_in,
         "cpu_between_s": cpu_between,
         "cpu_after_s": _cpu() - c2,
@@ -106,9 +111,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"Request by request against the {ref!r} run (the same requests; the runs that do not learn read "
         "the noise):",
         "",
-        "| run | median reply ratio | total | worst request (which) | its rounds | longest wait for learning "
-        "to stop s | target ms a round | drafter ms a round |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | median reply ratio | before its first step | total | worst request (which) | its rounds "
+        "| longest wait for learning to stop s | target ms a round | drafter ms a round |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in [n for n in runs if n != ref]:
         r = result["runs"][name]
@@ -116,8 +121,11 @@ def markdown(result: dict[str, Any]) -> str:
         worst = max(range(len(ratios)), key=ratios.__getitem__)
         per = r.get("rounds") or [{"rounds": 0, "draft_s": 0.0, "verify_s": 0.0}] * len(ratios)
         both = off.get("rounds") or per
+        first = [x for x, n in zip(ratios, r.get("steps_before") or [1] * len(ratios)) if n == 0]
         lines.append(
-            f"| {name} | {statistics.median(ratios):.3f} | {sum(r['latency_s']) / sum(off['latency_s']):.3f} "
+            f"| {name} | {statistics.median(ratios):.3f} | "
+            f"{f'{statistics.median(first):.3f} ({len(first)})' if first else '-'} "
+            f"| {sum(r['latency_s']) / sum(off['latency_s']):.3f} "
             f"| {ratios[worst]:.2f} (#{worst + 1}) | {per[worst]['rounds']} against {both[worst]['rounds']} "
             f"| {max(r.get('waited_s') or [0.0]):.3f} | {_per_round(per, 'verify_s')} "
             f"| {_per_round(per, 'draft_s')} |"
@@ -144,7 +152,9 @@ def add_args(sub: Any) -> None:
     p.add_argument("--think", type=float, default=3.0, help="seconds between a reply and the next request")
     p.add_argument("--interval", type=int, default=8, help="requests between updates (TrainConfig)")
     p.add_argument("--context", type=int, default=0, help="TrainConfig.context (0: the whole prompt)")
-    p.add_argument("--cpu-share", type=float, default=0.0, help="adds a run with TrainConfig.cpu_share")
+    p.add_argument(
+        "--cpu-share", type=float, default=None, help="TrainConfig.cpu_share (default: TrainConfig's)"
+    )
     p.add_argument("--out", default="users_out")
     p.add_argument("--name", default="learning-cost")
 
@@ -159,14 +169,15 @@ def run(args: argparse.Namespace) -> None:
 
     if args.requests < 1 or args.max_new_tokens < 1 or args.think < 0:
         raise SystemExit("--requests and --max-new-tokens must be >= 1, --think >= 0")
-    runs = [name for name in RUNS if name != "capped" or args.cpu_share]
-    try:  # TrainConfig checks its own values (--interval, --context), before anything loads
+    runs = list(RUNS)
+    share = {} if args.cpu_share is None else {"cpu_share": args.cpu_share}
+    try:  # TrainConfig checks its own values (--interval, --context, --cpu-share), before anything loads
         configs = {
             name: TrainConfig(
                 interval=args.interval,
                 context=args.context,
                 background=name != "inline",
-                cpu_share=args.cpu_share if name == "capped" else 0.0,
+                **({"cpu_share": 0.0} if name == "uncapped" else share),
             )
             for name in runs
             if name not in CONTROL

@@ -127,7 +127,7 @@ def run_switch_bench(
             f"need prompts, max_new_tokens >= 1 and repeats >= 1, got {len(prompts)}, "
             f"{max_new_tokens}, {repeats}"
         )
-    train = TrainConfig(interval=1, batch_size=1)
+    train = TrainConfig(interval=1, batch_size=1, cpu_share=0)  # every request learned from
     rss_start = rss_bytes()
     pairs, rows = [], []
     for target in targets:

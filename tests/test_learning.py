@@ -185,7 +185,7 @@ def test_learning_pairing_stays_identical_and_updates_only_its_adapter(drafter, 
         learn=True,
         adapter=SMALL,
         store=ProfileStore(tmp_path),
-        train=TrainConfig(interval=1, lr=1e-2, spans=spans),
+        train=TrainConfig(interval=1, lr=1e-2, spans=spans, cpu_share=0),
     )
     lora_before = adapter_state(drafter.trainable, pair.adapter)
     for prompt in PROMPTS:
@@ -309,7 +309,7 @@ def test_profile_save_and_load_restore_adapter_cache_and_metrics(
         learn=True,
         adapter=SMALL,
         store=store,
-        train=TrainConfig(interval=2, lr=1e-2),
+        train=TrainConfig(interval=2, lr=1e-2, cpu_share=0),
     )
     for prompt in PROMPTS + PROMPTS[:1]:
         pair.generate(prompt, max_new_tokens=16)
@@ -330,7 +330,7 @@ def test_profile_save_and_load_restore_adapter_cache_and_metrics(
 def test_lr_schedule_anneals_along_a_cosine_and_a_reloaded_profile_resumes_it(drafter, tiny_target, tmp_path):
     import math
 
-    cfg = TrainConfig(interval=1, lr=1e-2, decay_steps=4, final_lr_ratio=0.1, background=False)
+    cfg = TrainConfig(interval=1, lr=1e-2, decay_steps=4, final_lr_ratio=0.1, background=False, cpu_share=0)
     assert [cfg.lr_at(s) for s in (0, 4, 9)] == [1e-2, pytest.approx(1e-3), pytest.approx(1e-3)]
     assert cfg.lr_at(2) == pytest.approx(1e-3 + 0.9e-2 * 0.5 * (1 + math.cos(math.pi / 2)))
     assert TrainConfig(lr=1e-2).lr_at(1000) == 1e-2  # decay_steps 0: constant, Algorithm 2's
@@ -356,7 +356,7 @@ def test_background_training_never_changes_the_output(drafter, tiny_target, tmp_
         learn=True,
         adapter=SMALL,
         store=ProfileStore(tmp_path),
-        train=TrainConfig(interval=1, lr=1e-2, background=True),
+        train=TrainConfig(interval=1, lr=1e-2, background=True, cpu_share=0),
     )
     for prompt in PROMPTS * 2:
         assert pair.generate(prompt, max_new_tokens=16).token_ids == target_greedy(tiny_target, prompt, 16)
@@ -373,7 +373,7 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
 
     pair = drafter.pair(
         tiny_target, k=4, user="dora", learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
-        train=TrainConfig(interval=1, lr=1e-2),
+        train=TrainConfig(interval=1, lr=1e-2, cpu_share=0),
     )  # fmt: skip
     learner, running, overlaps = pair.learner, threading.Event(), []
     threads = torch.get_num_threads()
@@ -881,7 +881,7 @@ def test_an_int8_drafter_learns_through_the_weights_it_drafts_with(
         k=4,
         learn=True,
         adapter=SMALL,
-        train=TrainConfig(interval=1, lr=1e-2),
+        train=TrainConfig(interval=1, lr=1e-2, cpu_share=0),
         store=ProfileStore(tmp_path / "profiles"),
     )
     before = adapter_state(drafter.trainable, pair.adapter)
@@ -960,7 +960,7 @@ def test_adapters_go_out_and_come_back_in_peft_format(drafter, tiny_target, draf
 
 
 STRONG = TrainConfig(
-    interval=1, epochs=60, lr=5e-2, background=False, guard_every=1
+    interval=1, epochs=60, lr=5e-2, background=False, guard_every=1, cpu_share=0
 )  # learns a prompt it has seen in one update; every request scored
 QV = AdapterConfig(rank=8, alpha=16, modules=("q_proj", "v_proj"))
 

@@ -188,7 +188,7 @@ def _learning_user(root: str, seed: int, requests: int) -> None:
     target = LocalTarget(tiny_llama(len(tt), seed=1, logit_scale=30.0), tt, "tiny-target")
     drafter = TorchDrafter(tiny_llama(len(dt), seed=2, logit_scale=30.0), dt, "tiny-drafter")
     torch.manual_seed(seed)
-    train = TrainConfig(interval=1, lr=1e-2)
+    train = TrainConfig(interval=1, lr=1e-2, cpu_share=0)
     pair = drafter.pair(target, k=4, user="pat", learn=True, store=ProfileStore(root), train=train)
     for i in range(requests):
         pair.generate(f"Question: Tom has {seed} apples and buys {i} more.", max_new_tokens=12)
