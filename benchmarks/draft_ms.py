@@ -50,10 +50,6 @@ def main() -> None:
     print(json.dumps(rows, indent=1))
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _an_adapter_that_acts(drafter: object) -> None:
     import torch
 
@@ -65,3 +61,7 @@ def _an_adapter_that_acts(drafter: object) -> None:
         for name, p in drafter.trainable.named_parameters():  # type: ignore[attr-defined]
             if "lora_B" in name:
                 p.normal_(0.0, 0.002)
+
+
+if __name__ == "__main__":
+    main()

@@ -51,11 +51,19 @@ def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) ->
         w0 = learner.waited if learner is not None else 0.0
         stepped.append(learner.steps if learner is not None else 0)
         c0, t0 = _cpu(), time.perf_counter()
-        stats = pair.generate(prompt, max_new_tokens=max_new_tokens).stats
+        out = pair.generate(prompt, max_new_tokens=max_new_tokens)
+        stats = out.stats
         latencies.append(time.perf_counter() - t0)
         waits.append(learner.waited - w0 if learner is not None else 0.0)
         split = {part: share * stats.seconds for part, share in stats.time_split.items()}
-        rounds.append({"rounds": stats.rounds, "draft_s": split["draft"], "verify_s": split["verify"]})
+        rounds.append(
+            {
+                "rounds": stats.rounds,
+                "proposed": sum(r.proposed for r in out.rounds),
+                "draft_s": split["draft"],
+                "verify_s": split["verify"],
+            }
+        )
         c1 = _cpu()
         cpu_in += c1 - c0
         time.sleep(think)
@@ -79,10 +87,11 @@ def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) ->
     }
 
 
-def _per_round(rounds: list[dict[str, Any]], part: str) -> str:
-    """Milliseconds a round spent in `part` over a run's replies (its interference shows here)."""
+def _per_round(rounds: list[dict[str, Any]], part: str, scale: float = 1000) -> str:
+    """`part` a round over a run's replies (seconds as milliseconds; interference shows here, and
+    longer drafts: "proposed", the draft tokens a round verified)."""
     n = sum(r["rounds"] for r in rounds)
-    return f"{1000 * sum(r[part] for r in rounds) / n:.0f}" if n else "-"
+    return f"{scale * sum(r.get(part, 0) for r in rounds) / n:.{0 if scale > 1 else 1}f}" if n else "-"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -112,8 +121,8 @@ def markdown(result: dict[str, Any]) -> str:
         "the noise):",
         "",
         "| run | median reply ratio | before its first step | total | worst request (which) | its rounds "
-        "| longest wait for learning to stop s | target ms a round | drafter ms a round |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| longest wait for learning to stop s | target ms a round | drafter ms a round | drafts a round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in [n for n in runs if n != ref]:
         r = result["runs"][name]
@@ -128,7 +137,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {sum(r['latency_s']) / sum(off['latency_s']):.3f} "
             f"| {ratios[worst]:.2f} (#{worst + 1}) | {per[worst]['rounds']} against {both[worst]['rounds']} "
             f"| {max(r.get('waited_s') or [0.0]):.3f} | {_per_round(per, 'verify_s')} "
-            f"| {_per_round(per, 'draft_s')} |"
+            f"| {_per_round(per, 'draft_s')} | {_per_round(per, 'proposed', 1)} |"
         )
     base = off["cpu_in_requests_s"] + off["cpu_between_s"] + off["cpu_after_s"]
     for name in [n for n in runs if n not in CONTROL]:

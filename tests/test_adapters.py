@@ -205,3 +205,24 @@ def test_the_torch_drafter_drafts_with_the_merged_adapter(draft_tokenizer, tmp_p
     assert not torch.allclose(first, after) and torch.allclose(after, ref, atol=1e-4)
     d.merge_adapters = False
     assert d.drafting_model() is d.model
+
+
+def test_the_draft_ms_bench_times_a_drafter_with_and_without_its_adapter_merged(
+    draft_tokenizer, tmp_path, monkeypatch, capsys
+):
+    """`python -m benchmarks.draft_ms --adapter` on a tiny saved drafter: the bare row, merged and
+    through the LoRA layers."""
+    import json
+    import sys
+
+    from benchmarks import draft_ms
+
+    tiny_llama(len(draft_tokenizer), seed=3).save_pretrained(tmp_path)
+    draft_tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setattr(
+        sys, "argv", ["draft_ms", "--model", f"tiny={tmp_path}:torch", "--adapter", "--passes", "1"]
+    )
+    draft_ms.main()
+    rows = json.loads(capsys.readouterr().out.split("\n", 3)[-1])
+    assert set(rows) == {"tiny", "tiny + adapter, merged", "tiny + adapter, LoRA layers"}
+    assert all(len(v) == 1 and v[0] > 0 for v in rows.values())
