@@ -208,7 +208,7 @@ def test_learning_raises_acceptance_on_what_it_has_seen(drafter, tiny_target, tm
         k=4,
         learn=True,
         adapter=AdapterConfig(rank=8, alpha=16, modules=("q_proj", "v_proj")),
-        train=TrainConfig(interval=1, epochs=60, lr=5e-2, background=False),
+        train=TrainConfig(interval=1, epochs=60, lr=5e-2, background=False, cpu_share=0),
         store=ProfileStore(tmp_path),
     )
     before = pair.generate(PROMPTS[1], max_new_tokens=24).stats.acceptance_rate
@@ -252,7 +252,7 @@ def test_test_time_speculation_is_undone_when_the_request_is_abandoned(drafter, 
         learn=True,
         adapter=SMALL,
         store=ProfileStore(tmp_path),
-        train=TrainConfig(interval=100, tts_every=1, tts_lr=0.5),
+        train=TrainConfig(interval=100, tts_every=1, tts_lr=0.5, cpu_share=0),
     )
     before = adapter_state(drafter.trainable, pair.adapter)
     stream = pair.stream(PROMPTS[1], max_new_tokens=24)
@@ -283,10 +283,16 @@ def test_switching_target_switches_adapter_and_cache(drafter, tiny_target, targe
         learn=True,
         adapter=SMALL,
         store=store,
-        train=TrainConfig(interval=1, lr=1e-2),
+        train=TrainConfig(interval=1, lr=1e-2, cpu_share=0),
     )
     b = drafter.pair(
-        other, k=4, user="u", learn=True, adapter=SMALL, store=store, train=TrainConfig(interval=1, lr=1e-2)
+        other,
+        k=4,
+        user="u",
+        learn=True,
+        adapter=SMALL,
+        store=store,
+        train=TrainConfig(interval=1, lr=1e-2, cpu_share=0),
     )
     assert a.adapter != b.adapter and a.speculator.translator.cache is not b.speculator.translator.cache
     b.generate(PROMPTS[0], max_new_tokens=16)
@@ -472,7 +478,7 @@ def test_a_unit_that_requests_keep_stopping_is_given_up(drafter, tiny_target, tm
     monkeypatch.setattr(learning, "TRIES", 2)
     pair = drafter.pair(
         tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
-        train=TrainConfig(interval=1),
+        train=TrainConfig(interval=1, cpu_share=0),
     )  # fmt: skip
     learner, tried = pair.learner, []
 
@@ -494,7 +500,7 @@ def test_the_time_a_request_waits_for_a_unit_to_stop_is_counted(drafter, tiny_ta
 
     pair = drafter.pair(
         tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
-        train=TrainConfig(interval=1),
+        train=TrainConfig(interval=1, cpu_share=0),
     )  # fmt: skip
     learner, running, stopped = pair.learner, threading.Event(), []
 
@@ -924,7 +930,11 @@ def test_adapters_go_out_and_come_back_in_peft_format(drafter, tiny_target, draf
     from peft import PeftModel
 
     pair = drafter.pair(
-        tiny_target, k=4, learn=True, adapter=SMALL, train=TrainConfig(interval=1, batch_size=1, lr=1e-2)
+        tiny_target,
+        k=4,
+        learn=True,
+        adapter=SMALL,
+        train=TrainConfig(interval=1, batch_size=1, lr=1e-2, cpu_share=0),
     )
     for prompt in ("Question: how many apples", "def add(a, b):"):
         pair.generate(prompt, max_new_tokens=16)
@@ -990,7 +1000,7 @@ def test_a_users_adapter_scoring_below_the_shared_one_drafts_with_the_shared_one
         user="alice",
         learn=True,
         adapter=AdapterConfig(rank=4, alpha=8, modules=QV.modules),
-        train=TrainConfig(interval=1000, background=False, guard_every=1),
+        train=TrainConfig(interval=1000, background=False, guard_every=1, cpu_share=0),
         store=store,
     )
     assert alice.learner.baseline == drafter.adapter_name(tiny_target.name, "default")
@@ -1026,7 +1036,7 @@ def test_a_new_learning_user_starts_from_the_shared_adapter_and_keeps_their_own(
             user=f"carol-{asked is None}",
             learn=True,
             adapter=asked,
-            train=TrainConfig(interval=1, epochs=1, background=False, guard_every=1),
+            train=TrainConfig(interval=1, epochs=1, background=False, guard_every=1, cpu_share=0),
             store=store,
         )
         own, base = (
@@ -1148,7 +1158,7 @@ def test_the_guard_stops_and_resumes_with_a_margin(drafter, tiny_target, tmp_pat
     drafts again once it scores at least as well (no turn-taking request by request)."""
     from omnidraft.distill.learner import MARGIN, WINDOW
 
-    train = TrainConfig(interval=1000, background=False)
+    train = TrainConfig(interval=1000, background=False, cpu_share=0)
     pair = drafter.pair(
         tiny_target, k=4, learn=True, adapter=SMALL, store=ProfileStore(tmp_path), train=train
     )
