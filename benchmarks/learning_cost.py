@@ -3,8 +3,9 @@ device's CPU, on the real pair.
 
 One user's session: `--requests` prompts of a dataset in order, each reply followed by `--think`
 seconds with nothing asked (the user reading it). The same session runs on a fresh pairing and a
-fresh adapter each time, after one warm-up request: no adapter ("off"); a fresh adapter drafting,
-learning off ("adapter": what drafting with an adapter costs, whatever the adapter learned);
+fresh adapter each time, after one warm-up request, each a user's pairing of its own (a profile
+whose past outputs retrieval drafts from, as a learning pairing's): no adapter ("off"); a fresh
+adapter drafting, learning off ("adapter": what drafting with an adapter costs, whatever it learned);
 learning on in the background (the default: the learner's thread works only between requests,
 held to `TrainConfig.cpu_share` of the requests' CPU, or `--cpu-share`); the same learning from
 every request ("uncapped": `cpu_share=0`); learning on inline (`TrainConfig(background=False)`:
@@ -207,7 +208,8 @@ def run(args: argparse.Namespace) -> None:
                     target, k=4, user=f"user-{name}", learn=True, train=configs[name], store=store
                 )
             else:
-                pair = drafter.pair(target, k=4)
+                # a user's pairing as the learning runs' are: its profile's past outputs are drafts too
+                pair = drafter.pair(target, k=4, user=f"user-{name}", store=store)
                 pair.adapter = "learning-cost-fixed" if name.startswith("adapter") else None
             pair.generate("Warm up.", max_new_tokens=8)
             if pair.learner is not None:

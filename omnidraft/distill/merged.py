@@ -3,18 +3,18 @@ of the adapted projections, kept in step with the adapter's tensors.
 
 peft's LoRA layer adds two small matmuls and its own Python to every adapted projection of every
 forward; a one-token draft is a few small matmuls per layer, so that costs a drafted token far more
-than the adapter's arithmetic (docs/personalization.md, "What it costs the device"). Drafting
-needs the adapter's function, not its structure: `MergedDrafting.model(peft_model, name)` gives the
-HF model under peft with each LoRA layer replaced by a plain projection holding W + scale * B @ A
+than the adapter's arithmetic (docs/personalization.md, "What it costs the device"). Drafting needs
+the adapter's function, not its structure: `MergedDrafting.model(peft_model, name)` gives the HF
+model under peft with each LoRA layer replaced by a plain projection holding W + scale * B @ A
 (re-quantized per channel where the base is an int8 dynamic linear, with the scales `quantize_int8`
-gives; in the base's dtype where it is an `nn.Linear`), every other tensor shared with `peft_model`. The
-module tree is copied once per drafting model; an adapter's merged projections are built when it
-drafts first and again when its tensors change (PyTorch's in-place version counters say when: an
-optimizer step, a loaded state, Test-Time Speculation's fast steps and their undoing), so a step is
-live for the next draft as it is through the LoRA layers (the learner builds them after its step,
-so no reply waits for them). The last `KEEP` adapters' projections are
-kept, so users taking turns on one drafter do not rebuild them each request. A projection the
-adapter leaves unchanged (B = 0), and every one with no adapter (`name` None), is the base's own.
+gives; in the base's dtype where it is an `nn.Linear`), every other tensor shared with
+`peft_model`. The module tree is copied once per drafting model; an adapter's merged projections
+are built when it drafts first and again when its tensors change (PyTorch's in-place version
+counters say when: an optimizer step, a loaded state, Test-Time Speculation's fast steps and their
+undoing), so a step is live for the next draft as it is through the LoRA layers (the learner builds
+them after its step, so no reply waits for them). The last `KEEP` adapters' projections are kept,
+so users taking turns on one drafter do not rebuild them each request. A projection the adapter
+leaves unchanged (B = 0), and every one with no adapter (`name` None), is the base's own.
 
 What this is not: training goes on through the LoRA layers (`TorchDrafter.learner`). Merging
 changes drafts by int8 rounding only; the target decides what is committed. A layer peft builds
