@@ -1175,3 +1175,34 @@ def test_the_guard_stops_and_resumes_with_a_margin(drafter, tiny_target, tmp_pat
     assert not requests(40, 50, WINDOW) and learner.drafting_adapter is None  # the baseline drafts
     assert not requests(49, 50, WINDOW)  # back within the margin is not enough
     assert requests(50, 50, WINDOW) and learner.drafting_adapter == pair.adapter
+
+
+def test_a_script_that_ends_while_its_adapter_learns_exits_cleanly(tmp_path):
+    """A user's script that returns right after a learning request, its learning thread still at
+    work: the process exits 0, with no abort from a thread killed inside a PyTorch op."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = f"""
+import omnidraft as od
+from omnidraft.distill.trainer import TrainConfig
+from omnidraft.store.profiles import ProfileStore
+from tests.conftest import gsm8k_texts, tiny_llama, train_bpe
+
+texts = gsm8k_texts()
+dt, tt = train_bpe(400, texts), train_bpe(700, texts)
+target = od.LocalTarget(tiny_llama(len(tt), seed=1, logit_scale=30.0), tt, "tiny-target")
+drafter = od.TorchDrafter(tiny_llama(len(dt), seed=2, logit_scale=30.0, wide=True), dt, "tiny-drafter")
+train = TrainConfig(interval=1, epochs=50, cpu_share=0)  # learning that outlasts the script
+pair = drafter.pair(target, k=4, user="eve", learn=True, store=ProfileStore({str(tmp_path)!r}), train=train)
+pair.generate("Question: Tom has 3 apples and buys 4 more.", max_new_tokens=16)
+import threading
+assert any(t.name.startswith("omnidraft-learn") for t in threading.enumerate())  # still learning
+"""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

@@ -56,9 +56,9 @@ class TrainConfig:
     the adapter against its baseline, two forwards without gradient).
     `cpu_share` > 0 holds learning to that share of the CPU time the pairing's requests take: a
     request that would go over it is not learned from (0: every request is, whatever it costs).
-    0.15 by default: on a device, learning is what the user did not ask for, and the requests of
-    a learning pairing also record what it learns from, which this share does not count
-    (docs/personalization.md, "What it costs the device": at most a fifth in all).
+    0.15 by default: on a device, learning is what the user did not ask for; the requests of a
+    learning pairing also keep what it learns from, which this share does not count
+    (docs/personalization.md, "What it costs the device").
     `background`: learn in a thread of the learner's own while no request runs
     (distill/learner.py): a reply never waits for its own request's learning, a request that comes
     while a unit of learning runs waits for that unit; False learns inline, before `generate`
