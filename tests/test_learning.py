@@ -1179,7 +1179,9 @@ def test_the_guard_stops_and_resumes_with_a_margin(drafter, tiny_target, tmp_pat
 
 def test_a_script_that_ends_while_its_adapter_learns_exits_cleanly(tmp_path):
     """A user's script that returns right after a learning request, its learning thread still at
-    work: the process exits 0, with no abort from a thread killed inside a PyTorch op."""
+    work: the thread is stopped at its next layer and waited for at exit (`Learner.close`), so the
+    process exits 0; killed inside a PyTorch op it aborted ("terminate called without an active
+    exception"), in most of a few scripts run at once."""
     import subprocess
     import sys
     from pathlib import Path
@@ -1201,8 +1203,17 @@ import threading
 assert any(t.name.startswith("omnidraft-learn") for t in threading.enumerate())  # still learning
 """
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "terminate called" not in done.stderr
+    runs = [  # three at once: on a loaded machine the thread is most often mid-op at exit
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    for run in runs:
+        _, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-2000:]
+        assert "terminate called" not in err

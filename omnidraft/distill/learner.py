@@ -32,9 +32,11 @@ either way.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,6 +50,15 @@ from .trainer import OnlineTrainer, Preempted, TrainConfig
 __all__ = ["Learner"]
 
 log = logging.getLogger("omnidraft")
+
+_LIVE: weakref.WeakSet[Learner] = weakref.WeakSet()  # learners whose thread has started
+
+
+@atexit.register
+def _close_all() -> None:
+    for learner in list(_LIVE):
+        learner.close()
+
 
 WINDOW = 8  # requests the learned adapter and its baseline are compared over
 MIN_POSITIONS = 32  # direct positions scored before the comparison decides anything
@@ -91,6 +102,8 @@ class Learner:
         self.cpu_learning = 0.0  # and in units of learning (no request runs beside one)
         self._cpu_since = 0.0
         self.waited = 0.0  # seconds requests waited in `pause` for a running unit to stop
+        self._thread: threading.Thread | None = None  # the learning thread, once started
+        self._closing = False  # `close` was called: the thread stops at its next layer
         self.skipped = 0  # requests not learned from: `cpu_share` was spent
         self.dropped = 0  # units of learning given up: requests stopped them `TRIES` times
         self.requests = 0  # requests handed to the learner
@@ -186,7 +199,9 @@ class Learner:
             if not self._working:
                 self._working = True
                 name = f"omnidraft-learn-{self.adapter}"
-                threading.Thread(target=self._work, name=name, daemon=True).start()
+                self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+                self._thread.start()
+                _LIVE.add(self)
             self._idle.notify_all()
 
     def pause(self) -> None:
@@ -241,16 +256,16 @@ class Learner:
         torch.set_num_threads(1)
         while True:
             with self._idle:
-                while self._serving and self._units:
+                while self._serving and self._units and not self._closing:
                     self._idle.wait()
-                if self.error is not None or not self._units:
+                if self.error is not None or not self._units or self._closing:
                     self._working = False
                     self._idle.notify_all()
                     return
                 self._busy = True
                 unit = self._units.popleft()
             try:
-                self._run(unit, lambda: self._serving > 0)
+                self._run(unit, lambda: self._serving > 0 or self._closing)
             except Preempted:  # done again after the request, or given up after `TRIES`
                 kind, what, tries = unit
                 with self._idle:
@@ -337,6 +352,18 @@ class Learner:
             for p, old in zip(self.trainer.params, saved):
                 p.copy_(old)
             self.drafter.merge_adapters = True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop learning: a running unit stops at its next layer, what is queued is dropped (the
+        adapter keeps its last step), and the thread is waited for up to `timeout` seconds. Done for
+        every learner at interpreter exit: a thread killed inside a PyTorch op aborts the process
+        ("terminate called without an active exception")."""
+        with self._idle:
+            self._closing = True
+            self._idle.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def wait(self) -> None:
         """Block until the learning queued so far is done; re-raise the learning thread's error, if
