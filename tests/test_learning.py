@@ -276,23 +276,10 @@ def test_switching_target_switches_adapter_and_cache(drafter, tiny_target, targe
         tiny_llama(len(target_tokenizer), seed=5, logit_scale=30.0), target_tokenizer, "tiny-other"
     )
     store = ProfileStore(tmp_path)
-    a = drafter.pair(
-        tiny_target,
-        k=4,
-        user="u",
-        learn=True,
-        adapter=SMALL,
-        store=store,
-        train=TrainConfig(interval=1, lr=1e-2, cpu_share=0),
-    )
-    b = drafter.pair(
-        other,
-        k=4,
-        user="u",
-        learn=True,
-        adapter=SMALL,
-        store=store,
-        train=TrainConfig(interval=1, lr=1e-2, cpu_share=0),
+    train = TrainConfig(interval=1, lr=1e-2, cpu_share=0)
+    a, b = (
+        drafter.pair(target, k=4, user="u", learn=True, adapter=SMALL, store=store, train=train)
+        for target in (tiny_target, other)
     )
     assert a.adapter != b.adapter and a.speculator.translator.cache is not b.speculator.translator.cache
     b.generate(PROMPTS[0], max_new_tokens=16)
