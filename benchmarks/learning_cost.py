@@ -13,7 +13,8 @@ done before `generate` returns, at the same share as "background"); and the
 "adapter" run again, last ("adapter-again"): what the same run reads twice, request by request, is
 the noise a learning run's replies are read against; a learning run's replies before its adapter's
 first step draft with the same weights as the "adapter" run's, so what differs there is learning's
-work between requests, not what the adapter learned. Per run: every reply's latency (median and
+work (between requests, and inside them: what a learning pairing keeps to learn from), not what the
+adapter learned. Per run: every reply's latency (median and
 worst) and the time it waited for a unit of learning to stop (`learner.waited`), the process's CPU
 seconds inside requests and between them, the adapter's optimizer steps, and the time the last
 requests' learning took after the session (`learner.wait()`). Learning's CPU share: the CPU spent
@@ -88,11 +89,10 @@ def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) ->
     }
 
 
-def _per_round(rounds: list[dict[str, Any]], part: str, scale: float = 1000) -> str:
-    """`part` a round over a run's replies (seconds as milliseconds; interference shows here, and
-    longer drafts: "proposed", the draft tokens a round verified)."""
-    n = sum(r["rounds"] for r in rounds)
-    return f"{scale * sum(r.get(part, 0) for r in rounds) / n:.{0 if scale > 1 else 1}f}" if n else "-"
+def _per_round(rounds: list[dict[str, Any]], part: str) -> float:
+    """`part` a round over a run's replies: seconds drafting or verifying (interference shows
+    there), or "proposed", the draft tokens a round verified (longer drafts show there)."""
+    return sum(r[part] for r in rounds) / max(1, sum(r["rounds"] for r in rounds))
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -129,22 +129,21 @@ def markdown(result: dict[str, Any]) -> str:
         r = result["runs"][name]
         ratios = [a / max(b, 1e-9) for a, b in zip(r["latency_s"], off["latency_s"])]
         worst = max(range(len(ratios)), key=ratios.__getitem__)
-        per = r.get("rounds") or [{"rounds": 0, "draft_s": 0.0, "verify_s": 0.0}] * len(ratios)
-        both = off.get("rounds") or per
-        first = [x for x, n in zip(ratios, r.get("steps_before") or [1] * len(ratios)) if n == 0]
+        per, both = r["rounds"], off["rounds"]
+        first = [x for x, n in zip(ratios, r["steps_before"]) if n == 0]
         lines.append(
             f"| {name} | {statistics.median(ratios):.3f} | "
             f"{f'{statistics.median(first):.3f} ({len(first)})' if first else '-'} "
             f"| {sum(r['latency_s']) / sum(off['latency_s']):.3f} "
             f"| {ratios[worst]:.2f} (#{worst + 1}) | {per[worst]['rounds']} against {both[worst]['rounds']} "
-            f"| {max(r.get('waited_s') or [0.0]):.3f} | {_per_round(per, 'verify_s')} "
-            f"| {_per_round(per, 'draft_s')} | {_per_round(per, 'proposed', 1)} |"
+            f"| {max(r['waited_s']):.3f} | {1000 * _per_round(per, 'verify_s'):.0f} "
+            f"| {1000 * _per_round(per, 'draft_s'):.0f} | {_per_round(per, 'proposed'):.1f} |"
         )
     base = off["cpu_in_requests_s"] + off["cpu_between_s"] + off["cpu_after_s"]
     for name in [n for n in runs if n not in CONTROL]:
         r = result["runs"][name]
         extra = r["cpu_in_requests_s"] + r["cpu_between_s"] + r["cpu_after_s"] - base
-        own = r.get("learner_cpu_s", 0.0) / max(r.get("learner_requests_cpu_s", 0.0), 1e-9)
+        own = r["learner_cpu_s"] / max(r["learner_requests_cpu_s"], 1e-9)
         lines.append(
             f"\nLearning {name}: {extra:.1f} CPU s, {extra / max(off['cpu_in_requests_s'], 1e-9):.0%} of the "
             f"requests' own CPU time ({own:.0%} by the learner's own count)."

@@ -354,7 +354,7 @@ class Learner:
             self.drafter.merge_adapters = True
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop learning: a running unit stops at its next layer, what is queued is dropped (the
+        """Stop learning: a running unit stops at its next layer, what is queued is left undone (the
         adapter keeps its last step), and the thread is waited for up to `timeout` seconds. Done for
         every learner at interpreter exit: a thread killed inside a PyTorch op aborts the process
         ("terminate called without an active exception")."""
