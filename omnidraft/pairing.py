@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence, overload
@@ -36,6 +37,7 @@ from .decode.speculator import Speculator, pair_fingerprint
 from .decode.stats import GenerationStats, RoundRecord
 from .distill.attach import attach_adapter, shared_adapter, shared_state
 from .errors import TargetError
+from .runtime.activity import REQUESTS
 from .translate.tables import TABLES_KEPT, pair_tables
 
 if TYPE_CHECKING:
@@ -320,41 +322,31 @@ class Pairing:
         rounds: list[RoundRecord] = []
         rows: list[tuple] = []  # the target's top-k rows, for distillation and logprobs
         text, shown, reason = "", 0, "length"
-        learning = self.learner  # (its thread learns only between requests)
-        learner = learning if learning is not None and learning.config.tts_every else None
-        tts = learner.config.tts_every if learner is not None else 0
-        if learning is not None:
-            learning.pause()
-        try:
-            if learner is not None:
-                learner.begin_request()
-            mode = self.speculator.mode(rule, logprobs)
-            call = Call(prompt, rule, max_new_tokens, generator, special, logprobs)
-            for new, record in self.speculator.rounds(mode, call, rows):
-                rounds.append(record)
-                out += new
-                if learner is not None and len(rounds) % tts == 0:
-                    learner.within_request(verified(prompt, out, rounds, rows, learner.config.topk))
-                text += decoder.decode(self.target.token_bytes.join(new))
-                if stop and (cut := first_stop(text, max(0, shown - hold), stop)) is not None:
-                    text, reason = text[:cut], "stop"
-                    break
-                if out[-1:] and out[-1] in self.target.eos_ids:
-                    reason = "eos"
-                if len(text) - hold > shown:
-                    yield text[shown : len(text) - hold]
-                    shown = len(text) - hold
-        except TargetError as exc:  # e.g. a remote target gone: keep what was committed
-            stats = self._stats(mode, rounds, len(out), time.perf_counter() - started)
-            per_token = token_logprobs(out, rows, logprobs) if logprobs else None
-            text += decoder.decode(b"", final=True)
-            self.last = exc.partial = Generation(text, out, stats, rounds, "error", per_token)
-            raise
-        finally:
-            if learner is not None:
-                learner.end_request()  # the request's fast steps end with it, however it ends
-            if learning is not None:
-                learning.resume()
+        with self._serving() as learner:
+            tts = learner.config.tts_every if learner is not None else 0
+            try:
+                mode = self.speculator.mode(rule, logprobs)
+                call = Call(prompt, rule, max_new_tokens, generator, special, logprobs)
+                for new, record in self.speculator.rounds(mode, call, rows):
+                    rounds.append(record)
+                    out += new
+                    if learner is not None and len(rounds) % tts == 0:
+                        learner.within_request(verified(prompt, out, rounds, rows, learner.config.topk))
+                    text += decoder.decode(self.target.token_bytes.join(new))
+                    if stop and (cut := first_stop(text, max(0, shown - hold), stop)) is not None:
+                        text, reason = text[:cut], "stop"
+                        break
+                    if out[-1:] and out[-1] in self.target.eos_ids:
+                        reason = "eos"
+                    if len(text) - hold > shown:
+                        yield text[shown : len(text) - hold]
+                        shown = len(text) - hold
+            except TargetError as exc:  # e.g. a remote target gone: keep what was committed
+                stats = self._stats(mode, rounds, len(out), time.perf_counter() - started)
+                per_token = token_logprobs(out, rows, logprobs) if logprobs else None
+                text += decoder.decode(b"", final=True)
+                self.last = exc.partial = Generation(text, out, stats, rounds, "error", per_token)
+                raise
         if reason != "stop":
             text += decoder.decode(b"", final=True)
         if len(text) > shown:
@@ -373,6 +365,25 @@ class Pairing:
         per_token = token_logprobs(out, rows, logprobs) if logprobs else None
         self.last = result = Generation(text, out, stats, rounds, reason, per_token)
         done.append(result)
+
+    @contextmanager
+    def _serving(self) -> Iterator[Learner | None]:
+        """One request, counted among the process's (runtime/activity.py: no learning beside it);
+        yields the learner whose Test-Time Speculation steps it takes (undone as it ends) or None."""
+        learning = self.learner
+        tts = learning if learning is not None and learning.config.tts_every else None
+        with REQUESTS.serving():
+            if learning is not None:
+                learning.pause()
+            try:
+                if tts is not None:
+                    tts.begin_request()
+                yield tts
+            finally:
+                if tts is not None:
+                    tts.end_request()
+                if learning is not None:
+                    learning.resume()
 
     def _stats(
         self, mode: str, rounds: list[RoundRecord], new_tokens: int, seconds: float

@@ -14,6 +14,7 @@ from omnidraft.distill.adapters import AdapterConfig, adapter_state
 from omnidraft.distill.buffer import VerifiedRequest, build_example
 from omnidraft.distill.losses import direct_kl, ngram_nll
 from omnidraft.distill.trainer import OnlineTrainer, TrainConfig
+from omnidraft.runtime.activity import REQUESTS
 from omnidraft.store.profiles import ProfileStore
 from omnidraft.translate.vocab_map import build_vocab_map
 
@@ -283,8 +284,10 @@ def test_switching_target_switches_adapter_and_cache(drafter, tiny_target, targe
     )
     assert a.adapter != b.adapter and a.speculator.translator.cache is not b.speculator.translator.cache
     b.generate(PROMPTS[0], max_new_tokens=16)
+    b.learner.wait()  # (a unit of learning holds the drafter with its own adapter, then puts it back)
     assert drafter.active == b.adapter
     out = a.generate(PROMPTS[2], max_new_tokens=16)
+    a.learner.wait(), b.learner.wait()
     assert drafter.active == a.adapter and out.token_ids == target_greedy(tiny_target, PROMPTS[2], 16)
     plain = drafter.pair(tiny_target, k=4)
     assert plain.generate(PROMPTS[2], max_new_tokens=16).token_ids == out.token_ids
@@ -390,11 +393,10 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
         learner._idle.release()
     assert blocked.is_set() and out.token_ids == target_greedy(tiny_target, PROMPTS[0], 16)
     for prompt in PROMPTS:
-        learner.pause()
-        running.set()
-        time.sleep(0.05)  # a request's time: the thread must not start a unit in it
-        running.clear()
-        learner.resume()
+        with REQUESTS.serving():  # a request of any pairing in the process
+            running.set()
+            time.sleep(0.05)  # a request's time: the thread must not start a unit in it
+            running.clear()
         pair.generate(prompt, max_new_tokens=16)
     learner.wait()
     assert pair.steps == 1 + len(PROMPTS) and overlaps and not any(overlaps)
@@ -504,10 +506,48 @@ def test_the_time_a_request_waits_for_a_unit_to_stop_is_counted(drafter, tiny_ta
     learner._run = unit
     pair.generate(PROMPTS[0], max_new_tokens=8)
     assert learner.waited == 0.0 and running.wait(5)
-    learner.pause()
-    learner.resume()
+    with pytest.raises(RuntimeError, match="outside a request"):
+        learner.pause()
+    with REQUESTS.serving():
+        learner.pause()
+        learner.resume()
     learner.wait()
     assert learner.waited >= 0.04
+
+
+def test_no_request_of_the_process_waits_for_another_pairings_learning(drafter, tiny_target, tmp_path):
+    """Learning works only while no request of the process runs: a request of another pairing on
+    the same drafter (another user's) stops a unit under way at its next layer, as one of the
+    learning pairing's own does, instead of waiting for the drafter's lock until the unit ends."""
+    from omnidraft.distill.trainer import Preempted
+
+    store = ProfileStore(tmp_path)
+    learning = drafter.pair(
+        tiny_target, k=4, user="ann", learn=True, adapter=SMALL, store=store,
+        train=TrainConfig(interval=1, cpu_share=0),
+    )  # fmt: skip
+    other = drafter.pair(tiny_target, k=4, user="bob", store=store)
+    learner, running, stopped = learning.learner, threading.Event(), []
+
+    def unit(unit, stop):  # a long unit holding the drafter, as a step does
+        with drafter.lock:
+            running.set()
+            deadline = time.perf_counter() + 10
+            while not stopped and time.perf_counter() < deadline:
+                if stop():
+                    stopped.append(unit)
+                    raise Preempted
+                time.sleep(0.001)
+
+    learner._run = unit
+    learning.generate(PROMPTS[0], max_new_tokens=8)
+    assert running.wait(5)
+    started = time.perf_counter()
+    out = other.generate(PROMPTS[1], max_new_tokens=8)
+    assert time.perf_counter() - started < 5 and stopped  # the unit stopped for it
+    assert out.token_ids == target_greedy(tiny_target, PROMPTS[1], 8)
+    learner.wait()
+    assert REQUESTS.running == 0
 
 
 def test_a_cpu_share_holds_learning_to_its_part_of_the_requests_cpu(drafter, tiny_target, tmp_path):

@@ -3,17 +3,18 @@ every `interval` requests the pairing's adapter is updated (Algorithm 2).
 
 Learning never holds up a reply. By default (`TrainConfig.background`) a request's learning is
 queued when it ends, and a thread of the learner's own does it in units while no request of the
-pairing runs: a request taken in, a request scored, one example's gradient (forward and backward
-over one example), an optimizer step. `pause` / `resume` bracket each request; a unit running
-when a request begins stops at its next decoder layer, forward or backward (`Preempted`), so a
-request waits for at most one layer, and the unit is done again after it (one stopped `TRIES`
-times is given up, `dropped`: learning that never fits between requests does not take their
-CPU). Inline (`background=False`) the same units run before `generate` returns: reproducible,
-for tests and benchmarks. Each unit holds the drafter's lock: drafting (of this pairing or
-another one on the same drafter) never reads an adapter mid-step or the wrong active adapter.
-Learning changes how fast the pairing is, never what the target commits. `TrainConfig.cpu_share`
-caps learning's CPU time at a share of the requests' own (`cpu_learning`, `cpu_requests`): a
-request over it is not learned from (`skipped`).
+process runs (runtime/activity.py: another user's or another target's pairing counts too): a
+request taken in, a request scored, one example's gradient (forward and backward over one example),
+an optimizer step. A unit running when a request begins stops at its next decoder layer, forward or
+backward (`Preempted`), so a request waits for at most one layer, and the unit is done again after
+it (one stopped `TRIES` times is given up, `dropped`: learning that never fits between requests does
+not take their CPU). `pause` / `resume` bracket each request of the pairing: its CPU time and its
+wait for a unit to stop are counted. Inline (`background=False`) the same units run before
+`generate` returns: reproducible, for tests and benchmarks. Each unit holds the drafter's lock:
+drafting (of this pairing or another one on the same drafter) never reads an adapter mid-step or
+the wrong active adapter. Learning changes how fast the pairing is, never what the target
+commits. `TrainConfig.cpu_share` caps learning's CPU time at a share of the requests' own
+(`cpu_learning`, `cpu_requests`): a request over it is not learned from (`skipped`).
 
 Test-Time Speculation (`TrainConfig.tts_every`): a long request also teaches the drafter while it
 runs. `begin_request` keeps a copy of the adapter, `within_request` takes one fast Adam step on the
@@ -44,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..runtime.activity import REQUESTS
 from .buffer import VerifiedRequest, build_example
 from .trainer import OnlineTrainer, Preempted, TrainConfig
 
@@ -92,7 +94,7 @@ class Learner:
         self._recent: list[
             tuple[float, float]
         ] = []  # (acceptance rate, tau) of requests since the last update
-        self._idle = threading.Condition()  # guards the queue, the units and the requests running
+        self._idle = REQUESTS.condition  # guards the queue, the units and the requests running
         self._units: deque[tuple[str, Any, int]] = deque()  # (kind, what, times stopped): see `_admit`
         self._logs: list[dict[str, float]] = []  # the running update's step logs
         self._serving = 0  # requests of the pairing running now
@@ -205,10 +207,13 @@ class Learner:
             self._idle.notify_all()
 
     def pause(self) -> None:
-        """A request of the pairing begins: no unit of learning starts until it ends (`resume`); one
-        that is running stops at its next layer (it is done again later); the time the request
-        waits for it is counted in `waited`."""
+        """A request of the pairing begins, inside `REQUESTS.serving` (so no unit of learning starts
+        until it ends, and one that is running stops at its next layer, to be done again later):
+        the time it waits for that unit to stop is counted in `waited`, its CPU time from here to
+        `resume` in `cpu_requests`."""
         with self._idle:
+            if not REQUESTS.running:
+                raise RuntimeError("Learner.pause() outside a request: call it inside REQUESTS.serving()")
             if not self._serving:
                 self._cpu_since = time.process_time()
             self._serving += 1
@@ -256,7 +261,7 @@ class Learner:
         torch.set_num_threads(1)
         while True:
             with self._idle:
-                while self._serving and self._units and not self._closing:
+                while REQUESTS.running and self._units and not self._closing:
                     self._idle.wait()
                 if self.error is not None or not self._units or self._closing:
                     self._working = False
@@ -265,7 +270,7 @@ class Learner:
                 self._busy = True
                 unit = self._units.popleft()
             try:
-                self._run(unit, lambda: self._serving > 0 or self._closing)
+                self._run(unit, lambda: REQUESTS.running > 0 or self._closing)
             except Preempted:  # done again after the request, or given up after `TRIES`
                 kind, what, tries = unit
                 with self._idle:
