@@ -9,18 +9,20 @@ adapter drafting, learning off ("adapter": what drafting with an adapter costs, 
 learning on in the background (the default: the learner's thread works only between requests,
 held to `TrainConfig.cpu_share` of the requests' CPU, or `--cpu-share`); the same learning from
 every request ("uncapped": `cpu_share=0`); learning on inline (`TrainConfig(background=False)`:
-done before `generate` returns, at the same share as "background"); and the
-"adapter" run again, last ("adapter-again"): what the same run reads twice, request by request, is
-the noise a learning run's replies are read against; a learning run's replies before its adapter's
+done before `generate` returns, at the same share as "background"); and the "adapter" run again
+("adapter-again"): what the same run reads twice, request by request, is the noise a learning run's
+replies are read against. The runs are interleaved (`interleaved`): each prompt is asked of every
+run in turn, in an order rotated each prompt, and each reply's think time ends once its run's
+learning is done (`spill_s`, the time past the think), so no run learns beside another's requests
+and the machine's drift falls on every run alike. A learning run's replies before its adapter's
 first step draft with the same weights as the "adapter" run's, so what differs there is learning's
 work (between requests, and inside them: what a learning pairing keeps to learn from), not what the
-adapter learned. Per run: every reply's latency (median and
-worst) and the time it waited for a unit of learning to stop (`learner.waited`), the process's CPU
-seconds inside requests and between them, the adapter's optimizer steps, and the time the last
-requests' learning took after the session (`learner.wait()`). Learning's CPU share: the CPU spent
-with learning on (inside requests, between them and at the end) less the same in the "adapter"
-run, over that run's requests' CPU; beside it the learner's own count (`cpu_learning` over
-`cpu_requests`: its units' CPU over the requests').
+adapter learned. Per run: every reply's latency (median and worst) and the time it waited for a
+unit of learning to stop (`learner.waited`), the process's CPU seconds inside requests and between
+them, the adapter's optimizer steps. Learning's CPU share: the CPU spent with learning on (inside
+requests, between them and at the end) less the same in the "adapter" run, over that run's
+requests' CPU; beside it the learner's own count (`cpu_learning` over `cpu_requests`: its units'
+CPU over the requests').
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_args", "markdown", "run", "session"]
+__all__ = ["Session", "add_args", "interleaved", "markdown", "run", "session"]
 
 RUNS = ("off", "adapter", "background", "uncapped", "inline", "adapter-again")
 CONTROL = ("off", "adapter", "adapter-again")  # runs that do not learn
@@ -45,20 +47,32 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) -> dict[str, Any]:
-    """Run `prompts` through `pair` as one user would, `think` seconds after each reply."""
-    latencies, waits, rounds, stepped, cpu_in, cpu_between = [], [], [], [], 0.0, 0.0
-    learner = pair.learner
-    for prompt in prompts:
+class Session:
+    """One run's record, reply by reply: `request` asks one prompt, then lets `think` seconds pass
+    with nothing asked (the user reading the reply: background learning works then) and waits for
+    whatever learning is still queued (`spill_s`), so no run's learning runs beside another run's
+    requests when runs are interleaved."""
+
+    def __init__(self, pair: Any) -> None:
+        self.pair, self.learner = pair, pair.learner
+        self.latencies: list[float] = []
+        self.waits: list[float] = []  # per reply: the time it waited for a unit of learning to stop
+        self.spills: list[float] = []  # per reply: learning still queued after the think time, s
+        self.rounds: list[dict[str, Any]] = []
+        self.stepped: list[int] = []
+        self.cpu_in = self.cpu_between = 0.0
+
+    def request(self, prompt: str, max_new_tokens: int, think: float) -> None:
+        learner = self.learner
         w0 = learner.waited if learner is not None else 0.0
-        stepped.append(learner.steps if learner is not None else 0)
+        self.stepped.append(learner.steps if learner is not None else 0)
         c0, t0 = _cpu(), time.perf_counter()
-        out = pair.generate(prompt, max_new_tokens=max_new_tokens)
+        out = self.pair.generate(prompt, max_new_tokens=max_new_tokens)
         stats = out.stats
-        latencies.append(time.perf_counter() - t0)
-        waits.append(learner.waited - w0 if learner is not None else 0.0)
+        self.latencies.append(time.perf_counter() - t0)
+        self.waits.append(learner.waited - w0 if learner is not None else 0.0)
         split = {part: share * stats.seconds for part, share in stats.time_split.items()}
-        rounds.append(
+        self.rounds.append(
             {
                 "rounds": stats.rounds,
                 "proposed": sum(r.proposed for r in out.rounds),
@@ -67,26 +81,54 @@ def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) ->
             }
         )
         c1 = _cpu()
-        cpu_in += c1 - c0
+        self.cpu_in += c1 - c0
         time.sleep(think)
-        cpu_between += _cpu() - c1
-    c2, t2 = _cpu(), time.perf_counter()
-    if learner is not None:
-        learner.wait()
-    return {
-        "latency_s": latencies,
-        "waited_s": waits,
-        "rounds": rounds,  # per reply: its rounds and the seconds they spent drafting and verifying
-        "steps_before": stepped,  # per reply: the adapter's optimizer steps when it began
-        "cpu_in_requests_s": cpu_in,
-        "cpu_between_s": cpu_between,
-        "cpu_after_s": _cpu() - c2,
-        "wait_after_s": time.perf_counter() - t2,
-        "steps": learner.steps if learner is not None else 0,
-        "learned_from": len(prompts) - learner.skipped if learner is not None else 0,
-        "learner_cpu_s": learner.cpu_learning if learner is not None else 0.0,
-        "learner_requests_cpu_s": learner.cpu_requests if learner is not None else 0.0,
-    }
+        t2 = time.perf_counter()
+        if learner is not None:
+            learner.wait()
+        self.spills.append(time.perf_counter() - t2)
+        self.cpu_between += _cpu() - c1
+
+    def result(self) -> dict[str, Any]:
+        learner = self.learner
+        c2, t2 = _cpu(), time.perf_counter()
+        if learner is not None:
+            learner.wait()
+        return {
+            "latency_s": self.latencies,
+            "waited_s": self.waits,
+            "spill_s": self.spills,
+            "rounds": self.rounds,  # per reply: its rounds and the seconds they spent drafting and verifying
+            "steps_before": self.stepped,  # per reply: the adapter's optimizer steps when it began
+            "cpu_in_requests_s": self.cpu_in,
+            "cpu_between_s": self.cpu_between,
+            "cpu_after_s": _cpu() - c2,
+            "wait_after_s": time.perf_counter() - t2,
+            "steps": learner.steps if learner is not None else 0,
+            "learned_from": len(self.latencies) - learner.skipped if learner is not None else 0,
+            "learner_cpu_s": learner.cpu_learning if learner is not None else 0.0,
+            "learner_requests_cpu_s": learner.cpu_requests if learner is not None else 0.0,
+        }
+
+
+def session(pair: Any, prompts: list[str], max_new_tokens: int, think: float) -> dict[str, Any]:
+    """Run `prompts` through `pair` as one user would, `think` seconds after each reply."""
+    return interleaved({"run": pair}, prompts, max_new_tokens, think)["run"]
+
+
+def interleaved(
+    pairs: dict[str, Any], prompts: list[str], max_new_tokens: int, think: float
+) -> dict[str, dict[str, Any]]:
+    """Every run's session, prompt by prompt: each prompt asked of every run in turn, the order
+    rotated by one each prompt, so what drifts on the machine over the minutes a session takes
+    (clocks, caches, other load) falls on every run alike; a run's replies compare with another's
+    request by request."""
+    sessions = {name: Session(pair) for name, pair in pairs.items()}
+    names = list(sessions)
+    for i, prompt in enumerate(prompts):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            sessions[name].request(prompt, max_new_tokens, think)
+    return {name: run.result() for name, run in sessions.items()}
 
 
 def _per_round(rounds: list[dict[str, Any]], part: str) -> float:
@@ -144,9 +186,12 @@ def markdown(result: dict[str, Any]) -> str:
         r = result["runs"][name]
         extra = r["cpu_in_requests_s"] + r["cpu_between_s"] + r["cpu_after_s"] - base
         own = r["learner_cpu_s"] / max(r["learner_requests_cpu_s"], 1e-9)
+        spills = [x for x in r.get("spill_s", []) if x > 0.01]
+        past = f" longest {max(spills):.1f} s, after {len(spills)} replies" if spills else " none"
         lines.append(
             f"\nLearning {name}: {extra:.1f} CPU s, {extra / max(off['cpu_in_requests_s'], 1e-9):.0%} of the "
-            f"requests' own CPU time ({own:.0%} by the learner's own count)."
+            f"requests' own CPU time ({own:.0%} by the learner's own count); learning left when the "
+            f"think time ended:{past}."
         )
     return "\n".join(lines) + "\n"
 
@@ -201,6 +246,7 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as store_dir:
         store = ProfileStore(store_dir)
         drafter.add_adapter("learning-cost-fixed", AdapterConfig())  # the "adapter" run's: never trained
+        pairs = {}
         for name in runs:
             if name in configs:
                 pair = drafter.pair(
@@ -213,7 +259,8 @@ def run(args: argparse.Namespace) -> None:
             pair.generate("Warm up.", max_new_tokens=8)
             if pair.learner is not None:
                 pair.learner.wait()
-            result["runs"][name] = session(pair, prompts, args.max_new_tokens, args.think)
+            pairs[name] = pair
+        result["runs"] = interleaved(pairs, prompts, args.max_new_tokens, args.think)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))

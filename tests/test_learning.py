@@ -365,7 +365,7 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
     and no unit of learning (a request scored, an example's gradient, an optimizer step) runs
     while a request does."""
 
-    from benchmarks.learning_cost import markdown, session
+    from benchmarks.learning_cost import interleaved, markdown, session
 
     pair = drafter.pair(
         tiny_target, k=4, user="dora", learn=True, adapter=SMALL, store=ProfileStore(tmp_path),
@@ -401,14 +401,39 @@ def test_the_learning_thread_waits_for_requests_and_no_reply_waits_for_it(drafte
     learner.wait()
     assert pair.steps == 1 + len(PROMPTS) and overlaps and not any(overlaps)
     assert torch.get_num_threads() == threads  # the learning thread's one intra-op thread is its own
-    off = session(drafter.pair(tiny_target, k=4), PROMPTS[:2], 8, 0.0)
-    on = session(pair, PROMPTS[:2], 8, 0.0)
+    runs = interleaved({"off": drafter.pair(tiny_target, k=4), "background": pair}, PROMPTS[:2], 8, 0.0)
+    off, on = runs["off"], runs["background"]
     assert len(on["latency_s"]) == 2 and on["steps"] == pair.steps and off["steps"] == 0
+    assert len(on["spill_s"]) == 2 and session(pair, PROMPTS[:1], 8, 0.0)["steps"] == pair.steps
     result = {"pair": "tiny", "target_backend": "torch", "requests": 2, "dataset": "x", "max_new_tokens": 8}
     table = markdown({**result, "think": 0.0, "runs": {"off": off, "background": on, "inline": on}})
     assert "| background |" in table and "of the requests' own CPU time" in table
     assert "learner's own count" in table and "worst request (which)" in table
     assert len(on["waited_s"]) == 2 and on["learner_requests_cpu_s"] > 0
+
+
+def test_the_learning_cost_runs_take_turns_prompt_by_prompt_in_a_rotating_order():
+    """Interleaved runs: every prompt asked of every run, the first run rotating, so the machine's
+    drift falls on every run alike."""
+    from types import SimpleNamespace
+
+    from benchmarks.learning_cost import interleaved
+
+    asked = []
+
+    def pair(name):
+        def generate(prompt, max_new_tokens):
+            asked.append((name, prompt))
+            stats = SimpleNamespace(rounds=1, seconds=0.1, time_split={"draft": 0.5, "verify": 0.5})
+            return SimpleNamespace(stats=stats, rounds=[SimpleNamespace(proposed=2)])
+
+        return SimpleNamespace(learner=None, generate=generate)
+
+    runs = interleaved({n: pair(n) for n in "abc"}, ["p", "q", "r"], 4, 0.0)
+    assert asked == [(n, p) for p, order in zip("pqr", ("abc", "bca", "cab")) for n in order]
+    assert all(
+        len(r["latency_s"]) == 3 and r["spill_s"] == [pytest.approx(0, abs=0.01)] * 3 for r in runs.values()
+    )
 
 
 def test_gradients_accumulated_example_by_example_are_the_batchs_gradient(drafter, tiny_target):
