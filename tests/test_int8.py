@@ -7,9 +7,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from omnidraft.distill.adapters import AdapterConfig, add_adapter, int8_copy
-from omnidraft.runtime.int8 import FakeInt8Linear, fake_int8, quantize_int8, smooth_mlps
+from omnidraft.runtime.int8 import (
+    FakeInt8Linear,
+    fake_int8,
+    int8_rows,
+    int8_weight,
+    quantize_int8,
+    smooth_mlps,
+)
 
 from .conftest import tiny_llama
 
@@ -49,6 +57,26 @@ def test_quantize_int8_copies_quantizes_per_channel_and_stays_close(draft_tokeni
     with torch.no_grad():
         ref, got = model(X).logits, q(X).logits
     assert torch.allclose(got, ref, atol=0.05 * ref.abs().max())
+
+
+def test_int8_weight_is_the_weight_quantize_int8_gives_a_linear():
+    """One rule for a linear's int8 weight: `int8_weight` (adapters merged into an int8 drafter, the
+    exported head's rows) equals what `quantize_int8` builds, values and scales, a zero row too."""
+    torch.manual_seed(0)
+    weight = torch.randn(48, 40) * torch.rand(48, 1)
+    weight[3] = 0.0
+    weight[5, :4] = torch.tensor([1.0, 0.5, -0.25, 127.5 / 255])  # halves of a step: ties to round
+    linear = nn.Linear(40, 48, bias=False)
+    linear.weight = nn.Parameter(weight)
+    reference, _ = quantize_int8(nn.Sequential(linear))[0]._weight_bias()
+    got = int8_weight(weight)
+    assert torch.equal(got.int_repr(), reference.int_repr())
+    assert torch.equal(got.q_per_channel_scales(), reference.q_per_channel_scales())
+    assert not got.q_per_channel_zero_points().any()
+    values, scales = int8_rows(weight)
+    assert torch.equal(values, reference.int_repr()) and torch.equal(
+        scales, got.q_per_channel_scales().float()
+    )
 
 
 def test_int8_copy_of_an_attention_adapter_model_smooths_its_mlps(draft_tokenizer):

@@ -6,8 +6,8 @@ forward; a one-token draft is a few small matmuls per layer, so that costs a dra
 than the adapter's arithmetic (docs/personalization.md, "What it costs the device"). Drafting needs
 the adapter's function, not its structure: `MergedDrafting.model(peft_model, name)` gives the HF
 model under peft with each LoRA layer replaced by a plain projection holding W + scale * B @ A
-(re-quantized per channel where the base is an int8 dynamic linear, with the scales `quantize_int8`
-gives; in the base's dtype where it is an `nn.Linear`), every other tensor shared with
+(re-quantized per channel where the base is an int8 dynamic linear, as `quantize_int8` quantizes it:
+`int8_weight`; in the base's dtype where it is an `nn.Linear`), every other tensor shared with
 `peft_model`. The module tree is copied once per drafting model; an adapter's merged projections
 are built when it drafts first and again when its tensors change (PyTorch's in-place version
 counters say when: an optimizer step, a loaded state, Test-Time Speculation's fast steps and their
@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ..runtime.int8 import int8_weight
 
 __all__ = ["KEEP", "MergedDrafting"]
 
@@ -129,7 +131,7 @@ class MergedDrafting:
                 into = DynamicLinear(
                     bottom.in_features, bottom.out_features, bias_=bias is not None, dtype=torch.qint8
                 )
-            into.set_weight_bias(_int8(weight.dequantize() + delta.float()), bias)  # type: ignore[operator]
+            into.set_weight_bias(int8_weight(weight.dequantize() + delta.float()), bias)  # type: ignore[operator]
             return into
         if into is None:
             into = copy.deepcopy(bottom).requires_grad_(False)
@@ -159,12 +161,3 @@ def _adapter_tensors(slots: list[tuple[nn.Module, str, Any]], name: str) -> list
         if name in layer.lora_A
         for t in (layer.lora_A[name].weight, layer.lora_B[name].weight)
     ]
-
-
-def _int8(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` in int8 with the scales `quantize_int8` gives a linear's (symmetric, one per output
-    channel: torch.ao's per-channel weight observer, computed directly)."""
-    scales = (weight.abs().amax(dim=1) / 127.5).clamp_min(torch.finfo(torch.float32).eps)
-    values = torch.round(weight / scales[:, None]).clamp_(-128, 127).to(torch.int8)
-    zeros = torch.zeros(weight.shape[0], dtype=torch.long)
-    return torch._make_per_channel_quantized_tensor(values, scales.double(), zeros, 0)

@@ -36,6 +36,7 @@ __all__ = [
     "fake_int8",
     "int8_qconfig",
     "int8_rows",
+    "int8_weight",
     "quantize_int8",
     "smooth_mlps",
 ]
@@ -150,14 +151,20 @@ def quantize_int8(
     return model.eval()
 
 
+def int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (out, in) as the int8 tensor `quantize_int8` gives a linear layer: symmetric, one
+    scale per output channel, the row's largest |w| over 127.5 (torch.ao's per-channel weight
+    observer, computed directly, and the same quantize call), without building a module."""
+    weight = weight.detach().float()
+    scales = (weight.abs().amax(dim=1) / 127.5).clamp_min(torch.finfo(torch.float32).eps)
+    zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+    return torch.quantize_per_channel(weight, scales.double(), zeros, 0, torch.qint8)
+
+
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 values (V, d) and per-row scales (V,) that `quantize_int8` gives a linear layer with
-    `weight` (symmetric per-channel: no zero points); row i is approximately values[i] * scales[i]."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    linear.weight = nn.Parameter(weight.detach().float(), requires_grad=False)
-    q, _ = quantize_int8(nn.Sequential(linear), inplace=True)[0]._weight_bias()
-    if q.qscheme() != torch.per_channel_symmetric and bool(q.q_per_channel_zero_points().any()):
-        raise ValueError("int8_rows expects symmetric per-channel weights")
+    """The int8 values (V, d) and per-row scales (V,) of `int8_weight`: row i is approximately
+    values[i] * scales[i]."""
+    q = int8_weight(weight)
     return q.int_repr().clone(), q.q_per_channel_scales().float()
 
 
