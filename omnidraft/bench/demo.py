@@ -70,23 +70,20 @@ def _on_torch(args: argparse.Namespace, datasets: list[str]) -> list[dict[str, A
 def _on_llama(args: argparse.Namespace, datasets: list[str]) -> list[dict[str, Any]]:
     import omnidraft as od
 
-    from ..llamacpp.loading import open_llama
     from .datasets import load_prompts
-    from .llama import engine_generate
+    from .llama import llama_alone
 
     target = od.LlamaCppTarget(args.target)
     drafter = od.Drafter.load(args.drafter, backend=args.drafter_backend)
     pair = drafter.pair(target, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy)
-    alone = open_llama(target.engine.path, n_ctx=4096)
+    alone = llama_alone(target, args.max_new_tokens)
     warm = load_prompts(datasets[0], 1)[0]
     pair.generate(warm, max_new_tokens=8)
-    engine_generate(alone, target.tokenizer(warm)["input_ids"], 8, target.eos_ids)
+    alone(warm, target.tokenizer(warm)["input_ids"], 8)
     rows = []
     for dataset in datasets:
         for i, prompt in enumerate(load_prompts(dataset, args.n)):
-            ref = engine_generate(
-                alone, target.tokenizer(prompt)["input_ids"], args.max_new_tokens, target.eos_ids
-            )
+            ref = alone(prompt, target.tokenizer(prompt)["input_ids"])
             started = time.perf_counter()
             out = pair.generate(prompt, max_new_tokens=args.max_new_tokens)
             seconds = time.perf_counter() - started

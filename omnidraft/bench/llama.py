@@ -71,13 +71,14 @@ def engine_generate(llm: Any, ids: list[int], n: int, eos: frozenset[int]) -> Ti
 N_CTX = 4096  # the context every llama.cpp row runs with
 
 
-def llama_alone(target: Any, n: int, n_ctx: int = N_CTX) -> Callable[[str, list[int]], Timed]:
+def llama_alone(target: Any, n: int, n_ctx: int = N_CTX) -> Callable[..., Timed]:
     """The "llama.cpp alone" row, the speed to beat: llama-cpp-python's own `generate` on a plain
-    `Llama` of the `LlamaCppTarget` `target`'s GGUF file, `n` tokens a request."""
+    `Llama` of the `LlamaCppTarget` `target`'s GGUF file, called with (prompt, ids), `n` tokens a
+    request (or the third argument's)."""
     from ..llamacpp.loading import open_llama
 
     plain = open_llama(target.engine.path, n_ctx=n_ctx)
-    return lambda prompt, ids: engine_generate(plain, ids, n, target.eos_ids)
+    return lambda prompt, ids, tokens=n: engine_generate(plain, ids, tokens, target.eos_ids)
 
 
 def pairing_row(pair: Pairing, n: int, prompt: str, ids: list[int]) -> Timed:
