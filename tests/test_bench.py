@@ -279,3 +279,27 @@ def test_vllm_bench_repeats_take_each_requests_median_and_check_every_run():
     outputs[ours][2] = {"s": [([1, 2, 3], 1.5)]}
     again = {r["row"]: r for r in per_request(outputs, {"s": 1})["s"]}
     assert again[ours]["identical"]  # its second run, shorter, stopped early: compared as far as it goes
+
+
+def test_timed_rows_take_turns_running_first_and_compare_with_the_first_row():
+    """bench/llama.time_rows: each round of rows starts one row later than the last, so no row
+    always runs first; the first row's output stays every prompt's reference."""
+    from omnidraft.bench.baselines import Timed
+    from omnidraft.bench.llama import time_rows
+
+    order = []
+
+    def row(name, ids):
+        def run(prompt, _ids):
+            order.append(name)
+            return Timed(ids, 0.1)
+
+        return run
+
+    rows = {"alone": row("alone", [1, 2, 3]), "a": row("a", [1, 2, 3]), "b": row("b", [1, 2, 9])}
+    refs: list[list[int]] = []
+    results = time_rows(rows, ["p", "q"], lambda _: {"input_ids": [0]}, lambda _: None, refs, repeats=2)
+    assert order == [*"alone a b".split(), *"a b alone".split(), *"b alone a".split(), *"alone a b".split()]
+    assert refs == [[1, 2, 3], [1, 2, 3]]
+    assert [r["identical"] for r in results if r["prompt"] == 0] == [True, True, False]
+    assert all(len(r["runs"]) == 2 for r in results)

@@ -175,30 +175,34 @@ def time_rows(
     references: list[list[int]] | None = None,
     repeats: int = 1,
 ) -> list[dict[str, Any]]:
-    """Every row on every prompt, in order per prompt, the rows' round repeated `repeats` times (a
-    request's seconds: the median of its runs, kept in `runs`, so that a burst of the host's noise
-    does not decide a request's ratio). The first row's output is the reference each other row's
-    is compared with (a shorter output compares as far as it goes: it stopped; every run must
-    agree), unless `references` gives each prompt's (then every row is compared with it, and the
-    outputs of the first row are appended to a list passed as `references=[]`)."""
+    """Every row on every prompt, the rows' round repeated `repeats` times (a request's seconds: the
+    median of its runs, kept in `runs`, so that a burst of the host's noise does not decide a
+    request's ratio). Each round starts one row later than the last (prompt by prompt, repeat by
+    repeat), so no row always runs first or right after the same other row. The first row's output
+    is the reference each other row's is compared with (a shorter output compares as far as it
+    goes: it stopped; every run must agree), unless `references` gives each prompt's (then every row
+    is compared with it, and the outputs of the first row are appended to a list passed as
+    `references=[]`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     results = []
     given = bool(references)
+    names = list(rows)
     for i, prompt in enumerate(prompts):
         ids = tokenizer(prompt)["input_ids"]
-        reference = references[i] if given and references is not None else None
         runs: dict[str, list[Timed]] = {name: [] for name in rows}
         for r in range(repeats):
-            for name, run in rows.items():
+            turn = (i * repeats + r) % len(names)
+            for name in names[turn:] + names[:turn]:
                 progress(f"prompt {i + 1}/{len(prompts)}, run {r + 1}/{repeats}: {name}")
-                runs[name].append(run(prompt, ids))
-                if reference is None:
-                    reference = runs[name][0].token_ids
-                    if references is not None:
-                        references.append(reference)
+                runs[name].append(rows[name](prompt, ids))
+        if given and references is not None:
+            reference = references[i]
+        else:
+            reference = runs[names[0]][0].token_ids
+            if references is not None:
+                references.append(reference)
         for name, timed in runs.items():
-            assert reference is not None
             results.append(
                 {
                     "row": name,
