@@ -436,6 +436,30 @@ def test_the_learning_cost_runs_take_turns_prompt_by_prompt_in_a_rotating_order(
     )
 
 
+def test_waiting_for_learning_inside_an_unfinished_stream_is_refused_not_hung(drafter, tiny_target, tmp_path):
+    """Learning runs only between the process's requests, so waiting for it (`save`) in a thread
+    whose stream of another pairing is still open would never return: it is refused by name, the
+    learning stays queued, and once the stream ends the save goes through."""
+    store = ProfileStore(tmp_path)
+    learning = drafter.pair(
+        tiny_target, k=4, user="ann", learn=True, adapter=SMALL, store=store,
+        train=TrainConfig(interval=1, cpu_share=0),
+    )  # fmt: skip
+    other = drafter.pair(tiny_target, k=4, user="bob", store=store)
+    learning.learner.wait()
+    stream = other.stream(PROMPTS[1], max_new_tokens=16)
+    next(stream)  # a request of the process is running, in this thread
+    learning.generate(PROMPTS[0], max_new_tokens=8)  # (its learning cannot start beside the stream)
+    with pytest.raises(RuntimeError, match="inside a request"):
+        learning.save()
+    assert learning.steps == 0
+    for _ in stream:
+        pass
+    assert REQUESTS.running == 0 and not REQUESTS.inside()
+    learning.save()
+    assert learning.steps == 1
+
+
 def test_gradients_accumulated_example_by_example_are_the_batchs_gradient(drafter, tiny_target):
     """A step built one example at a time (the learner's units) is the step on the whole batch:
     each example adds its share of the batch's loss, for every loss term."""

@@ -372,9 +372,15 @@ class Learner:
 
     def wait(self) -> None:
         """Block until the learning queued so far is done; re-raise the learning thread's error, if
-        any. (Never from inside a request of the pairing: the thread waits for it to end.)"""
+        any. Refused (RuntimeError) where it would never return: in a thread with a request of the
+        process still running (a stream not finished), as learning waits for it to end."""
         with self._idle:
             while self._working:
+                if REQUESTS.inside():
+                    raise RuntimeError(
+                        f"waiting for adapter {self.adapter!r} to learn inside a request (a stream not yet "
+                        "finished?) would never end: learning runs between requests; it stays queued"
+                    )
                 self._idle.wait()
         if self.error is not None:
             error, self.error = self.error, None

@@ -10,6 +10,7 @@ a step on the drafter they share, and learning beside any request takes that req
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,31 +19,44 @@ __all__ = ["REQUESTS", "Requests"]
 
 class Requests:
     """The requests running in this process (`running`), under `condition`, which is notified
-    whenever one ends."""
+    whenever one ends, and the threads they began in (`inside`)."""
 
     def __init__(self) -> None:
         self.condition = threading.Condition()
         self.running = 0
+        self._threads: Counter[int] = Counter()  # thread id -> its requests running
 
-    def begin(self) -> None:
-        """A request begins."""
+    def begin(self) -> int:
+        """A request begins in this thread; returns the token `end` takes."""
+        me = threading.get_ident()
         with self.condition:
             self.running += 1
+            self._threads[me] += 1
+        return me
 
-    def end(self) -> None:
-        """A request has ended (after `begin`)."""
+    def end(self, token: int) -> None:
+        """The request `begin` gave `token` for has ended (whichever thread ends it)."""
         with self.condition:
             self.running -= 1
+            self._threads[token] -= 1
+            if not self._threads[token]:
+                del self._threads[token]
             self.condition.notify_all()
+
+    def inside(self) -> bool:
+        """Whether a request begun in this thread is running (a stream it has not finished, say):
+        waiting here for what runs only between requests would never end."""
+        with self.condition:
+            return threading.get_ident() in self._threads
 
     @contextmanager
     def serving(self) -> Iterator[None]:
         """One request, counted while the block runs."""
-        self.begin()
+        token = self.begin()
         try:
             yield
         finally:
-            self.end()
+            self.end(token)
 
 
 REQUESTS = Requests()  # the process's
