@@ -436,16 +436,21 @@ def test_the_learning_cost_runs_take_turns_prompt_by_prompt_in_a_rotating_order(
     )
 
 
-def test_waiting_for_learning_inside_an_unfinished_stream_is_refused_not_hung(drafter, tiny_target, tmp_path):
-    """Learning runs only between the process's requests, so waiting for it (`save`) in a thread
-    whose stream of another pairing is still open would never return: it is refused by name, the
-    learning stays queued, and once the stream ends the save goes through."""
+def _two_users(drafter, tiny_target, tmp_path):
+    """Two users' pairings on one drafter: the first learning from every request, the second not."""
     store = ProfileStore(tmp_path)
     learning = drafter.pair(
         tiny_target, k=4, user="ann", learn=True, adapter=SMALL, store=store,
         train=TrainConfig(interval=1, cpu_share=0),
     )  # fmt: skip
-    other = drafter.pair(tiny_target, k=4, user="bob", store=store)
+    return learning, drafter.pair(tiny_target, k=4, user="bob", store=store)
+
+
+def test_waiting_for_learning_inside_an_unfinished_stream_is_refused_not_hung(drafter, tiny_target, tmp_path):
+    """Learning runs only between the process's requests, so waiting for it (`save`) in a thread
+    whose stream of another pairing is still open would never return: it is refused by name, the
+    learning stays queued, and once the stream ends the save goes through."""
+    learning, other = _two_users(drafter, tiny_target, tmp_path)
     learning.learner.wait()
     stream = other.stream(PROMPTS[1], max_new_tokens=16)
     next(stream)  # a request of the process is running, in this thread
@@ -570,12 +575,7 @@ def test_no_request_of_the_process_waits_for_another_pairings_learning(drafter, 
     learning pairing's own does, instead of waiting for the drafter's lock until the unit ends."""
     from omnidraft.distill.trainer import Preempted
 
-    store = ProfileStore(tmp_path)
-    learning = drafter.pair(
-        tiny_target, k=4, user="ann", learn=True, adapter=SMALL, store=store,
-        train=TrainConfig(interval=1, cpu_share=0),
-    )  # fmt: skip
-    other = drafter.pair(tiny_target, k=4, user="bob", store=store)
+    learning, other = _two_users(drafter, tiny_target, tmp_path)
     learner, running, stopped = learning.learner, threading.Event(), []
 
     def unit(unit, stop):  # a long unit holding the drafter, as a step does
