@@ -131,7 +131,8 @@ class MergedDrafting:
                 into = DynamicLinear(
                     bottom.in_features, bottom.out_features, bias_=bias is not None, dtype=torch.qint8
                 )
-            into.set_weight_bias(int8_weight(weight.dequantize() + delta.float()), bias)  # type: ignore[operator]
+            merged = int8_weight(weight.dequantize() + delta.float())  # the base's own rule, re-applied
+            into.set_weight_bias(merged, bias)  # type: ignore[operator]
             return into
         if into is None:
             into = copy.deepcopy(bottom).requires_grad_(False)
