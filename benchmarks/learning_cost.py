@@ -20,9 +20,9 @@ work (between requests, and inside them: what a learning pairing keeps to learn 
 adapter learned. Per run: every reply's latency (median and worst) and the time it waited for a
 unit of learning to stop (`learner.waited`), the process's CPU seconds inside requests and between
 them, the adapter's optimizer steps. Learning's CPU share: the CPU spent with learning on (inside
-requests, between them and at the end) less the same in the "adapter" run, over that run's
-requests' CPU; beside it the learner's own count (`cpu_learning` over `cpu_requests`: its units'
-CPU over the requests').
+requests and between them, what a think time left included) less the same in the "adapter" run,
+over that run's requests' CPU; beside it the learner's own count (`cpu_learning` over
+`cpu_requests`: its units' CPU over the requests').
 """
 
 from __future__ import annotations
@@ -90,10 +90,8 @@ class Session:
         self.cpu_between += _cpu() - c1
 
     def result(self) -> dict[str, Any]:
+        """The run's record (its learning is done: each `request` waited for it)."""
         learner = self.learner
-        c2, t2 = _cpu(), time.perf_counter()
-        if learner is not None:
-            learner.wait()
         return {
             "latency_s": self.latencies,
             "waited_s": self.waits,
@@ -102,8 +100,6 @@ class Session:
             "steps_before": self.stepped,  # per reply: the adapter's optimizer steps when it began
             "cpu_in_requests_s": self.cpu_in,
             "cpu_between_s": self.cpu_between,
-            "cpu_after_s": _cpu() - c2,
-            "wait_after_s": time.perf_counter() - t2,
             "steps": learner.steps if learner is not None else 0,
             "learned_from": len(self.latencies) - learner.skipped if learner is not None else 0,
             "learner_cpu_s": learner.cpu_learning if learner is not None else 0.0,
@@ -143,9 +139,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['dataset']} requests x {result['max_new_tokens']} tokens, {result['think']} s "
         "between requests",
         "",
-        "| learning | reply median s | worst reply s | CPU s in requests | CPU s between | CPU s after "
-        "| steps | requests learned from |",
-        "|---|---|---|---|---|---|---|---|",
+        "| learning | reply median s | worst reply s | CPU s in requests | CPU s between | steps "
+        "| requests learned from |",
+        "|---|---|---|---|---|---|---|",
     ]
     runs = [name for name in RUNS if name in result["runs"]]
     for name in runs:
@@ -153,8 +149,7 @@ def markdown(result: dict[str, Any]) -> str:
         lat = r["latency_s"]
         lines.append(
             f"| {name} | {statistics.median(lat):.2f} | {max(lat):.2f} | {r['cpu_in_requests_s']:.1f} | "
-            f"{r['cpu_between_s']:.1f} | {r['cpu_after_s']:.1f} | {r['steps']} | {r.get('learned_from', '')} "
-            "|"
+            f"{r['cpu_between_s']:.1f} | {r['steps']} | {r['learned_from']} |"
         )
     ref = "adapter" if "adapter" in runs else "off"
     off = result["runs"][ref]
@@ -181,12 +176,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {max(r['waited_s']):.3f} | {1000 * _per_round(per, 'verify_s'):.0f} "
             f"| {1000 * _per_round(per, 'draft_s'):.0f} | {_per_round(per, 'proposed'):.1f} |"
         )
-    base = off["cpu_in_requests_s"] + off["cpu_between_s"] + off["cpu_after_s"]
+    base = off["cpu_in_requests_s"] + off["cpu_between_s"]
     for name in [n for n in runs if n not in CONTROL]:
         r = result["runs"][name]
-        extra = r["cpu_in_requests_s"] + r["cpu_between_s"] + r["cpu_after_s"] - base
+        extra = r["cpu_in_requests_s"] + r["cpu_between_s"] - base
         own = r["learner_cpu_s"] / max(r["learner_requests_cpu_s"], 1e-9)
-        spills = [x for x in r.get("spill_s", []) if x > 0.01]
+        spills = [x for x in r["spill_s"] if x > 0.01]
         past = f" longest {max(spills):.1f} s, after {len(spills)} replies" if spills else " none"
         lines.append(
             f"\nLearning {name}: {extra:.1f} CPU s, {extra / max(off['cpu_in_requests_s'], 1e-9):.0%} of the "
