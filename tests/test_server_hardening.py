@@ -277,6 +277,28 @@ def test_fuzzed_verify_bodies_never_get_a_5xx(client, tiny_target, tiny_drafter)
     assert pair.generate(PROMPT, max_new_tokens=16).token_ids == target_greedy(tiny_target, PROMPT, 16)
 
 
+def test_one_key_filling_the_session_table_cannot_lock_another_key_out(tiny_target):
+    """Several keys and no per-key quota set: each key holds an equal share of the table, so one
+    key opening (and verifying, to keep them alive) as many sessions as it can leaves the other
+    key's opens working; past its share it gets a 429 that names the share, never the table's 503."""
+    from fastapi.testclient import TestClient
+
+    a, b = {"authorization": "Bearer key-a"}, {"authorization": "Bearer key-b"}
+    config = ServerConfig(api_key=("key-a", "key-b"), max_sessions=8)
+    ids = tiny_target.tokenizer(PROMPT)["input_ids"]
+    with TestClient(create_app(tiny_target, config)) as c:
+        mine = [c.post("/v1/sessions", json={"prompt_ids": ids}, headers=a) for _ in range(9)]
+        assert [r.status_code for r in mine] == [200] * 4 + [429] * 5
+        assert "share of 4 of the server's 8 sessions" in mine[-1].json()["error"]
+        for r in mine[:4]:
+            body = {"committed": len(ids), "proposal": []}
+            assert (
+                c.post(f"/v1/sessions/{r.json()['session']}/verify", json=body, headers=a).status_code == 200
+            )
+        theirs = [c.post("/v1/sessions", json={"prompt_ids": ids}, headers=b) for _ in range(4)]
+        assert [r.status_code for r in theirs] == [200] * 4
+
+
 def test_each_key_holds_its_own_sessions_within_its_quota(tiny_target):
     """Several API keys: a key past its quota gets a 429 while another key still opens sessions,
     and a session answers only the key that opened it."""
@@ -287,7 +309,7 @@ def test_each_key_holds_its_own_sessions_within_its_quota(tiny_target):
     ids = tiny_target.tokenizer(PROMPT)["input_ids"]
     with TestClient(create_app(tiny_target, config)) as c:
         mine = [c.post("/v1/sessions", json={"prompt_ids": ids}, headers=a) for _ in range(3)]
-        assert [r.status_code for r in mine] == [200, 200, 429] and "quota of 2" in mine[2].text
+        assert [r.status_code for r in mine] == [200, 200, 429] and "share of 2" in mine[2].text
         assert c.post("/v1/sessions", json={"prompt_ids": ids}, headers=b).status_code == 200
         sid = mine[0].json()["session"]
         body = {"committed": len(ids), "proposal": []}

@@ -314,7 +314,8 @@ def _serve_args(sub: Any) -> None:
         "--max-sessions-per-key",
         type=int,
         default=None,
-        help="sessions one API key may hold (the key file may list several keys, one per line)",
+        help="sessions one API key may hold (default: an equal share of --max-sessions per key; the key "
+        "file may list several keys, one per line)",
     )
     v.add_argument(
         "--engine",

@@ -13,7 +13,8 @@
 Every /v1 route and /metrics need `Authorization: Bearer <key>` when the server has a key
 (compared in constant time; missing or wrong -> 401; `open_metrics` opens /metrics to scrapers).
 With several keys, a session belongs to the key that opened it (404 to any other) and each key
-holds at most `max_sessions_per_key` sessions (429 past it).
+holds at most `max_sessions_per_key` sessions, by default an equal share of `max_sessions` (429
+naming the share past it), so one key cannot fill the table for the others.
 A body is read within `body_timeout_s` (408) and a client gone mid-body is answered 400, not logged
 as a crash. Bodies are read with a size cap (413) and validated by
 the protocol models (422 with the reason); ids outside the vocabulary are refused (422). Sessions

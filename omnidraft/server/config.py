@@ -26,7 +26,8 @@ __all__ = [
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     api_key: str | tuple[str, ...] | None = None  # one key, or several (each with its own session quota)
-    max_sessions_per_key: int | None = None  # None: a key may hold all `max_sessions`
+    # None: an equal share of `max_sessions` per API key (all of them with one key), so none locks out another
+    max_sessions_per_key: int | None = None
     max_sessions: int = 64
     ttl_s: float = 600.0
     max_body_bytes: int = 8 << 20
@@ -62,6 +63,12 @@ class ServerConfig:
         return (
             () if self.api_key is None else (self.api_key,) if isinstance(self.api_key, str) else self.api_key
         )
+
+    @property
+    def key_sessions(self) -> int:
+        """The sessions one API key may hold: `max_sessions_per_key`, or an equal share of the table
+        (at least one), so that one key filling its share leaves every other key's free."""
+        return self.max_sessions_per_key or max(1, self.max_sessions // max(1, len(self.keys)))
 
     @property
     def key_tokens(self) -> int:
