@@ -51,6 +51,8 @@ class EngineRounds:
         """A new sequence over the committed `ids`; `drafter_ids`: the drafter's own encoding of
         its text (by default the ids' bytes re-encoded, without special tokens)."""
         s = self.speculator
+        if self.spec is not None:
+            self.spec.close()
         if drafter_ids is None:
             text = s.target.token_bytes.join(ids).decode("utf-8", errors="replace")
             drafter_ids = s.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]

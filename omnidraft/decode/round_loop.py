@@ -29,10 +29,17 @@ def run(
     The first round also prefills the prompt: its verify is not a verification cost."""
     tsession, eos_ids = spec.request.target, s.target.eos_ids
     while spec.produced < max_new_tokens:
-        rnd = spec.propose(max_new_tokens - spec.produced)
-        if rnd is None:  # the server takes no draft now: it decodes the rest
-            yield from decode_alone(tsession, max_new_tokens - spec.produced)
-            return
+        remaining = max_new_tokens - spec.produced
+        rnd = spec.propose(remaining)
+        if rnd is None:  # no draft now (the server's budget, or the floor): the target decodes alone
+            n, began, new = spec.aside(remaining), time.perf_counter(), []
+            for ids, record in decode_alone(tsession, n):
+                new += ids
+                yield ids, record
+            if len(new) < n or n == remaining or (new and new[-1] in eos_ids):
+                return
+            spec.decoded(new, began)
+            continue
         context, asked = len(tsession.ids), time.perf_counter()
         relax = relaxation(s.config, spec.request.rule, rnd.proposal)
         verdict = tsession.verify(
@@ -59,7 +66,10 @@ def request_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list
     try:
         spec = Speculation(s, tsession, tsession.ids, call.ids_for(s.drafter), call.rule, call.generator)
         topk = max(s.learner.config.topk if s.learner is not None else 0, call.logprobs)
-        yield from run(s, spec, call.max_new_tokens, topk, rows)
+        try:
+            yield from run(s, spec, call.max_new_tokens, topk, rows)
+        finally:
+            spec.close()
     finally:
         tsession.close()  # a remote session frees its server-side KV cache now
 

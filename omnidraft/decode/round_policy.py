@@ -39,15 +39,24 @@ class RoundPolicy:
     def __init__(self, speculator: Speculator) -> None:
         self.s = speculator
 
-    def plan(self, req: Request, remaining: int) -> RoundPlan | None:
+    def plan(self, req: Request, remaining: int, *, floor: bool = True) -> RoundPlan | None:
         """The next round's plan with `remaining` tokens to go; None when the target's server
-        takes no draft now (a zero budget): it should decode the rest alone."""
+        takes no draft now (a zero budget: it should decode the rest alone) or the request's
+        balance against the target alone covers no draft (`req.ledger.aside`: the target decodes
+        a stretch alone). Without `floor` (a device drafting ahead for a server's engine, whose
+        budget decides what it verifies) the balance is not asked."""
         s = self.s
         model, free = s.plan.at(s.target, len(req.target.ids))  # what can pay at this context
         defer = model and req.k > 0 and req.read.defer(s.policy.last_rates if s.policy else {}, req.produced)
         limit, ask = within_budget(req.target, remaining - 1, req.k if model and not defer else 0)
         if limit == 0 < remaining - 1:
             return None
+        if floor and (
+            model or free
+        ):  # the floor: no more than the request's balance covers (adaptive/floor.py)
+            ask, limit = req.ledger.cap(s.cost, ask, limit, remaining)
+            if req.ledger.aside:
+                return None
         return RoundPlan(ask, limit, free, defer)
 
     def settle_read(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..adaptive.floor import Ledger
 from ..retrieve.retriever import NO_READ, PromptRead
 from .proposers import Budget, Extendable, Round, Verdict
 from .round_policy import RoundPlan, RoundPolicy
@@ -48,9 +49,12 @@ class Request:
     k: int
     stopper: Stopper | None
     read: PromptRead
+    ledger: Ledger
     produced: int = 0
     idle: bool = False
     pending: tuple[int, float, int, float, float] | None = None
+    booking: tuple[int, bool, float] | None = None
+    alone: bool = False
 
 
 class Speculation:
@@ -72,6 +76,7 @@ class Speculation:
         self.s, self.policy, self.proposer = s, RoundPolicy(s), s.proposer
         with s.lock:  # begin_request also moves the shared acceptance history
             k, stopper = s.lengths.begin_request()
+            ledger = s.floor.begin(s.cost.verify.get(1))
         deferral = s.retriever.deferral if s.retriever is not None and s.free_drafts else None
         read = deferral.begin(len(target.ids)) if deferral is not None else NO_READ
         self.request = Request(
@@ -83,6 +88,7 @@ class Speculation:
             k if s.model_drafts else 0,
             stopper,
             read,
+            ledger,
         )
         self.state = self.proposer.begin(self.request)
         self.round: Round | None = None  # the last proposal
@@ -102,7 +108,8 @@ class Speculation:
         draft-length policy says (a device drafting ahead for a server's engine)."""
         started, req = time.perf_counter(), self.request
         self.policy.begin_round(req, started)
-        plan = self.policy.plan(req, remaining)
+        self._book(started)
+        plan = self.policy.plan(req, remaining, floor=k is None)
         if plan is None and limit is None:
             return None
         plan = plan or RoundPlan(0, 0, False, False)
@@ -137,8 +144,47 @@ class Speculation:
             req.idle = not rnd.draft.ids
         else:
             self.policy.observe(req, rnd, verify_s, len(rnd.proposal) + 1)
+        if seconds is not None:  # (the first round also read the prompt: not booked)
+            req.booking, req.alone = (len(new), len(rnd.proposal) > 0, rnd.started), False
         self.rounds += 1
         return rnd
+
+    def aside(self, remaining: int) -> int:
+        """After `propose` returned None: how many of the `remaining` tokens the target decodes
+        alone before the next round (the rest, unless the floor stood aside for a stretch)."""
+        return min(remaining, self.s.floor.knobs.aside) if self.request.ledger.aside else remaining
+
+    def decoded(self, new: list[int], began: float) -> None:
+        """The target decoded `new` alone from `began` (perf_counter seconds): the proposer follows
+        the committed text, and the floor measures the target's step from it."""
+        req = self.request
+        with self.s.lock:
+            self.proposer.settle(self.state, Round.copied([]), Verdict(new, 0))
+        req.produced += len(new)
+        req.idle, req.pending = True, None
+        req.booking, req.alone = (len(new), False, began), True
+        self.rounds += 1
+
+    def _book(self, now: float) -> None:
+        """The last round's wall time, up to `now` (the caller's handling of its tokens included),
+        booked against the target alone."""
+        req = self.request
+        if req.booking is None:
+            return
+        committed, proposed, began = req.booking
+        req.booking = None
+        if req.alone:
+            req.ledger.alone(committed, now - began)
+            return
+        if 1 in self.s.cost.verify:  # (a one-token verify extrapolated from longer ones misleads)
+            req.ledger.seen(self.s.cost.verify_cost(1))
+        req.ledger.book(committed, now - began, proposed)
+
+    def close(self) -> None:
+        """The request is over: its last round booked, its ledger handed to the pairing's floor."""
+        self._book(time.perf_counter())
+        with self.s.lock:
+            self.s.floor.end(self.request.ledger)
 
     def extend(self, k: int, limit: int) -> Round | None:
         """The last proposal with its model draft drafted `k` tokens further (at most `limit` target

@@ -14,6 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..adaptive.costs import CostModel
+from ..adaptive.floor import Floor
 from ..adaptive.lengths import DraftLengths, plan_drafting
 from ..retrieve.retriever import Retriever
 from ..translate.ngram_cache import NgramCache
@@ -70,6 +71,7 @@ class Speculator:
         self.model_drafts, self.free_drafts = plan.model, plan.free
         # measured costs, from the target's own where it has them
         self.cost = CostModel(verify=plan.best_speedup.verify if plan.best_speedup else None)
+        self.floor = Floor()  # no request slower than the target alone (adaptive/floor.py)
         self.retriever: Retriever | None = None
         if config.drafts != "model":
             self.retriever = Retriever.for_user(

@@ -1,0 +1,154 @@
+"""The floor: a request is never slower than its target decoding alone, beyond a bounded share
+spent exploring. Pure arithmetic over measured times; no model, no target.
+
+Every round of a request is booked against what the engine alone would have taken for the tokens
+the round committed (`step` seconds a token, the engine's own decoding step as measured). The
+request's `Ledger` sums the difference: `saved` grows with rounds that paid and shrinks with rounds
+that lost. A round may propose only what the balance covers if all of it is rejected: its worst
+case (drafting, then verifying the proposal, to commit a single token) less one step must not exceed
+`saved` plus the allowance, a share `explore` of the request's time alone. So a request's time is
+at most (1 + `explore`) times its time alone, whatever its drafts do, and a request whose drafts
+lose stops drafting as soon as the balance is spent: the target then decodes alone, and drafting
+comes back only as the allowance grows with the tokens decoded (a probe, whose cost is bounded too).
+
+What this is not: the draft-length policy (policy.py) or the cost model (costs.py), which choose
+the best round; the floor only caps what a round may risk. `Floor` is the pairing's prior across
+requests: the engine's step as last measured, and how much exploring the last requests earned
+(a request whose drafts lost halves the next one's allowance; one whose drafts paid restores it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["Floor", "FloorKnobs", "Ledger"]
+
+
+class Costs(Protocol):
+    """What the floor reads of a pairing's cost model (adaptive/costs.py)."""
+
+    @property
+    def draft(self) -> float | None: ...
+
+    @property
+    def overhead(self) -> float: ...
+
+    def verify_cost(self, m: int) -> float: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class FloorKnobs:
+    """`explore`: the share of a request's time alone that its drafts may lose; `horizon`: the
+    tokens that share is counted over before the request has produced as many (so its first rounds
+    may explore); `aside`: tokens the target decodes alone, in one go, each time the balance cannot
+    cover a draft; `least`: the smallest share of `explore` that losing requests bring it to."""
+
+    explore: float = 0.02
+    horizon: int = 128
+    aside: int = 16
+    least: float = 1 / 16
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.explore < 1.0:
+            raise ValueError(f"explore must be in [0, 1), got {self.explore}")
+        if self.horizon < 1 or self.aside < 1:
+            raise ValueError(f"horizon and aside must be >= 1, got {self.horizon} and {self.aside}")
+        if not 0.0 < self.least <= 1.0:
+            raise ValueError(f"least must be in (0, 1], got {self.least}")
+
+
+class Ledger:
+    """One request's account against its target decoding alone (see the module docstring).
+    `step`: seconds a token alone, as measured before the request (None: not yet)."""
+
+    def __init__(self, knobs: FloorKnobs, explore: float, step: float | None) -> None:
+        self.knobs, self.explore, self.step = knobs, explore, step
+        self.saved = 0.0  # seconds the request's rounds gained over the target alone (< 0: lost)
+        self.drafted = 0.0  # the part of `saved` booked by rounds that proposed something
+        self.tokens = 0  # tokens the booked rounds committed
+        self.aside = False  # the balance could not cover the last round's draft
+        self.measured = False  # `step` is this request's decoding alone, not an estimate
+
+    def seen(self, step: float) -> None:
+        """A newer estimate of the step (the cost model's one-token verify), kept until decoding
+        alone is measured in this request."""
+        if not self.measured and step > 0:
+            self.step = step
+
+    def allowance(self, remaining: int) -> float:
+        """Seconds exploring may still lose, with `remaining` tokens to go at most."""
+        if self.step is None:
+            return 0.0
+        counted = max(self.tokens, min(self.tokens + remaining, self.knobs.horizon))
+        return self.explore * self.step * counted
+
+    def balance(self, remaining: int) -> float:
+        return self.saved + self.allowance(remaining)
+
+    def book(self, committed: int, seconds: float, proposed: bool) -> None:
+        """A round (`proposed`: it proposed tokens) committed `committed` tokens in `seconds`."""
+        if self.step is None or committed < 1:
+            return
+        gained = committed * self.step - seconds
+        self.saved += gained
+        self.tokens += committed
+        if proposed:
+            self.drafted += gained
+
+    def alone(self, committed: int, seconds: float) -> None:
+        """The target decoded `committed` tokens alone in `seconds`: the step as measured now."""
+        if committed < 1 or seconds <= 0:
+            return
+        self.step, self.measured = seconds / committed, True
+        self.tokens += committed  # booked at exactly its own step: no gain, no loss
+
+    def cap(self, costs: Costs, k: int, limit: int, remaining: int) -> tuple[int, int]:
+        """(k, limit): the model draft length and proposal limit whose worst case the balance
+        covers, from the costs measured so far. (0, 0): no draft this round."""
+        if limit <= 0 or self.step is None:
+            self.aside = False
+            return k, limit
+        covered = self.balance(remaining)
+        m = limit
+        while m > 0 and self.worst(costs, m, min(k, m)) > covered:
+            m -= 1
+        self.aside = m == 0
+        return min(k, m), m
+
+    def worst(self, costs: Costs, m: int, k: int) -> float:
+        """What a round drafting `k` tokens into a proposal of `m` loses if none is accepted: it
+        commits one token, which alone would have cost one step."""
+        drafting = costs.overhead + k * (costs.draft or 0.0) if k else 0.0
+        try:
+            verify = costs.verify_cost(m + 1)
+        except ValueError:  # nothing measured yet: a verify costing a step a token, the worst kind
+            verify = (m + 1) * (self.step or 0.0)
+        return drafting + verify - (self.step or 0.0)
+
+
+class Floor:
+    """A pairing's floor across its requests: one `Ledger` per request, begun from the engine's step
+    as last measured and the allowance the last requests earned. Mutable: one per pairing."""
+
+    def __init__(self, knobs: FloorKnobs | None = None) -> None:
+        self.knobs = knobs or FloorKnobs()
+        self.step: float | None = None  # seconds a token alone, as last measured
+        self.scale = 1.0  # the share of `explore` the next request may lose
+
+    def begin(self, step: float | None) -> Ledger:
+        """A new request's ledger; `step`: the cost model's one-token verify, used where no decoding
+        alone has been measured yet."""
+        ledger = Ledger(self.knobs, self.knobs.explore * self.scale, self.step or step)
+        ledger.measured = self.step is not None
+        return ledger
+
+    def end(self, ledger: Ledger) -> None:
+        """A finished request: its measured step is kept, and its drafts' result sets the next
+        request's allowance (halved after a loss, restored after a gain)."""
+        if ledger.measured:
+            self.step = ledger.step
+        if ledger.drafted < 0:
+            self.scale = max(self.knobs.least, self.scale / 2)
+        elif ledger.drafted > 0:
+            self.scale = 1.0

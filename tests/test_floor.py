@@ -1,0 +1,114 @@
+"""The floor (omnidraft/adaptive/floor.py): a request is never slower than its target alone beyond the
+share `explore`, whatever its drafts do. Simulated requests on declared cost curves (no clock), and
+the round loop's path when the floor stands aside, on tiny in-test models."""
+
+from __future__ import annotations
+
+import pytest
+
+import omnidraft as od
+from omnidraft.adaptive.costs import CostModel
+from omnidraft.adaptive.floor import Floor, FloorKnobs, Ledger
+
+from .conftest import gsm8k_texts, target_greedy
+from .fakes import OracleDrafter
+
+STEP = 0.024  # seconds a token alone, llama.cpp-like
+COMPUTE_BOUND = {m: STEP * (1 + 0.9 * (m - 1)) for m in range(1, 10)}  # verifying m costs ~m steps
+FLAT = {m: STEP * (1 + 0.05 * (m - 1)) for m in range(1, 10)}  # verifying m costs ~one step
+
+
+def simulate(curve: dict[int, float], accept: float, n: int = 128, draft: float = 0.2 * STEP):
+    """One request of `n` tokens under the floor: each round drafts 4 tokens (at `draft` seconds
+    each) of which the first `accept` share is accepted; where the floor stands aside, the target
+    decodes `aside` tokens at STEP. Returns (seconds, seconds alone, rounds that drafted)."""
+    cost = CostModel(verify=curve)
+    cost.observe(4, 4 * draft, 5, curve[5])
+    ledger = Floor().begin(STEP)
+    produced, seconds, drafted = 0, 0.0, 0
+    while produced < n:
+        remaining = n - produced
+        k, m = ledger.cap(cost, 4, min(4, remaining - 1), remaining)
+        if ledger.aside or m == 0:
+            got = min(Floor().knobs.aside, remaining)
+            ledger.alone(got, got * STEP)
+            produced, seconds = produced + got, seconds + got * STEP
+            continue
+        took = k * draft + cost.verify_cost(m + 1)
+        committed = min(remaining, 1 + int(accept * m))
+        ledger.book(committed, took, True)
+        produced, seconds, drafted = produced + committed, seconds + took, drafted + 1
+    return seconds, n * STEP, drafted
+
+
+@pytest.mark.parametrize("accept", [0.0, 0.25, 0.5])
+def test_drafts_that_lose_cost_at_most_the_exploring_share(accept):
+    seconds, alone, drafted = simulate(COMPUTE_BOUND, accept)
+    assert seconds <= alone * (1 + FloorKnobs().explore) + 1e-9
+    assert drafted <= 3  # it stood aside as soon as the balance was spent
+
+
+def test_drafts_that_pay_are_not_capped():
+    seconds, alone, drafted = simulate(FLAT, 1.0)
+    assert drafted == 128 // 5 + 1 and seconds < 0.45 * alone
+
+
+def test_a_losing_request_halves_the_next_ones_allowance_a_paying_one_restores_it():
+    floor = Floor()
+    lost = floor.begin(STEP)
+    lost.book(1, 3 * STEP, True)
+    floor.end(lost)
+    assert floor.scale == 0.5 and floor.begin(STEP).explore == pytest.approx(0.01)
+    for _ in range(10):
+        floor.end(lost)
+    assert floor.scale == FloorKnobs().least
+    paid = floor.begin(STEP)
+    paid.book(5, 1.2 * STEP, True)
+    floor.end(paid)
+    assert floor.scale == 1.0
+
+
+def test_the_step_measured_decoding_alone_is_kept_for_the_next_request():
+    floor = Floor()
+    ledger = floor.begin(STEP)
+    ledger.alone(16, 16 * 0.03)
+    ledger.seen(STEP)  # the cost model's estimate does not override what decoding alone measured
+    floor.end(ledger)
+    assert ledger.step == pytest.approx(0.03) and floor.begin(STEP).step == pytest.approx(0.03)
+
+
+def test_without_a_measured_step_nothing_is_capped():
+    ledger = Ledger(FloorKnobs(), 0.02, None)
+    assert ledger.cap(CostModel(verify=COMPUTE_BOUND), 6, 6, 100) == (6, 6) and not ledger.aside
+
+
+@pytest.mark.parametrize(
+    "knobs", [dict(explore=1.0), dict(explore=-0.1), dict(horizon=0), dict(aside=0), dict(least=0.0)]
+)
+def test_bad_knobs_are_refused_naming_the_field(knobs):
+    with pytest.raises(ValueError, match=next(iter(knobs))):
+        FloorKnobs(**knobs)
+
+
+class _Aside(Ledger):
+    """A ledger whose balance never covers a draft after the first round."""
+
+    def cap(self, costs, k, limit, remaining):
+        self.aside = limit > 0
+        return (0, 0) if self.aside else (k, limit)
+
+
+def test_standing_aside_decodes_stretches_alone_and_keeps_the_targets_output(
+    tiny_drafter, tiny_target, monkeypatch
+):
+    prompt = gsm8k_texts("test", 1)[0][:80]
+    ref = target_greedy(tiny_target, prompt, 40)
+    pair = od.Pairing(
+        OracleDrafter(tiny_target, ref), tiny_target, od.DecodeConfig(k=5, strategy="ngram", drafts="model")
+    )
+    monkeypatch.setattr(pair.speculator.floor, "begin", lambda step: _Aside(FloorKnobs(aside=8), 0.02, STEP))
+    out = pair.generate(prompt, max_new_tokens=40)
+    assert out.token_ids == ref
+    assert [r.proposed for r in out.rounds] == [0] * 40  # decoded alone, one record a token
+    again = pair.generate(prompt, max_new_tokens=40)  # the proposer followed the text decoded alone
+    assert again.token_ids == ref
