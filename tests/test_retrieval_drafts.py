@@ -25,7 +25,9 @@ COPY = [
 @pytest.mark.parametrize("drafts", ["hybrid", "retrieval", "model"])
 @pytest.mark.parametrize("k", [None, 3])
 def test_greedy_output_is_the_targets_own_whatever_drafts(tiny_drafter, tiny_target, drafts, k):
-    pair = tiny_drafter.pair(tiny_target, k=k, drafts=drafts)
+    # "compute": every request speculates, so retrieved drafts run whatever a tiny model's costs
+    # say (the latency objective's floor may stand aside on them: tests/test_floor.py)
+    pair = tiny_drafter.pair(tiny_target, k=k, drafts=drafts, objective="compute")
     retrieved = 0
     for prompt in COPY:
         out = pair.generate(prompt, max_new_tokens=40)
@@ -120,9 +122,8 @@ class _CountingDrafter(_NoForward):
 def test_a_request_whose_read_is_deferred_never_drafts_and_stays_identical(tiny_drafter, tiny_target):
     drafter = _CountingDrafter(tiny_drafter)
     drafter.proposals = 0
-    pair = od.Pairing(
-        drafter, tiny_target, od.DecodeConfig(drafts="hybrid", retrieval=RetrievalConfig(defer_read=True))
-    )
+    config = od.DecodeConfig(drafts="hybrid", retrieval=RetrievalConfig(defer_read=True), objective="compute")
+    pair = od.Pairing(drafter, tiny_target, config)
     for prompt in COPY:  # the costs and the read are measured
         pair.generate(prompt, max_new_tokens=30)
     assert pair.speculator.retriever.deferral.per_token is not None and drafter.proposals > 0
@@ -177,11 +178,11 @@ def test_sampling_with_retrieved_drafts_keeps_the_target_distribution(mode, draf
 
 def test_the_users_past_outputs_are_drafts_and_live_in_the_profile(tiny_drafter, tiny_target, tmp_path):
     store = od.ProfileStore(tmp_path)
-    pair = tiny_drafter.pair(tiny_target, user="ann", store=store, drafts="retrieval")
+    pair = tiny_drafter.pair(tiny_target, user="ann", store=store, drafts="retrieval", objective="compute")
     first = pair.generate(COPY[0], max_new_tokens=30)
     assert list(pair.speculator.retriever.history.docs) == [first.token_ids]
     pair.save()
-    again = tiny_drafter.pair(tiny_target, user="ann", store=store, drafts="retrieval")
+    again = tiny_drafter.pair(tiny_target, user="ann", store=store, drafts="retrieval", objective="compute")
     assert list(again.speculator.retriever.history.docs) == [first.token_ids]
     # the same request again: its whole output is in the user's history now
     second = again.generate(COPY[0], max_new_tokens=30)

@@ -15,6 +15,8 @@ What this is not: the draft-length policy (policy.py) or the cost model (costs.p
 the best round; the floor only caps what a round may risk. `Floor` is the pairing's prior across
 requests: the engine's step as last measured, and how much exploring the last requests earned
 (a request whose drafts lost halves the next one's allowance; one whose drafts paid restores it).
+It holds under the latency objective; `objective="compute"` always speculates (fewer target
+forwards a token, whatever the wall time), so its pairings are not floored.
 """
 
 from __future__ import annotations
@@ -60,10 +62,11 @@ class FloorKnobs:
 
 class Ledger:
     """One request's account against its target decoding alone (see the module docstring).
-    `step`: seconds a token alone, as measured before the request (None: not yet)."""
+    `step`: seconds a token alone, as measured before the request (None: not yet); `on`: False
+    books nothing and caps nothing (a pairing whose objective is not latency)."""
 
-    def __init__(self, knobs: FloorKnobs, explore: float, step: float | None) -> None:
-        self.knobs, self.explore, self.step = knobs, explore, step
+    def __init__(self, knobs: FloorKnobs, explore: float, step: float | None, *, on: bool = True) -> None:
+        self.knobs, self.explore, self.step, self.on = knobs, explore, step, on
         self.saved = 0.0  # seconds the request's rounds gained over the target alone (< 0: lost)
         self.drafted = 0.0  # the part of `saved` booked by rounds that proposed something
         self.tokens = 0  # tokens the booked rounds committed
@@ -106,7 +109,7 @@ class Ledger:
     def cap(self, costs: Costs, k: int, limit: int, remaining: int) -> tuple[int, int]:
         """(k, limit): the model draft length and proposal limit whose worst case the balance
         covers, from the costs measured so far. (0, 0): no draft this round."""
-        if limit <= 0 or self.step is None:
+        if limit <= 0 or self.step is None or not self.on:
             self.aside = False
             return k, limit
         covered = self.balance(remaining)
@@ -131,15 +134,15 @@ class Floor:
     """A pairing's floor across its requests: one `Ledger` per request, begun from the engine's step
     as last measured and the allowance the last requests earned. Mutable: one per pairing."""
 
-    def __init__(self, knobs: FloorKnobs | None = None) -> None:
-        self.knobs = knobs or FloorKnobs()
+    def __init__(self, knobs: FloorKnobs | None = None, *, on: bool = True) -> None:
+        self.knobs, self.on = knobs or FloorKnobs(), on
         self.step: float | None = None  # seconds a token alone, as last measured
         self.scale = 1.0  # the share of `explore` the next request may lose
 
     def begin(self, step: float | None) -> Ledger:
         """A new request's ledger; `step`: the cost model's one-token verify, used where no decoding
         alone has been measured yet."""
-        ledger = Ledger(self.knobs, self.knobs.explore * self.scale, self.step or step)
+        ledger = Ledger(self.knobs, self.knobs.explore * self.scale, self.step or step, on=self.on)
         ledger.measured = self.step is not None
         return ledger
 

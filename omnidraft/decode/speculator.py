@@ -71,7 +71,8 @@ class Speculator:
         self.model_drafts, self.free_drafts = plan.model, plan.free
         # measured costs, from the target's own where it has them
         self.cost = CostModel(verify=plan.best_speedup.verify if plan.best_speedup else None)
-        self.floor = Floor()  # no request slower than the target alone (adaptive/floor.py)
+        # no request slower than the target alone (adaptive/floor.py), where latency is the objective
+        self.floor = Floor(on=config.objective == "latency")
         self.retriever: Retriever | None = None
         if config.drafts != "model":
             self.retriever = Retriever.for_user(

@@ -94,13 +94,10 @@ class Service(TextRoutes, SpeculateRoutes):
         self._check_context(len(request.prompt_ids) + 1, "the session")
         with self.table_lock:
             self._expire()
-            quota = self.config.key_sessions
-            if sum(1 for v in self.sessions.values() if v.key == key) >= quota:
-                raise HTTPError(
-                    429,
-                    f"this API key holds its share of {quota} of the server's {self.config.max_sessions} "
-                    "sessions; close one or retry later",
-                )
+            share, most = self.config.key_sessions, self.config.max_sessions
+            if sum(1 for v in self.sessions.values() if v.key == key) >= share:
+                why = f"this API key holds its share of {share} of the server's {most} sessions"
+                raise HTTPError(429, f"{why}; close one or retry later")
             if len(self.sessions) >= self.config.max_sessions:
                 raise HTTPError(
                     503, f"the server holds its maximum of {self.config.max_sessions} sessions; retry later"
