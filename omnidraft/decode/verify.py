@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-__all__ = ["Verdict", "greedy", "match", "probabilities", "rejection", "relaxed"]
+__all__ = ["Verdict", "argmax", "greedy", "match", "probabilities", "rejection", "relaxed"]
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,18 @@ def _first_false(ok: torch.Tensor) -> int:
     return int(ok.long().cumprod(0).sum())
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of `logits` (..., Vt). fp32 rows on the CPU go through numpy, on the
+    calling thread: torch's would wake its thread pool, whose spinning threads then slow an engine
+    that runs its own (llama.cpp, OpenVINO) on the same cores (docs/llamacpp.md)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1)))
+    return logits.argmax(dim=-1)
+
+
 def greedy(logits: torch.Tensor, proposal: torch.Tensor) -> Verdict:
     """Greedy verification. logits (M+1, Vt), proposal (M,) int64."""
-    best = logits.argmax(dim=-1)
+    best = argmax(logits)
     n = _first_false(best[:-1] == proposal)
     return Verdict(n, int(best[n]))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from ..decode.verify import Verdict
@@ -72,7 +73,8 @@ class _LlamaSession(SessionBase):
         """Greedy-decode up to `max_tokens` tokens with the target alone (stopping after an
         end-of-generation token): llama.cpp's plain decoding loop."""
         for _ in range(max_tokens):
-            token = int(self._logits(self.ids, 1)[0].argmax())
+            row = self.owner.engine.logits(self.ids, 1, prompt=self.prompt, owner=self)[0]
+            token = int(np.argmax(row))  # (numpy, on this thread: see decode/verify.py `argmax`)
             self.ids.append(token)
             self.forwards += 1
             yield token
