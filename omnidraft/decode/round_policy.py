@@ -43,8 +43,9 @@ class RoundPolicy:
         """The next round's plan with `remaining` tokens to go; None when the target's server
         takes no draft now (a zero budget: it should decode the rest alone) or the request's
         balance against the target alone covers no draft (`req.ledger.aside`: a greedy request's
-        target decodes a stretch alone; a sampled one's rounds propose nothing). Without `floor` (a device drafting ahead for a server's engine, whose
-        budget decides what it verifies) the balance is not asked."""
+        target decodes a stretch alone; a sampled one's rounds propose nothing). Without `floor`
+        (a device drafting ahead for a server's engine, whose budget decides what it verifies)
+        the balance is not asked."""
         s = self.s
         model, free = s.plan.at(s.target, len(req.target.ids))  # what can pay at this context
         defer = model and req.k > 0 and req.read.defer(s.policy.last_rates if s.policy else {}, req.produced)
