@@ -77,6 +77,22 @@ def test_the_step_measured_decoding_alone_is_kept_for_the_next_request():
     assert ledger.step == pytest.approx(0.03) and floor.begin(STEP).step == pytest.approx(0.03)
 
 
+def test_a_model_draft_that_must_first_read_the_prompt_waits_retrieved_tokens_do_not():
+    """The drafter's read of tokens it has not seen (a long prompt) counts in a model draft's worst
+    case; a retrieved proposal needs no drafter forward, so the balance still covers it."""
+    floor, cost = Floor(), CostModel(verify=FLAT)
+    cost.observe(4, 4 * 0.2 * STEP, 5, FLAT[5])
+    first = floor.begin(STEP, unread=250)
+    floor.read_prompt(first, 250, 250 * 0.5 * STEP)  # read at half a step a token, charged
+    assert first.saved == pytest.approx(-125 * STEP) and floor.read == pytest.approx(0.5 * STEP)
+    second = floor.begin(STEP, unread=250)
+    assert second.cap(cost, 4, 4, 128) == (0, 4) and not second.aside  # retrieved tokens only
+    second.book(3, 2 * STEP, True, drafted=False)
+    assert second.unread == 253
+    second.unread = 2  # caught up but two tokens
+    assert second.cap(cost, 4, 4, 128) == (4, 4)
+
+
 def test_without_a_measured_step_nothing_is_capped():
     ledger = Ledger(FloorKnobs(), 0.02, None)
     assert ledger.cap(CostModel(verify=COMPUTE_BOUND), 6, 6, 100) == (6, 6) and not ledger.aside
@@ -106,7 +122,9 @@ def test_standing_aside_decodes_stretches_alone_and_keeps_the_targets_output(
     pair = od.Pairing(
         OracleDrafter(tiny_target, ref), tiny_target, od.DecodeConfig(k=5, strategy="ngram", drafts="model")
     )
-    monkeypatch.setattr(pair.speculator.floor, "begin", lambda step: _Aside(FloorKnobs(aside=8), 0.02, STEP))
+    monkeypatch.setattr(
+        pair.speculator.floor, "begin", lambda step, unread=0: _Aside(FloorKnobs(aside=8), 0.02, STEP)
+    )
     out = pair.generate(prompt, max_new_tokens=40)
     assert out.token_ids == ref
     assert [r.proposed for r in out.rounds] == [0] * 40  # decoded alone, one record a token

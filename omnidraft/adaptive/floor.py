@@ -72,6 +72,8 @@ class Ledger:
         self.tokens = 0  # tokens the booked rounds committed
         self.aside = False  # the balance could not cover the last round's draft
         self.measured = False  # `step` is this request's decoding alone, not an estimate
+        self.read: float | None = None  # seconds the drafter takes to read a token it has not seen
+        self.unread = 0  # committed tokens the drafter has not read yet (the prompt, to begin with)
 
     def seen(self, step: float) -> None:
         """A newer estimate of the step (the cost model's one-token verify), kept until decoding
@@ -89,8 +91,10 @@ class Ledger:
     def balance(self, remaining: int) -> float:
         return self.saved + self.allowance(remaining)
 
-    def book(self, committed: int, seconds: float, proposed: bool) -> None:
-        """A round (`proposed`: it proposed tokens) committed `committed` tokens in `seconds`."""
+    def book(self, committed: int, seconds: float, proposed: bool, *, drafted: bool = False) -> None:
+        """A round (`proposed`: it proposed tokens; `drafted`: the drafter model drafted them, having
+        read every committed token) committed `committed` tokens in `seconds`."""
+        self.unread = 0 if drafted else self.unread + committed
         if self.step is None or committed < 1:
             return
         gained = committed * self.step - seconds
@@ -99,11 +103,18 @@ class Ledger:
         if proposed:
             self.drafted += gained
 
+    def charge(self, seconds: float) -> None:
+        """Time drafting took that the target alone never spends (the drafter reading the prompt)."""
+        if self.on and self.step is not None:
+            self.saved -= seconds
+            self.drafted -= seconds
+
     def alone(self, committed: int, seconds: float) -> None:
         """The target decoded `committed` tokens alone in `seconds`: the step as measured now."""
         if committed < 1 or seconds <= 0:
             return
         self.step, self.measured = seconds / committed, True
+        self.unread += committed
         self.tokens += committed  # booked at exactly its own step: no gain, no loss
 
     def cap(self, costs: Costs, k: int, limit: int, remaining: int) -> tuple[int, int]:
@@ -113,16 +124,26 @@ class Ledger:
             self.aside = False
             return k, limit
         covered = self.balance(remaining)
+        model = self._longest(costs, k, limit, covered) if k else 0
+        if model:
+            self.aside = False
+            return min(k, model), model
+        free = self._longest(costs, 0, limit, covered)  # retrieved tokens alone: no drafter forward
+        self.aside = free == 0
+        return 0, free
+
+    def _longest(self, costs: Costs, k: int, limit: int, covered: float) -> int:
         m = limit
         while m > 0 and self.worst(costs, m, min(k, m)) > covered:
             m -= 1
-        self.aside = m == 0
-        return min(k, m), m
+        return m
 
     def worst(self, costs: Costs, m: int, k: int) -> float:
         """What a round drafting `k` tokens into a proposal of `m` loses if none is accepted: it
-        commits one token, which alone would have cost one step."""
-        drafting = costs.overhead + k * (costs.draft or 0.0) if k else 0.0
+        commits one token, which alone would have cost one step. A model draft first reads what
+        the drafter has not seen."""
+        reading = self.unread * (self.read or 0.0)
+        drafting = reading + costs.overhead + k * (costs.draft or 0.0) if k else 0.0
         try:
             verify = costs.verify_cost(m + 1)
         except ValueError:  # nothing measured yet: a verify costing a step a token, the worst kind
@@ -138,13 +159,21 @@ class Floor:
         self.knobs, self.on = knobs or FloorKnobs(), on
         self.step: float | None = None  # seconds a token alone, as last measured
         self.scale = 1.0  # the share of `explore` the next request may lose
+        self.read: float | None = None  # seconds the drafter reads a token in, as last measured
 
-    def begin(self, step: float | None) -> Ledger:
+    def begin(self, step: float | None, unread: int = 0) -> Ledger:
         """A new request's ledger; `step`: the cost model's one-token verify, used where no decoding
-        alone has been measured yet."""
+        alone has been measured yet; `unread`: the drafter's prompt tokens."""
         ledger = Ledger(self.knobs, self.knobs.explore * self.scale, self.step or step, on=self.on)
-        ledger.measured = self.step is not None
+        ledger.measured, ledger.read, ledger.unread = self.step is not None, self.read, unread
         return ledger
+
+    def read_prompt(self, ledger: Ledger, tokens: int, seconds: float) -> None:
+        """The drafter read a prompt of `tokens` in `seconds` (a request's first draft): charged to
+        the request, and the per-token estimate later model drafts are capped by."""
+        ledger.charge(seconds)
+        if tokens > 0 and seconds > 0:
+            self.read = ledger.read = seconds / tokens
 
     def end(self, ledger: Ledger) -> None:
         """A finished request: its measured step is kept, and its drafts' result sets the next

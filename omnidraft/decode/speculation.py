@@ -55,6 +55,7 @@ class Request:
     pending: tuple[int, float, int, float, float] | None = None
     booking: tuple[int, bool, float] | None = None
     alone: bool = False
+    drafted: bool = False
 
 
 class Speculation:
@@ -76,7 +77,7 @@ class Speculation:
         self.s, self.policy, self.proposer = s, RoundPolicy(s), s.proposer
         with s.lock:  # begin_request also moves the shared acceptance history
             k, stopper = s.lengths.begin_request()
-            ledger = s.floor.begin(s.cost.verify.get(1))
+            ledger = s.floor.begin(s.cost.verify.get(1), len(drafter_ids))
         deferral = s.retriever.deferral if s.retriever is not None and s.free_drafts else None
         read = deferral.begin(len(target.ids)) if deferral is not None else NO_READ
         self.request = Request(
@@ -146,6 +147,11 @@ class Speculation:
             self.policy.observe(req, rnd, verify_s, len(rnd.proposal) + 1)
         if seconds is not None:  # (the first round also read the prompt: not booked)
             req.booking, req.alone = (len(new), len(rnd.proposal) > 0, rnd.started), False
+            req.drafted = bool(rnd.draft.ids)
+        elif rnd.draft.ids:  # the drafter read the prompt, which the target alone never does
+            with self.s.lock:
+                self.s.floor.read_prompt(req.ledger, len(req.drafter_ids), rnd.drafted - rnd.started)
+            req.ledger.unread = 0
         self.rounds += 1
         return rnd
 
@@ -178,7 +184,7 @@ class Speculation:
             return
         if 1 in self.s.cost.verify:  # (a one-token verify extrapolated from longer ones misleads)
             req.ledger.seen(self.s.cost.verify_cost(1))
-        req.ledger.book(committed, now - began, proposed)
+        req.ledger.book(committed, now - began, proposed, drafted=req.drafted)
 
     def close(self) -> None:
         """The request is over: its last round booked, its ledger handed to the pairing's floor."""
