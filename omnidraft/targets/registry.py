@@ -93,6 +93,12 @@ def _vllm(spec: str, options: Mapping[str, Any]) -> Target:
     return VLLMTarget.load(spec, **vllm_engine_args(options))  # with omnidraft's proposer: /speculate
 
 
+def _openvino(spec: str, options: Mapping[str, Any]) -> Target:
+    from .openvino_target import OpenVINOTarget
+
+    return OpenVINOTarget.load(spec)
+
+
 for _builtin in (
     Engine("torch", "PyTorch in this process (fp32 on a CPU; --device, --dtype)", _torch),
     Engine("llama.cpp", "llama.cpp on the preset's or .gguf file's own weights (--slots, --n-ctx)", _llama),
@@ -101,6 +107,12 @@ for _builtin in (
         "vLLM, sessions batched by its scheduler (pip install 'omnidraft[vllm]'; --max-model-len, "
         "--engine-arg)",
         _vllm,
+    ),
+    Engine(
+        "openvino",
+        "OpenVINO in this process, a preset exported once to int8 IR (pip install 'omnidraft[openvino]'; "
+        "the export needs OMNIDRAFT_OPENVINO_PYTHON)",
+        _openvino,
     ),
 ):
     register_engine(_builtin)

@@ -1,0 +1,125 @@
+"""OpenVINO as a target (omnidraft/targets/openvino_target.py): a tiny model exported in the test by
+optimum-intel (in the venv `make` builds, .venv-openvino), then verified by OpenVINO's CPU plugin.
+The promise tested: greedy output token-identical to OpenVINO decoding one token at a time, with
+proposals accepted in full, cut, or rejected outright; the rows a verify reads equal one-row steps.
+The real tier exports the shipped 0.5B (int8) and pairs SmolLM2 with it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import omnidraft as od
+from omnidraft.errors import MissingDependencyError
+from omnidraft.export.openvino import export_openvino, exported, openvino_python
+
+from .conftest import gsm8k_texts, tiny_llama
+from .fakes import OracleDrafter
+
+OPENVINO = os.environ.get("OMNIDRAFT_OPENVINO_PYTHON") or str(
+    Path(__file__).resolve().parents[1] / ".venv-openvino" / "bin" / "python"
+)
+PROMPTS = [t[:80] for t in gsm8k_texts("test", 4)] + ["def add(a, b):\n    return"]
+
+
+@pytest.fixture(scope="module")
+def ov_target(target_tokenizer, tmp_path_factory):
+    src, out = tmp_path_factory.mktemp("tiny-hf"), tmp_path_factory.mktemp("tiny-ov") / "ir"
+    model = tiny_llama(len(target_tokenizer), seed=1, logit_scale=30.0)
+    model.generation_config.eos_token_id = 0
+    model.save_pretrained(src)
+    target_tokenizer.save_pretrained(src)
+    export_openvino(src, out, weights="int8", python=openvino_python(OPENVINO))
+    return od.OpenVINOTarget(out, tokenizer=target_tokenizer, name="tiny-ov")
+
+
+def alone(target, prompt: str, n: int) -> list[int]:
+    session = target.begin(target.tokenizer(prompt)["input_ids"])
+    try:
+        return list(session.decode(n))
+    finally:
+        session.close()
+
+
+def test_the_engines_verify_rows_are_its_one_token_steps(ov_target):
+    """What exactness rests on: the margin measured on this machine, and the rows of a verify of
+    several tokens against the same positions decoded one at a time."""
+    assert ov_target.margin >= 0.0  # 0 on this CPU with a bf16 KV cache: no position is re-checked
+    ids = ov_target.tokenizer(PROMPTS[0])["input_ids"]
+    ref = alone(ov_target, PROMPTS[0], 12)
+    engine = ov_target.engine
+    engine.claim(object())
+    rows = [engine.forward(ids, 1)[0]]
+    for token in ref[:-1]:
+        rows.append(engine.forward([token], 1)[0])
+    engine.trim(len(ids))  # keep the prompt: a verify never feeds a prompt token again
+    got = engine.forward(ref[:9], 9)
+    difference = float(np.abs(got - np.stack(rows[1:10])).max())
+    assert difference == 0.0 if ov_target.margin == 0.0 else difference < ov_target.margin
+    engine.owner = None
+
+
+@pytest.mark.parametrize("wrong_at", [None, 0, 2])
+def test_greedy_output_is_the_engines_own_one_token_at_a_time(ov_target, wrong_at):
+    for prompt in PROMPTS:
+        ref = alone(ov_target, prompt, 24)
+        drafter = OracleDrafter(ov_target, ref, **({} if wrong_at is None else {"wrong_at": wrong_at}))
+        config = od.DecodeConfig(k=5, strategy="ngram", drafts="model", objective="compute")
+        out = od.Pairing(drafter, ov_target, config).generate(prompt, max_new_tokens=24)
+        assert out.token_ids == ref, prompt
+        if wrong_at is None:
+            assert out.stats.acceptance_rate == 1.0
+
+
+def test_a_model_of_another_vocabulary_drafts_and_the_output_stays_the_engines(ov_target, tiny_drafter):
+    pair = tiny_drafter.pair(ov_target, k=4, objective="compute")
+    for prompt in PROMPTS:
+        assert pair.generate(prompt, max_new_tokens=24).token_ids == alone(ov_target, prompt, 24), prompt
+    default = tiny_drafter.pair(ov_target)  # the default objective: the floor may stand aside
+    assert default.generate(PROMPTS[1], max_new_tokens=24).token_ids == alone(ov_target, PROMPTS[1], 24)
+
+
+def test_two_sessions_take_turns_on_the_engines_state(ov_target):
+    a, b = (ov_target.begin(ov_target.tokenizer(p)["input_ids"]) for p in PROMPTS[:2])
+    got_a, got_b = [], []
+    decode_a, decode_b = a.decode(10), b.decode(10)
+    for _ in range(10):  # each step finds the other session's sequence in the state and re-reads
+        got_a.append(next(decode_a))
+        got_b.append(next(decode_b))
+    assert got_a == alone(ov_target, PROMPTS[0], 10)
+    assert got_b[:1] == alone(ov_target, PROMPTS[1], 1)
+
+
+def test_costs_are_measured_once_and_a_verify_of_a_few_costs_little_more_than_a_step(ov_target):
+    costs = ov_target.verify_costs()
+    assert sorted(costs) == list(range(1, 10)) and all(c > 0 for c in costs.values())
+    assert ov_target.verify_costs() == costs  # remembered (runtime/measured.py)
+
+
+def test_the_engine_is_registered_and_bad_paths_and_missing_exporters_are_named(tmp_path, monkeypatch):
+    from omnidraft.targets.registry import engine_names
+
+    assert "openvino" in engine_names()
+    with pytest.raises(FileNotFoundError, match="no OpenVINO model"):
+        od.OpenVINOTarget(tmp_path)
+    monkeypatch.delenv("OMNIDRAFT_OPENVINO_PYTHON", raising=False)
+    with pytest.raises(MissingDependencyError, match="optimum-intel"):
+        openvino_python()
+    with pytest.raises(MissingDependencyError, match="no Python at"):
+        openvino_python(str(tmp_path / "python"))
+    with pytest.raises(ValueError, match="weights must be one of"):
+        export_openvino(tmp_path, tmp_path / "out", weights="int3", python=OPENVINO)
+
+
+@pytest.mark.real
+def test_the_shipped_05b_exported_once_pairs_with_smollm2_and_stays_identical(monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_OPENVINO_PYTHON", OPENVINO)
+    path = exported("qwen2.5-coder-0.5b")
+    assert exported("qwen2.5-coder-0.5b") == path  # once, then found in the cache
+    target = od.OpenVINOTarget.load("qwen2.5-coder-0.5b")
+    pair = od.Drafter.load("smollm2-135m").pair(target)
+    for prompt in ["def fibonacci(n):", gsm8k_texts("test", 1)[0][:200]]:
+        assert pair.generate(prompt, max_new_tokens=48).token_ids == alone(target, prompt, 48), prompt
