@@ -146,6 +146,23 @@ def test_unknown_or_unimplemented_fields_are_refused_by_name(served):
     assert ok.usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize("stop", ["", [""], ["", "zzz"]])
+def test_an_empty_stop_string_is_refused_not_a_reply_cut_at_once(served, stop):
+    """An empty stop string matches before the first character: once it returned 'S' or '' with
+    finish reason "stop". It is refused, naming the field, on completions and chat alike."""
+    import openai
+
+    target, client = served
+    with pytest.raises(openai.BadRequestError, match="stop strings must be non-empty"):
+        client.completions.create(
+            model=target.name, prompt="Question:", max_tokens=4, temperature=0, stop=stop
+        )
+    with pytest.raises(openai.BadRequestError, match="stop strings must be non-empty"):
+        client.chat.completions.create(
+            model=target.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stop=stop
+        )
+
+
 def test_a_request_for_another_model_is_refused_naming_the_served_one(served):
     import openai
 

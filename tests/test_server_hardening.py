@@ -802,3 +802,16 @@ def test_a_verify_with_nothing_to_prefill_queues_for_the_model_once(client, tiny
     finally:
         service.model_lock = lock
     assert r.status_code == 200 and len(entered) == 1, (r.text, entered)
+
+
+def test_errors_repeat_a_clients_huge_values_cut_to_a_bounded_length(tiny_target):
+    """A 100 KB model name came back whole in its 404, a 5,000-character session id too."""
+    from fastapi.testclient import TestClient
+
+    auth = {"authorization": f"Bearer {KEY}"}
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as c:
+        huge = c.post("/v1/completions", json={"model": "m" * 100_000, "prompt": "x"}, headers=auth)
+        assert huge.status_code == 404 and len(huge.text) < 1000 and "100002 characters" in huge.text
+        sid = "s" * 5000
+        gone = c.post(f"/v1/sessions/{sid}/verify", json={"committed": 1, "proposal": []}, headers=auth)
+        assert gone.status_code == 404 and len(gone.text) < 1000 and "5002 characters" in gone.text

@@ -9,7 +9,7 @@ import contextlib
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ..errors import Cancelled
 
@@ -30,7 +30,8 @@ MAX_LOGPROBS = 20
 class SamplingFields(BaseModel):
     """What OpenAI's completion and chat requests share: the model name, sampling, stop, streaming.
     An unknown field is refused, naming it; OpenAI fields this server does not implement are taken
-    at their neutral values only (a penalty of 0, no logit bias), and `user` is accepted."""
+    at their neutral values only (a penalty of 0, no logit bias), and `user` is accepted. An empty
+    stop string is refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     model: str | None = None
@@ -46,6 +47,17 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        """An empty stop string is refused (422): it would match before the first character and end
+        every reply at once. (`Pairing.generate` refuses it too.)"""
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError(
+                "stop strings must be non-empty: an empty one would end the reply before it starts"
+            )
+        return stop
 
 
 class CompletionRequest(SamplingFields):

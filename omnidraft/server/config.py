@@ -14,6 +14,7 @@ from ..target import Rule
 
 __all__ = [
     "HTTPError",
+    "shown",
     "ServerConfig",
     "check_ids",
     "checked_rule",
@@ -76,11 +77,24 @@ class ServerConfig:
         return self.max_tokens_per_key or self.max_tokens // max(1, len(self.keys))
 
 
+SHOWN = 64  # the most characters of a client's value an error message repeats
+MESSAGE = 2000  # the most characters of an error message
+
+
+def shown(value: Any) -> str:
+    """A client's value as an error message repeats it: its repr, cut to `SHOWN` characters with
+    its length said, so a huge value is never echoed back whole."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
+
+
 class HTTPError(Exception):
-    """A refusal: its HTTP `status`, the `message` its reply's "error" carries, and `fields` the
-    reply carries beside it (a stale request's 409 says the session's `committed` length)."""
+    """A refusal: its HTTP `status`, the `message` its reply's "error" carries (at most `MESSAGE`
+    characters: values from the request in it go through `shown`), and `fields` the reply carries
+    beside it (a stale request's 409 says the session's `committed` length)."""
 
     def __init__(self, status: int, message: str, **fields: Any) -> None:
+        message = message if len(message) <= MESSAGE else message[:MESSAGE] + "..."
         super().__init__(message)
         self.status, self.message, self.fields = status, message, fields
 

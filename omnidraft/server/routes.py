@@ -18,6 +18,7 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from ..target import Rule
+from .config import shown
 from .openai_api import ChatRequest, chat_prompt, models_reply, respond
 from .protocol import (
     VERSION,
@@ -182,7 +183,7 @@ def add_openai_routes(app: FastAPI, service: Service, io: RequestIO) -> None:
         if parsed.model is not None and parsed.model != service.target.name:
             raise HTTPError(
                 404,
-                f"the model {parsed.model!r} is not served here: this server serves "
+                f"the model {shown(parsed.model)} is not served here: this server serves "
                 f"{service.target.name!r} (GET /v1/models lists it)",
             )
 

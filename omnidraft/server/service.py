@@ -21,7 +21,7 @@ import torch
 from ..decode.rounds import TokenLogprob, token_logprobs
 from ..target import BatchingTarget, ChunkedSession, Rule, check_target
 from .budget import DraftBudget, DraftGate
-from .config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule, verify_rule
+from .config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule, shown, verify_rule
 from .device_rounds import SpeculateRoutes
 from .metrics import Metrics
 from .protocol import (
@@ -329,7 +329,7 @@ class Service(TextRoutes, SpeculateRoutes):
             self._expire()
             session = self.sessions.get(sid)
             if session is None or session.key != key:  # another key's session is not there for this one
-                raise HTTPError(404, f"no session {sid!r} (closed, expired or never opened)")
+                raise HTTPError(404, f"no session {shown(sid)} (closed, expired or never opened)")
             return session  # only a request that is served refreshes `used` (a stale one keeps nothing alive)
 
     def _hold(self, tokens: int, key: int) -> Callable[[], None]:
