@@ -303,3 +303,23 @@ def test_timed_rows_take_turns_running_first_and_compare_with_the_first_row():
     assert refs == [[1, 2, 3], [1, 2, 3]]
     assert [r["identical"] for r in results if r["prompt"] == 0] == [True, True, False]
     assert all(len(r["runs"]) == 2 for r in results)
+
+
+def test_the_data_is_found_from_a_checkout_the_user_is_in_and_the_error_names_where_it_looked(
+    tmp_path, monkeypatch
+):
+    """A package installed outside the checkout (the README's by-hand install) still finds the
+    checkout's data/ from the working directory or one below it; elsewhere the error says where
+    it looked and what to do."""
+    from omnidraft.bench import datasets
+
+    monkeypatch.delenv("OMNIDRAFT_DATA", raising=False)
+    monkeypatch.setattr(datasets, "REPO_DATA", tmp_path / "site-packages" / "data")
+    checkout = tmp_path / "omnidraft"
+    (checkout / "data" / "gsm8k").mkdir(parents=True)
+    (checkout / "examples").mkdir()
+    monkeypatch.chdir(checkout / "examples")
+    assert datasets.data_dir() == (checkout / "data").resolve()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="site-packages/data nor under .* OMNIDRAFT_DATA"):
+        datasets.data_dir()

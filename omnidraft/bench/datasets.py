@@ -1,6 +1,7 @@
 """Benchmark prompts: GSM8K, HumanEval, or any JSONL file with a "prompt" field.
 
-Data is read from $OMNIDRAFT_DATA, else from the repository's own `data/` (see data/README.md).
+Data is read from $OMNIDRAFT_DATA, else from the repository's own `data/` (see data/README.md), found
+beside the package or from the working directory.
 Nothing is downloaded and nothing outside the repository is read.
 """
 
@@ -21,14 +22,23 @@ REPO_DATA = Path(__file__).resolve().parents[2] / "data"  # the checkout's data/
 
 
 def data_dir() -> Path:
-    """The data directory: $OMNIDRAFT_DATA, else the repository's `data/`."""
-    path = Path(os.environ["OMNIDRAFT_DATA"]) if os.environ.get("OMNIDRAFT_DATA") else REPO_DATA
-    if not (path / "gsm8k").is_dir():
-        raise FileNotFoundError(
-            f"no gsm8k/ under the data directory {path}; run from a checkout of the repository "
-            "or set OMNIDRAFT_DATA to a directory laid out like its data/"
-        )
-    return path
+    """The data directory: $OMNIDRAFT_DATA, else the checkout's `data/` (an editable install), else
+    the `data/` of the working directory or of a directory above it (a checkout the user is in,
+    with the package installed elsewhere)."""
+    if os.environ.get("OMNIDRAFT_DATA"):
+        tried = [Path(os.environ["OMNIDRAFT_DATA"])]
+    else:
+        here = Path.cwd().resolve()
+        tried = [REPO_DATA, *(d / "data" for d in (here, *here.parents))]
+    for path in tried:
+        if (path / "gsm8k").is_dir():
+            return path
+    raise FileNotFoundError(
+        f"no gsm8k/ under {tried[0]}"
+        + (f" nor under {tried[1]} and the directories above" if tried[1:] else "")
+        + "; run from a checkout of the repository (its data/) or set OMNIDRAFT_DATA to a directory laid "
+        "out like its data/"
+    )
 
 
 def _jsonl(path: Path) -> list[dict]:
