@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omnidraft.cli.options import DRAFTER, TARGET, add_decoding_args, load_pair, split_pair, start_run
 
-from . import experiments, learning_cost, users
+from . import engines, experiments, learning_cost, users
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -267,6 +267,13 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--context", type=int, action="append", help="context lengths (default 100 500 1000 2000)")
     v.add_argument("--rounds", type=int, default=8)
 
+    e = sub.add_parser("engines", help="one target on llama.cpp and OpenVINO, alone and paired, taking turns")
+    e.add_argument("--pair", default=f"{DRAFTER}:qwen2.5-coder-0.5b")
+    e.add_argument("--dataset", default="mixed")
+    e.add_argument("--n", type=int, default=24)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--repeats", type=int, default=2)
+    e.add_argument("--out", help="write the per-request results (JSON) here")
     c = sub.add_parser("calibrate", help="time the real models; write a device_sim device profile")
     c.add_argument("--pair", default=f"{DRAFTER}:{TARGET}")
     c.add_argument("--out", required=True, help="profile JSON to write (device_sim --profiles FILE)")
@@ -357,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         "shortlists": _shortlists,
         "users": users.run,
         "learning-cost": learning_cost.run,
+        "engines": engines.run,
     }
     run[args.command](args)
 
