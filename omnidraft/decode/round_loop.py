@@ -28,6 +28,9 @@ def run(
     `max_new_tokens` or EOS. `rows`: the target's top-k rows, kept for distillation when `topk` > 0.
     The first round also prefills the prompt: its verify is not a verification cost."""
     tsession, eos_ids = spec.request.target, s.target.eos_ids
+    # where the floor stands aside the target decodes alone: greedy, and no rows asked of a round
+    greedy = spec.request.rule.mode == "greedy"
+    spec.request.may_decode = greedy and topk == 0 and s.target.capabilities.decodes_alone
     while spec.produced < max_new_tokens:
         remaining = max_new_tokens - spec.produced
         rnd = spec.propose(remaining)

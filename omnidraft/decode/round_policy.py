@@ -42,8 +42,8 @@ class RoundPolicy:
     def plan(self, req: Request, remaining: int, *, floor: bool = True) -> RoundPlan | None:
         """The next round's plan with `remaining` tokens to go; None when the target's server
         takes no draft now (a zero budget: it should decode the rest alone) or the request's
-        balance against the target alone covers no draft (`req.ledger.aside`: a greedy request's
-        target decodes a stretch alone; a sampled one's rounds propose nothing). Without `floor`
+        balance against the target alone covers no draft (`req.ledger.aside`: where the request
+        `may_decode`, its target decodes a stretch alone; else its rounds propose nothing). Without `floor`
         (a device drafting ahead for a server's engine, whose budget decides what it verifies)
         the balance is not asked."""
         s = self.s
@@ -56,7 +56,7 @@ class RoundPolicy:
             model or free
         ):  # the floor: no more than the request's balance covers (adaptive/floor.py)
             ask, limit = req.ledger.cap(s.cost, ask, limit, remaining)
-            if req.ledger.aside and req.rule.mode == "greedy":  # (a sampled step samples in a round)
+            if req.ledger.aside and req.may_decode:  # (else a round that proposes nothing)
                 return None
         return RoundPlan(ask, limit, free, defer)
 

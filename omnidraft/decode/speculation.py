@@ -56,6 +56,7 @@ class Request:
     booking: tuple[int, bool, float] | None = None
     alone: bool = False
     drafted: bool = False
+    may_decode: bool = False
 
 
 class Speculation:

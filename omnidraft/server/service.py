@@ -95,7 +95,8 @@ class Service(TextRoutes, SpeculateRoutes):
         with self.table_lock:
             self._expire()
             share, most = self.config.key_sessions, self.config.max_sessions
-            if sum(1 for v in self.sessions.values() if v.key == key) >= share:
+            shared = len(self.config.keys) > 1 or self.config.max_sessions_per_key is not None
+            if shared and sum(1 for v in self.sessions.values() if v.key == key) >= share:
                 why = f"this API key holds its share of {share} of the server's {most} sessions"
                 raise HTTPError(429, f"{why}; close one or retry later")
             if len(self.sessions) >= self.config.max_sessions:
