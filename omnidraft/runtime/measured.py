@@ -85,10 +85,20 @@ def remembered(kind: str, key: str, measure: Callable[[], Any], *, root: Path | 
     known = read(kind, root=root)
     if key in known:
         return known[key]
-    log.info("measuring %s for %s on this machine (once; `omnidraft doctor --reset` forgets it)", kind, key)
+    log.info(
+        "measuring %s for %s on this machine (once; `omnidraft doctor --reset` forgets it)", kind, _named(key)
+    )
     value = measure()
     update(kind, {key: value}, root=root)
     return value
+
+
+def _named(key: str) -> str:
+    """What a key is about, as a log line says it: the file or model it names (its first part, or
+    the first part that is a path), not the versions, sizes and settings that make it unique."""
+    parts = key.split("|")
+    named = next((p for p in parts if "/" in p or p.endswith((".gguf", ".xml"))), parts[0])
+    return Path(named.split(":")[0]).name or named
 
 
 def entries(*, root: Path | None = None) -> list[tuple[str, Path, int]]:
