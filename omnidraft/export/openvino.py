@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..errors import IncompatibleError, MissingDependencyError
+from ..errors import IncompatibleError
 
 __all__ = ["WEIGHTS", "export_openvino", "exported", "openvino_python"]
 
@@ -33,15 +33,13 @@ INSTALL = (
 
 def openvino_python(given: str | None = None) -> str:
     """The Python that runs optimum-intel's exporter."""
-    python = given or os.environ.get("OMNIDRAFT_OPENVINO_PYTHON")
-    if not python:
-        raise MissingDependencyError(
-            "exporting to OpenVINO needs a Python with optimum-intel, which pins another transformers "
-            f"than this package runs, so it lives in an environment of its own: {INSTALL}"
-        )
-    if not Path(python).is_file():
-        raise MissingDependencyError(f"no Python at {python} to run optimum-intel's exporter: {INSTALL}")
-    return python
+    from .via_optimum import exporter_python
+
+    needs = (
+        "exporting to OpenVINO needs a Python with optimum-intel, which pins another transformers than "
+        "this package runs"
+    )
+    return exporter_python(given, "OMNIDRAFT_OPENVINO_PYTHON", needs, "optimum-intel's exporter", INSTALL)
 
 
 def export_openvino(source: str | os.PathLike[str], out: Path, *, weights: str = "int8", python: str) -> Path:

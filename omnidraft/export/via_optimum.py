@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import IncompatibleError, MissingDependencyError
 
-__all__ = ["TASK", "cut_head", "export_base", "legacy_config", "optimum_python"]
+__all__ = ["TASK", "cut_head", "export_base", "exporter_python", "legacy_config", "optimum_python"]
 
 TASK = "text-generation-with-past"
 INSTALL = (
@@ -29,17 +29,25 @@ INSTALL = (
 )
 
 
+def exporter_python(given: str | None, variable: str, needs: str, exporter: str, install: str) -> str:
+    """The Python of an exporter that lives in an environment of its own: `given`, else the
+    environment `variable`; a clear error with the `install` line where there is none. `needs`
+    says why it is apart; `exporter` names it."""
+    python = given or os.environ.get(variable)
+    if not python:
+        raise MissingDependencyError(f"{needs}, so it lives in an environment of its own: {install}")
+    if not Path(python).is_file():
+        raise MissingDependencyError(f"no Python at {python} to run {exporter}: {install}")
+    return python
+
+
 def optimum_python(given: str | None = None) -> str:
     """The Python that runs optimum's exporter."""
-    python = given or os.environ.get("OMNIDRAFT_OPTIMUM_PYTHON")
-    if not python:
-        raise MissingDependencyError(
-            "exporting through optimum needs a Python with optimum-onnx, which pins transformers < 4.58 "
-            f"(this package runs 5.x), so it lives in an environment of its own: {INSTALL}"
-        )
-    if not Path(python).is_file():
-        raise MissingDependencyError(f"no Python at {python} to run optimum's exporter: {INSTALL}")
-    return python
+    needs = (
+        "exporting through optimum needs a Python with optimum-onnx, which pins transformers < 4.58 "
+        "(this package runs 5.x)"
+    )
+    return exporter_python(given, "OMNIDRAFT_OPTIMUM_PYTHON", needs, "optimum's exporter", INSTALL)
 
 
 def legacy_config(config: dict[str, Any]) -> dict[str, Any]:
