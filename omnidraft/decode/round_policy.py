@@ -43,18 +43,17 @@ class RoundPolicy:
         """The next round's plan with `remaining` tokens to go; None when the target's server
         takes no draft now (a zero budget: it should decode the rest alone) or the request's
         balance against the target alone covers no draft (`req.ledger.aside`: where the request
-        `may_decode`, its target decodes a stretch alone; else its rounds propose nothing). Without `floor`
-        (a device drafting ahead for a server's engine, whose budget decides what it verifies)
-        the balance is not asked."""
+        `may_decode`, its target decodes a stretch alone; else its rounds propose nothing).
+        Without `floor` (a device drafting ahead for a server's engine, whose budget decides what
+        it verifies) the balance is not asked."""
         s = self.s
         model, free = s.plan.at(s.target, len(req.target.ids))  # what can pay at this context
         defer = model and req.k > 0 and req.read.defer(s.policy.last_rates if s.policy else {}, req.produced)
         limit, ask = within_budget(req.target, remaining - 1, req.k if model and not defer else 0)
         if limit == 0 < remaining - 1:
             return None
-        if floor and (
-            model or free
-        ):  # the floor: no more than the request's balance covers (adaptive/floor.py)
+        # the floor: no more than the request's balance covers (adaptive/floor.py)
+        if floor and (model or free):
             ask, limit = req.ledger.cap(s.cost, ask, limit, remaining)
             if req.ledger.aside and req.may_decode:  # (else a round that proposes nothing)
                 return None
