@@ -193,3 +193,27 @@ def test_log_requests_writes_one_line_a_request_without_the_key(tiny_target, cap
             caplog.clear()
             http.get("/v1/models")
     assert not [r for r in caplog.records if r.name == "omnidraft.requests"]
+
+
+def test_a_model_is_retrieved_by_id_and_unknown_routes_answer_in_openais_shape(served):
+    """`client.models.retrieve` asks GET /v1/models/{id}: the served model is answered, another is
+    OpenAI's 404; a path or method no route serves (/v1/embeddings, a malformed session path) is a
+    404 or 405 in OpenAI's error shape, not FastAPI's {"detail": ...}, its path cut short."""
+    import openai
+
+    target, client = served
+    assert client.models.retrieve(target.name).id == target.name
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.models.retrieve("another-model")
+    http = client._client
+    auth = {"authorization": f"Bearer {KEY}"}
+    for method, path in [
+        ("POST", "/v1/embeddings"),
+        ("POST", "/v1/sessions/abc/nothing"),
+        ("GET", "/v1/completions"),
+        ("GET", "/v1/" + "x" * 5000),
+    ]:
+        reply = http.request(method, f"http://testserver{path}", headers=auth)
+        error = reply.json()["error"]
+        assert reply.status_code in (404, 405) and set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == reply.status_code and len(error["message"]) < 200, path

@@ -32,7 +32,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .config import shown
 from .openai_api import OPENAI_PATHS, error_body
 from .protocol import KEY_ENV, VERSION
 from .routes import RequestIO, add_device_routes, add_openai_routes, add_ops_routes
@@ -170,8 +172,8 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     def fail(status: int, message: str, path: str = "", fields: dict | None = None) -> JSONResponse:
         if status != 404:
             service.metrics.rejected_requests += 1
-        if path in OPENAI_PATHS:  # what an OpenAI client parses; an invalid request is its 400
-            status = 400 if status == 422 else status
+        if path in OPENAI_PATHS or path.startswith("/v1/models/"):  # what an OpenAI client parses
+            status = 400 if status == 422 else status  # an invalid request is its 400
             return JSONResponse(error_body(status, message), status_code=status)
         return JSONResponse({"version": VERSION, "error": message, **(fields or {})}, status_code=status)
 
@@ -197,7 +199,16 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         reply.headers["connection"] = "close"
         return reply
 
+    async def unrouted(request: Request, exc: Exception) -> JSONResponse:
+        """A path or method no route serves (the router's 404 or 405): in OpenAI's error shape, as
+        every client of this server can parse it, the path cut to a bounded length."""
+        assert isinstance(exc, StarletteHTTPException)
+        what = "no route serves" if exc.status_code == 404 else str(exc.detail).lower()
+        message = f"{what} {request.method} {shown(request.url.path)}"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+
     app.add_exception_handler(HTTPError, refused)
+    app.add_exception_handler(StarletteHTTPException, unrouted)
     app.add_middleware(
         Auth,
         key_of=key_of,

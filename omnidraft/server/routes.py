@@ -178,6 +178,12 @@ def add_openai_routes(app: FastAPI, service: Service, io: RequestIO) -> None:
     async def models() -> dict:
         return models_reply(service.target.name)
 
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        """One model, as `client.models.retrieve` asks: the served one, else OpenAI's 404."""
+        check_model(ChatRequest(model=model, messages=[{"role": "user", "content": "-"}]))
+        return models_reply(service.target.name)["data"][0]
+
     def check_model(parsed: Any) -> None:
         """A request for another model than this server's is refused, as OpenAI refuses one (404)."""
         if parsed.model is not None and parsed.model != service.target.name:
