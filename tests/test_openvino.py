@@ -74,6 +74,19 @@ def test_greedy_output_is_the_engines_own_one_token_at_a_time(ov_target, wrong_a
             assert out.stats.acceptance_rate == 1.0
 
 
+def test_positions_within_the_margin_are_decided_by_a_one_row_step_and_stay_exact(ov_target, monkeypatch):
+    """Where a CPU's verify rows are not bit-exact, the first close row is decided again by a
+    one-row step. Here every row is made close, so every round takes that path (a first call's
+    row 0, the prompt's own, excepted)."""
+    monkeypatch.setattr(ov_target, "margin", float("inf"))
+    for prompt in PROMPTS:
+        ref = alone(ov_target, prompt, 24)
+        config = od.DecodeConfig(k=5, strategy="ngram", drafts="model", objective="compute")
+        out = od.Pairing(OracleDrafter(ov_target, ref), ov_target, config).generate(prompt, max_new_tokens=24)
+        assert out.token_ids == ref, prompt
+        assert max(r.accepted for r in out.rounds) <= 1  # the round ends at its first re-checked row
+
+
 def test_a_model_of_another_vocabulary_drafts_and_the_output_stays_the_engines(ov_target, tiny_drafter):
     pair = tiny_drafter.pair(ov_target, k=4, objective="compute")
     for prompt in PROMPTS:

@@ -18,7 +18,6 @@ output is the engine's own one-token-at-a-time output. What this module is not: 
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -33,8 +32,6 @@ from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 
 __all__ = ["OpenVINOEngine", "OpenVINOTarget"]
-
-log = logging.getLogger("omnidraft.openvino")
 
 XML = "openvino_model.xml"
 ROWS = "rows"  # the input that picks how many last positions the LM head computes
@@ -87,7 +84,8 @@ class OpenVINOEngine:
         xml = self.path / XML if self.path.is_dir() else self.path
         if not xml.exists():
             raise FileNotFoundError(
-                f"no OpenVINO model at {xml}: export one with `omnidraft export-openvino`"
+                f"no OpenVINO model at {xml}: `OpenVINOTarget.load(spec)` exports a preset or HF model "
+                "(docs/openvino.md)"
             )
         self.xml, self.threads = xml, threads
         core = ov.Core()
@@ -104,7 +102,6 @@ class OpenVINOEngine:
         self.n_vocab = int(model.output("logits").get_partial_shape()[-1].get_length())
         self.cached = 0  # positions in the KV state
         self.owner: Any = None
-        self.forwards = 0
         self._seq_axis: int | None = None
 
     def forward(self, ids: list[int], rows: int) -> np.ndarray:
@@ -121,7 +118,6 @@ class OpenVINOEngine:
             feed["beam_idx"] = np.zeros(1, dtype=np.int32)
         self.request.infer(feed)
         self.cached += n
-        self.forwards += 1
         return self.request.get_tensor("logits").data[0, -rows:].copy()
 
     def trim(self, n: int) -> None:
@@ -171,10 +167,9 @@ class _OpenVINOSession(SessionBase):
         """Logits after the pending token and after each drafted one, (len(draft) + 1, V). A first
         call reads the prompt alone first, as decoding alone does, so its rows match."""
         engine = self.owner.engine
-        if not engine.claim(self) or engine.cached != self.cached:
-            engine.trim(self.cached) if engine.cached > self.cached else engine.reset()
-            if engine.cached == 0:
-                self.cached = 0
+        if not engine.claim(self) or engine.cached != self.cached:  # another's sequence was there
+            engine.reset()
+            self.cached = 0  # read afresh
         self.prefilled = self.cached == 0
         if self.prefilled:
             first = engine.forward(self.ids, 1)
@@ -210,11 +205,10 @@ class _OpenVINOSession(SessionBase):
         close = close[close > 0] if self.prefilled else close  # (the prompt's row is decoding's own)
         if not len(close):
             return verdict
-        j = int(close[0])
-        engine = self.owner.engine
-        engine.trim(self.cached + (len(self.ids) - self.cached) + j - 1)
-        token_in = (self.ids[self.cached :] + draft)[len(self.ids) - self.cached - 1 + j]
-        row = engine.forward([token_in], 1)[0]
+        j = int(close[0])  # row j follows the token at position len(ids) - 1 + j of ids + draft
+        at = len(self.ids) - 1 + j
+        self.owner.engine.trim(at)
+        row = self.owner.engine.forward([(self.ids + draft)[at]], 1)[0]
         return Verdict(j, int(row.argmax()))
 
     def _settle(self, accepted: list[int], token: int, base: int) -> None:
