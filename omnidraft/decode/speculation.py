@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -27,10 +27,23 @@ if TYPE_CHECKING:
     from ..target import Rule
     from .speculator import Speculator
 
-__all__ = ["Request", "Speculation"]
+__all__ = ["Booking", "Request", "Speculation"]
 
 # which translations a verification rule accepts (translate/translator.py)
 ONLY = {"exact": "direct", "omnidraft": "aligned"}
+
+
+class Booking(NamedTuple):
+    """A round waiting to be booked against the target alone (adaptive/floor.py) when the next one
+    begins: it committed `committed` tokens from `began` (perf_counter seconds); `proposed`: it
+    proposed tokens, `drafted`: the drafter model drafted them, `alone`: the target decoded them
+    alone (a stretch the floor stood aside for)."""
+
+    committed: int
+    began: float
+    proposed: bool = False
+    drafted: bool = False
+    alone: bool = False
 
 
 @dataclass
@@ -39,7 +52,10 @@ class Request:
     committed target ids as `.ids`; `k`: the next model draft length (0: none); `read`: the
     deferred read of the prompt (retrieve/retriever.py); `idle`: the last round did not draft (the
     next draft also catches the drafter up: not a drafting cost); `pending`: the last round's costs,
-    observed when the next begins."""
+    observed when the next begins; `ledger`: what its rounds gained or lost against the target
+    decoding alone (adaptive/floor.py), `booking` the last round's until the next begins;
+    `may_decode`: the target may decode a stretch alone where the floor stands aside (greedy, and
+    no top-k rows asked of each round)."""
 
     target: Any
     rule: Rule
@@ -53,9 +69,7 @@ class Request:
     produced: int = 0
     idle: bool = False
     pending: tuple[int, float, int, float, float] | None = None
-    booking: tuple[int, bool, float] | None = None
-    alone: bool = False
-    drafted: bool = False
+    booking: Booking | None = None
     may_decode: bool = False
 
 
@@ -147,8 +161,7 @@ class Speculation:
         else:
             self.policy.observe(req, rnd, verify_s, len(rnd.proposal) + 1)
         if seconds is not None:  # (the first round also read the prompt: not booked)
-            req.booking, req.alone = (len(new), len(rnd.proposal) > 0, rnd.started), False
-            req.drafted = bool(rnd.draft.ids)
+            req.booking = Booking(len(new), rnd.started, len(rnd.proposal) > 0, bool(rnd.draft.ids))
         elif rnd.draft.ids:  # the drafter read the prompt, which the target alone never does
             with self.s.lock:
                 self.s.floor.read_prompt(req.ledger, len(req.drafter_ids), rnd.drafted - rnd.started)
@@ -169,7 +182,7 @@ class Speculation:
             self.proposer.settle(self.state, Round.copied([]), Verdict(new, 0))
         req.produced += len(new)
         req.idle, req.pending = True, None
-        req.booking, req.alone = (len(new), False, began), True
+        req.booking = Booking(len(new), began, alone=True)
         self.rounds += 1
 
     def _book(self, now: float) -> None:
@@ -178,14 +191,13 @@ class Speculation:
         req = self.request
         if req.booking is None:
             return
-        committed, proposed, began = req.booking
-        req.booking = None
-        if req.alone:
-            req.ledger.alone(committed, now - began)
+        done, req.booking = req.booking, None
+        if done.alone:
+            req.ledger.alone(done.committed, now - done.began)
             return
         if 1 in self.s.cost.verify:  # (a one-token verify extrapolated from longer ones misleads)
             req.ledger.seen(self.s.cost.verify_cost(1))
-        req.ledger.book(committed, now - began, proposed, drafted=req.drafted)
+        req.ledger.book(done.committed, now - done.began, done.proposed, drafted=done.drafted)
 
     def close(self) -> None:
         """The request is over: its last round booked, its ledger handed to the pairing's floor."""
