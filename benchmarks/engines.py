@@ -25,17 +25,10 @@ def _timed(fn: Callable[[], list[int]]) -> tuple[list[int], float]:
     return out, time.perf_counter() - started
 
 
-def _alone(target: Any, ids: list[int], n: int) -> list[int]:
-    session = target.begin(list(ids))
-    try:
-        return list(session.decode(n))
-    finally:
-        session.close()
-
-
 def rows_for(target_spec: str, drafter_spec: str, n: int) -> dict[str, Callable[[str], list[int]]]:
     """{row name: prompt -> output ids}."""
     import omnidraft as od
+    from omnidraft.bench.baselines import target_alone
     from omnidraft.bench.llama import llama_alone
 
     llama, vino = od.LlamaCppTarget(target_spec), od.OpenVINOTarget.load(target_spec)
@@ -44,7 +37,7 @@ def rows_for(target_spec: str, drafter_spec: str, n: int) -> dict[str, Callable[
     on_llama, on_vino = drafter.pair(llama), drafter.pair(vino)
     return {
         "llama.cpp alone": lambda p: plain(p, llama.tokenizer(p)["input_ids"]).token_ids,
-        "OpenVINO alone": lambda p: _alone(vino, vino.tokenizer(p)["input_ids"], n),
+        "OpenVINO alone": lambda p: target_alone(vino, p, n).token_ids,
         "default pairing, llama.cpp": lambda p: on_llama.generate(p, max_new_tokens=n).token_ids,
         "default pairing, OpenVINO": lambda p: on_vino.generate(p, max_new_tokens=n).token_ids,
     }
