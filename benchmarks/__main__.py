@@ -274,6 +274,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--repeats", type=int, default=2)
     e.add_argument("--out", help="write the per-request results (JSON) here")
+    e.add_argument(
+        "--beside",
+        action="store_true",
+        help="add OpenVINO on a core fewer: alone, paired in turn, paired beside (docs/overlap.md)",
+    )
     c = sub.add_parser("calibrate", help="time the real models; write a device_sim device profile")
     c.add_argument("--pair", default=f"{DRAFTER}:{TARGET}")
     c.add_argument("--out", required=True, help="profile JSON to write (device_sim --profiles FILE)")

@@ -25,32 +25,49 @@ def _timed(fn: Callable[[], list[int]]) -> tuple[list[int], float]:
     return out, time.perf_counter() - started
 
 
-def rows_for(target_spec: str, drafter_spec: str, n: int) -> dict[str, Callable[[str], list[int]]]:
-    """{row name: prompt -> output ids}."""
+def rows_for(
+    target_spec: str, drafter_spec: str, n: int, *, beside: bool = False
+) -> dict[str, Callable[[str], list[int]]]:
+    """{row name: prompt -> output ids}; with `beside`, OpenVINO on one thread fewer than the
+    machine has too: alone, paired drafting in turn, and paired drafting beside its verifies."""
     import omnidraft as od
     from omnidraft.bench.baselines import target_alone
     from omnidraft.bench.llama import llama_alone
+    from omnidraft.llamacpp.loading import cpu_threads
 
     llama, vino = od.LlamaCppTarget(target_spec), od.OpenVINOTarget.load(target_spec)
     plain = llama_alone(llama, n)
     drafter = od.Drafter.load(drafter_spec)
     on_llama, on_vino = drafter.pair(llama), drafter.pair(vino)
-    return {
+    rows = {
         "llama.cpp alone": lambda p: plain(p, llama.tokenizer(p)["input_ids"]).token_ids,
         "OpenVINO alone": lambda p: target_alone(vino, p, n).token_ids,
         "default pairing, llama.cpp": lambda p: on_llama.generate(p, max_new_tokens=n).token_ids,
         "default pairing, OpenVINO": lambda p: on_vino.generate(p, max_new_tokens=n).token_ids,
     }
+    if beside:
+        fewer = od.OpenVINOTarget.load(target_spec, threads=max(1, cpu_threads() - 1))
+        in_turn, overlapped = drafter.pair(fewer), drafter.pair(fewer, overlap=True)
+        rows[FEWER] = lambda p: target_alone(fewer, p, n).token_ids
+        rows[f"{FEWER}, paired"] = lambda p: in_turn.generate(p, max_new_tokens=n).token_ids
+        rows[f"{FEWER}, paired beside"] = lambda p: overlapped.generate(p, max_new_tokens=n).token_ids
+    return rows
 
 
-REFERENCE = {"default pairing, llama.cpp": "llama.cpp alone", "default pairing, OpenVINO": "OpenVINO alone"}
+FEWER = "OpenVINO, a core left"
+REFERENCE = {
+    "default pairing, llama.cpp": "llama.cpp alone",
+    "default pairing, OpenVINO": "OpenVINO alone",
+    f"{FEWER}, paired": FEWER,
+    f"{FEWER}, paired beside": FEWER,
+}
 
 
 def run(args: Any) -> None:
     from omnidraft.bench.datasets import load_prompts
 
     drafter, target = args.pair.split(":")
-    rows = rows_for(target, drafter, args.max_new_tokens)
+    rows = rows_for(target, drafter, args.max_new_tokens, beside=args.beside)
     prompts = load_prompts(args.dataset, args.n)
     for fn in rows.values():  # warm every row once
         fn(prompts[0][:200])
@@ -68,7 +85,7 @@ def run(args: Any) -> None:
                 "index": i,
                 "tokens": {k: len(v) for k, v in outs.items()},
                 "seconds": {k: statistics.median(v) for k, v in times.items()},
-                "identical": {k: outs[k] == outs[ref] for k, ref in REFERENCE.items()},
+                "identical": {k: outs[k] == outs[ref] for k, ref in REFERENCE.items() if k in outs},
             }
         )
         print(_line(results[-1]), flush=True)
@@ -97,9 +114,14 @@ def report(results: list[dict[str, Any]]) -> str:
             (r["tokens"][k] / r["seconds"][k]) / (r["tokens"][fastest] / r["seconds"][fastest])
             for r in results
         )
-        same = sum(r["identical"][k] for r in results) if k in REFERENCE else None
+        same = sum(r["identical"][k] for r in results) if k in _compared(results) else None
         lines.append(
             f"| {k} | {total[k]:.2f} | {total[k] / total[fastest]:.2f}x | {worst:.2f}x | "
             f"{'-' if same is None else f'{same}/{len(results)}'} |"
         )
     return "\n".join(lines)
+
+
+def _compared(results: list[dict[str, Any]]) -> set[str]:
+    """The rows compared with their engine alone."""
+    return set(results[0]["identical"])

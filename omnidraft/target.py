@@ -97,7 +97,9 @@ class Capabilities:
     prefills_in_chunks: its sessions feed a long prompt in bounded pieces (`prefill(limit)`, `cached`)
         so that a server interleaves other sessions' work with it;
     scores_positions: its sessions return rows of logits (`scores(new, keep)`), which the server's
-        echo and log-probability completions read."""
+        echo and log-probability completions read;
+    verifies_beside: the threads its verify runs on, releasing Python's lock (0: it does not), so
+        that a drafter on the other cores drafts the next proposal meanwhile (decode/overlap.py)."""
 
     in_process: bool = False
     decodes_alone: bool = False
@@ -105,6 +107,7 @@ class Capabilities:
     batches_sessions: bool = False
     prefills_in_chunks: bool = False
     scores_positions: bool = False
+    verifies_beside: int = 0
 
 
 @runtime_checkable

@@ -95,6 +95,38 @@ def test_a_model_of_another_vocabulary_drafts_and_the_output_stays_the_engines(o
     assert default.generate(PROMPTS[1], max_new_tokens=24).token_ids == alone(ov_target, PROMPTS[1], 24)
 
 
+def test_drafting_beside_the_verifies_stays_the_engines_own_output(ov_target, tiny_drafter, monkeypatch):
+    """decode/overlap.py: the target given one thread verifies on a worker while the drafter drafts
+    on; every output equals the engine decoding alone, and the requests went that way."""
+    from omnidraft.decode import overlap
+
+    one = od.OpenVINOTarget(ov_target.engine.path, tokenizer=ov_target.tokenizer, threads=1, name="tiny-ov-1")
+    assert one.capabilities.verifies_beside == 1
+    monkeypatch.setattr(tiny_drafter, "drafts_beside", True, raising=False)
+    threads: list = []
+    monkeypatch.setattr(tiny_drafter, "use_threads", threads.append, raising=False)
+    monkeypatch.setattr(overlap, "cpu_threads", lambda: 2)
+    pair = tiny_drafter.pair(one, k=4, objective="compute", overlap=True)
+    for prompt in PROMPTS:
+        out = pair.generate(prompt, max_new_tokens=24)
+        assert out.token_ids == alone(one, prompt, 24), prompt
+    assert threads[:2] == [1, None]  # drafting on the core the target left, then as loaded
+    assert sum(r.accepted for r in out.rounds) > 0
+    sequential = tiny_drafter.pair(one, k=4, objective="compute")  # (off by default)
+    before = len(threads)
+    assert sequential.generate(PROMPTS[0], max_new_tokens=8).token_ids == alone(one, PROMPTS[0], 8)
+    assert len(threads) == before
+
+
+def test_a_proposal_is_left_after_the_ids_that_follow_it():
+    from omnidraft.decode.overlap import _left
+
+    assert _left([5, 6, 7], 2, [1, 2]) == [5, 6, 7]
+    assert _left([5, 6, 7], 2, [1, 2, 5, 6]) == [7]
+    assert _left([5, 6, 7], 2, [1, 2, 5, 9]) is None  # the target's token left it
+    assert _left([5, 6], 2, [1, 2, 5, 6, 8]) is None  # used up
+
+
 def test_two_sessions_take_turns_on_the_engines_state(ov_target):
     a, b = (ov_target.begin(ov_target.tokenizer(p)["input_ids"]) for p in PROMPTS[:2])
     got_a, got_b = [], []

@@ -48,7 +48,11 @@ class DecodeConfig:
     retrieved from the request's context (and the user's past outputs, with a profile) where that
     is expected to commit more tokens per second, and a model draft may run on into a retrieved
     continuation (retrieve/, `retrieval` configures it); "model": the drafter only; "retrieval":
-    retrieved drafts only, no drafter forward at all. Every mode verifies them the same way."""
+    retrieved drafts only, no drafter forward at all. Every mode verifies them the same way.
+    `overlap`: where the target verifies on threads of its own and leaves a core free (OpenVINO
+    given fewer threads than the machine has), a greedy request's drafter drafts the next proposal
+    on that core while the target verifies this one (decode/overlap.py); off by default, since on
+    two cores the target's second thread is worth more (docs/overlap.md measures it)."""
 
     k: int | None = None
     k_max: int = 12
@@ -67,6 +71,7 @@ class DecodeConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.mode == "greedy" and isinstance(self.temperature, (int, float)) and self.temperature > 0:

@@ -37,10 +37,12 @@ class Committed(SessionBase):
 
 class EngineRounds:
     """One sequence's rounds of `speculator` while an engine verifies them. With `keep`, each
-    proposal is kept by the context it was made at, for whoever reads the engine's steps (`record`)."""
+    proposal is kept by the context it was made at, for whoever reads the engine's steps (`record`).
+    `prefills`: the first round's verify also read the prompt, so it is not booked as a round
+    (decode/overlap.py, whose first verify is the prompt's prefill); an engine has read it before."""
 
-    def __init__(self, speculator: Speculator, *, keep: bool = False) -> None:
-        self.speculator, self.keep = speculator, keep
+    def __init__(self, speculator: Speculator, *, keep: bool = False, prefills: bool = False) -> None:
+        self.speculator, self.keep, self.prefills = speculator, keep, prefills
         self.spec: Speculation | None = None
         self.proposals: dict[int, Round] = {}  # by context, while `keep`; the reader takes them
         self._ids: list[int] = []
@@ -56,7 +58,9 @@ class EngineRounds:
         if drafter_ids is None:
             text = s.target.token_bytes.join(ids).decode("utf-8", errors="replace")
             drafter_ids = s.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]
-        self.spec = Speculation(s, Committed(list(ids)), list(ids), drafter_ids, GREEDY, prefills=False)
+        self.spec = Speculation(
+            s, Committed(list(ids)), list(ids), drafter_ids, GREEDY, prefills=self.prefills
+        )
         self._ids = list(ids)
         self.proposals.clear()
 

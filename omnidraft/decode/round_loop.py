@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Iterator
 
+from . import overlap
 from .rounds import decode_alone, relaxation
 from .speculation import Speculation
 from .stats import RoundRecord, round_record
@@ -64,11 +65,15 @@ def run(
 def request_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
     """One request's rounds from its prompt: the target session opened (and closed after), then
     `run`. `rows` collects the target's top-k rows of every round, as wide as distillation or
-    `call.logprobs` (the caller's per-token log-probabilities) needs."""
+    `call.logprobs` (the caller's per-token log-probabilities) needs. Where the target verifies on
+    threads of its own, a greedy request drafts beside its verifies instead (overlap.py)."""
+    topk = max(s.learner.config.topk if s.learner is not None else 0, call.logprobs)
+    if overlap.overlaps(s, call, topk):
+        yield from overlap.run(s, call)
+        return
     tsession = s.target.begin(call.ids_for(s.target))
     try:
         spec = Speculation(s, tsession, tsession.ids, call.ids_for(s.drafter), call.rule, call.generator)
-        topk = max(s.learner.config.topk if s.learner is not None else 0, call.logprobs)
         try:
             yield from run(s, spec, call.max_new_tokens, topk, rows)
         finally:

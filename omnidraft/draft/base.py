@@ -60,6 +60,12 @@ class Drafter:
     learns: bool = False  # whether it carries per-target LoRA adapters and learns them (PyTorch only)
     trainable: Any = None  # a learning drafter's PEFT-wrapped model, once it has an adapter
     backend: str = "?"
+    # whether it drafts on threads of its own, releasing Python's lock, so that it drafts beside a
+    # target's verify (decode/overlap.py); `use_threads` sets how many
+    drafts_beside: bool = False
+
+    def use_threads(self, threads: int | None) -> None:
+        """Draft on `threads` threads from now on (None: as loaded); a drafter that cannot ignores it."""
 
     def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
         """`class MyDrafter(Drafter, name="mine")` registers a backend for `load(backend="mine")`."""

@@ -75,6 +75,11 @@ class LlamaCppDrafter(Drafter, name="llama.cpp"):
     def from_spec(cls, spec: str, *, threads: int | None = None, **_: Any) -> LlamaCppDrafter:
         return cls(spec, threads=threads)
 
+    drafts_beside = True
+
+    def use_threads(self, threads: int | None) -> None:
+        self.engine.use_threads(threads)
+
     def stream(self, ids: list[int]) -> LlamaStream:
         return LlamaStream(self.engine, ids)
 

@@ -116,6 +116,11 @@ class LlamaEngine:
         self.exact_rows = self.exact_limits[0][1]  # at the shortest context probed (the most)
         self._row_costs: dict[int, dict[int, float]] = {}
 
+    def use_threads(self, threads: int | None) -> None:
+        """Decode on `threads` threads from now on (None: those it was loaded with)."""
+        n = threads or self.threads
+        self._lc.llama_set_n_threads(self._ctx, n, n)
+
     def eog_ids(self) -> frozenset[int]:
         """Every id llama.cpp ends a generation on (EOS, EOT and the template's end tokens)."""
         is_eog = self._lc.llama_vocab_is_eog

@@ -251,9 +251,8 @@ class OpenVINOTarget(TargetBase):
     """A model exported to OpenVINO IR (a directory with openvino_model.xml and its tokenizer) on
     OpenVINO's CPU plugin, verifying in this process. `margin`: logits closer than this at a
     verified position are decided by a one-row step (default: measured once on this machine for
-    this model, runtime/openvino_margin.py); `threads`: OpenVINO's inference threads."""
-
-    capabilities = Capabilities(in_process=True, decodes_alone=True)
+    this model, runtime/openvino_margin.py); `threads`: OpenVINO's inference threads (default:
+    every core; fewer leave the others to a drafter drafting beside the verifies, decode/overlap.py)."""
 
     def __init__(
         self,
@@ -266,7 +265,11 @@ class OpenVINOTarget(TargetBase):
     ) -> None:
         from transformers import AutoTokenizer
 
+        from ..llamacpp.loading import cpu_threads
+
+        threads = threads or cpu_threads()
         self.engine = OpenVINOEngine(path, threads=threads)
+        self.capabilities = Capabilities(in_process=True, decodes_alone=True, verifies_beside=threads)
         self.name = name or self.engine.path.name
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(str(path))
         self.token_bytes = build_token_bytes(self.tokenizer, self.engine.n_vocab)

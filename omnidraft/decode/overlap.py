@@ -1,0 +1,169 @@
+"""Rounds whose next proposal is drafted while the target verifies this one (docs/overlap.md).
+
+On a target whose verify runs on threads of its own and costs nearly what one decoding step costs
+whatever the proposal's length (OpenVINO here), the drafter's own time is what a round adds to
+decoding alone. Here the target verifies on a worker thread while the drafter, on the other
+cores, drafts on past the proposal as if all of it were accepted (the drafter's next token
+standing for the target's own); when the target's tokens follow the proposal, the next verify is
+ready the moment this one ends, so a round costs max(draft, verify), not their sum.
+
+The request's `Speculation` is driven through `EngineRounds` (engine_rounds.py), as a device
+drafting for a server's engine drives it: a proposal stays one round while the committed ids
+follow it, verified a piece at a time, and is committed (and the drafter re-synced) where the
+target's tokens leave it; while the drafter drafts a new round the target decodes its next token,
+for which the new draft's first token stands, so the target never waits for the drafter. The
+floor (adaptive/floor.py) books those rounds as any others; where it stands aside, no round
+drafts and the target decodes a token a verify. Greedy only: every committed token is the
+target's own greedy token, as the round loop's.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from ..llamacpp.loading import cpu_threads
+from ..target import Rule
+from .config import RELAXED
+from .engine_rounds import EngineRounds
+from .stats import RoundRecord
+
+if TYPE_CHECKING:
+    from ..target import TargetSession
+    from .rounds import Call
+    from .speculator import Speculator
+
+__all__ = ["overlaps", "run"]
+
+GREEDY = Rule()
+STEP = 1  # drafter tokens drafted between two looks at the verify in flight
+
+
+def overlaps(s: Speculator, call: Call, topk: int) -> bool:
+    """Whether `call` drafts beside its target's verifies: greedy, no rows asked of a verify, model
+    drafts that can pay, a target that verifies on its own threads and a drafter that drafts on
+    the cores those leave (`DecodeConfig.overlap` turns it off)."""
+    threads = s.target.capabilities.verifies_beside
+    return (
+        s.config.overlap
+        and s.config.mode != RELAXED
+        and call.rule.mode == "greedy"
+        and topk == 0
+        and s.model_drafts
+        and threads > 0
+        and s.drafter.drafts_beside
+        and cpu_threads() > threads
+    )
+
+
+def run(s: Speculator, call: Call) -> Iterator[tuple[list[int], RoundRecord]]:
+    """One greedy request's rounds with the drafter drafting beside the target's verifies: one
+    (committed ids, record) per verify, as round_loop.request_rounds yields them."""
+    tsession = s.target.begin(call.ids_for(s.target))
+    worker = ThreadPoolExecutor(1, thread_name_prefix="omnidraft-verify")
+    s.drafter.use_threads(max(1, cpu_threads() - s.target.capabilities.verifies_beside))
+    rounds = EngineRounds(s, prefills=True)
+    try:
+        yield from _rounds(s, rounds, tsession, worker, call)
+    finally:
+        if rounds.spec is not None:
+            rounds.spec.close()
+        worker.shutdown(wait=True)
+        s.drafter.use_threads(None)
+        tsession.close()
+
+
+def _rounds(
+    s: Speculator, rounds: EngineRounds, tsession: TargetSession, worker: ThreadPoolExecutor, call: Call
+) -> Iterator[tuple[list[int], RoundRecord]]:
+    ids = list(tsession.ids)  # (the worker appends to the session's own)
+    eos, prompt = s.target.eos_ids, len(ids)
+    # the prompt's prefill and first token on the worker; the drafter reads its prompt meanwhile
+    began = time.perf_counter()
+    pending = worker.submit(_verify, tsession, [])
+    rounds.open(ids, call.ids_for(s.drafter))
+    assert rounds.spec is not None
+    spec = rounds.spec
+    spec.request.may_decode = s.target.capabilities.decodes_alone
+    proposal, at, context = _propose(rounds, ids, call.max_new_tokens), prompt, prompt
+    sent: list[int] = []
+    first = True
+    while True:
+        accepted, done = pending.result()
+        if first and spec.round is not None:  # the drafter's read of its prompt beside the prefill:
+            rnd = spec.round  # only what it took past the prefill is its cost
+            rnd.started = min(rnd.drafted, max(rnd.started, done))
+        new = tsession.ids[context:]
+        new = new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+        yield new, _record(context, len(sent), accepted, new, done - began)
+        remaining = call.max_new_tokens - (len(tsession.ids) - prompt)
+        if not new or new[-1] in eos or remaining <= 0:
+            return
+        context, first = len(tsession.ids), False
+        left = _left(proposal, at, tsession.ids)
+        began = time.perf_counter()
+        if left is None:  # a new round: the target decodes its next token while the drafter drafts
+            ids, sent = list(tsession.ids), []  # after the committed ones, its first token for that one
+            pending = worker.submit(_verify, tsession, sent)
+            proposal, at = _propose(rounds, ids, remaining), context
+            want = 1 + max(1, spec.budget.k)
+        else:
+            rounds.resume()  # the proposal's last token may have been uncertain: it is verified now
+            sent = left[: min(len(left), max(1, spec.budget.k), remaining - 1)]
+            pending = worker.submit(_verify, tsession, sent)
+            want = context - at + len(sent) + 1 + max(1, spec.budget.k)
+        proposal = _draft_on(rounds, pending, proposal, want)
+
+
+def _verify(tsession: TargetSession, sent: list[int]) -> tuple[int, float]:
+    """The worker's part: verify `sent` after the committed ids (greedy); (accepted, when done)."""
+    verdict = tsession.verify(torch.tensor(sent, dtype=torch.long), GREEDY)
+    return verdict.accepted, time.perf_counter()
+
+
+def _propose(rounds: EngineRounds, ids: list[int], remaining: int) -> list[int]:
+    """A new round's proposal after `ids` (committing the last round's verdict, read off them)."""
+    return rounds.next(list(ids), max(0, remaining - 1), remaining)
+
+
+def _left(proposal: list[int], at: int, ids: list[int]) -> list[int] | None:
+    """What of `proposal` (drafted after the first `at` ids) is left after `ids`; None where the
+    ids left it or nothing of it is left."""
+    done = len(ids) - at
+    if done < 0 or ids[at:] != proposal[:done] or len(proposal) <= done:
+        return None
+    return proposal[done:]
+
+
+def _draft_on(
+    rounds: EngineRounds, pending: Future[tuple[int, float]], proposal: list[int], want: int
+) -> list[int]:
+    """While `pending` verifies, the drafter drafts `proposal` on, `STEP` tokens at a time, until
+    the verify is done or the proposal holds `want` ids (the verify in flight, the target's token
+    after it, for which the drafter's stands, and the next verify)."""
+    while not pending.done() and len(proposal) < want:
+        longer = rounds.extend(STEP, want)
+        if longer is None:
+            break
+        proposal = longer
+    return proposal
+
+
+def _record(context: int, sent: int, accepted: int, new: list[int], seconds: float) -> RoundRecord:
+    """One verify's record: `sent` proposed ids (drafted beside earlier verifies: no drafting time
+    of its own), `accepted` of them, `new` committed, the verify's `seconds`."""
+    return RoundRecord(
+        context=context,
+        drafted=0,
+        proposed=sent,
+        accepted=accepted,
+        emitted=len(new),
+        from_cache=0,
+        t_draft=0.0,
+        t_translate=0.0,
+        t_verify=seconds,
+        t_resync=0.0,
+    )
