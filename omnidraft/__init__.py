@@ -46,6 +46,7 @@ __all__ = [
     "TrainConfig",
     "VLLMTarget",
     "load_model",
+    "load_target",
     "pair",
     "register_engine",
 ]
@@ -86,6 +87,7 @@ _WHERE = {
     "TrainConfig": "distill.trainer",
     "VLLMTarget": "targets.vllm_target",
     "load_model": "store.models",
+    "load_target": "targets.registry",
     "pair": "draft.base",
 }
 

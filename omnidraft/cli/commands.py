@@ -34,9 +34,9 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from ..bench.demo import run_demo
+    from ..bench.demo import WORKLOADS, run_demo, verdict
 
-    engine, rows = run_demo(args, ["gsm8k", "humaneval"])
+    engine, rows = run_demo(args, list(WORKLOADS))
     print(
         f"\nomnidraft demo: {args.drafter} drafting for {args.target}, greedy, {args.max_new_tokens} new "
         f"tokens, against {engine} alone (the fastest way to run these weights here)\n"
@@ -60,6 +60,7 @@ def _demo(args: argparse.Namespace) -> None:
             f"{'total ' + dataset:<16}{'':>15}{omni:>12.2f}{alone:>13.2f}{omni / alone:>8.2f}×  "
             f"{sum(r['identical'] for r in mine) / len(mine):.0%} (worst request {worst:.2f}×)"
         )
+    print("\n" + verdict(rows, engine))
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -143,7 +144,7 @@ def _serve(args: argparse.Namespace) -> None:
     require("fastapi", "omnidraft serve")
 
     from ..server.app import ServerConfig, create_app, http_protocol
-    from ..targets.registry import engine
+    from ..targets.registry import engine, resolved
 
     key = api_keys(args)
     config = ServerConfig(
@@ -163,11 +164,13 @@ def _serve(args: argparse.Namespace) -> None:
         requests_log.setLevel(logging.INFO)
         requests_log.propagate = False
     try:
-        target = engine(args.engine).load(args.target, vars(args))
+        name = resolved(args.target, args.engine, vars(args))
+        target = engine(name).load(args.target, vars(args))
     except ValueError as exc:
         raise SystemExit(f"omnidraft serve: {exc}") from None
+    chosen = " (the fastest engine here)" if args.engine == "auto" else ""
     print(
-        f"omnidraft serve: {target.name} on {args.engine} at http://{args.host}:{args.port} - device "
+        f"omnidraft serve: {target.name} on {name}{chosen} at http://{args.host}:{args.port} - device "
         "sessions at "
         "/v1/sessions, OpenAI clients at /v1/models, /v1/completions, /v1/chat/completions; API key "
         f"{'required' if key else 'OFF'}",

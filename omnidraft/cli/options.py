@@ -322,7 +322,7 @@ def _serve_args(sub: Any) -> None:
         "--backend",
         dest="engine",
         choices=engine_names(),
-        default="torch",
+        default="auto",
         help="the engine the target runs on: "
         + "; ".join(f"{e.name}: {e.summary}" for e in ENGINES.values()),
     )

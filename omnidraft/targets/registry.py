@@ -21,7 +21,16 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 if TYPE_CHECKING:
     from ..target import Target
 
-__all__ = ["ENGINES", "Engine", "engine", "engine_names", "register_engine", "vllm_engine_args"]
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "engine",
+    "engine_names",
+    "load_target",
+    "register_engine",
+    "resolved",
+    "vllm_engine_args",
+]
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,9 @@ def engine(name: str) -> Engine:
     if name not in ENGINES:
         raise ValueError(f"no target engine {name!r}; the engines are {', '.join(engine_names())}")
     return ENGINES[name]
+
+
+_engine = engine  # (as `load_target`, whose parameter is called `engine`, calls it)
 
 
 def engine_names() -> list[str]:
@@ -93,6 +105,27 @@ def _vllm(spec: str, options: Mapping[str, Any]) -> Target:
     return VLLMTarget.load(spec, **vllm_engine_args(options))  # with omnidraft's proposer: /speculate
 
 
+def load_target(spec: str, engine: str = "auto", **options: Any) -> Target:
+    """`spec` (a preset name, .gguf file, HF id or directory, exported IR) as a target on `engine`:
+    a registered engine's name ("llama.cpp", "openvino", "torch", "vllm", ...) or "auto", the one
+    that serves a request alone fastest here (targets/fastest.py). `options`: the engine's own
+    (the serve command's: `device`, `dtype`, `n_ctx`, ...)."""
+    return _engine(resolved(spec, engine, options)).load(spec, options)
+
+
+def resolved(spec: str, name: str, options: Mapping[str, Any]) -> str:
+    """`name`, or for "auto" the engine that serves `spec` fastest here."""
+    if name != "auto":
+        return name
+    from .fastest import fastest_engine
+
+    return fastest_engine(spec, lambda candidate: ENGINES[candidate].load(spec, options))
+
+
+def _auto(spec: str, options: Mapping[str, Any]) -> Target:
+    return load_target(spec, "auto", **options)
+
+
 def _openvino(spec: str, options: Mapping[str, Any]) -> Target:
     from .openvino_target import OpenVINOTarget
 
@@ -113,6 +146,12 @@ for _builtin in (
         "OpenVINO in this process, a preset exported once to int8 IR (pip install 'omnidraft[openvino]'; "
         "the export needs OMNIDRAFT_OPENVINO_PYTHON)",
         _openvino,
+    ),
+    Engine(
+        "auto",
+        "the fastest of the engines here for the model: one request alone timed on each, once a machine "
+        "(targets/fastest.py)",
+        _auto,
     ),
 ):
     register_engine(_builtin)
