@@ -57,9 +57,12 @@ def test_demo_runs_to_its_table_against_the_fastest_engine(models, capsys, kind)
     assert run_cli(argv) == 0
     out = capsys.readouterr().out
     assert ("against llama.cpp alone" if kind else "against PyTorch") in out
-    assert "gsm8k #0" in out and "humaneval #0" in out
+    for workload in ("chat", "summarize", "rag", "code-edit", "gsm8k"):  # what the SDK's users run
+        assert f"{workload} #0" in out
     totals = [line for line in out.splitlines() if line.startswith("total ")]
-    assert len(totals) == 2 and all("100% (worst request" in line for line in totals)  # identical outputs
+    assert len(totals) == 5 and all("100% (worst request" in line for line in totals)  # identical outputs
+    said = out.strip().splitlines()[-1]  # where drafting paid, and why it stood aside elsewhere
+    assert said.startswith(("drafting paid on", "it stood aside on")) and said.endswith(".")
 
 
 def test_bench_on_the_pytorch_target_reports_every_row(models, tmp_path, capsys):
@@ -130,7 +133,8 @@ def test_make_demo_runs_to_its_table_on_the_shipped_models(tmp_path):
         env["OMNIDRAFT_CACHE"] = MACHINE_CACHE
     done = subprocess.run([str(script), "demo", *FEW], capture_output=True, text=True, env=env, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "total gsm8k" in done.stdout and "total humaneval" in done.stdout
+    assert all(f"total {w}" in done.stdout for w in ("chat", "summarize", "rag", "code-edit", "gsm8k"))
+    assert done.stdout.strip().splitlines()[-1].startswith(("drafting paid on", "it stood aside on"))
 
 
 def test_doctor_tries_each_drafter_backend_in_a_child_and_says_which_a_pairing_uses(

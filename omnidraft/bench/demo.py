@@ -107,6 +107,51 @@ def _on_llama(args: argparse.Namespace, datasets: list[str]) -> list[dict[str, A
                     "identical": out.token_ids == ref.token_ids == again.token_ids,
                     "acceptance": out.stats.acceptance_rate,
                     "tau": out.stats.mean_accepted_length,
+                    "speculating": out.stats.speculating,
+                    "retrieved": out.stats.retrieved_share,
+                    "why": out.stats.why,
                 }
             )
     return rows
+
+
+WORKLOADS = ("chat", "summarize", "rag", "code-edit", "gsm8k")  # what the demo times, in that order
+NAMES = {
+    "rag": "answers from documents",
+    "code-edit": "code edits",
+    "gsm8k": "math",
+    "summarize": "summaries",
+}
+PAID = 1.03  # a workload's total ratio from which drafting is said to have paid
+
+
+def verdict(rows: list[dict[str, Any]], engine: str) -> str:
+    """One line: the workloads where drafting paid and from what, and why it stood aside elsewhere."""
+    paid: list[tuple[str, float]] = []
+    aside: list[tuple[str, float]] = []
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        mine = [r for r in rows if r["dataset"] == dataset]
+        tokens = sum(r["tokens"] for r in mine)
+        ratio = sum(r["tokens"] / r["engine_tok_s"] for r in mine) / sum(
+            r["tokens"] / r["omnidraft_tok_s"] for r in mine
+        )
+        copied = sum(r.get("retrieved", 0.0) * r["tokens"] for r in mine) / max(1, tokens)
+        name = f"{NAMES.get(dataset, dataset)} ({ratio:.2f}x)"
+        (paid if ratio >= PAID else aside).append((name, copied))
+    parts = []
+    if paid:
+        copied = sum(c for _, c in paid) / len(paid)
+        source = "mostly drafts copied from the context" if copied >= 0.3 else "the drafter's drafts"
+        parts.append(f"drafting paid on {', '.join(n for n, _ in paid)}: {source}")
+    if aside:
+        whys = [r.get("why") for r in rows if r.get("why")]
+        reason = (
+            max(set(whys), key=whys.count)
+            if whys
+            else (
+                f"its drafts did not win back what verifying them costs on {engine}, so each request "
+                "drafted little and decoded the rest alone (docs/floor.md)"
+            )
+        )
+        parts.append(f"it stood aside on {', '.join(n for n, _ in aside)}: {reason}")
+    return "; ".join(parts) + "."
