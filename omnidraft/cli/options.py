@@ -158,10 +158,13 @@ def _generate_args(sub: Any) -> None:
 
 def _demo_args(sub: Any) -> None:
     """`omnidraft demo`: the default pairing against the fastest engine alone."""
-    d = sub.add_parser("demo", help="a few GSM8K and HumanEval prompts, omnidraft vs the target alone")
+    d = sub.add_parser(
+        "demo",
+        help="chat, summaries, answers from documents, code edits, math: omnidraft vs the fastest engine",
+    )
     d.add_argument("--target", default=TARGET)
     d.add_argument("--drafter", default=DRAFTER)
-    d.add_argument("--n", type=int, default=2, help="prompts per dataset")
+    d.add_argument("--n", type=int, default=1, help="prompts per workload")
     d.add_argument(
         "--target-backend",
         choices=["auto", "llama.cpp", "torch"],
