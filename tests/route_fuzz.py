@@ -209,3 +209,44 @@ def route_poster(
         return client.post(where, content=kw["content"], headers={**auth, **kw["headers"]})
 
     return post, bodies
+
+
+KEYS = ("ka", "kb", "op")  # `request_fuzz`'s server: two tenants' API keys and the operator's
+
+
+def requests() -> Any:
+    """Requests off the bodies' routes: any method on the ops, model and session paths (fuzzed
+    ids, some 5,000 characters long) and paths no route serves, each with no key, a tenant's, the
+    operator's or a wrong one."""
+    printable = st.text(
+        st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="?#"), max_size=6
+    )
+    segment = st.one_of(printable, st.sampled_from(["x" * 5000, "..", "%00", "a/b", "é"]))
+    path = st.one_of(
+        st.sampled_from(["/health", "/metrics", "/v1/models", "/v1/info", "/v1/embeddings", "/v2", "/"]),
+        st.builds(lambda s: f"/v1/models/{s}", segment),
+        st.builds(lambda s, tail: f"/v1/sessions/{s}{tail}", segment, st.sampled_from(["", "/verify", "/x"])),
+    )
+    return st.fixed_dictionaries(
+        {
+            "method": st.sampled_from(["GET", "POST", "DELETE", "PUT", "PATCH"]),
+            "path": path,
+            "key": st.sampled_from([None, *KEYS, "wrong"]),
+        }
+    )
+
+
+def request_poster(client: Any) -> Callable[[dict[str, Any]], Any]:
+    """`post(request)` for `requests()`: it sends the request; every reply's body is bounded
+    (an echoed value is cut) and an error under /v1 is in OpenAI's shape or the server's own."""
+
+    def post(r: dict[str, Any]) -> Any:
+        headers = {"Authorization": f"Bearer {r['key']}"} if r["key"] else {}
+        reply = client.request(r["method"], r["path"], headers=headers)
+        assert len(reply.content) < 4000 or r["path"] == "/metrics", (r["path"][:80], len(reply.content))
+        if reply.status_code >= 400 and r["path"].startswith("/v1/"):
+            body = reply.json()
+            assert "error" in body, body
+        return reply
+
+    return post

@@ -93,6 +93,13 @@ def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch)
     assert api_keys(args) == ("a", "b")
     (tmp_path / "k").write_text("only\n")
     assert api_keys(argparse.Namespace(api_key_file=str(tmp_path / "k"), no_auth=False)) == "only"
+    from omnidraft.cli.commands import operator_key
+
+    assert operator_key(argparse.Namespace(operator_key_file=None)) is None
+    assert operator_key(argparse.Namespace(operator_key_file=str(tmp_path / "k"))) == "only"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SystemExit, match="empty"):
+        operator_key(argparse.Namespace(operator_key_file=str(tmp_path / "empty")))
 
 
 def test_a_misspelled_or_missing_model_is_refused_before_anything_loads(monkeypatch):

@@ -630,6 +630,33 @@ def test_health_shows_counts_only_to_a_caller_with_a_key(tiny_target):
         assert "sessions" in c.get("/health", headers=AUTH).json()
 
 
+def test_with_several_keys_a_key_sees_its_own_sessions_and_only_the_operator_reads_metrics(tiny_target):
+    """Issue 87 item 3: /health counted every key's sessions and /metrics every key's rounds for any
+    key. A tenant's key now reads its own session count and gets 403 on /metrics; the operator key
+    reads both server-wide and opens no session."""
+    from fastapi.testclient import TestClient
+
+    a, b, op = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}, {"Authorization": "Bearer op"}
+    config = ServerConfig(api_key=("ka", "kb"), operator_key="op")
+    ids = tiny_target.tokenizer("Tom has 3 apples")["input_ids"]
+    with TestClient(create_app(tiny_target, config)) as c:
+        for _ in range(2):
+            assert c.post("/v1/sessions", json={"prompt_ids": ids}, headers=a).status_code == 200
+        assert c.get("/health", headers=a).json() == {"status": "ok", "sessions": 2}
+        assert c.get("/health", headers=b).json() == {"status": "ok", "sessions": 0}
+        assert c.get("/health", headers=op).json() == {"status": "ok", "sessions": 2}
+        refused = c.get("/metrics", headers=a)
+        assert refused.status_code == 403 and "operator key" in refused.json()["error"]
+        assert "omnidraft_sessions 2" in c.get("/metrics", headers=op).text
+        opened = c.post("/v1/sessions", json={"prompt_ids": ids}, headers=op)
+        assert opened.status_code == 403 and "API key" in opened.json()["error"]
+        assert c.get("/metrics").status_code == 401
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=("ka", "kb")))) as c:  # no operator
+        assert c.get("/metrics", headers=a).status_code == 403
+    with pytest.raises(ValueError, match="operator_key"):
+        ServerConfig(api_key=("ka", "kb"), operator_key="ka")
+
+
 def test_a_request_during_a_running_stream_is_refused_and_the_client_follows_committed(client, tiny_target):
     """Defect 5: a verify that arrived while the session streamed a generate reply interleaved with
     it, and the streaming client ignored the chunks' committed lengths. The verify now gets a 409
@@ -770,6 +797,20 @@ def test_fuzzed_bodies_on_every_route_never_get_a_5xx(client, tiny_target, route
     assert r.status_code == 200
     want = tiny_target.tokenizer.decode(target_greedy(tiny_target, PROMPT, 3))
     assert r.json()["choices"][0]["text"] == want
+
+
+def test_fuzzed_methods_paths_and_keys_never_get_a_5xx_or_an_unbounded_echo(tiny_target):
+    """Issue 87 items 3-5 under fuzz (tests/route_fuzz.py `requests`): any method on the ops, model
+    and session paths and on unserved ones, with each kind of key: no 5xx, bounded bodies, errors in
+    a shape a client parses."""
+    from fastapi.testclient import TestClient
+
+    from .route_fuzz import KEYS, request_poster, requests
+
+    config = ServerConfig(api_key=KEYS[:2], operator_key=KEYS[2])
+    with TestClient(create_app(tiny_target, config)) as c:
+        statuses = fuzz_route(request_poster(c), requests())
+    assert {200, 401, 403, 404}.issubset(statuses), sorted(set(statuses))
 
 
 def test_a_verify_with_nothing_to_prefill_queues_for_the_model_once(client, tiny_target):

@@ -149,6 +149,7 @@ def _serve(args: argparse.Namespace) -> None:
     key = api_keys(args)
     config = ServerConfig(
         api_key=key,
+        operator_key=operator_key(args),
         max_sessions=args.max_sessions,
         ttl_s=args.ttl,
         max_sessions_per_key=args.max_sessions_per_key,
@@ -215,6 +216,16 @@ def api_keys(args: argparse.Namespace) -> str | tuple[str, ...] | None:
             f"{where} is empty: put the API key in it (several: one per line, or comma-separated)"
         )
     return keys[0] if len(keys) == 1 else keys
+
+
+def operator_key(args: argparse.Namespace) -> str | None:
+    """The operator's key, from --operator-key-file (its first non-empty line), or None."""
+    if args.operator_key_file is None:
+        return None
+    lines = [ln.strip() for ln in Path(args.operator_key_file).read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise SystemExit(f"{args.operator_key_file} is empty: put the operator key in it")
+    return lines[0]
 
 
 def _profiles(args: argparse.Namespace) -> None:

@@ -304,6 +304,7 @@ def _serve_args(sub: Any) -> None:
     v.add_argument(
         "--api-key-file", default=None, help="file holding the API key(s) clients must send, one per line"
     )
+    v.add_argument("--operator-key-file", help="file holding the key that reads /metrics (docs/remote.md)")
     v.add_argument(
         "--no-auth", action="store_true", help="serve without an API key (loopback development only)"
     )

@@ -12,6 +12,9 @@
 
 Every /v1 route and /metrics need `Authorization: Bearer <key>` when the server has a key
 (compared in constant time; missing or wrong -> 401; `open_metrics` opens /metrics to scrapers).
+/metrics and /health's session count are the whole server's for the operator key (`operator_key`;
+with none, the only API key), so with several keys a tenant's key reads its own sessions only (403
+on /metrics); the operator key opens no session (403 on /v1).
 With several keys, a session belongs to the key that opened it (404 to any other) and each key
 holds at most `max_sessions_per_key` sessions, by default an equal share of `max_sessions` (429
 naming the share past it), so one key cannot fill the table for the others.
@@ -34,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .config import shown
+from .config import OPERATOR, shown
 from .openai_api import OPENAI_PATHS, error_body
 from .protocol import KEY_ENV, VERSION
 from .routes import RequestIO, add_device_routes, add_openai_routes, add_ops_routes
@@ -148,6 +151,11 @@ class Auth:
                 path,
             )
             return await reply(scope, receive, send)
+        if key == OPERATOR and path.startswith("/v1/"):
+            reply = self.refuse(
+                403, "the operator key reads /metrics and /health; a client sends an API key", path
+            )
+            return await reply(scope, receive, send)
         started = False
 
         async def sending(message: Any) -> None:
@@ -178,12 +186,14 @@ def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         return JSONResponse({"version": VERSION, "error": message, **(fields or {})}, status_code=status)
 
     def key_of(request: Request) -> int | None:
-        """Which key the request carries (0 without keys), None for none of them; every key is
-        compared, in constant time each, whichever matches."""
-        if not config.keys:
-            return 0
+        """Which key the request carries (0 without keys; OPERATOR for the operator key), None for
+        none of them; every key is compared, in constant time each, whichever matches."""
         header = request.headers.get("authorization", "")
         given = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+        if config.operator_key is not None and hmac.compare_digest(given, config.operator_key.encode()):
+            return OPERATOR
+        if not config.keys:
+            return 0
         matches = [hmac.compare_digest(given, key.encode()) for key in config.keys]
         return matches.index(True) if any(matches) else None
 

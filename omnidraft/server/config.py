@@ -13,6 +13,7 @@ import torch
 from ..target import Rule
 
 __all__ = [
+    "OPERATOR",
     "HTTPError",
     "shown",
     "ServerConfig",
@@ -39,6 +40,9 @@ class ServerConfig:
     fresh_ttl_s: float = 30.0  # a session that has not verified yet expires after this long idle
     body_timeout_s: float = 30.0  # a request body not read completely within this is refused (408)
     open_metrics: bool = False  # True: /metrics without the API key (a scraper on a private network)
+    # the key that reads /metrics and /health's server-wide counts; None: with one API key (or none)
+    # that key does, with several only this one may (a tenant's key sees its own sessions only)
+    operator_key: str | None = None
     # the longest an engine step waits for a streaming device's proposal (at most a quarter of a step)
     proposal_wait_s: float = 0.03
     log_requests: bool = False  # one line per request on the "omnidraft.requests" logger (INFO)
@@ -58,12 +62,21 @@ class ServerConfig:
             raise ValueError(f"server limits must be positive (body >= 1 KiB), got {self}")
         if isinstance(self.api_key, tuple) and (not self.api_key or not all(self.api_key)):
             raise ValueError("api_key: give one key or a non-empty tuple of non-empty keys")
+        if self.operator_key is not None and (not self.operator_key or self.operator_key in self.keys):
+            raise ValueError("operator_key: a non-empty key that is not one of the API keys")
 
     @property
     def keys(self) -> tuple[str, ...]:
         return (
             () if self.api_key is None else (self.api_key,) if isinstance(self.api_key, str) else self.api_key
         )
+
+    def sees_all(self, key: int | None) -> bool:
+        """Whether a request carrying `key` (a key index, OPERATOR, or None) reads the whole
+        server's counts: the operator key, or with no operator key the only API key (or none)."""
+        if key == OPERATOR:
+            return True
+        return key is not None and self.operator_key is None and len(self.keys) <= 1
 
     @property
     def key_sessions(self) -> int:
@@ -77,6 +90,7 @@ class ServerConfig:
         return self.max_tokens_per_key or self.max_tokens // max(1, len(self.keys))
 
 
+OPERATOR = -1  # the operator key's index (it reads /metrics and /health; it holds no sessions)
 SHOWN = 64  # the most characters of a client's value an error message repeats
 MESSAGE = 2000  # the most characters of an error message
 

@@ -105,13 +105,23 @@ def add_ops_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> dict:
-        """Liveness for anyone; the session count only for a caller with a key (or on a keyless server)."""
-        if request.state.key is None:
+        """Liveness for anyone; the session count for a caller with a key: the whole server's for
+        the operator (or the only key), else the caller's own sessions."""
+        key, config = request.state.key, service.config
+        if key is None:
             return {"status": "ok"}
-        return {"status": "ok", "sessions": len(service.sessions)}
+        if config.sees_all(key):
+            return {"status": "ok", "sessions": len(service.sessions)}
+        return {"status": "ok", "sessions": sum(1 for s in list(service.sessions.values()) if s.key == key)}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(request: Request) -> PlainTextResponse:
+        if not (service.config.open_metrics or service.config.sees_all(request.state.key)):
+            raise HTTPError(
+                403,
+                "/metrics counts every key's sessions: send the operator key (omnidraft serve "
+                "--operator-key-file) or serve it open to a private scraper (open_metrics)",
+            )
         return PlainTextResponse(
             service.metrics.text(len(service.sessions)), media_type="text/plain; version=0.0.4"
         )
