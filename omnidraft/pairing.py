@@ -24,6 +24,7 @@ from .decode.rounds import (
     Call,
     Generation,
     chat_stops,
+    check_after,
     check_logprobs,
     check_request,
     first_stop,
@@ -156,8 +157,7 @@ class Pairing:
 
     @property
     def speculating(self) -> bool:
-        """Whether this pairing drafts: False once its measured costs say drafting cannot pay here
-        (greedy requests then decode with the target alone, see `DecodeConfig.k` and `objective`)."""
+        """Whether this pairing drafts: False once its measured costs say drafting cannot pay here."""
         return self.speculator.speculating
 
     @property
@@ -171,17 +171,14 @@ class Pairing:
         from .distill.adapters import save_peft
 
         if self.adapter is None:
-            raise ValueError(
-                "this pairing has no adapter: pair(target, learn=True) or pair(target, adapter=DIR) gives one"
-            )
+            raise ValueError("this pairing has no adapter: pair(target, learn=True) or adapter=DIR gives one")
         if self.learner is not None:
             self.learner.wait()
         with self.drafter.lock:
             return save_peft(self.drafter.trainable, self.adapter, directory, base=self.drafter.name)
 
     def save(self) -> Path:
-        """Write this user's profile (adapter, head, n-gram cache, datastore, metrics) atomically;
-        returns its directory."""
+        """Write this user's profile (adapter, head, n-gram cache, datastore, metrics) atomically."""
         from .store.profiles import pairing_profile
 
         if self.user is None:
@@ -230,7 +227,8 @@ class Pairing:
         `generation_config` (a transformers.GenerationConfig, or "target" for the target's own;
         rounds.from_generation_config); sampling draws from `generator`, or from a fresh one seeded
         with `seed`. `logprobs=N` (up to 20) gives each token's log-prob and its top N alternatives
-        (Generation.logprobs)."""
+        (Generation.logprobs). `after=ids` continues a cut request from its `Generation.token_ids`
+        (`TargetError.partial`): the target reads them as they are, the Generation holds what follows."""
         if isinstance(prompt, list):
             return [
                 self.generate(p, max_new_tokens, stop=stop, seed=seed, generator=generator, **sampling)
@@ -310,9 +308,10 @@ class Pairing:
         if (given := sampling.pop("generation_config", None)) is not None:
             options, max_new_tokens, stop = from_generation_config(given, self.target, max_new_tokens, stop)
             sampling = {**options, **{k: v for k, v in sampling.items() if v is not None}}
-        stop, logprobs = (
+        stop, logprobs, after = (
             check_request(prompt, max_new_tokens, stop),
             check_logprobs(sampling.pop("logprobs", 0)),
+            check_after(self.target, sampling.pop("after", ())),
         )
         rule = self.config.request_rule(**sampling)
         started = time.perf_counter()
@@ -326,7 +325,7 @@ class Pairing:
             tts = learner.config.tts_every if learner is not None else 0
             try:
                 mode = self.speculator.mode(rule, logprobs)
-                call = Call(prompt, rule, max_new_tokens, generator, special, logprobs)
+                call = Call(prompt, rule, max_new_tokens, generator, special, logprobs, *after)
                 for new, record in self.speculator.rounds(mode, call, rows):
                     rounds.append(record)
                     out += new

@@ -195,6 +195,28 @@ def test_server_gone_raises_a_clear_error_and_keeps_the_committed_text(http, tin
     assert partial.token_ids == target_greedy(tiny_target, PROMPTS[0], 30)[: len(partial.token_ids)]
 
 
+def test_a_cut_request_continued_from_its_committed_ids_is_the_reference(http, tiny_drafter, tiny_target):
+    """Issue 87 item 6: continuing a cut request from its partial text re-tokenizes at the join; from
+    its committed ids (`after=partial.token_ids`) it is exactly the reference, at 8 cut points, on a
+    remote target and a local one; bad `after` values are refused by name."""
+    want = target_greedy(tiny_target, PROMPTS[0], 30)
+    healthy = tiny_drafter.pair(_remote(http), k=2)
+    local = tiny_drafter.pair(tiny_target, k=2)
+    for ok in range(3, 11):
+        remote = _remote(http, retries=0)
+        remote.http = _Flaky(http, ok=ok)
+        with pytest.raises(TargetUnavailableError) as info:
+            tiny_drafter.pair(remote, k=2).generate(PROMPTS[0], max_new_tokens=30)
+        done = info.value.partial.token_ids
+        assert 0 < len(done) < 30
+        for pair in (healthy, local):
+            rest = pair.generate(PROMPTS[0], max_new_tokens=30 - len(done), after=done)
+            assert done + rest.token_ids == want, (ok, len(done))
+    for bad in ([1.5], "12", [10**9]):
+        with pytest.raises(ValueError, match="after"):
+            local.generate(PROMPTS[0], max_new_tokens=2, after=bad)
+
+
 def test_a_tokenizer_that_is_not_the_servers_is_refused(http, draft_tokenizer):
     with pytest.raises(IncompatibleError, match="not the server's"):
         _remote(http, tokenizer=draft_tokenizer)

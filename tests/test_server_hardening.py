@@ -813,6 +813,28 @@ def test_fuzzed_methods_paths_and_keys_never_get_a_5xx_or_an_unbounded_echo(tiny
     assert {200, 401, 403, 404}.issubset(statuses), sorted(set(statuses))
 
 
+def test_a_stream_cut_by_its_sessions_delete_ends_with_a_chunk_that_says_so(tiny_target):
+    """Issue 87 item 6: a generate stream whose session was deleted closed like a finished one; its
+    last chunk now says `cancelled`, and a client reading it raises with what was committed."""
+    from omnidraft.errors import TargetUnavailableError
+    from omnidraft.server.protocol import GenerateChunk, GenerateRequest, OpenRequest
+    from omnidraft.server.service import Service
+    from omnidraft.targets.remote_stream import stream_ended
+
+    service = Service(tiny_target, ServerConfig())
+    ids = tiny_target.tokenizer(PROMPT)["input_ids"]
+    sid = service.open(OpenRequest(prompt_ids=ids)).session
+    stream = service.generate(sid, GenerateRequest(committed=len(ids), max_tokens=50))
+    first = GenerateChunk.model_validate_json(next(stream))
+    assert not first.done and not first.cancelled
+    service.close(sid)
+    *_, last = [GenerateChunk.model_validate_json(line) for line in stream]
+    assert last.done and last.cancelled and last.committed >= len(ids) + 1
+    with pytest.raises(TargetUnavailableError, match="cut the stream after"):
+        stream_ended(last)
+    stream_ended(first.model_copy(update={"done": True}))  # a finished stream's last chunk: no error
+
+
 def test_a_verify_with_nothing_to_prefill_queues_for_the_model_once(client, tiny_target):
     """During a 16k-token prefill on one core another session's verify waited for two prefill
     calls: it queued once to learn that it had nothing to prefill and once to verify. A session

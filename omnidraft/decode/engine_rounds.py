@@ -153,7 +153,7 @@ def request_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list
         raise ValueError(
             "engine rounds serve greedy or match-sampled requests without log-probabilities only"
         )
-    prompt_ids, drafter_ids = call.ids_for(s.target), call.ids_for(s.drafter)
+    prompt_ids, drafter_ids = call.target_ids(s.target), call.ids_for(s.drafter)
     tsession: Any = s.target.begin(prompt_ids)  # a VLLMTarget session: it streams engine steps
     rounds = EngineRounds(s, keep=True)
     context, last = len(prompt_ids), time.perf_counter()

@@ -62,7 +62,7 @@ def overlaps(s: Speculator, call: Call, topk: int) -> bool:
 def run(s: Speculator, call: Call) -> Iterator[tuple[list[int], RoundRecord]]:
     """One greedy request's rounds with the drafter drafting beside the target's verifies: one
     (committed ids, record) per verify, as round_loop.request_rounds yields them."""
-    tsession = s.target.begin(call.ids_for(s.target))
+    tsession = s.target.begin(call.target_ids(s.target))
     worker = ThreadPoolExecutor(1, thread_name_prefix="omnidraft-verify")
     s.drafter.use_threads(max(1, cpu_threads() - s.target.capabilities.verifies_beside))
     rounds = EngineRounds(s, prefills=True)

@@ -71,7 +71,7 @@ def request_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list
     if overlap.overlaps(s, call, topk):
         yield from overlap.run(s, call)
         return
-    tsession = s.target.begin(call.ids_for(s.target))
+    tsession = s.target.begin(call.target_ids(s.target))
     try:
         spec = Speculation(s, tsession, tsession.ids, call.ids_for(s.drafter), call.rule, call.generator)
         try:
@@ -84,7 +84,7 @@ def request_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list
 
 def alone_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
     """One request the target decodes whole on its side (greedy): no draft at all."""
-    tsession = s.target.begin(call.ids_for(s.target))
+    tsession = s.target.begin(call.target_ids(s.target))
     try:
         yield from decode_alone(tsession, call.max_new_tokens)
     finally:

@@ -62,7 +62,9 @@ class Generation:
 class Call:
     """One request as its rounds read it: the prompt (the tokenizers add their special tokens, BOS,
     when `special`; not to a rendered chat, which has them), the verification rule, the length, the
-    random generator and how many log-probabilities a token the caller asked for."""
+    random generator and how many log-probabilities a token the caller asked for; `after`: target
+    ids already generated after the prompt (a cut request continued from its `Generation.token_ids`),
+    which the target reads as they are and the drafter reads as their text, `after_text`."""
 
     prompt: str
     rule: Rule
@@ -70,10 +72,19 @@ class Call:
     generator: torch.Generator | None = None
     special: bool = True
     logprobs: int = 0
+    after: tuple[int, ...] = ()
+    after_text: str = ""
 
     def ids_for(self, model: Any) -> list[int]:
-        """The prompt in `model`'s tokenizer (a target's or a drafter's)."""
-        return list(model.tokenizer(self.prompt, add_special_tokens=self.special)["input_ids"])
+        """The prompt, and `after` as text, in the drafter `model`'s tokenizer."""
+        text = self.prompt + self.after_text
+        return list(model.tokenizer(text, add_special_tokens=self.special)["input_ids"])
+
+    def target_ids(self, target: Any) -> list[int]:
+        """The prompt in `target`'s tokenizer, then `after` exactly."""
+        return list(target.tokenizer(self.prompt, add_special_tokens=self.special)["input_ids"]) + list(
+            self.after
+        )
 
 
 def draft_rows(translator: Translator, proposal: Proposal, modeled: int, draft: Any) -> torch.Tensor | None:
@@ -196,6 +207,21 @@ def verified(prompt: str, out: list[int], rounds: list[RoundRecord], rows: list,
     ids, logp = (torch.cat([row[part] for row in rows])[: len(out), :width] for part in (0, 1))
     positions = [j + 1 for r in rounds for j in range(r.emitted)][: len(out)]
     return VerifiedRequest(prompt, out, ids, logp, positions)
+
+
+def check_after(target: Any, after: Any) -> tuple[tuple[int, ...], str]:
+    """(the ids, their text) of a request's `after` (target ids generated already: a list or
+    tuple of ints in the target's vocabulary), refused by name otherwise."""
+    if not isinstance(after, (list, tuple)) or any(
+        isinstance(t, bool) or not isinstance(t, int) for t in after
+    ):
+        raise ValueError(
+            f"after must be a list of target token ids (a Generation's token_ids), got {after!r:.80}"
+        )
+    vocab = len(target.token_bytes.table)
+    if any(not 0 <= t < vocab for t in after):
+        raise ValueError(f"after holds ids outside the target's vocabulary [0, {vocab})")
+    return tuple(after), target.token_bytes.join(list(after)).decode("utf-8", errors="replace")
 
 
 MAX_LOGPROBS = 20  # as OpenAI's API

@@ -249,9 +249,8 @@ class SpeculateRoutes:
                     self.gate.count(len(ids) - sent)
                 sent = len(ids)
                 yield chunk.model_dump_json().encode() + b"\n"
-            if not done:
-                last = GenerateChunk(tokens=[], committed=start + sent, done=True)
-                yield last.model_dump_json().encode() + b"\n"
+            if not done:  # the stream was cut (its session closed): its last chunk says so
+                yield GenerateChunk.cut(start + sent)
         finally:
             session.rounds = None
             end()

@@ -192,6 +192,16 @@ class GenerateChunk(_Message):
     committed: int  # the session's committed length after these tokens
     done: bool = False
     budget: int | None = None  # on a speculating stream: the draft tokens the engine takes next
+    # the last chunk of a stream cut before its end (its session closed meanwhile): what it
+    # committed stands; a client continues from the committed ids, not from the text
+    cancelled: bool = False
+
+    @classmethod
+    def cut(cls, committed: int) -> bytes:
+        """The NDJSON line that ends a stream cut after `committed` tokens."""
+        return (
+            cls(tokens=[], committed=committed, done=True, cancelled=True).model_dump_json().encode() + b"\n"
+        )
 
 
 class ErrorReply(_Message):

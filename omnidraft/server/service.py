@@ -246,7 +246,8 @@ class Service(TextRoutes, SpeculateRoutes):
             else self._stepwise(session, max_tokens, rule, generator)
         )
         for step, token in enumerate(tokens):
-            if session.cancelled.is_set():  # its session was deleted: stop (closing `tokens` aborts)
+            if session.cancelled.is_set():  # its session was deleted: say so, stop (closing `tokens` aborts)
+                yield GenerateChunk.cut(len(session.inner.ids))
                 return
             self.metrics.rounds += 1
             session.last, session.used = None, time.monotonic()

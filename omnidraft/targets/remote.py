@@ -43,7 +43,7 @@ from ..server.protocol import (
 from ..target import Capabilities, SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
-from .remote_stream import ChunkReader, DraftAhead, ProposalSender
+from .remote_stream import ChunkReader, DraftAhead, ProposalSender, stream_ended
 
 __all__ = ["RemoteTarget", "call_json"]
 
@@ -317,6 +317,7 @@ class _RemoteSession(SessionBase):
                 if chunk.tokens:
                     yield chunk.tokens
                 if chunk.done:
+                    stream_ended(chunk)
                     return
                 idle = False
                 if reader.pending:
@@ -362,6 +363,7 @@ class _RemoteSession(SessionBase):
                     self._commit(chunk)
                     yield chunk
                     if chunk.done:
+                        stream_ended(chunk)
                         return
         except httpx.TransportError as exc:
             raise TargetUnavailableError(

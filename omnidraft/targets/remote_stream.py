@@ -21,10 +21,10 @@ import time
 from typing import Any, Callable, Iterator
 
 from ..adaptive.policy import ema
-from ..errors import RemoteRequestError, TargetError
+from ..errors import RemoteRequestError, TargetError, TargetUnavailableError
 from ..server.protocol import MAX_PROPOSAL, GenerateChunk, ProposalRequest
 
-__all__ = ["ChunkReader", "DraftAhead", "ProposalSender"]
+__all__ = ["ChunkReader", "DraftAhead", "ProposalSender", "stream_ended"]
 
 _DONE = object()
 
@@ -180,3 +180,13 @@ class ChunkReader:
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
+
+
+def stream_ended(chunk: GenerateChunk) -> None:
+    """A stream's last chunk: a cut one (its session closed on the server) raises, so that the
+    request ends as an error whose `partial` holds what was committed, not as a finished one."""
+    if chunk.cancelled:
+        raise TargetUnavailableError(
+            f"the server cut the stream after {chunk.committed} committed tokens (its session was "
+            "closed): continue with pair.generate(..., after=error.partial.token_ids)"
+        )
