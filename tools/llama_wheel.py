@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 SPLIT = "q->type == GGML_TYPE_F32 && nek1 >= 512;"
@@ -59,7 +61,9 @@ def main(version: str, tag: str, wheels: str) -> None:
         print(f"already built: {built[-1]}")
         return
     pip = [sys.executable, "-m", "pip"]
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
+        say(f"downloading the llama-cpp-python {version} source")
         subprocess.run(
             [
                 *pip,
@@ -81,7 +85,35 @@ def main(version: str, tag: str, wheels: str) -> None:
         patch(root, version, tag)
         options = [*LEAVE_OUT, os.environ.get("CMAKE_ARGS", ""), *cpu_flags()]
         env = {**os.environ, "CMAKE_ARGS": " ".join(options).strip()}
-        subprocess.run([*pip, "wheel", "-q", "--no-deps", str(root), "-w", str(out)], check=True, env=env)
+        say(f"compiling llama.cpp for this CPU ({env['CMAKE_ARGS']}): a few minutes on two cores")
+        with Ticker(started):
+            subprocess.run([*pip, "wheel", "-q", "--no-deps", str(root), "-w", str(out)], check=True, env=env)
+    (wheel,) = sorted(out.glob(f"llama_cpp_python-{version}+{tag}-*.whl"))[-1:]
+    say(f"built {wheel} in {time.monotonic() - started:.0f} s; pip install --find-links {out} ... finds it")
+
+
+def say(line: str) -> None:
+    print(f"llama_wheel: {line}", flush=True)
+
+
+class Ticker:
+    """Says every minute that the build still runs (pip -q prints nothing for minutes)."""
+
+    def __init__(self, started: float, every: float = 60.0) -> None:
+        self.started, self.every = started, every
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.done.wait(self.every):
+            say(f"still compiling ({time.monotonic() - self.started:.0f} s so far)")
+
+    def __enter__(self) -> Ticker:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.done.set()
 
 
 # ggml's CMake options for the x86 features it can use, by the /proc/cpuinfo flag that offers each
