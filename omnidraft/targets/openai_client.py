@@ -32,7 +32,7 @@ from ..server.completions import MAX_LOGPROBS, CompletionRequest
 from ..target import SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
-from .remote import call_json
+from .remote_http import call_json
 
 __all__ = ["OpenAICompletionsTarget"]
 

@@ -10,16 +10,18 @@ of times, which is safe because a verify request names the committed length it b
 protocol.py). A session opens on the server at its first verify: one that only decodes alone is a
 single streamed request, as a plain server's completion is, with no session to open or close.
 When the server stays unreachable the call raises `TargetUnavailableError`; the pairing keeps
-what was committed so far (`error.partial`).
+what was committed so far (`error.partial`). Given several replicas' URLs, a session whose replica
+stops answering, drains (503) or lost it (a restart: 404) opens again from its committed ids on the
+next replica (or the same one) and its verify is sent again: docs/remote.md, "Replicas".
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -43,11 +45,13 @@ from ..server.protocol import (
 from ..target import Capabilities, SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
+from .remote_http import call_json, refused
 from .remote_stream import ChunkReader, DraftAhead, ProposalSender, stream_ended
 
 __all__ = ["RemoteTarget", "call_json"]
 
-_RETRY_STATUS = (502, 503, 504)
+log = logging.getLogger("omnidraft")
+
 FIRST_BUDGET = 4  # the draft budget a device assumes while a speculate stream's prompt is prefilled
 
 
@@ -59,7 +63,7 @@ class RemoteTarget(TargetBase):
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         *,
         api_key: str | None = None,
         tokenizer: Any = None,
@@ -73,10 +77,20 @@ class RemoteTarget(TargetBase):
         if api_key is None:  # the variable `omnidraft serve` reads its keys from (the first of them)
             api_key = next(iter(env_keys()), None)
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.url, self.retries = url, retries
-        self.http = client if client is not None else httpx.Client(base_url=url, timeout=timeout)
-        self.http.headers.update(headers)
-        info = InfoReply.model_validate(self._call("GET", "/v1/info"))
+        urls = [url] if isinstance(url, str) else list(url)
+        clients = list(client) if isinstance(client, (list, tuple)) else [client] * len(urls)
+        if not urls or len(clients) != len(urls):
+            raise ValueError("give one URL or a list of replicas' URLs (and as many clients, if any)")
+        # (url, client) per replica: every session of this target talks to `url`/`http`, the
+        # replica serving now; `fail_over` moves them to the next one
+        self.replicas = [
+            (u, c if c is not None else httpx.Client(base_url=u, timeout=timeout))
+            for u, c in zip(urls, clients)
+        ]
+        for _, http in self.replicas:
+            http.headers.update(headers)
+        (self.url, self.http), self.retries = self.replicas[0], retries
+        info = InfoReply.model_validate(self._first_answer())
         self.name, self.eos_ids = info.name, frozenset(info.eos_ids)
         self.capabilities = Capabilities(decodes_alone=True, drafts_in_engine=info.drafts_in_engine)
         self.tokenizer = tokenizer if tokenizer is not None else self._fetch_tokenizer()
@@ -93,7 +107,31 @@ class RemoteTarget(TargetBase):
         return _RemoteSession(self, list(prompt_ids))
 
     def close(self) -> None:
-        self.http.close()
+        for _, http in self.replicas:
+            http.close()
+
+    def _first_answer(self) -> Any:
+        """/v1/info from the first replica that answers (which then serves)."""
+        for _ in self.replicas:
+            try:
+                return self._call("GET", "/v1/info")
+            except TargetUnavailableError:
+                if not self.fail_over(self.http):
+                    raise
+        return self._call("GET", "/v1/info")
+
+    def fail_over(self, failed: Any) -> bool:
+        """The replica whose client is `failed` did not answer: sessions move to the next replica
+        (unless another session moved them already). False where there is no other replica."""
+        if len(self.replicas) == 1:
+            return False
+        if self.http is failed:
+            at = next(i for i, (_, http) in enumerate(self.replicas) if http is failed)
+            gone, (self.url, self.http) = self.url, self.replicas[(at + 1) % len(self.replicas)]
+            log.warning(
+                "%s does not answer: sessions continue on %s from their committed tokens", gone, self.url
+            )
+        return True
 
     def _fetch_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -110,58 +148,6 @@ class RemoteTarget(TargetBase):
 
     def __repr__(self) -> str:
         return f"RemoteTarget({self.name!r} at {self.url})"
-
-
-def call_json(http: Any, url: str, method: str, path: str, content: str | None, retries: int) -> Any:
-    """One JSON request with bounded retries of transport failures and 502/503/504; 4xx raises
-    RemoteRequestError with the server's reason, exhausted retries TargetUnavailableError."""
-    import httpx
-
-    last: str = ""
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(min(2.0, 0.1 * 2**attempt))
-        try:
-            response = http.request(
-                method,
-                path,
-                content=content,
-                headers={"content-type": "application/json"} if content else None,
-            )
-        except httpx.TransportError as exc:
-            last = f"{type(exc).__name__}: {exc}"
-            continue
-        if response.status_code in _RETRY_STATUS:
-            last = f"HTTP {response.status_code}: {_reason(response, _error_body(response))}"
-            continue
-        if response.status_code >= 400:
-            raise _refused(url, path, response)
-        return response.json()
-    raise TargetUnavailableError(f"{url}{path} unreachable after {retries + 1} attempts ({last})")
-
-
-def _refused(url: str, path: str, response: Any) -> RemoteRequestError:
-    """The error for a refused request (its body read once): the server's reason, and for a stale
-    request's 409 the session's committed length (None elsewhere)."""
-    body = _error_body(response)
-    committed = body.get("committed") if body is not None else None
-    return RemoteRequestError(
-        f"{url}{path} refused the request: HTTP {response.status_code}: {_reason(response, body)}",
-        response.status_code,
-        committed if isinstance(committed, int) else None,
-    )
-
-
-def _error_body(response: Any) -> dict[str, Any] | None:
-    try:
-        body = response.json()
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) else None
-
-
-def _reason(response: Any, body: dict[str, Any] | None) -> str:
-    return str(body.get("error", response.text)) if body is not None else response.text[:200]
 
 
 class _RemoteSession(SessionBase):
@@ -207,9 +193,7 @@ class _RemoteSession(SessionBase):
             top_p=rule.top_p,
             min_p=rule.min_p,
         )
-        reply = VerifyReply.model_validate(
-            self.owner._call("POST", f"/v1/sessions/{self._open()}/verify", request)
-        )
+        reply = self._verified(request)
         self.ids += ids[: reply.accepted] + [reply.token]
         self.forwards += 1
         self.budget = reply.budget
@@ -218,6 +202,27 @@ class _RemoteSession(SessionBase):
         if reply.topk_ids is not None and reply.topk_logp is not None:
             top = (torch.tensor(reply.topk_ids, dtype=torch.long), torch.tensor(reply.topk_logp))
         return Verdict(reply.accepted, reply.token, top)
+
+    def _verified(self, request: VerifyRequest) -> VerifyReply:
+        """The server's verdict on `request`. Where the replica holding the session is gone (it
+        stays unreachable, or answers 503 while it drains) or has lost the session (a restart:
+        404), the session opens again from its committed ids, on the next replica or the same
+        one, and the request, which names that committed length, is sent again: committed once."""
+        owner = self.owner
+        for attempt in range(len(owner.replicas) + 1):
+            http = owner.http
+            try:
+                return VerifyReply.model_validate(
+                    owner._call("POST", f"/v1/sessions/{self._open()}/verify", request)
+                )
+            except TargetUnavailableError:
+                if attempt == len(owner.replicas) or not owner.fail_over(http):
+                    raise
+            except RemoteRequestError as exc:
+                if exc.status != 404 or self.sid is None or attempt == len(owner.replicas):
+                    raise
+            self.sid = None  # (opened again on the replica serving now)
+        raise AssertionError("unreachable")
 
     def decode(self, max_tokens: int) -> Iterator[int]:
         """The server greedy-decodes up to `max_tokens` more tokens alone (stopping after an EOS) and
@@ -288,7 +293,7 @@ class _RemoteSession(SessionBase):
                 raise TargetUnavailableError(f"{owner.url}{path}: {type(exc).__name__}: {exc}") from exc
             if reply.status_code >= 400:
                 reply.read()
-                raise _refused(owner.url, path, reply)
+                raise refused(owner.url, path, reply)
             sender = ProposalSender(lambda m: owner._call("POST", f"/v1/sessions/{sid}/proposal", m))
             stack.callback(sender.close)
             reader = ChunkReader(reply.iter_lines())
@@ -355,7 +360,7 @@ class _RemoteSession(SessionBase):
             ) as reply:
                 if reply.status_code >= 400:
                     reply.read()
-                    raise _refused(owner.url, path, reply)
+                    raise refused(owner.url, path, reply)
                 for line in reply.iter_lines():
                     if not line.strip():
                         continue
