@@ -306,6 +306,14 @@ def test_a_device_session_streams_while_the_engine_verifies_its_proposals(vllm_t
                     break
         assert got == want and chunks < len(want)  # drafts were accepted: several tokens a chunk
         assert http.delete(f"/v1/sessions/{sid}").status_code == 200
+        # a stream its session's DELETE cuts ends with a chunk that says so, not an ordinary end
+        sid = http.post("/v1/sessions", json={"prompt_ids": ids}).json()["session"]
+        with http.stream("POST", f"/v1/sessions/{sid}/speculate", json={**body, "max_tokens": 400}) as reply:
+            lines = (json.loads(line) for line in reply.iter_lines() if line.strip())
+            first = next(lines)
+            assert http.delete(f"/v1/sessions/{sid}").status_code == 200
+            *_, last = [first, *lines]
+        assert last["done"] and last.get("cancelled") and not first["done"], last
         remote = RemoteTarget(url, api_key="k")
         assert remote.drafts_in_engine
         out = tiny_drafter.pair(remote, k=3).generate(PROMPTS[1], max_new_tokens=20)
