@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -29,7 +30,7 @@ from ..llamacpp.loading import cpu_threads
 from ..target import Rule
 from .config import RELAXED
 from .engine_rounds import EngineRounds
-from .stats import RoundRecord
+from .stats import RoundRecord, round_record
 
 if TYPE_CHECKING:
     from ..target import TargetSession
@@ -155,15 +156,4 @@ def _draft_on(
 def _record(context: int, sent: int, accepted: int, new: list[int], seconds: float) -> RoundRecord:
     """One verify's record: `sent` proposed ids (drafted beside earlier verifies: no drafting time
     of its own), `accepted` of them, `new` committed, the verify's `seconds`."""
-    return RoundRecord(
-        context=context,
-        drafted=0,
-        proposed=sent,
-        accepted=accepted,
-        emitted=len(new),
-        from_cache=0,
-        t_draft=0.0,
-        t_translate=0.0,
-        t_verify=seconds,
-        t_resync=0.0,
-    )
+    return replace(round_record(None, context, new, 0, seconds), proposed=sent, accepted=accepted)
