@@ -49,6 +49,15 @@ def run_cli(argv: list[str]) -> int:
     return 0
 
 
+def test_generate_streams_the_text_then_the_stats_line_python_prints(models, capsys):
+    """`omnidraft generate` as the README shows it: the text on stdout, then on stderr the same
+    stats line `print(out.stats)` gives (one format)."""
+    pair = f"{models['drafter']}:{models['target']}"
+    assert run_cli(["generate", "Tom has 3 apples", "--pair", pair, "--max-new-tokens", "4"]) == 0
+    got = capsys.readouterr()
+    assert got.out.strip() and got.err.strip().splitlines()[-1].startswith("[4 tokens in ")
+
+
 @pytest.mark.parametrize("kind", ["", ".gguf"])
 def test_demo_runs_to_its_table_against_the_fastest_engine(models, capsys, kind):
     """An HF directory is compared with PyTorch; a GGUF file with llama.cpp (the faster engine for

@@ -25,12 +25,7 @@ def _generate(args: argparse.Namespace) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
     assert pair.last is not None  # a finished stream leaves its Generation
-    s = pair.last.stats
-    print(
-        f"\n\n[{s.new_tokens} tokens, {s.tokens_per_second:.2f} tok/s, acceptance {s.acceptance_rate:.2f}, "
-        f"τ {s.mean_accepted_length:.2f}, n-gram hits/round {s.ngram_hits_per_round:.2f}]",
-        file=sys.stderr,
-    )
+    print(f"\n\n[{pair.last.stats}]", file=sys.stderr)  # the stats line Python prints (one format)
 
 
 def _demo(args: argparse.Namespace) -> None:
