@@ -274,6 +274,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--repeats", type=int, default=2)
     e.add_argument("--out", help="write the per-request results (JSON) here")
+    e.add_argument("--weights", default="int8", choices=["int8", "int4"], help="OpenVINO's weights")
     e.add_argument(
         "--beside",
         action="store_true",

@@ -26,7 +26,7 @@ def _timed(fn: Callable[[], list[int]]) -> tuple[list[int], float]:
 
 
 def rows_for(
-    target_spec: str, drafter_spec: str, n: int, *, beside: bool = False
+    target_spec: str, drafter_spec: str, n: int, *, beside: bool = False, weights: str = "int8"
 ) -> dict[str, Callable[[str], list[int]]]:
     """{row name: prompt -> output ids}; with `beside`, OpenVINO on one thread fewer than the
     machine has too: alone, paired drafting in turn, and paired drafting beside its verifies."""
@@ -35,7 +35,7 @@ def rows_for(
     from omnidraft.bench.llama import llama_alone
     from omnidraft.llamacpp.loading import cpu_threads
 
-    llama, vino = od.LlamaCppTarget(target_spec), od.OpenVINOTarget.load(target_spec)
+    llama, vino = od.LlamaCppTarget(target_spec), od.OpenVINOTarget.load(target_spec, weights=weights)
     plain = llama_alone(llama, n)
     drafter = od.Drafter.load(drafter_spec)
     on_llama, on_vino = drafter.pair(llama), drafter.pair(vino)
@@ -46,7 +46,7 @@ def rows_for(
         "default pairing, OpenVINO": lambda p: on_vino.generate(p, max_new_tokens=n).token_ids,
     }
     if beside:
-        fewer = od.OpenVINOTarget.load(target_spec, threads=max(1, cpu_threads() - 1))
+        fewer = od.OpenVINOTarget.load(target_spec, weights=weights, threads=max(1, cpu_threads() - 1))
         in_turn, overlapped = drafter.pair(fewer), drafter.pair(fewer, overlap=True)
         rows[FEWER] = lambda p: target_alone(fewer, p, n).token_ids
         rows[f"{FEWER}, paired"] = lambda p: in_turn.generate(p, max_new_tokens=n).token_ids
@@ -67,7 +67,7 @@ def run(args: Any) -> None:
     from omnidraft.bench.datasets import load_prompts
 
     drafter, target = args.pair.split(":")
-    rows = rows_for(target, drafter, args.max_new_tokens, beside=args.beside)
+    rows = rows_for(target, drafter, args.max_new_tokens, beside=args.beside, weights=args.weights)
     prompts = load_prompts(args.dataset, args.n)
     for fn in rows.values():  # warm every row once
         fn(prompts[0][:200])
