@@ -12,12 +12,11 @@ every output is compared with the engine's own.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 from typing import Any
 
-__all__ = ["demo_engine", "run_demo"]
+__all__ = ["demo_engine", "run_demo", "verdict", "workloads"]
 
 
 def demo_engine(target_spec: str, choice: str = "auto") -> str:
@@ -25,16 +24,9 @@ def demo_engine(target_spec: str, choice: str = "auto") -> str:
     `target_spec` (llama.cpp for a GGUF file its build runs, else PyTorch)."""
     if choice != "auto":
         return choice
-    from ..store.presets import PRESETS
+    from ..targets.fastest import llama_runs
 
-    if not (target_spec in PRESETS or target_spec.endswith(".gguf")) or not importlib.util.find_spec(
-        "llama_cpp"
-    ):
-        return "torch"
-    from ..llamacpp.loading import gguf_file
-    from ..llamacpp.smoke import runs
-
-    return "llama.cpp" if runs(gguf_file(target_spec)[0]) == "ok" else "torch"
+    return "llama.cpp" if llama_runs(target_spec) else "torch"
 
 
 def run_demo(args: argparse.Namespace, datasets: list[str]) -> tuple[str, list[dict[str, Any]]]:
@@ -132,17 +124,30 @@ NAMES = {
 PAID = 1.03  # a workload's total ratio from which drafting is said to have paid
 
 
+def workloads(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per workload, in the order run: its rows, tokens, omnidraft's and the engine's tokens/s in
+    total, and the worst request's ratio."""
+    out = {}
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        mine = [r for r in rows if r["dataset"] == dataset]
+        tokens = sum(r["tokens"] for r in mine)
+        out[dataset] = {
+            "rows": mine,
+            "tokens": tokens,
+            "omni": tokens / sum(r["tokens"] / r["omnidraft_tok_s"] for r in mine),
+            "alone": tokens / sum(r["tokens"] / r["engine_tok_s"] for r in mine),
+            "worst": min(r["omnidraft_tok_s"] / r["engine_tok_s"] for r in mine),
+        }
+    return out
+
+
 def verdict(rows: list[dict[str, Any]], engine: str) -> str:
     """One line: the workloads where drafting paid and from what, and why it stood aside elsewhere."""
     paid: list[tuple[str, float]] = []
     aside: list[tuple[str, float]] = []
-    for dataset in dict.fromkeys(r["dataset"] for r in rows):
-        mine = [r for r in rows if r["dataset"] == dataset]
-        tokens = sum(r["tokens"] for r in mine)
-        ratio = sum(r["tokens"] / r["engine_tok_s"] for r in mine) / sum(
-            r["tokens"] / r["omnidraft_tok_s"] for r in mine
-        )
-        copied = sum(r.get("retrieved", 0.0) * r["tokens"] for r in mine) / max(1, tokens)
+    for dataset, w in workloads(rows).items():
+        ratio = w["omni"] / w["alone"]
+        copied = sum(r.get("retrieved", 0.0) * r["tokens"] for r in w["rows"]) / max(1, w["tokens"])
         name = f"{NAMES.get(dataset, dataset)} ({ratio:.2f}x)"
         (paid if ratio >= PAID else aside).append((name, copied))
     parts = []

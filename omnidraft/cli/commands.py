@@ -29,7 +29,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from ..bench.demo import WORKLOADS, run_demo, verdict
+    from ..bench.demo import WORKLOADS, run_demo, verdict, workloads
 
     engine, rows = run_demo(args, list(WORKLOADS))
     print(
@@ -45,15 +45,11 @@ def _demo(args: argparse.Namespace) -> None:
             f"{r['omnidraft_tok_s']:>12.2f}{r['engine_tok_s']:>13.2f}"
             f"{r['omnidraft_tok_s'] / r['engine_tok_s']:>8.2f}×  {'yes' if r['identical'] else 'NO'}"
         )
-    for dataset in dict.fromkeys(r["dataset"] for r in rows):
-        mine = [r for r in rows if r["dataset"] == dataset]
-        tokens = sum(r["tokens"] for r in mine)
-        omni = tokens / sum(r["tokens"] / r["omnidraft_tok_s"] for r in mine)
-        alone = tokens / sum(r["tokens"] / r["engine_tok_s"] for r in mine)
-        worst = min(r["omnidraft_tok_s"] / r["engine_tok_s"] for r in mine)
+    for dataset, w in workloads(rows).items():
+        omni, alone, mine = w["omni"], w["alone"], w["rows"]
         print(
             f"{'total ' + dataset:<16}{'':>15}{omni:>12.2f}{alone:>13.2f}{omni / alone:>8.2f}×  "
-            f"{sum(r['identical'] for r in mine) / len(mine):.0%} (worst request {worst:.2f}×)"
+            f"{sum(r['identical'] for r in mine) / len(mine):.0%} (worst request {w['worst']:.2f}×)"
         )
     print("\n" + verdict(rows, engine))
 
@@ -193,10 +189,7 @@ def api_keys(args: argparse.Namespace) -> str | tuple[str, ...] | None:
     import os
 
     if args.api_key_file is not None:
-        keys = tuple(
-            line.strip() for line in Path(args.api_key_file).read_text().splitlines() if line.strip()
-        )
-        where = args.api_key_file
+        keys, where = key_lines(args.api_key_file), args.api_key_file
     elif os.environ.get(KEY_ENV):
         keys, where = env_keys(), f"${KEY_ENV}"
     elif args.no_auth:
@@ -213,11 +206,16 @@ def api_keys(args: argparse.Namespace) -> str | tuple[str, ...] | None:
     return keys[0] if len(keys) == 1 else keys
 
 
+def key_lines(path: str) -> tuple[str, ...]:
+    """The keys a key file holds: its non-empty lines, stripped."""
+    return tuple(line.strip() for line in Path(path).read_text().splitlines() if line.strip())
+
+
 def operator_key(args: argparse.Namespace) -> str | None:
     """The operator's key, from --operator-key-file (its first non-empty line), or None."""
     if args.operator_key_file is None:
         return None
-    lines = [ln.strip() for ln in Path(args.operator_key_file).read_text().splitlines() if ln.strip()]
+    lines = key_lines(args.operator_key_file)
     if not lines:
         raise SystemExit(f"{args.operator_key_file} is empty: put the operator key in it")
     return lines[0]

@@ -30,6 +30,7 @@ from ..llamacpp.loading import cpu_threads
 from ..target import Rule
 from .config import RELAXED
 from .engine_rounds import EngineRounds
+from .rounds import through_eos
 from .stats import RoundRecord, round_record
 
 if TYPE_CHECKING:
@@ -97,8 +98,7 @@ def _rounds(
         if first and spec.round is not None:  # the drafter's read of its prompt beside the prefill:
             rnd = spec.round  # only what it took past the prefill is its cost
             rnd.started = min(rnd.drafted, max(rnd.started, done))
-        new = tsession.ids[context:]
-        new = new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+        new = through_eos(tsession.ids[context:], eos)
         yield new, _record(context, len(sent), accepted, new, done - began)
         remaining = call.max_new_tokens - (len(tsession.ids) - prompt)
         if not new or new[-1] in eos or remaining <= 0:

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Iterator
 
 from . import overlap
-from .rounds import decode_alone, relaxation
+from .rounds import decode_alone, relaxation, through_eos
 from .speculation import Speculation
 from .stats import RoundRecord, round_record
 
@@ -51,7 +51,7 @@ def run(
         )
         answered = time.perf_counter()
         new = tsession.ids[context:]
-        new = new[: next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))]
+        new = through_eos(new, eos_ids)
         if topk and rows is not None and verdict.topk is not None:
             chosen = verdict.chosen[: len(new)] if verdict.chosen is not None else None
             rows.append((verdict.topk[0][: len(new)], verdict.topk[1][: len(new)], chosen))

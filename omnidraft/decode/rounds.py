@@ -27,6 +27,7 @@ __all__ = [
     "from_generation_config",
     "make_generator",
     "relaxation",
+    "through_eos",
     "render_chat",
     "token_logprobs",
     "within_budget",
@@ -117,6 +118,11 @@ def decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int]
         now = time.perf_counter()
         yield [token], round_record(None, context, [token], 0, now - last)
         context, last = context + 1, now
+
+
+def through_eos(new: list[int], eos_ids: frozenset[int]) -> list[int]:
+    """`new` up to and with its first end-of-generation token (all of it where none is)."""
+    return new[: next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))]
 
 
 def within_budget(tsession: Any, limit: int, k: int) -> tuple[int, int]:

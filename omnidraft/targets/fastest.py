@@ -29,7 +29,7 @@ from ..runtime.measured import remembered
 if TYPE_CHECKING:
     from ..target import Target
 
-__all__ = ["candidates", "fastest_engine", "request_rate"]
+__all__ = ["candidates", "fastest_engine", "llama_runs", "request_rate"]
 
 log = logging.getLogger("omnidraft")
 
@@ -43,7 +43,7 @@ TEXT = (
 def candidates(spec: str) -> list[str]:
     """The engines tried for `spec` on this machine (see the module doc), in that order."""
     found = []
-    if _llama_runs(spec):
+    if llama_runs(spec):
         found.append("llama.cpp")
     if importlib.util.find_spec("openvino") is not None and (
         (Path(spec).expanduser() / "openvino_model.xml").is_file()
@@ -109,7 +109,8 @@ def _decoded(target: Any, prompt: list[int], n: int) -> int:
         session.close()
 
 
-def _llama_runs(spec: str) -> bool:
+def llama_runs(spec: str) -> bool:
+    """Whether llama.cpp runs `spec` here: a preset or .gguf file its build runs (llamacpp/smoke.py)."""
     from ..store.presets import PRESETS
 
     if not (spec in PRESETS or spec.endswith(".gguf")) or importlib.util.find_spec("llama_cpp") is None:

@@ -112,13 +112,13 @@ class RemoteTarget(TargetBase):
 
     def _first_answer(self) -> Any:
         """/v1/info from the first replica that answers (which then serves)."""
-        for _ in self.replicas:
+        for attempt in range(len(self.replicas)):
             try:
                 return self._call("GET", "/v1/info")
             except TargetUnavailableError:
-                if not self.fail_over(self.http):
+                if attempt == len(self.replicas) - 1 or not self.fail_over(self.http):
                     raise
-        return self._call("GET", "/v1/info")
+        raise AssertionError("unreachable")
 
     def fail_over(self, failed: Any) -> bool:
         """The replica whose client is `failed` did not answer: sessions move to the next replica
