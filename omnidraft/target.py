@@ -229,7 +229,7 @@ TARGET_MEMBERS = (
 )
 
 
-def check_target(target: Any) -> None:
+def check_target(target: Target) -> None:
     """Refuse, naming what is missing, an object that does not implement `Target`: what a pairing
     and a server check once, where a target comes in."""
     missing = [m for m in TARGET_MEMBERS if not hasattr(target, m)]

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .acceptance_head import AcceptanceHead, Stopper, head_state
 from .costs import CostModel
 from .policy import BestSpeedup, CostPolicy, Hysteresis, ModeChooser, best_speedup
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 __all__ = ["DraftLengths", "DraftingPlan", "plan_drafting"]
 
@@ -49,7 +52,7 @@ class DraftingPlan:
         return self.model and seen.model_pays, self.free and seen.free_pays
 
 
-def plan_drafting(drafter: Any, target: Any, config: Any, learn: bool) -> DraftingPlan:
+def plan_drafting(drafter: Any, target: Target, config: Any, learn: bool) -> DraftingPlan:
     """The DraftingPlan of a new pairing. With retrieved drafts, whose worth depends on each
     request's context, an in-process target decides round by round whether to draft (a round
     without a draft costs it no more than decoding alone). Otherwise (model drafts only, or a

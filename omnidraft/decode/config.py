@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..adaptive.acceptance_head import HeadConfig
 from ..adaptive.policy import Hysteresis
 from ..retrieve import DRAFT_SOURCES, RetrievalConfig
 from ..target import Rule
 from ..translate.ngram_cache import NgramCacheConfig
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 __all__ = ["K_START", "RELAXED", "DecodeConfig", "warn_relaxed"]
 
@@ -163,7 +166,7 @@ class DecodeConfig:
         return self.heal and self.strategy == "text" and self.mode in ("greedy", "match")
 
 
-def warn_relaxed(drafter: Any, target: Any) -> None:
+def warn_relaxed(drafter: Any, target: Target) -> None:
     """Relaxed-lossy verification: refused on a remote target, warned of elsewhere."""
     if not target.capabilities.in_process:
         raise ValueError(

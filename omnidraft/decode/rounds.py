@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
@@ -14,6 +14,9 @@ from ..target import Rule
 from ..translate.translator import Proposal, Source, Translator
 from .config import RELAXED
 from .stats import GenerationStats, RoundRecord, round_record
+
+if TYPE_CHECKING:
+    from ..target import Target, TargetSession
 
 __all__ = [
     "Call",
@@ -81,7 +84,7 @@ class Call:
         text = self.prompt + self.after_text
         return list(model.tokenizer(text, add_special_tokens=self.special)["input_ids"])
 
-    def target_ids(self, target: Any) -> list[int]:
+    def target_ids(self, target: Target) -> list[int]:
         """The prompt in `target`'s tokenizer, then `after` exactly."""
         return list(target.tokenizer(self.prompt, add_special_tokens=self.special)["input_ids"]) + list(
             self.after
@@ -125,7 +128,7 @@ def through_eos(new: list[int], eos_ids: frozenset[int]) -> list[int]:
     return new[: next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))]
 
 
-def within_budget(tsession: Any, limit: int, k: int) -> tuple[int, int]:
+def within_budget(tsession: TargetSession, limit: int, k: int) -> tuple[int, int]:
     """(limit, k) for this round's proposal, each capped by the draft budget the target session's
     server gave in its last reply (server/budget.py: a server under load takes fewer draft tokens)."""
     cap = tsession.budget
@@ -215,7 +218,7 @@ def verified(prompt: str, out: list[int], rounds: list[RoundRecord], rows: list,
     return VerifiedRequest(prompt, out, ids, logp, positions)
 
 
-def check_after(target: Any, after: Any) -> tuple[tuple[int, ...], str]:
+def check_after(target: Target, after: Any) -> tuple[tuple[int, ...], str]:
     """(the ids, their text) of a request's `after` (target ids generated already: a list or
     tuple of ints in the target's vocabulary), refused by name otherwise."""
     if not isinstance(after, (list, tuple)) or any(
@@ -296,7 +299,7 @@ def turn_end(tokenizer: Any) -> str | None:
     return after[0] if after else None
 
 
-def chat_stops(target: Any, stop: str | Sequence[str]) -> str | Sequence[str]:
+def chat_stops(target: Target, stop: str | Sequence[str]) -> str | Sequence[str]:
     """`stop`, and `target`'s chat template's end of an assistant turn where no EOS token writes it
     (a chat answer ends at its turn's end whatever the model's EOS)."""
     end = turn_end(target.tokenizer)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["Speculator", "pair_fingerprint"]
 
 
-def pair_fingerprint(drafter: Any, target: Any) -> str:
+def pair_fingerprint(drafter: Any, target: Target) -> str:
     """What a profile of this drafter and target is valid for: both tokenizers' fingerprints."""
     return f"{drafter.token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
 

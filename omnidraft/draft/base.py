@@ -191,7 +191,7 @@ class Drafter:
 
 def pair(
     drafter: Any,
-    target: Any,
+    target: Target,
     config: DecodeConfig | None = None,
     *,
     user: str | None = None,

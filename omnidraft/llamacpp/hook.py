@@ -15,13 +15,16 @@ cannot pay, it returns no draft and llama.cpp decodes alone. One generation at a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from llama_cpp.llama_speculative import LlamaDraftModel
 
 from ..decode.engine_rounds import EngineRounds
 from .llama_target import LlamaCppTarget
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 __all__ = ["OmnidraftDraftModel"]
 
@@ -33,7 +36,7 @@ class OmnidraftDraftModel(LlamaDraftModel):
     `options` go to `DecodeConfig` (drafts="hybrid" | "model" | "retrieval", k, ...). Build the
     `Llama` with `loading.open_llama(path, draft_model=hook)` so it runs as the target does."""
 
-    def __init__(self, drafter: Any, target: Any, *, max_draft: int = 16, **options: Any) -> None:
+    def __init__(self, drafter: Any, target: Target, *, max_draft: int = 16, **options: Any) -> None:
         from ..draft.base import pair
 
         self.pairing = pair(drafter, target, **options)

@@ -20,9 +20,12 @@ import importlib.util
 import logging
 import time
 from statistics import median
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import measured
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 __all__ = ["draft_ms", "drafting_cost", "drafting_copy", "fastest_drafter", "pairing_best_speedup"]
 
@@ -84,7 +87,7 @@ def drafting_copy(drafter: Any, config: Any, *, learn: bool, adapter: Any, user:
     return llama
 
 
-def pairing_best_speedup(drafter: Any, target: Any, config: Any) -> Any:
+def pairing_best_speedup(drafter: Any, target: Target, config: Any) -> Any:
     """What drafting could gain at best for this pair on this machine (adaptive/policy.py
     `BestSpeedup`), for a target that reports measured verify costs (`verify_costs()`) and a config
     that chooses draft lengths for speed; None otherwise (the pairing then measures as it goes)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -42,6 +42,9 @@ from .openai_api import OPENAI_PATHS, error_body
 from .protocol import KEY_ENV, VERSION
 from .routes import RequestIO, add_device_routes, add_openai_routes, add_ops_routes
 from .service import HTTPError, ServerConfig, Service
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 __all__ = ["HEADER_TIMEOUT_S", "Auth", "ServerConfig", "create_app", "http_protocol"]
 
@@ -171,7 +174,7 @@ class Auth:
             await self.crashed(request, exc)(scope, receive, send)
 
 
-def create_app(target: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
+def create_app(target: Target, config: ServerConfig = ServerConfig()) -> FastAPI:
     """The ASGI app serving `target` (any target: a `Target` whose capabilities say what it serves)."""
     service = Service(target, config)
     app = FastAPI(title="omnidraft verification server", version=str(VERSION))

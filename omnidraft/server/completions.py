@@ -6,12 +6,15 @@ client of such an endpoint is `OpenAICompletionsTarget` (targets/openai_client.p
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ..errors import Cancelled
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 __all__ = [
     "ECHO_CHUNK",
@@ -91,7 +94,7 @@ MAX_PROMPT_CHARS = 1 << 19  # a text prompt longer than this is refused before i
 
 
 def complete(
-    target: Any,
+    target: Target,
     request: CompletionRequest,
     max_tokens_total: int,
     *,
@@ -108,7 +111,7 @@ def complete(
     is held per forward only, so other sessions' verifies interleave with a long completion."""
     ids = _prompt_ids(target, request, max_tokens_total, max_prompt, context)
     k, lock = request.logprobs, lock or contextlib.nullcontext()
-    session = target.begin(ids[:1] if request.echo else ids)
+    session: Any = target.begin(ids[:1] if request.echo else ids)  # (one whose target scores_positions)
     scored, last = _read_prompt(target, session, ids, request, lock)
     generated = []
     for step in range(request.max_tokens):
@@ -130,7 +133,7 @@ def complete(
 
 
 def _prompt_ids(
-    target: Any, request: CompletionRequest, max_tokens_total: int, max_prompt: int, context: int | None
+    target: Target, request: CompletionRequest, max_tokens_total: int, max_prompt: int, context: int | None
 ) -> list[int]:
     """The request's prompt as target ids, refused (ValueError, naming the limit) where this
     endpoint cannot serve it."""
@@ -162,7 +165,9 @@ def _prompt_ids(
     return ids
 
 
-def _read_prompt(target: Any, session: Any, ids: list[int], request: CompletionRequest, lock: Any) -> tuple:
+def _read_prompt(
+    target: Target, session: Any, ids: list[int], request: CompletionRequest, lock: Any
+) -> tuple:
     """(the prompt's scored positions, the last position's logits): with `echo`, position i's row
     scores token i + 1, fed ECHO_CHUNK at a time and each row reduced at once; without, a long
     prompt is read a chunk at a time where the engine prefills in chunks."""
@@ -187,7 +192,7 @@ def _read_prompt(target: Any, session: Any, ids: list[int], request: CompletionR
 
 
 def _choice(
-    target: Any, request: CompletionRequest, ids: list[int], generated: list[int], scored: list
+    target: Target, request: CompletionRequest, ids: list[int], generated: list[int], scored: list
 ) -> dict[str, Any]:
     """The reply's one choice: the text (the prompt too with `echo`) and, if asked, log-probabilities."""
     shown = (ids if request.echo else []) + generated

@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..target import Rule
 from .budget import DraftBudget, DraftGate
@@ -24,6 +24,9 @@ from .lookup import PromptLookup
 from .metrics import Metrics
 from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
 from .sessions import Session, ended
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 __all__ = ["DeviceRounds", "SpeculateRoutes", "speculate"]
 
@@ -190,7 +193,7 @@ def speculate(session: Any, rounds: DeviceRounds, rule: Rule = Rule()) -> Iterat
 class SpeculateRoutes:
     """`speculate` and `propose`, mixed into `Service` (over the state and checks it provides)."""
 
-    target: Any
+    target: Target
     config: ServerConfig
     metrics: Metrics
     costs: dict[int, float] | None

@@ -16,12 +16,15 @@ import json
 import time
 import uuid
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..decode.rounds import TokenLogprob
 from .completions import CompletionRequest, SamplingFields
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 __all__ = ["ChatRequest", "chat_prompt", "error_body", "models_reply", "respond"]
 
@@ -81,7 +84,7 @@ def chat_prompt(tokenizer: Any, request: ChatRequest, name: str) -> list[int]:
 def respond(
     tokens: Iterator[int],
     request: CompletionRequest | ChatRequest,
-    target: Any,
+    target: Target,
     prompt_tokens: int,
     logprobs: list[TokenLogprob] | None = None,
 ) -> Any:

@@ -7,7 +7,7 @@ import contextlib
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Generator, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, cast
 
 import torch
 
@@ -17,13 +17,16 @@ from .metrics import Metrics
 from .protocol import MAX_PROMPT
 from .sessions import Session, release_session
 
+if TYPE_CHECKING:
+    from ..target import Target
+
 __all__ = ["TextRoutes"]
 
 
 class TextRoutes:
     """`complete` and `sample`, over the state and checks `Service` provides."""
 
-    target: Any
+    target: Target
     config: ServerConfig
     metrics: Metrics
     batches: bool

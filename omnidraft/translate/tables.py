@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .healing import Healer
 from .vocab_map import ROLES, VocabMap, build_vocab_map
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 __all__ = ["TABLES_KEPT", "pair_tables"]
 
@@ -28,7 +31,7 @@ def _tokenizer_key(side: Any) -> tuple[Any, ...]:
     )
 
 
-def pair_tables(drafter: Any, target: Any, *, healing: bool = True) -> tuple[VocabMap, Healer | None]:
+def pair_tables(drafter: Any, target: Target, *, healing: bool = True) -> tuple[VocabMap, Healer | None]:
     """The vocabulary map and (with `healing`) the token healer of a drafter-target tokenizer pair.
 
     Both are read-only and take ~0.4 s to build against Gemma's 262k vocabulary, so every pairing
