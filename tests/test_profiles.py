@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -151,14 +153,14 @@ def _writer(root: str, first_step: int, saves: int) -> None:
 
 
 def test_two_writers_and_a_reader_never_see_a_half_written_profile(tmp_path):
-    """Two processes save the same profile 300 times each while this one reads it: every read is a
+    """Two processes save the same profile 150 times each while this one reads it: every read is a
     complete version (never a false "not a complete profile"), and the profile loads at the end."""
     import multiprocessing
 
     store = ProfileStore(tmp_path)
     store.save(_profile(steps=0))
     ctx = multiprocessing.get_context("spawn")
-    writers = [ctx.Process(target=_writer, args=(str(tmp_path), start, 300)) for start in (1, 1001)]
+    writers = [ctx.Process(target=_writer, args=(str(tmp_path), start, 150)) for start in (1, 1001)]
     for w in writers:
         w.start()
     reads = 0
@@ -166,15 +168,16 @@ def test_two_writers_and_a_reader_never_see_a_half_written_profile(tmp_path):
         profile = store.load(*PROFILE, fingerprint="d:t")
         assert profile is not None and profile.tensors["adapter"]["lora_A"].shape == (4, 8)
         reads += 1
+        time.sleep(0.002)  # reads between saves, not a spin that starves the writers of the core
     for w in writers:
         w.join()
         assert w.exitcode == 0
     home = store.path(*PROFILE)
     final = store.load(*PROFILE, fingerprint="d:t")
-    assert final.steps in (300, 1300) and reads > 0
+    assert final.steps in (150, 1150) and reads > 0
     assert len(list(home.glob("v*"))) == 2 and not list(home.glob(".*.tmp"))  # the last two versions kept
     numbers = sorted(int(v.name[1:]) for v in home.glob("v*"))
-    assert numbers[-1] == 601  # one version per save: no two writers picked the same number
+    assert numbers[-1] == 301  # one version per save: no two writers picked the same number
 
 
 def _learning_user(root: str, seed: int, requests: int) -> None:

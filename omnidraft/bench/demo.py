@@ -84,10 +84,10 @@ def _on_llama(args: argparse.Namespace, datasets: list[str]) -> list[dict[str, A
     for dataset in datasets:
         for i, prompt in enumerate(load_prompts(dataset, args.n)):
             ids = target.tokenizer(prompt)["input_ids"]
-            # engine, pairing, pairing, engine, engine, pairing: the median of three runs a side, so
+            # engine, pairing, pairing, engine, engine, pairing, ...: the median of the runs a side, so
             # that a drift of the machine's speed, or one slow run, weighs on both sides alike
             refs, outs, engine_s, pair_s = [], [], [], []
-            for side in "EPPEEP":
+            for side in "".join("EP" if j % 2 == 0 else "PE" for j in range(args.repeats)):
                 if side == "E":
                     refs.append(alone(prompt, ids))
                     engine_s.append(refs[-1].seconds)
@@ -149,7 +149,8 @@ def verdict(rows: list[dict[str, Any]], engine: str) -> str:
         ratio = w["omni"] / w["alone"]
         copied = sum(r.get("retrieved", 0.0) * r["tokens"] for r in w["rows"]) / max(1, w["tokens"])
         name = f"{NAMES.get(dataset, dataset)} ({ratio:.2f}x)"
-        (paid if ratio >= PAID else aside).append((name, copied))
+        drafted = any(r.get("speculating", True) for r in w["rows"])  # else it decoded alone: noise
+        (paid if drafted and ratio >= PAID else aside).append((name, copied))
     parts = []
     if paid:
         copied = sum(c for _, c in paid) / len(paid)

@@ -165,6 +165,7 @@ def _demo_args(sub: Any) -> None:
     d.add_argument("--target", default=TARGET)
     d.add_argument("--drafter", default=DRAFTER)
     d.add_argument("--n", type=int, default=1, help="prompts per workload")
+    d.add_argument("--repeats", type=at_least_one, default=3, help="runs a side per request (median)")
     d.add_argument(
         "--target-backend",
         choices=["auto", "llama.cpp", "torch"],
