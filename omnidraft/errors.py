@@ -12,6 +12,7 @@ __all__ = [
     "MissingModelError",
     "OmnidraftError",
     "RemoteRequestError",
+    "StreamCutError",
     "TargetError",
     "TargetUnavailableError",
 ]
@@ -50,6 +51,11 @@ class TargetError(OmnidraftError):
 
 class TargetUnavailableError(TargetError):
     """A remote target could not be reached after the allowed retries."""
+
+
+class StreamCutError(TargetUnavailableError):
+    """The server closed the session a stream ran on (a deliberate cut, not a failure): the stream
+    is not started again elsewhere; `partial` holds what was committed."""
 
 
 class RemoteRequestError(TargetError):

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import OmnidraftError
 from ..server.protocol import KEY_ENV, env_keys
+from .deploy import deploy
 from .options import build_parser, load_pair, split_pair, start_run
 
 __all__ = ["main"]
@@ -135,6 +136,7 @@ def _serve(args: argparse.Namespace) -> None:
     require("fastapi", "omnidraft serve")
 
     from ..server.app import ServerConfig, create_app, http_protocol
+    from ..server.drain import DrainingServer
     from ..targets.registry import engine, resolved
 
     key = api_keys(args)
@@ -169,18 +171,22 @@ def _serve(args: argparse.Namespace) -> None:
         file=sys.stderr,
         flush=True,
     )
-    # on SIGTERM, streams in flight get GRACE_S seconds to finish, then the server stops
-    uvicorn.run(
-        create_app(target, config),
+    # on SIGTERM the server drains (server/drain.py): /ready turns 503, new work is refused, what
+    # runs finishes; it exits 0 once quiet for QUIET_S, or at GRACE_S
+    app = create_app(target, config)
+    settings = uvicorn.Config(
+        app,
         host=args.host,
         port=args.port,
         log_level="warning",
         timeout_graceful_shutdown=GRACE_S,
         http=http_protocol(),
     )
+    DrainingServer(settings, app.state.drain, deadline_s=GRACE_S, quiet_s=QUIET_S).run()
 
 
-GRACE_S = 30  # seconds a stopping server lets streams in flight finish
+GRACE_S = 30  # seconds a draining server lets what runs finish
+QUIET_S = 2.0  # a draining server with nothing running for this long exits
 
 
 def api_keys(args: argparse.Namespace) -> str | tuple[str, ...] | None:
@@ -302,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "bench": bench,
         "export": _export,
         "serve": _serve,
+        "deploy": deploy,
         "simulate": _simulate,
         "doctor": _doctor,
         "profiles": _profiles,

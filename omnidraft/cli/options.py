@@ -8,6 +8,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from .deploy import deploy_args
+
 if TYPE_CHECKING:
     from ..pairing import Pairing
 
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         _bench_args,
         _export_args,
         _serve_args,
+        deploy_args,
         _profiles_args,
         _doctor_args,
         _simulate_args,
@@ -170,8 +173,7 @@ def _demo_args(sub: Any) -> None:
         "--target-backend",
         choices=["auto", "llama.cpp", "torch"],
         default="auto",
-        help="the engine the target runs on and is compared with (auto: llama.cpp for a GGUF target its "
-        "build runs here, the fastest way to run those weights on a CPU; else PyTorch)",
+        help="the engine the target runs on and is compared with (auto: the fastest here for its weights)",
     )
     add_decoding_args(d)
 
@@ -347,12 +349,7 @@ def _serve_args(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="vllm: any other engine argument (JSON value or string), e.g. enforce_eager=true; repeatable",
     )
-    v.add_argument(
-        "--slots",
-        type=int,
-        default=4,
-        help="llama.cpp: sessions whose KV caches are kept side by side (each up to --n-ctx tokens)",
-    )
+    v.add_argument("--slots", type=int, default=4, help="llama.cpp: sessions whose KV caches are kept")
     v.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp: the longest session, in tokens")
     v.add_argument("--ttl", type=float, default=600.0, help="seconds an idle session is kept")
 

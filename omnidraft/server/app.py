@@ -9,6 +9,7 @@
     DELETE /v1/sessions/{id}
     GET    /v1/info, /v1/tokenizer      what a device needs to pair (name, vocab, fingerprint, files)
     GET    /health, /metrics            liveness; Prometheus text
+    GET    /ready                       readiness for a router: 503 while draining (drain.py)
 
 Every /v1 route and /metrics need `Authorization: Bearer <key>` when the server has a key
 (compared in constant time; missing or wrong -> 401; `open_metrics` opens /metrics to scrapers).
@@ -38,6 +39,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import OPERATOR, shown
+from .drain import Drain, DrainGate, add_ready_route
 from .openai_api import OPENAI_PATHS, error_body
 from .protocol import KEY_ENV, VERSION
 from .routes import RequestIO, add_device_routes, add_openai_routes, add_ops_routes
@@ -231,8 +233,11 @@ def create_app(target: Target, config: ServerConfig = ServerConfig()) -> FastAPI
         log_requests=config.log_requests,
     )
 
+    app.state.drain = Drain()
+    app.add_middleware(DrainGate, drain=app.state.drain)  # outermost: counts what Auth refuses too
     io = RequestIO(service, config)
     add_ops_routes(app, service)
+    add_ready_route(app, app.state.drain)
     add_device_routes(app, service, io)
     add_openai_routes(app, service, io)
     return app

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "KEY_ENV",
+    "ROUTE_HEADER",
     "MIN_TEMPERATURE",
     "VERSION",
     "ErrorReply",
@@ -42,6 +43,9 @@ __all__ = [
     "env_keys",
 ]
 
+# a device's own key for one session, the same on each of its requests: a router hashes on it, so
+# that a session's requests reach the replica holding its KV cache (docs/deploy.md)
+ROUTE_HEADER = "x-omnidraft-route"
 KEY_ENV = "OMNIDRAFT_API_KEY"  # the API key(s), comma-separated: the server's, and a client's default
 
 

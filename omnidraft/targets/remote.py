@@ -17,19 +17,20 @@ next replica (or the same one) and its verify is sent again: docs/remote.md, "Re
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import secrets
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from ..decode.verify import Verdict
-from ..errors import IncompatibleError, RemoteRequestError, TargetUnavailableError
+from ..errors import IncompatibleError, RemoteRequestError, StreamCutError, TargetUnavailableError
 from ..optional import require
 from ..server.protocol import (
-    MAX_PROPOSAL,
+    ROUTE_HEADER,
     GenerateChunk,
     GenerateRequest,
     InfoReply,
@@ -37,7 +38,6 @@ from ..server.protocol import (
     OpenRequest,
     PromptGenerateRequest,
     SparseRow,
-    SpeculateRequest,
     VerifyReply,
     VerifyRequest,
     env_keys,
@@ -46,13 +46,11 @@ from ..target import Capabilities, SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from .remote_http import call_json, refused
-from .remote_stream import ChunkReader, DraftAhead, ProposalSender, stream_ended
+from .remote_stream import speculate, stream_ended
 
 __all__ = ["RemoteTarget", "call_json"]
 
 log = logging.getLogger("omnidraft")
-
-FIRST_BUDGET = 4  # the draft budget a device assumes while a speculate stream's prompt is prefilled
 
 
 class RemoteTarget(TargetBase):
@@ -154,13 +152,25 @@ class _RemoteSession(SessionBase):
     def __init__(self, owner: RemoteTarget, ids: list[int]) -> None:
         self.owner, self.ids = owner, ids
         self.sid: str | None = None  # the server's session, opened by the first verify
+        self.route = secrets.token_hex(8)  # this session's routing key (ROUTE_HEADER)
         self.forwards = 0
         self.budget: int | None = None  # the most draft tokens the server takes next round (its last reply)
+
+    def headers(self) -> dict[str, str]:
+        """A request's headers: JSON, and the key a router hashes on to keep a session on one replica."""
+        return {"content-type": "application/json", ROUTE_HEADER: self.route}
+
+    def call(self, method: str, path: str, message: Any = None) -> Any:
+        content = message.model_dump_json(exclude_none=True) if message is not None else None
+        owner = self.owner
+        return call_json(
+            owner.http, owner.url, method, path, content, owner.retries, {ROUTE_HEADER: self.route}
+        )
 
     def _open(self) -> str:
         if self.sid is None:
             request = OpenRequest(prompt_ids=list(self.ids))
-            self.sid = OpenReply.model_validate(self.owner._call("POST", "/v1/sessions", request)).session
+            self.sid = OpenReply.model_validate(self.call("POST", "/v1/sessions", request)).session
         return self.sid
 
     def verify(
@@ -205,15 +215,16 @@ class _RemoteSession(SessionBase):
 
     def _verified(self, request: VerifyRequest) -> VerifyReply:
         """The server's verdict on `request`. Where the replica holding the session is gone (it
-        stays unreachable, or answers 503 while it drains) or has lost the session (a restart:
-        404), the session opens again from its committed ids, on the next replica or the same
-        one, and the request, which names that committed length, is sent again: committed once."""
+        stays unreachable, or answers 503 while it drains) or has lost the session (a restart, or
+        a router that sent the request to another replica: 404), the session opens again from its
+        committed ids, on the next replica or the same URL, and the request, which names that
+        committed length, is sent again: committed once."""
         owner = self.owner
         for attempt in range(len(owner.replicas) + 1):
             http = owner.http
             try:
                 return VerifyReply.model_validate(
-                    owner._call("POST", f"/v1/sessions/{self._open()}/verify", request)
+                    self.call("POST", f"/v1/sessions/{self._open()}/verify", request)
                 )
             except TargetUnavailableError:
                 if attempt == len(owner.replicas) or not owner.fail_over(http):
@@ -226,22 +237,24 @@ class _RemoteSession(SessionBase):
 
     def decode(self, max_tokens: int) -> Iterator[int]:
         """The server greedy-decodes up to `max_tokens` more tokens alone (stopping after an EOS) and
-        streams them; each is committed here as it arrives. One request, no retry: a broken stream
-        raises TargetUnavailableError (the session is then out of step and must be closed). Before
-        the first verify no server session exists and none is opened: the request carries the ids."""
-        message: GenerateRequest | PromptGenerateRequest
-        if self.sid is None:
-            path, message = (
-                "/v1/generate",
-                PromptGenerateRequest(prompt_ids=list(self.ids), max_tokens=max_tokens),
-            )
-        else:
-            path, message = (
-                f"/v1/sessions/{self.sid}/generate",
-                GenerateRequest(committed=len(self.ids), max_tokens=max_tokens),
-            )
-        for chunk in self._chunks(path, message):
-            yield from chunk.tokens
+        streams them; each is committed here as it arrives. A stream that breaks starts again from
+        the committed ids (`_resumed`). Before the first verify no server session exists and none
+        is opened: the request carries the ids."""
+
+        def stream(n: int) -> Iterator[list[int]]:
+            message: GenerateRequest | PromptGenerateRequest
+            if self.sid is None:
+                path, message = "/v1/generate", PromptGenerateRequest(prompt_ids=list(self.ids), max_tokens=n)
+            else:
+                path, message = (
+                    f"/v1/sessions/{self.sid}/generate",
+                    GenerateRequest(committed=len(self.ids), max_tokens=n),
+                )
+            for chunk in self._chunks(path, message):
+                yield chunk.tokens
+
+        for tokens in self._resumed(stream, max_tokens):
+            yield from tokens
 
     def steps(
         self,
@@ -256,7 +269,8 @@ class _RemoteSession(SessionBase):
         loop, greedy or sampled under `rule` (a `match` rule), one list of committed ids per chunk;
         with `rounds` (an `EngineRounds`) the device drafts ahead of the tokens it hears and posts
         proposals, which the engine verifies in its own step (targets/remote_stream.py,
-        server/device_rounds.py). Needs a server that `drafts_in_engine`."""
+        server/device_rounds.py). Needs a server that `drafts_in_engine`. A stream that breaks
+        starts again from the committed ids (`_resumed`)."""
         if not eos:
             raise ValueError("a server stream stops after an EOS; eos=False is not served")
         if rounds is None and rule is not None and rule.mode != "greedy":
@@ -264,77 +278,51 @@ class _RemoteSession(SessionBase):
                 "a sampled stream without rounds is not served by a session's generate (greedy only): "
                 "pass rounds, or sample with pair.generate"
             )
-        if rounds is None:
-            for chunk in self._chunks(
-                f"/v1/sessions/{self._open()}/generate",
-                GenerateRequest(committed=len(self.ids), max_tokens=max_tokens),
-            ):
-                yield chunk.tokens
-            return
-        yield from self._speculate(max_tokens, rounds, drafter_ids, rule)
-
-    def _speculate(
-        self, max_tokens: int, rounds: Any, drafter_ids: list[int] | None, rule: Any
-    ) -> Iterator[list[int]]:
-        """The speculate stream (targets/remote_stream.py): a thread reads the committed chunks, the
-        device drafts ahead once after the newest of them, a thread posts each proposal."""
-        import httpx
-
-        owner, sid, start = self.owner, self._open(), len(self.ids)
-        rounds.open(list(self.ids), drafter_ids)
-        path = f"/v1/sessions/{sid}/speculate"
         sampling = {} if rule is None or rule.mode == "greedy" else _sampling_fields(rule)
-        content = SpeculateRequest(committed=start, max_tokens=max_tokens, **sampling).model_dump_json()
-        headers = {"content-type": "application/json"}
-        with contextlib.ExitStack() as stack:
+        first = [drafter_ids]  # the drafter's encoding holds for the first stream only
+
+        def stream(n: int) -> Iterator[list[int]]:
+            if rounds is not None:
+                yield from speculate(self, n, rounds, first.pop() if first else None, sampling)
+                return
+            path = f"/v1/sessions/{self._open()}/generate"
+            for chunk in self._chunks(path, GenerateRequest(committed=len(self.ids), max_tokens=n)):
+                yield chunk.tokens
+
+        yield from self._resumed(stream, max_tokens)
+
+    def _resumed(self, stream: Callable[[int], Iterator[list[int]]], max_tokens: int) -> Iterator[list[int]]:
+        """`stream(n)`'s lists of committed ids, n the tokens still to come. Where the stream breaks
+        or is refused (its replica died, drains: 503, or lost the session: 404) it starts again
+        after the ids committed so far, on the next replica or the same URL (where a router sends
+        it on), with bounded retries and backoff: each token committed once, the output the
+        server's own (docs/deploy.md). A stream the server cut (`StreamCutError`) is not resumed."""
+        owner, start = self.owner, len(self.ids)
+        attempts = owner.retries + len(owner.replicas)
+        for attempt in range(attempts + 1):
+            http = owner.http
             try:
-                reply = stack.enter_context(owner.http.stream("POST", path, content=content, headers=headers))
-            except httpx.TransportError as exc:
-                raise TargetUnavailableError(f"{owner.url}{path}: {type(exc).__name__}: {exc}") from exc
-            if reply.status_code >= 400:
-                reply.read()
-                raise refused(owner.url, path, reply)
-            sender = ProposalSender(lambda m: owner._call("POST", f"/v1/sessions/{sid}/proposal", m))
-            stack.callback(sender.close)
-            reader = ChunkReader(reply.iter_lines())
-            stack.callback(reader.join, 5.0)
-            stack.callback(reply.close)  # (callbacks run last first: the reader's read ends with it)
-            yield from self._follow(reader, sender, DraftAhead(rounds), max_tokens, start)
+                yield from stream(max_tokens - (len(self.ids) - start))
+                return
+            except StreamCutError:
+                raise
+            except TargetUnavailableError:
+                if attempt == attempts:
+                    raise
+                owner.fail_over(http)
+            except RemoteRequestError as exc:
+                if exc.status not in (404, 503) or attempt == attempts:
+                    raise
+            self.sid = None  # (opened again where the next attempt lands)
+            done = len(self.ids) - start >= max_tokens or (
+                len(self.ids) > start and self.ids[-1] in owner.eos_ids
+            )
+            if done:  # the stream broke after its last token
+                return
+            log.info("%s: the stream broke after %d tokens; resuming", owner.url, len(self.ids) - start)
+            time.sleep(min(2.0, 0.1 * 2**attempt))
 
-    def _follow(
-        self, reader: ChunkReader, sender: ProposalSender, ahead: DraftAhead, max_tokens: int, start: int
-    ) -> Iterator[list[int]]:
-        """Commit the stream's chunks as they come; between them, while there is something worth
-        drafting, draft ahead and hand each proposal to the sender."""
-        import httpx
-
-        budget, idle = FIRST_BUDGET, False  # until the first chunk says the server's budget
-        while True:
-            try:
-                chunk = reader.take(block=idle)
-            except httpx.TransportError as exc:
-                raise TargetUnavailableError(f"the stream broke ({type(exc).__name__}: {exc})") from exc
-            except EOFError:
-                raise TargetUnavailableError("the stream ended before its last chunk") from None
-            if chunk is not None:
-                self._commit(chunk)
-                budget = MAX_PROPOSAL if chunk.budget is None else chunk.budget
-                if chunk.tokens:
-                    yield chunk.tokens
-                if chunk.done:
-                    stream_ended(chunk)
-                    return
-                idle = False
-                if reader.pending:
-                    continue
-            remaining = max_tokens - (len(self.ids) - start)
-            proposal = ahead.next_proposal(list(self.ids), budget, remaining)
-            if proposal is None:
-                idle = True
-            else:
-                sender.offer(len(self.ids), proposal)
-
-    def _commit(self, chunk: GenerateChunk) -> None:
+    def commit(self, chunk: GenerateChunk) -> None:
         """Commit a streamed chunk's tokens, checking the server agrees on the committed length."""
         self.ids += chunk.tokens
         self.forwards += len(chunk.tokens)
@@ -349,15 +337,13 @@ class _RemoteSession(SessionBase):
             )
 
     def _chunks(self, path: str, message: Any) -> Iterator[GenerateChunk]:
-        """The chunks of one NDJSON stream, each committed here as it arrives; one request, no retry."""
+        """The chunks of one NDJSON stream, each committed here as it arrives."""
         import httpx
 
         owner = self.owner
         content = message.model_dump_json()
         try:
-            with owner.http.stream(
-                "POST", path, content=content, headers={"content-type": "application/json"}
-            ) as reply:
+            with owner.http.stream("POST", path, content=content, headers=self.headers()) as reply:
                 if reply.status_code >= 400:
                     reply.read()
                     raise refused(owner.url, path, reply)
@@ -365,7 +351,7 @@ class _RemoteSession(SessionBase):
                     if not line.strip():
                         continue
                     chunk = GenerateChunk.model_validate_json(line)
-                    self._commit(chunk)
+                    self.commit(chunk)
                     yield chunk
                     if chunk.done:
                         stream_ended(chunk)
@@ -381,7 +367,7 @@ class _RemoteSession(SessionBase):
         if self.sid is None:
             return
         try:
-            self.owner._call("DELETE", f"/v1/sessions/{self.sid}")
+            self.call("DELETE", f"/v1/sessions/{self.sid}")
         except (TargetUnavailableError, RemoteRequestError):
             pass  # the server is gone or already dropped it: nothing left to free
         self.sid = None

@@ -13,9 +13,18 @@ __all__ = ["call_json", "refused"]
 _RETRY_STATUS = (502, 503, 504)
 
 
-def call_json(http: Any, url: str, method: str, path: str, content: str | None, retries: int) -> Any:
-    """One JSON request with bounded retries of transport failures and 502/503/504; 4xx raises
-    RemoteRequestError with the server's reason, exhausted retries TargetUnavailableError."""
+def call_json(
+    http: Any,
+    url: str,
+    method: str,
+    path: str,
+    content: str | None,
+    retries: int,
+    headers: dict[str, str] | None = None,
+) -> Any:
+    """One JSON request (with `headers` besides its content type) with bounded retries of transport
+    failures and 502/503/504; 4xx raises RemoteRequestError with the server's reason, exhausted
+    retries TargetUnavailableError."""
     import httpx
 
     last: str = ""
@@ -27,7 +36,7 @@ def call_json(http: Any, url: str, method: str, path: str, content: str | None, 
                 method,
                 path,
                 content=content,
-                headers={"content-type": "application/json"} if content else None,
+                headers={**(headers or {}), **({"content-type": "application/json"} if content else {})},
             )
         except httpx.TransportError as exc:
             last = f"{type(exc).__name__}: {exc}"

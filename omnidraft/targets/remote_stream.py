@@ -21,10 +21,13 @@ import time
 from typing import Any, Callable, Iterator
 
 from ..adaptive.policy import ema
-from ..errors import RemoteRequestError, TargetError, TargetUnavailableError
-from ..server.protocol import MAX_PROPOSAL, GenerateChunk, ProposalRequest
+from ..errors import RemoteRequestError, StreamCutError, TargetError, TargetUnavailableError
+from ..server.protocol import MAX_PROPOSAL, GenerateChunk, ProposalRequest, SpeculateRequest
+from .remote_http import refused
 
-__all__ = ["ChunkReader", "DraftAhead", "ProposalSender", "stream_ended"]
+__all__ = ["ChunkReader", "DraftAhead", "ProposalSender", "speculate", "stream_ended"]
+
+FIRST_BUDGET = 4  # the draft budget a device assumes while a speculate stream's prompt is prefilled
 
 _DONE = object()
 
@@ -186,7 +189,71 @@ def stream_ended(chunk: GenerateChunk) -> None:
     """A stream's last chunk: a cut one (its session closed on the server) raises, so that the
     request ends as an error whose `partial` holds what was committed, not as a finished one."""
     if chunk.cancelled:
-        raise TargetUnavailableError(
+        raise StreamCutError(
             f"the server cut the stream after {chunk.committed} committed tokens (its session was "
             "closed): continue with pair.generate(..., after=error.partial.token_ids)"
         )
+
+
+def speculate(
+    session: Any, max_tokens: int, rounds: Any, drafter_ids: list[int] | None, sampling: dict[str, Any]
+) -> Iterator[list[int]]:
+    """The speculate stream of `session` (a RemoteTarget's): a thread reads the committed chunks,
+    the device drafts ahead once after the newest of them, a thread posts each proposal."""
+    import contextlib
+
+    import httpx
+
+    owner, sid, start = session.owner, session._open(), len(session.ids)
+    rounds.open(list(session.ids), drafter_ids)
+    path = f"/v1/sessions/{sid}/speculate"
+    content = SpeculateRequest(committed=start, max_tokens=max_tokens, **sampling).model_dump_json()
+    headers = session.headers()
+    with contextlib.ExitStack() as stack:
+        try:
+            reply = stack.enter_context(owner.http.stream("POST", path, content=content, headers=headers))
+        except httpx.TransportError as exc:
+            raise TargetUnavailableError(f"{owner.url}{path}: {type(exc).__name__}: {exc}") from exc
+        if reply.status_code >= 400:
+            reply.read()
+            raise refused(owner.url, path, reply)
+        sender = ProposalSender(lambda m: session.call("POST", f"/v1/sessions/{sid}/proposal", m))
+        stack.callback(sender.close)
+        reader = ChunkReader(reply.iter_lines())
+        stack.callback(reader.join, 5.0)
+        stack.callback(reply.close)  # (callbacks run last first: the reader's read ends with it)
+        yield from _follow(session, reader, sender, DraftAhead(rounds), max_tokens, start)
+
+
+def _follow(
+    session: Any, reader: ChunkReader, sender: ProposalSender, ahead: DraftAhead, max_tokens: int, start: int
+) -> Iterator[list[int]]:
+    """Commit the stream's chunks as they come; between them, while there is something worth
+    drafting, draft ahead and hand each proposal to the sender."""
+    import httpx
+
+    budget, idle = FIRST_BUDGET, False  # until the first chunk says the server's budget
+    while True:
+        try:
+            chunk = reader.take(block=idle)
+        except httpx.TransportError as exc:
+            raise TargetUnavailableError(f"the stream broke ({type(exc).__name__}: {exc})") from exc
+        except EOFError:
+            raise TargetUnavailableError("the stream ended before its last chunk") from None
+        if chunk is not None:
+            session.commit(chunk)
+            budget = MAX_PROPOSAL if chunk.budget is None else chunk.budget
+            if chunk.tokens:
+                yield chunk.tokens
+            if chunk.done:
+                stream_ended(chunk)
+                return
+            idle = False
+            if reader.pending:
+                continue
+        remaining = max_tokens - (len(session.ids) - start)
+        proposal = ahead.next_proposal(list(session.ids), budget, remaining)
+        if proposal is None:
+            idle = True
+        else:
+            sender.offer(len(session.ids), proposal)
