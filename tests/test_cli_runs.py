@@ -58,6 +58,18 @@ def test_generate_streams_the_text_then_the_stats_line_python_prints(models, cap
     assert got.out.strip() and got.err.strip().splitlines()[-1].startswith("[4 tokens in ")
 
 
+def test_a_script_that_never_closes_its_llama_cpp_drafter_exits_quietly(models):
+    """llama-cpp-python frees a model in `__del__`, which at exit runs after its library's names are
+    gone and printed a TypeError on every such script: the SDK frees what is open before that."""
+    import subprocess
+    import sys
+
+    code = f"import omnidraft as od; d = od.Drafter.load({models['drafter.gguf']!r}, backend='llama.cpp')"
+    done = subprocess.run([sys.executable, "-c", code + "; print('ok')"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_the_demo_never_says_drafting_paid_where_every_request_decoded_alone():
     """A workload faster than the engine by noise alone (no request drafted) is one it stood aside on."""
     from omnidraft.bench.demo import verdict

@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from ..runtime.measured import remembered
-from .loading import cpu_threads, open_llama, require_llama_cpp
+from .loading import close_at_exit, cpu_threads, open_llama, require_llama_cpp
 
 __all__ = ["LlamaEngine"]
 
@@ -96,6 +96,7 @@ class LlamaEngine:
             params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx * slots, slots, False
             params.n_batch = params.n_ubatch = n_batch
             self._context = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
+            close_at_exit(self._context)
         self._ctx = self._context.ctx
         self._memory = lc.llama_get_memory(self._ctx)
         self._vocab = lc.llama_model_get_vocab(self.llm._model.model)

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -100,7 +102,7 @@ def open_llama(
         check_runs(path)
     threads = threads or cpu_threads()
     with _LOAD_LOCK, contextlib.nullcontext() if repack else _no_repack(lc):
-        return lc.Llama(
+        llm = lc.Llama(
             model_path=os.fspath(path),
             n_ctx=n_ctx,
             n_batch=n_batch,
@@ -112,3 +114,24 @@ def open_llama(
             verbose=False,
             **extra,
         )
+    close_at_exit(llm)
+    return llm
+
+
+_OPEN: list[weakref.ref[Any]] = []  # in the order opened: closed last first (a context before its model)
+
+
+def close_at_exit(native: Any) -> None:
+    """Free `native` (a Llama, a LlamaContext: anything with `close`) before the interpreter tears
+    its modules down, should it live until then: llama-cpp-python's own `__del__` runs after that
+    and prints a TypeError on every exit of a script that never closed it."""
+    _OPEN[:] = [ref for ref in _OPEN if ref() is not None] + [weakref.ref(native)]
+
+
+@atexit.register
+def _close_open() -> None:
+    for ref in reversed(_OPEN):
+        native = ref()
+        if native is not None:
+            with contextlib.suppress(Exception):
+                native.close()
