@@ -110,6 +110,28 @@ def test_a_verify_whose_rows_the_cache_served_is_recomputed(vllm_target):
     assert second.recomputed == 1 and (verdict.accepted, verdict.token) == (2, want[2])
 
 
+def test_one_tenants_sessions_share_a_prompt_prefix_and_two_tenants_never_do(vllm_target):
+    """Sessions given one tenant's salt reuse the pages of a shared 96-token prefix (the engine's
+    own count of cached tokens), a session of another tenant reads none, and every verdict stays
+    vLLM's own greedy choice."""
+    from omnidraft.server.sessions import tenant_salt
+
+    g = torch.Generator().manual_seed(5)
+    prefix = [int(i) for i in torch.randint(1, vllm_target.vocab, (96,), generator=g)]
+    first = vllm_target.begin(prefix + [7, 8, 9])
+    first.share_prefix_cache(tenant_salt(0))
+    first.verify(torch.tensor([], dtype=torch.long), Rule())
+    for key, cached in ((0, True), (1, False)):
+        ids = prefix + [11, 12, 13 + key]
+        seen = vllm_target.request(ids, tenant_salt(key), max_tokens=1).num_cached_tokens or 0
+        assert (seen >= 64) is cached and (seen == 0) is not cached, (key, seen)
+        want = vllm_target.generate(ids, 3)
+        session = vllm_target.begin(ids)
+        session.share_prefix_cache(tenant_salt(key))
+        verdict = session.verify(torch.tensor(want[:2]), Rule())
+        assert (verdict.accepted, verdict.token) == (2, want[2])
+
+
 def test_a_pairing_on_vllm_is_lossless(vllm_target, tiny_drafter):
     pair = tiny_drafter.pair(vllm_target, k=3)
     for prompt in PROMPTS:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
+import secrets
 import threading
 import weakref
 from collections import deque
@@ -11,7 +14,14 @@ from typing import Any, Callable, Iterator
 
 from .protocol import VerifyReply, VerifyRequest
 
-__all__ = ["FairLock", "Session", "ended", "release_session", "serving"]
+__all__ = ["FairLock", "Session", "ended", "release_session", "serving", "tenant_salt"]
+
+_SECRET = secrets.token_bytes(16)  # this process's own: a tenant's salt no client can guess
+
+
+def tenant_salt(key: int) -> str:
+    """The prefix-cache salt of the sessions of API key number `key`: theirs alone."""
+    return hmac.new(_SECRET, f"key {key}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
 @dataclass
@@ -28,6 +38,12 @@ class Session:
     rounds: Any = None  # a speculate stream's DeviceRounds, which takes the device's proposals
     busy: int = 0  # requests being served now (a prefill, a verify): a session in use never expires
     cancelled: threading.Event = field(default_factory=threading.Event)  # deleted: its stream stops
+
+    def __post_init__(self) -> None:
+        # one key's sessions share prompt prefixes in the engine's cache; two keys never do
+        share = getattr(self.inner, "share_prefix_cache", None)
+        if share is not None:
+            share(tenant_salt(self.key))
 
     def cancel(self) -> None:
         """The session was deleted: a stream it runs stops at its next token."""

@@ -29,11 +29,19 @@ def tail_rows(prompt_len: int, num_cached: int, base: int) -> bool:
 class VLLMSession(SessionBase):
     def __init__(self, owner: VLLMTarget, prompt_ids: list[int]) -> None:
         self.owner, self.ids = owner, list(prompt_ids)
-        self.salt = uuid.uuid4().hex  # this session's own prefix-cache pages
+        self.salt = uuid.uuid4().hex  # this session's own prefix-cache pages (or its tenant's)
         self.forwards = 0
         self.recomputed = 0  # verifies that had to recompute rows the cache had served
         self.cached = 0  # prompt tokens a `prefill` put in the prefix cache (it may evict them: no matter)
         self.started = False  # whether a verify or a stream of this session reached the engine
+
+    def share_prefix_cache(self, tenant: str) -> None:
+        """Salt this session's pages with `tenant`'s salt: its sessions reuse each other's prompt
+        prefixes (a shared system prompt is prefilled once), and a verify stays exact, since rows
+        the cache served are computed again where a verify reads them (`tail_rows`)."""
+        if self.started:
+            raise ValueError("a session's cache salt is set before its first request")
+        self.salt = tenant
 
     @property
     def pending(self) -> int:

@@ -9,7 +9,8 @@ prompt log-probabilities for the positions it computed and the bonus token's. Po
 from the cache carry no valid log-probabilities, so only rows at or past `num_cached_tokens` are
 read (`tail_rows`); when the cache covered a row the verify needs (another request computed the
 same block), the request is repeated without reading the cache. Every session salts its blocks
-(`cache_salt`), so one session never reuses another's pages or learns their timing.
+(`cache_salt`): with its own salt, or on a server with its API key's (`share_prefix_cache`), so
+one key's sessions reuse a shared prompt prefix and two keys never share a page or its timing.
 
 Greedy verification is lossless against vLLM's own greedy decoding with the same engine. `match`
 sampling is lossless too when the target's distribution is known from the top log-probabilities
