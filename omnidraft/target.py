@@ -177,6 +177,10 @@ class SessionBase:
     def close(self) -> None:
         """The generation is over: nothing to free."""
 
+    def share_prefix_cache(self, tenant: str) -> None:
+        """Share this session's prefix-cache pages with the sessions given the same `tenant`, never
+        with others (a server gives one per API key): nothing to do without a shared prefix cache."""
+
 
 class TargetBase:
     """What a target inherits unless it says otherwise (a new engine subclasses it; see
@@ -214,18 +218,9 @@ class TargetBase:
         return self.capabilities.drafts_in_engine
 
 
-TARGET_MEMBERS = (
-    "name",
-    "tokenizer",
-    "token_bytes",
-    "codec",
-    "eos_ids",
-    "capabilities",
-    "context_length",
-    "begin",
-    "verify_costs",
-    "check_rule",
-    "engine_counters",
+# the protocol's members, read off `Target` itself (declared once)
+TARGET_MEMBERS = tuple(
+    dict.fromkeys(n for n in (*Target.__annotations__, *vars(Target)) if not n.startswith("_"))
 )
 
 
