@@ -15,7 +15,7 @@ OPENVINO_STAMP := $(OPENVINO_VENV)/.omnidraft-installed
 # then the tests marked `exclusive` (vLLM's engine binds its own threads) in one process
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast test-install lint bench install clean
+.PHONY: demo test test-fast test-install lint bench install clean haproxy
 SOURCES := omnidraft benchmarks tests tools
 
 $(STAMP): pyproject.toml constraints.txt Makefile
@@ -58,10 +58,15 @@ $(OPENVINO_STAMP): Makefile constraints.txt
 	$(OPENVINO_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(OPENVINO_STAMP)
 
+# `omnidraft deploy`'s router (docs/deploy.md): Debian's haproxy, installed where it is missing
+haproxy:
+	command -v haproxy >/dev/null 2>&1 || apt-get install -y -q haproxy >/dev/null || \
+	  (apt-get update -q >/dev/null && apt-get install -y -q haproxy >/dev/null)
+
 demo: $(STAMP)
 	$(VENV)/bin/omnidraft demo $(DEMO_ARGS)
 
-test: lint $(OPTIMUM_STAMP) $(OPENVINO_STAMP)
+test: lint haproxy $(OPTIMUM_STAMP) $(OPENVINO_STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not exclusive and not install"
 	$(PY) -m pytest -m "exclusive and not install"
 
@@ -74,7 +79,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(SOURCES)
 	$(VENV)/bin/mypy
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) haproxy
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not real and not exclusive and not install"
 	$(PY) -m pytest -m "exclusive and not real and not install"
 

@@ -90,3 +90,26 @@ def test_with_every_replica_gone_the_request_fails_with_what_it_committed(
     assert done == target_greedy(tiny_target, PROMPTS[0], 30)[: len(done)]
     with pytest.raises(ValueError, match="replicas"):
         RemoteTarget(["http://a", "http://b"], api_key=KEY, client=[a])
+
+
+def test_a_draining_replica_turns_unready_refuses_new_work_and_serves_its_sessions(replicas, tiny_target):
+    """server/drain.py: once draining, /ready answers 503 (a router's health check), a session's
+    open, a sessionless generate and an OpenAI completion get 503 before any byte (retried
+    elsewhere), while a session already open here is still served."""
+    apps, (a, _) = replicas
+    auth = {"authorization": f"Bearer {KEY}"}
+    ids = tiny_target.tokenizer(PROMPTS[0])["input_ids"]
+    assert a.get("/ready").json() == {"status": "ready"}
+    sid = a.post("/v1/sessions", json={"prompt_ids": ids}, headers=auth).json()["session"]
+    apps[0].state.drain.begin()
+    assert a.get("/ready").status_code == 503 and a.get("/health").status_code == 200
+    for path, body in (
+        ("/v1/sessions", {"prompt_ids": ids}),
+        ("/v1/generate", {"prompt_ids": ids, "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ):
+        r = a.post(path, json=body, headers=auth)
+        assert r.status_code == 503 and "draining" in r.text and r.headers["retry-after"] == "1", path
+    r = a.post(f"/v1/sessions/{sid}/verify", json={"committed": len(ids), "proposal": []}, headers=auth)
+    assert r.status_code == 200 and r.json()["token"] == target_greedy(tiny_target, PROMPTS[0], 1)[0]
+    assert apps[0].state.drain.in_flight == 0 and apps[0].state.drain.quiet_for() >= 0

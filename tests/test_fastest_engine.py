@@ -69,11 +69,11 @@ def test_a_request_alone_is_timed_on_the_target_itself(tiny_target):
 
 
 def test_serve_defaults_to_the_fastest_engine_and_says_which(engines, monkeypatch, capsys):
-    import uvicorn
+    from omnidraft.server.drain import DrainingServer
 
     from .test_cli_runs import run_cli
 
-    monkeypatch.setattr(uvicorn, "run", lambda app, **_: None)
+    monkeypatch.setattr(DrainingServer, "run", lambda self, **_: None)
     monkeypatch.setattr(fastest, "candidates", lambda spec: ["slow", "fast"])
     monkeypatch.setattr(fastest, "request_rate", lambda target: {"slow": 1.0, "fast": 2.0}[engines[-1]])
     assert run_cli(["serve", "--target", "tiny", "--no-auth"]) == 0

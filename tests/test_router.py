@@ -48,7 +48,11 @@ class Deployed:
         self.process = subprocess.Popen(command + serve, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        self.wait_ready(2)
+        try:
+            self.wait_ready(2)
+        except BaseException:
+            self.process.kill()  # (its replicas drain when it dies: deploy.py)
+            raise
 
     def _read(self) -> None:
         assert self.process.stderr is not None

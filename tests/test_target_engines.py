@@ -89,11 +89,12 @@ def test_an_object_that_is_no_target_is_refused_by_name(tiny_drafter, tiny_targe
 
 
 def test_serve_and_bench_accept_a_registered_engine(toy_engine, models, tmp_path, monkeypatch):  # noqa: F811
-    import uvicorn
     from fastapi.testclient import TestClient
 
+    from omnidraft.server.drain import DrainingServer
+
     apps = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **_: apps.append(app))
+    monkeypatch.setattr(DrainingServer, "run", lambda self, **_: apps.append(self.config.app))
     assert run_cli(["serve", "--engine", "toy", "--target", models["target"], "--no-auth"]) == 0
     with TestClient(apps[0]) as client:
         assert client.get("/v1/info").json()["name"] == "toy"

@@ -8,12 +8,14 @@ configuration `haproxy_config` writes: a session's requests hash on the device's
 (`ROUTE_HEADER`, consistent hashing), so they reach the replica holding its KV cache; /ready is the
 health check, so a draining replica gets no new work; a connection refused by a dead replica is
 sent to another. A replica that exits (killed, or drained by SIGTERM: a rolling restart) is started
-again; SIGTERM or Ctrl-C on `omnidraft deploy` drains every replica, then stops the router.
+again (unless `--no-restart`); SIGTERM or Ctrl-C on `omnidraft deploy` drains every replica, then
+stops the router.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -35,6 +37,7 @@ def deploy_args(sub: Any) -> None:
     d.add_argument("--replicas", type=int, default=2)
     d.add_argument("--host", default="127.0.0.1", help="where the router listens")
     d.add_argument("--port", type=int, default=8000, help="the router's port; replicas take the next ones")
+    d.add_argument("--no-restart", action="store_true", help="leave a replica that exits down")
     d.add_argument(
         "serve", nargs=argparse.REMAINDER, help="-- then each replica's `omnidraft serve` arguments"
     )
@@ -68,9 +71,19 @@ backend replicas
     hash-type consistent
     option httpchk GET /ready
     http-check expect status 200
-    default-server inter {check_ms}ms fall 1 rise 1
+    # (weight 100: more points each on the hash ring, so keys spread evenly over few replicas)
+    default-server inter {check_ms}ms fall 1 rise 1 weight 100
 {servers}
 """
+
+
+def _drain_when_orphaned() -> None:
+    """In a replica's child process, before it runs: SIGTERM (a drain) when its parent dies (Linux's
+    PR_SET_PDEATHSIG), so a killed `omnidraft deploy` leaves no replica behind."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def deploy(args: argparse.Namespace) -> None:
@@ -100,7 +113,8 @@ def deploy(args: argparse.Namespace) -> None:
             "--port",
             str(port),
         ]
-        replica = subprocess.Popen(command, start_new_session=True)  # (Ctrl-C here drains them)
+        # its own session: Ctrl-C here drains it rather than killing it; and should deploy die, it drains
+        replica = subprocess.Popen(command, start_new_session=True, preexec_fn=_drain_when_orphaned)
         print(
             f"omnidraft deploy: replica pid {replica.pid} at http://127.0.0.1:{port}",
             file=sys.stderr,
@@ -120,12 +134,15 @@ def deploy(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
     while not stopping and router.poll() is None:
-        for port, replica in replicas.items():
-            if replica.poll() is not None:  # killed, or drained: started again
+        for port, replica in list(replicas.items()):
+            if replica.poll() is not None:  # killed, or drained: started again (unless --no-restart)
                 print(
                     f"omnidraft deploy: replica at port {port} exited ({replica.returncode})", file=sys.stderr
                 )
-                replicas[port] = start(port)
+                if args.no_restart:
+                    del replicas[port]
+                else:
+                    replicas[port] = start(port)
         time.sleep(0.2)
     for replica in replicas.values():  # drain them all (server/drain.py), then stop the router
         replica.send_signal(signal.SIGTERM)

@@ -232,6 +232,7 @@ class _RemoteSession(SessionBase):
             except RemoteRequestError as exc:
                 if exc.status != 404 or self.sid is None or attempt == len(owner.replicas):
                     raise
+            log.info("%s: re-opening session %s from %d committed tokens", owner.url, self.sid, len(self.ids))
             self.sid = None  # (opened again on the replica serving now)
         raise AssertionError("unreachable")
 
@@ -298,29 +299,27 @@ class _RemoteSession(SessionBase):
         it on), with bounded retries and backoff: each token committed once, the output the
         server's own (docs/deploy.md). A stream the server cut (`StreamCutError`) is not resumed."""
         owner, start = self.owner, len(self.ids)
-        attempts = owner.retries + len(owner.replicas)
-        for attempt in range(attempts + 1):
+        attempt = 0
+        while True:
             http = owner.http
             try:
                 yield from stream(max_tokens - (len(self.ids) - start))
                 return
-            except StreamCutError:
+            except (StreamCutError, _OutOfStep):
                 raise
-            except TargetUnavailableError:
-                if attempt == attempts:
+            except (TargetUnavailableError, RemoteRequestError) as exc:
+                refused_here = isinstance(exc, RemoteRequestError) and exc.status not in (404, 503)
+                if refused_here or attempt == owner.retries + len(owner.replicas):
                     raise
-                owner.fail_over(http)
-            except RemoteRequestError as exc:
-                if exc.status not in (404, 503) or attempt == attempts:
-                    raise
+                if isinstance(exc, TargetUnavailableError):
+                    owner.fail_over(http)
             self.sid = None  # (opened again where the next attempt lands)
-            done = len(self.ids) - start >= max_tokens or (
-                len(self.ids) > start and self.ids[-1] in owner.eos_ids
-            )
-            if done:  # the stream broke after its last token
-                return
+            done = len(self.ids) - start >= max_tokens
+            if done or (len(self.ids) > start and self.ids[-1] in owner.eos_ids):
+                return  # the stream broke after its last token
             log.info("%s: the stream broke after %d tokens; resuming", owner.url, len(self.ids) - start)
             time.sleep(min(2.0, 0.1 * 2**attempt))
+            attempt += 1
 
     def commit(self, chunk: GenerateChunk) -> None:
         """Commit a streamed chunk's tokens, checking the server agrees on the committed length."""
@@ -331,7 +330,7 @@ class _RemoteSession(SessionBase):
     def _check_step(self, committed: int) -> None:
         """The server's committed length after a reply must be this device's."""
         if committed != len(self.ids):
-            raise TargetUnavailableError(
+            raise _OutOfStep(
                 f"session {self.sid} is out of step: the server has {committed} committed tokens, "
                 f"this device {len(self.ids)}"
             )
@@ -371,6 +370,11 @@ class _RemoteSession(SessionBase):
         except (TargetUnavailableError, RemoteRequestError):
             pass  # the server is gone or already dropped it: nothing left to free
         self.sid = None
+
+
+class _OutOfStep(TargetUnavailableError):
+    """The server's committed length is not this device's: what was committed here cannot be
+    trusted to continue from, so the request ends (never resumed)."""
 
 
 def _sampling_fields(rule: Any) -> dict[str, Any]:
