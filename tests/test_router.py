@@ -119,7 +119,11 @@ def test_the_router_config_hashes_sessions_and_checks_readiness():
     assert "server replica2 127.0.0.1:8002 check" in text
 
 
-def _pairings(url: str, drafter, prompts: list[str], results: dict, errors: list) -> list[threading.Thread]:
+def _pairings_through(url: str, drafter, want: dict, strike) -> None:
+    """8 pairings (verify rounds and streams decoding alone), three requests each, with `strike()`
+    called 0.3 s in: no request fails and every output is the target's own."""
+    prompts, results, errors = PROMPTS * 2, {}, []
+
     def run(i: int, prompt: str) -> None:
         try:
             remote = od.RemoteTarget(url, retries=3)
@@ -130,7 +134,15 @@ def _pairings(url: str, drafter, prompts: list[str], results: dict, errors: list
         except Exception as exc:  # noqa: BLE001 - reported by the test
             errors.append(f"{i}: {type(exc).__name__}: {exc}")
 
-    return [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    strike()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(results) == len(prompts) and all(outs == [want[prompts[i]]] * 3 for i, outs in results.items())
 
 
 def test_a_replica_killed_mid_stream_fails_no_request(deployed, reference, tiny_drafter, caplog):
@@ -150,37 +162,26 @@ def test_a_replica_killed_mid_stream_fails_no_request(deployed, reference, tiny_
     session.close()
     # pairings running while a replica dies
     deployed.wait_ready(2)
-    results: dict = {}
-    errors: list = []
-    threads = _pairings(deployed.url, tiny_drafter, PROMPTS * 2, results, errors)
-    for t in threads:
-        t.start()
-    time.sleep(0.3)
-    os.kill(next(iter(deployed.pids().values())), signal.SIGKILL)
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    for i, outs in results.items():
-        assert outs == [want[(PROMPTS * 2)[i]]] * 3, i
+    _pairings_through(
+        deployed.url,
+        tiny_drafter,
+        want,
+        lambda: os.kill(next(iter(deployed.pids().values())), signal.SIGKILL),
+    )
 
 
 def test_a_drained_replica_fails_no_request_and_exits_0(deployed, reference, tiny_drafter):
     _, want = reference
-    results: dict = {}
-    errors: list = []
-    threads = _pairings(deployed.url, tiny_drafter, PROMPTS * 2, results, errors)
-    for t in threads:
-        t.start()
-    time.sleep(0.3)
     port, pid = next(iter(deployed.pids().items()))
-    began = time.monotonic()
-    os.kill(pid, signal.SIGTERM)
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    assert all(outs == [want[(PROMPTS * 2)[i]]] * 3 for i, outs in results.items())
+    began = []
+
+    def drain() -> None:
+        began.append(time.monotonic())
+        os.kill(pid, signal.SIGTERM)
+
+    _pairings_through(deployed.url, tiny_drafter, want, drain)
     deadline = time.monotonic() + 40
     while f"omnidraft deploy: replica at port {port} exited (0)" not in deployed.lines:
         assert time.monotonic() < deadline, "\n".join(deployed.lines[-30:])
         time.sleep(0.1)
-    assert time.monotonic() - began < 35  # its drain deadline (GRACE_S), and a margin
+    assert time.monotonic() - began[0] < 35  # its drain deadline (GRACE_S), and a margin
