@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     from omnidraft.bench.network import free_port, server_process
     from omnidraft.store.models import hf_directory, load_tokenizer
 
+    from .vllm_stock import stock_server_argv
+
     tokenizer = load_tokenizer(args.target)
     prompts = _prompts(tokenizer, args.prefix, args.sessions + 3)
     keys = Path(tempfile.mkdtemp()) / "keys"
@@ -96,24 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     report["omnidraft_key_b_s"] = [round(t, 3) for t in b]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    stock = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(hf_directory(args.target)),
-    ]
-    stock += [
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--block-size",
-        "32",
-        "--served-model-name",
-        "target",
-    ]
-    stock += ["--max-model-len", "4096"]
+    stock = stock_server_argv(hf_directory(args.target), port)
     with server_process(stock, 0, url, "/health", log):
         _stock_ttft(url, prompts[-1][-40:])
         s = [_stock_ttft(url, ids) for ids in prompts[: args.sessions]]

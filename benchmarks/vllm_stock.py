@@ -20,6 +20,28 @@ from pathlib import Path
 from .vllm_local import verify_by_context
 
 
+def stock_server_argv(model_dir: object, port: int) -> list[str]:
+    """Stock vLLM's OpenAI server on `model_dir`: fp32, blocks of 32 (as the CPU backend needs), 4,096
+    tokens a sequence, the model served as "target"."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "4096",
+        "--served-model-name",
+        "target",
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_stock")
     p.add_argument("--target", default="qwen2.5-coder-0.5b")
@@ -39,23 +61,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(path),
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--block-size",
-            "32",
-            "--max-model-len",
-            "4096",
-            "--served-model-name",
-            "target",
-        ],
+        stock_server_argv(path, port),
         env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "2"},
     )
     url = f"http://127.0.0.1:{port}"
