@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .measured import remembered
 
 if TYPE_CHECKING:
-    from ..targets.openvino_target import OpenVINOTarget
+    from ..targets.openvino_engine import OpenVINOEngine
 
 __all__ = ["measured_costs", "measured_margin", "model_key"]
 
@@ -34,33 +34,33 @@ TEXTS = (
 COST_CONTEXT = 200  # tokens of context before the tokens whose costs are measured
 
 
-def model_key(target: OpenVINOTarget) -> str:
+def model_key(engine: OpenVINOEngine) -> str:
     """The model's identity for the measurement store: its IR's size and a hash of its graph, and
     OpenVINO's version and thread count."""
     import openvino
 
-    xml = target.engine.xml
+    xml = engine.xml
     digest = hashlib.sha256(xml.read_bytes()).hexdigest()[:16]
     weights = xml.with_suffix(".bin")
     size = weights.stat().st_size if weights.exists() else 0
-    return (
-        f"{xml.parent.name}|{digest}|{size}|openvino {openvino.__version__}|threads {target.engine.threads}"
-    )
+    return f"{xml.parent.name}|{digest}|{size}|openvino {openvino.__version__}|threads {engine.threads}"
 
 
-def measured_margin(target: OpenVINOTarget) -> float:
-    return float(remembered("openvino-margin", model_key(target), lambda: _margin(target)))
+def measured_margin(engine: OpenVINOEngine, tokenizer: Any) -> float:
+    """The exactness margin of `engine`'s verifies (the module docstring), measured once."""
+    return float(remembered("openvino-margin", model_key(engine), lambda: _margin(engine, tokenizer)))
 
 
-def measured_costs(target: OpenVINOTarget) -> dict[int, float]:
-    costs = remembered("openvino-verify-costs-trimmed", model_key(target), lambda: _costs(target))
+def measured_costs(engine: OpenVINOEngine, tokenizer: Any) -> dict[int, float]:
+    """Seconds to verify n tokens on `engine` after COST_CONTEXT tokens, measured once."""
+    costs = remembered("openvino-verify-costs-trimmed", model_key(engine), lambda: _costs(engine, tokenizer))
     return {int(n): float(s) for n, s in costs.items()}
 
 
-def _margin(target: OpenVINOTarget, steps: int = 24, most: int = 8) -> float:
-    engine, worst = target.engine, 0.0
+def _margin(engine: OpenVINOEngine, tokenizer: Any, steps: int = 24, most: int = 8) -> float:
+    worst = 0.0
     for text in TEXTS:
-        ids = list(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         engine.claim(object())
         rows, seq = [engine.forward(ids, 1)[0]], list(ids)
         for _ in range(steps):  # one token at a time, as decoding alone
@@ -78,10 +78,9 @@ def _margin(target: OpenVINOTarget, steps: int = 24, most: int = 8) -> float:
     return SAFETY * worst
 
 
-def _costs(target: OpenVINOTarget, up_to: int = 9, reps: int = 5) -> dict[str, float]:
-    engine = target.engine
+def _costs(engine: OpenVINOEngine, tokenizer: Any, up_to: int = 9, reps: int = 5) -> dict[str, float]:
     text = TEXTS[0] * 12
-    ids = list(target.tokenizer(text, add_special_tokens=False)["input_ids"])[:COST_CONTEXT]
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])[:COST_CONTEXT]
     engine.claim(object())
     engine.forward(ids, 1)
     times: dict[int, list[float]] = {n: [] for n in range(1, up_to + 1)}
