@@ -268,11 +268,16 @@ class ScoringSession(TargetSession, Protocol):
 class BatchingTarget(Target, Protocol):
     """A target with `capabilities.batches_sessions`, as a server's draft budget reads it:
     `batch_costs` (seconds of an engine step by rows, across sessions) and `verify_tail` (tokens a
-    verify recomputes besides its own)."""
+    verify recomputes besides its own); its metrics read `prefix_cache_counters`."""
 
     verify_tail: int
 
     def batch_costs(self) -> dict[int, float]: ...
+
+    def prefix_cache_counters(self) -> tuple[int, int]:
+        """(prompt tokens of the engine's finished requests, those of them read from its prefix
+        cache) so far: the engine's own count."""
+        ...
 
 
 def judge(

@@ -123,11 +123,13 @@ def test_one_tenants_sessions_share_a_prompt_prefix_and_two_tenants_never_do(vll
     first.verify(torch.tensor([], dtype=torch.long), Rule())
     for key, cached in ((0, True), (1, False)):
         ids = prefix + [11, 12, 13 + key]
+        session = vllm_target.begin(ids)
+        session.share_prefix_cache(tenant_salt(key))
+        # the target knows what its tenant's pages hold: the short rest is read by the verify itself
+        assert (session.cached >= 64, session.pending) == ((True, 0) if cached else (False, len(ids) - 1))
         seen = vllm_target.request(ids, tenant_salt(key), max_tokens=1).num_cached_tokens or 0
         assert (seen >= 64) is cached and (seen == 0) is not cached, (key, seen)
         want = vllm_target.generate(ids, 3)
-        session = vllm_target.begin(ids)
-        session.share_prefix_cache(tenant_salt(key))
         verdict = session.verify(torch.tensor(want[:2]), Rule())
         assert (verdict.accepted, verdict.token) == (2, want[2])
 

@@ -23,6 +23,8 @@ class Metrics:
     latency_sum: float = 0.0
     # (engine steps, busy seconds) so far, from a target whose engine loop counts them (vLLM)
     counters: Callable[[], tuple[int, float] | None] = lambda: None
+    # (prompt tokens, those read from the prefix cache) so far, from an engine with a shared cache (vLLM)
+    cache: Callable[[], tuple[int, int] | None] = lambda: None
 
     def observe(self, seconds: float) -> None:
         self.latency[next((i for i, b in enumerate(_BUCKETS) if seconds <= b), len(_BUCKETS))] += 1
@@ -56,5 +58,12 @@ class Metrics:
                 f"omnidraft_engine_steps_total {counted[0]}",
                 "# TYPE omnidraft_engine_seconds_total counter",
                 f"omnidraft_engine_seconds_total {counted[1]:.6f}",
+            ]
+        if (tokens := self.cache()) is not None:  # the engine's own count, across every key
+            lines += [
+                "# TYPE omnidraft_prompt_tokens_total counter",
+                f"omnidraft_prompt_tokens_total {tokens[0]}",
+                "# TYPE omnidraft_prefix_cache_hit_tokens_total counter",
+                f"omnidraft_prefix_cache_hit_tokens_total {tokens[1]}",
             ]
         return "\n".join(lines) + "\n"

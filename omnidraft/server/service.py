@@ -57,12 +57,11 @@ class Service(TextRoutes, SpeculateRoutes):
         self.sessions: dict[str, Session] = {}
         check_target(target)
         can = target.capabilities
-        self.metrics = Metrics(counters=target.engine_counters)
-        # re-entrant: a stream's end may run from the garbage collector (sessions.ended) at any
-        # allocation, in a thread that holds this lock already
+        cache = cast(BatchingTarget, target).prefix_cache_counters if can.batches_sessions else lambda: None
+        self.metrics = Metrics(counters=target.engine_counters, cache=cache)
+        # re-entrant: a stream's end may run from the garbage collector (sessions.ended), lock held
         self.table_lock = threading.RLock()
-        # one model forward at a time on an engine that runs one (PyTorch, llama.cpp); an engine that
-        # batches sessions (vLLM) schedules concurrent requests itself, so only a session's own lock holds
+        # one model forward at a time on an engine that runs one; one that batches (vLLM) schedules them
         self.batches = can.batches_sessions
         self.model_lock: Any = contextlib.nullcontext() if self.batches else FairLock()
         self.inflight: dict[int, int] = {}  # per key: tokens of completions and streams served (KV budget)
@@ -261,9 +260,9 @@ class Service(TextRoutes, SpeculateRoutes):
         """Feed a session's uncached prompt in model calls of about PREFILL_SLICE_S seconds each
         (each call sized by the last one's time, as a chunk's cost grows with the context it attends
         to; PREFILL_LEAST to PREFILL_CHUNK tokens), taking the model lock per call, so other
-        sessions' verifies interleave with a long prompt's prefill (on an engine that batches
-        sessions, each call is a request of its own beside theirs). Stops (499) once `cancel` is
-        set or the session deleted."""
+        sessions' verifies interleave with a long prompt's prefill (an engine that batches sessions
+        bounds a prefill's tokens per step itself). Stops (499) once `cancel` is set or the session
+        deleted."""
         if not self.target.capabilities.prefills_in_chunks:
             return
         inner, limit = cast(ChunkedSession, session.inner), PREFILL_FIRST

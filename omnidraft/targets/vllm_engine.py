@@ -174,6 +174,7 @@ class EngineLoop:
             0.0,
         )  # engine steps taken and seconds spent in them (what a benchmark reads)
         self.durations: deque[float] = deque(maxlen=256)  # the latest steps' seconds
+        self.prompt_tokens = self.cached_tokens = 0  # of finished requests: all, and read from the cache
         self._seen: dict[str, float] = {}  # tag -> when its last request finished
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -195,6 +196,10 @@ class EngineLoop:
     def abort(self, handle: Handle) -> None:
         """Stop a request (its client is gone): the engine frees its KV pages; the handle ends."""
         self._inbox.put(("abort", handle, None, None))
+
+    def forget(self, tag: str) -> None:
+        """`tag`'s session is over: a step no longer waits for its next request (GATHER_S)."""
+        self._inbox.put(("forget", None, tag, None))
 
     def close(self) -> None:
         """Abort whatever runs and stop the thread (the engine object stays the caller's)."""
@@ -242,6 +247,9 @@ class EngineLoop:
         if op == "stop":
             self._fail_all(RuntimeError("the vLLM engine loop was closed"))
             return False
+        if op == "forget":
+            self._seen.pop(prompt, None)
+            return True
         assert handle is not None
         if op == "add":
             try:
@@ -273,6 +281,8 @@ class EngineLoop:
                 continue
             handle.outputs.put(out)
             if out.finished:
+                self.prompt_tokens += len(out.prompt_token_ids or ())
+                self.cached_tokens += out.num_cached_tokens or 0
                 del self._handles[out.request_id]
                 handle.outputs.put(None)
                 if handle.tag is not None:

@@ -1,13 +1,16 @@
 """A `VLLMTarget` session: its committed ids, verified one engine request at a time from the
 prefix cache (`tail_rows`: which rows a request computed), streamed in the engine's own loop
-(`steps`, `Stream`), its long prompt fed in pieces (`prefill`). See vllm_target.py for the target.
+(`steps`, `Stream`); what its tenant's pages already hold (`PrefixRecord`) is not read again.
+See vllm_target.py for the target.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import uuid
-from typing import TYPE_CHECKING, Any, Iterator
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
 
@@ -15,9 +18,12 @@ from ..decode.verify import Verdict
 from ..target import Rule, SessionBase, judge
 
 if TYPE_CHECKING:
-    from .vllm_target import VLLMTarget
+    from .vllm_engine import EngineLoop, Handle
+    from .vllm_proposer import EngineProposer
 
-__all__ = ["Stream", "VLLMSession", "tail_rows"]
+__all__ = ["PrefixRecord", "SessionEngine", "Stream", "VLLMSession", "tail_rows"]
+
+INLINE_TAIL = 64  # uncached prompt tokens a first verify with a proposal reads itself (no prefill first)
 
 
 def tail_rows(prompt_len: int, num_cached: int, base: int) -> bool:
@@ -26,10 +32,81 @@ def tail_rows(prompt_len: int, num_cached: int, base: int) -> bool:
     return base >= 1 and num_cached <= base - 1 < prompt_len
 
 
+class PrefixRecord:
+    """Which whole-block prompt prefixes an engine's requests have put in its prefix cache, by
+    cache salt: a hint, never a promise (the engine may have evicted them since), by which a
+    session of a tenant whose pages hold its prompt's prefix skips prefilling it. A wrong hint costs
+    time, never exactness: a verify reads only rows the engine computed (`tail_rows`). Bounded to
+    `capacity` blocks, the least recently seen forgotten first."""
+
+    def __init__(self, block: int, capacity: int = 1 << 14) -> None:
+        self.block, self.capacity = max(1, block), capacity
+        self._seen: OrderedDict[int, None] = OrderedDict()
+
+    def _chain(self, salt: str, ids: list[int], upto: int) -> Iterator[tuple[int, int]]:
+        """(tokens, key) of each whole-block prefix of ids[:upto]: a hash chained over the blocks."""
+        key = hash(salt)
+        for end in range(self.block, upto + 1, self.block):
+            key = hash((key, tuple(ids[end - self.block : end])))
+            yield end, key
+
+    def add(self, salt: str, ids: list[int]) -> None:
+        """A request over `ids` with `salt` finished: its whole blocks are in the cache."""
+        for _, key in self._chain(salt, ids, len(ids)):
+            self._seen[key] = None
+            self._seen.move_to_end(key)
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+
+    def longest(self, salt: str, ids: list[int], upto: int) -> int:
+        """Tokens of the longest whole-block prefix of ids[:upto] recorded under `salt` (0: none)."""
+        found = 0
+        for end, key in self._chain(salt, ids, upto):
+            if key not in self._seen:
+                break
+            found = end
+        return found
+
+
+class SessionEngine(Protocol):
+    """What a session reads of its target (`VLLMTarget`): the engine loop and its requests, the
+    cache's block size and what its requests put there, the vocabulary, the rules it verifies."""
+
+    vocab: int
+    block_size: int
+    loop: EngineLoop
+    prefixes: PrefixRecord
+    proposer: EngineProposer | None
+
+    def check_rule(self, rule: Rule) -> None: ...
+
+    def submit(
+        self,
+        ids: list[int],
+        salt: str,
+        *,
+        tag: str | None = None,
+        outputs: queue.Queue | None = None,
+        **options: Any,
+    ) -> Handle: ...
+
+    def request(
+        self,
+        ids: list[int],
+        salt: str,
+        cancel: threading.Event | None = None,
+        *,
+        tag: str | None = None,
+        **options: Any,
+    ) -> Any: ...
+
+
 class VLLMSession(SessionBase):
-    def __init__(self, owner: VLLMTarget, prompt_ids: list[int]) -> None:
+    def __init__(self, owner: SessionEngine, prompt_ids: list[int]) -> None:
         self.owner, self.ids = owner, list(prompt_ids)
-        self.salt = uuid.uuid4().hex  # this session's own prefix-cache pages (or its tenant's)
+        self.tag = self.salt = (
+            uuid.uuid4().hex
+        )  # its engine requests' tag; its own cache pages (or its tenant's)
         self.forwards = 0
         self.recomputed = 0  # verifies that had to recompute rows the cache had served
         self.cached = 0  # prompt tokens a `prefill` put in the prefix cache (it may evict them: no matter)
@@ -42,18 +119,20 @@ class VLLMSession(SessionBase):
         if self.started:
             raise ValueError("a session's cache salt is set before its first request")
         self.salt = tenant
+        self.cached = self.owner.prefixes.longest(tenant, self.ids, len(self.ids) - 1)
 
     @property
     def pending(self) -> int:
-        """Prompt tokens a prefill would still put in the prefix cache (none once the engine read
-        the prompt)."""
-        return 0 if self.started else max(0, len(self.ids) - 1 - self.cached)
+        """Prompt tokens a prefill would still put in the prefix cache: none once the engine read
+        the prompt, or where at most INLINE_TAIL remain (the first verify reads those itself)."""
+        left = 0 if self.started else max(0, len(self.ids) - 1 - self.cached)
+        return left if left > INLINE_TAIL else 0
 
     def prefill(self, limit: int) -> int:
         """Put up to `limit` more prompt tokens (whole cache blocks) into the engine's prefix cache,
-        as one request of its own that `cancel` stops; returns how many remain. vLLM computes a
-        request running alone in one step however long: a server feeds a long prompt this way so
-        that a client that left, or a waiting session, never waits for the whole of it."""
+        as one request of its own that `cancel` stops; returns how many remain (`pending`). A first
+        verify with a proposal calls it, so that its prompt log-probabilities cover the tail only;
+        a verify of nothing reads the prompt itself: one request before the first token."""
         if self.started:  # past its first request the engine has read the prompt
             return 0
         block = max(1, self.owner.block_size)
@@ -62,7 +141,7 @@ class VLLMSession(SessionBase):
         if end < last:
             end -= end % block
         if end > self.cached:
-            self.owner.request(self.ids[:end], self.salt, self.cancel, max_tokens=1)
+            self.owner.request(self.ids[:end], self.salt, self.cancel, tag=self.tag, max_tokens=1)
             self.cached = end
         return self.pending
 
@@ -81,10 +160,18 @@ class VLLMSession(SessionBase):
         owner.check_rule(rule)
         draft = [int(t) for t in proposal.tolist()]
         base, m = len(self.ids), len(draft)
+        if m and self.pending:
+            self.prefill(len(self.ids))
         self.started = True
         width = max(1, topk, rule.top_k if rule.mode == "match" else 1)
         out = owner.request(
-            self.ids + draft, self.salt, self.cancel, max_tokens=1, logprobs=width, prompt_logprobs=m > 0
+            self.ids + draft,
+            self.salt,
+            self.cancel,
+            tag=self.tag,
+            max_tokens=1,
+            logprobs=width,
+            prompt_logprobs=m > 0,
         )
         if m and not tail_rows(len(out.prompt_token_ids), out.num_cached_tokens or 0, base):
             self.recomputed += 1
@@ -92,6 +179,7 @@ class VLLMSession(SessionBase):
                 self.ids + draft,
                 self.salt,
                 self.cancel,
+                tag=self.tag,
                 max_tokens=1,
                 logprobs=width,
                 prompt_logprobs=True,
@@ -162,6 +250,7 @@ class VLLMSession(SessionBase):
         sampler cannot rewind a seeded generator after a prefill piece (it fails the whole engine
         step), so such a request must reach the engine with its prompt already cached."""
         if rule is not None and rule.seed is not None and not torch.cuda.is_available():
+            self.cached = 0  # the tenant's pages may have been evicted: read it all again, from the cache
             while self.prefill(4096) > 0:
                 pass
         self.started = True
@@ -169,12 +258,21 @@ class VLLMSession(SessionBase):
         seq = proposer.expect(self.ids, rounds, max_tokens, drafter_ids) if proposer is not None else None
         submit = self.owner.submit
         handle = submit(
-            self.ids, self.salt, max_tokens=max_tokens, stream=True, eos=eos, outputs=outputs, rule=rule
+            self.ids,
+            self.salt,
+            tag=self.tag,
+            max_tokens=max_tokens,
+            stream=True,
+            eos=eos,
+            outputs=outputs,
+            rule=rule,
         )
         return Stream(self, handle, proposer, seq)
 
     def close(self) -> None:
-        """Nothing is pinned: the session's pages are ordinary cache entries, evicted as needed."""
+        """Nothing is pinned: the session's pages are ordinary cache entries, evicted as needed; the
+        engine loop stops waiting for its next request."""
+        self.owner.loop.forget(self.tag)
 
 
 class Stream:

@@ -32,9 +32,9 @@ from ..target import Capabilities, Rule, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
 from .vllm_costs import time_batches, time_verifies
-from .vllm_engine import EngineLoop, engine_defaults, require_vllm
+from .vllm_engine import EngineLoop, Handle, engine_defaults, require_vllm
 from .vllm_proposer import EngineProposer, built_count, built_since, proposer_config
-from .vllm_session import VLLMSession, tail_rows
+from .vllm_session import PrefixRecord, VLLMSession, tail_rows
 
 __all__ = ["VLLMTarget", "tail_rows"]
 
@@ -71,25 +71,29 @@ class VLLMTarget(TargetBase):
         self.eos_ids = frozenset(_eos_ids(config, tokenizer))
         self.key = key or name  # what the measured verify costs are remembered under
         self.loop = EngineLoop(engine)
+        self.prefixes = PrefixRecord(self.block_size)  # what its requests put in the cache, by salt
         self._costs: dict[int, float] | None = None
         self._batch: dict[int, float] | None = None
 
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
         """Sessions decode alone on vLLM; concurrent sessions share engine steps (no lock around
-        them); with omnidraft's proposer a pairing's drafts are verified in the engine's own step.
+        them; the engine's scheduler bounds a long prefill's tokens per step, so a server feeds a
+        prompt whole); with omnidraft's proposer a pairing's drafts are verified in the engine's
+        own step.
         Not in process: a round on the engine is a request, not a forward, so each request either
         speculates or lets vLLM decode alone, whichever measured faster."""
         return Capabilities(
-            decodes_alone=True,
-            batches_sessions=True,
-            prefills_in_chunks=True,
-            drafts_in_engine=self.proposer is not None,
+            decodes_alone=True, batches_sessions=True, drafts_in_engine=self.proposer is not None
         )
 
     def engine_counters(self) -> tuple[int, float]:
         """(engine steps, seconds the engine was busy) so far."""
         return self.loop.steps, self.loop.busy
+
+    def prefix_cache_counters(self) -> tuple[int, int]:
+        """(prompt tokens of finished requests, those read from the prefix cache) so far."""
+        return self.loop.prompt_tokens, self.loop.cached_tokens
 
     @classmethod
     def load(cls, spec: str, *, draft_tokens: int = 8, **engine_args: Any) -> VLLMTarget:
@@ -146,11 +150,19 @@ class VLLMTarget(TargetBase):
                 "only over the top log-probabilities vLLM returns"
             )
 
-    def submit(self, ids: list[int], salt: str, *, outputs: queue.Queue | None = None, **options: Any) -> Any:
+    def submit(
+        self,
+        ids: list[int],
+        salt: str,
+        *,
+        tag: str | None = None,
+        outputs: queue.Queue | None = None,
+        **options: Any,
+    ) -> Handle:
         """Queue one request on the engine loop (`options`: `sampling_params`'); returns its handle.
-        `outputs`: as for `EngineLoop.submit`."""
+        `tag` (default: the salt): the session asking; `outputs`: as for `EngineLoop.submit`."""
         prompt = {"prompt_token_ids": list(ids), "cache_salt": salt}
-        return self.loop.submit(prompt, self.sampling_params(**options), tag=salt, outputs=outputs)
+        return self.loop.submit(prompt, self.sampling_params(**options), tag=tag or salt, outputs=outputs)
 
     def sampling_params(
         self,
@@ -194,10 +206,19 @@ class VLLMTarget(TargetBase):
         )
 
     def request(
-        self, ids: list[int], salt: str, cancel: threading.Event | None = None, **options: Any
+        self,
+        ids: list[int],
+        salt: str,
+        cancel: threading.Event | None = None,
+        *,
+        tag: str | None = None,
+        **options: Any,
     ) -> Any:
-        """One request, waited for: its final RequestOutput; aborted (Cancelled) once `cancel` is set."""
-        return self.submit(ids, salt, **options).result(cancel=cancel)
+        """One request, waited for: its final RequestOutput; aborted (Cancelled) once `cancel` is set.
+        Its prompt's whole blocks are recorded as cached under `salt` (`prefixes`)."""
+        out = self.submit(ids, salt, tag=tag, **options).result(cancel=cancel)
+        self.prefixes.add(salt, ids)
+        return out
 
     def verify_costs(self, context: int | None = None) -> dict[int, float]:
         """Seconds to verify n tokens (n = 1 .. 8) after a context, measured on this machine once
