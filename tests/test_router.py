@@ -153,9 +153,10 @@ def test_a_replica_killed_mid_stream_fails_no_request(deployed, reference, tiny_
     ids = target.tokenizer(PROMPTS[0])["input_ids"]
     session = remote.begin(ids)
     session.verify(torch.tensor([], dtype=torch.long), Rule())  # opens the session (one token)
+    victim = deployed.pids()[deployed.holding()]  # asked first: the stream would end while it asks
     stream, got = session.decode(299), [session.ids[-1]]
     got.append(next(stream))
-    os.kill(deployed.pids()[deployed.holding()], signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     got += list(stream)
     assert got == target_greedy(target, PROMPTS[0], 300)
     assert "the stream broke after" in caplog.text  # (it did not end before the kill)
