@@ -66,9 +66,12 @@ haproxy:
 demo: $(STAMP)
 	$(VENV)/bin/omnidraft demo $(DEMO_ARGS)
 
-test: lint haproxy $(OPTIMUM_STAMP) $(OPENVINO_STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not exclusive and not install"
-	$(PY) -m pytest -m "exclusive and not install"
+# the three venvs and the router install side by side (downloads overlap llama.cpp's compile)
+test:
+	$(MAKE) -j3 --no-print-directory $(STAMP) $(OPTIMUM_STAMP) $(OPENVINO_STAMP) haproxy
+	$(MAKE) --no-print-directory lint
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not exclusive and not install" --durations=25
+	$(PY) -m pytest -m "exclusive and not install" --durations=10
 
 # the README's by-hand install in a fresh venv, then its Quickstart and `omnidraft doctor` there
 test-install: $(STAMP)
