@@ -12,9 +12,10 @@ pairing and the server read that record and call the members it promises, never 
 
 from __future__ import annotations
 
+import queue
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Generator, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -28,9 +29,13 @@ __all__ = [
     "Capabilities",
     "ChunkedSession",
     "DecodingSession",
+    "EngineSession",
+    "EngineStream",
+    "Rounds",
     "Rule",
     "ScoringSession",
     "SessionBase",
+    "StreamingSession",
     "Target",
     "TargetBase",
     "TargetSession",
@@ -122,6 +127,8 @@ class TargetSession(Protocol):
     @property
     def budget(self) -> int | None: ...
 
+    cancel: threading.Event | None  # set by whoever runs the next call: its engine stops (SessionBase)
+
     def close(self) -> None: ...
 
     def verify(
@@ -150,6 +157,11 @@ class Target(Protocol):
     token_bytes: TokenBytes
     codec: ByteCodec
     eos_ids: frozenset[int]
+
+    @property
+    def generation_config(self) -> Any:
+        """The model's own `transformers.GenerationConfig`, or None."""
+        ...
 
     @property
     def capabilities(self) -> Capabilities: ...
@@ -244,12 +256,79 @@ class DecodingSession(TargetSession, Protocol):
         ...
 
 
+class Rounds(Protocol):
+    """Where an engine's own step takes a sequence's drafts (`EngineSession.steps`): a pairing's
+    `EngineRounds`, a server's `DeviceRounds` (a device's proposals), or anything with these."""
+
+    def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None:
+        """A new sequence over the committed `ids` (`drafter_ids`: its text in the drafter's ids)."""
+
+    def prepare(self, ids: list[int]) -> None:
+        """Told every row's committed ids before any row is asked for its draft (a device that
+        drafts elsewhere hears of them here)."""
+
+    def next(self, ids: list[int], limit: int, remaining: int) -> list[int]:
+        """The proposal (at most `limit` target ids) after the committed `ids`."""
+        ...
+
+
+class EngineSession(TargetSession, Protocol):
+    """A session of a target with `capabilities.drafts_in_engine`: `steps` runs one request in the
+    engine's own loop, its drafts taken from `rounds` and verified in the engine's step, yielding
+    the ids each step committed; greedy, or sampled under a `match` `rule`."""
+
+    def steps(
+        self,
+        max_tokens: int,
+        rounds: Rounds | None = None,
+        drafter_ids: list[int] | None = None,
+        *,
+        eos: bool = True,
+        rule: Rule | None = None,
+    ) -> Iterator[list[int]]: ...
+
+
+class EngineStream(Protocol):
+    """One request of a `StreamingSession` in its engine's loop: each output that arrives on the
+    caller's queue goes to `take`, which commits it and returns its ids; `error` is the engine's
+    once the outputs end; `end` finishes it (the engine's work aborted unless `done`)."""
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    def take(self, out: Any) -> list[int]: ...
+
+    def end(self, done: bool) -> None: ...
+
+
+class StreamingSession(EngineSession, Protocol):
+    """An engine session a server drives itself (a `BatchingTarget`'s): `start` submits what
+    `steps` reads and returns at once, the engine's outputs put on `outputs`, a queue its caller
+    also waits on for other news (a device's proposals); `decode` is the engine's loop alone."""
+
+    def start(
+        self,
+        max_tokens: int,
+        rounds: Rounds | None = None,
+        drafter_ids: list[int] | None = None,
+        *,
+        eos: bool = True,
+        outputs: queue.Queue | None = None,
+        rule: Rule | None = None,
+    ) -> EngineStream: ...
+
+    def decode(self, max_tokens: int, rule: Rule | None = None) -> Generator[int, None, None]:
+        """The engine's loop alone, each token as it commits; closing it aborts the request."""
+        ...
+
+
 class ChunkedSession(TargetSession, Protocol):
     """A session of a target with `capabilities.prefills_in_chunks`: `cached` tokens are in its
     KV cache; `prefill(limit)` feeds up to `limit` more of its uncached prompt, returning how many
     remain; `pending` says how many remain without a model call (0: a prefill has nothing to do)."""
 
-    cached: int
+    @property
+    def cached(self) -> int: ...
 
     @property
     def pending(self) -> int: ...

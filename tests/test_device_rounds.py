@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from omnidraft.server.device_rounds import DeviceRounds, speculate
+from omnidraft.server.device_rounds import DeviceRounds, follow_engine
 
 PROMPT = [1, 2, 3]
 
@@ -107,16 +107,16 @@ class Session:
 
 def test_the_stream_yields_each_step_once_and_refuses_ids_the_engine_did_not_output():
     session = Session([[7], [8, 9], [0]])
-    assert list(speculate(session, rounds())) == [[7], [7, 8, 9], [7, 8, 9, 0]]
+    assert list(follow_engine(session, rounds())) == [[7], [7, 8, 9], [7, 8, 9, 0]]
     assert session.ended and not session.aborted
     bad = Session([[7], [8]], early=[[7], [7, 5]])
     with pytest.raises(RuntimeError, match="disagree"):
-        list(speculate(bad, rounds()))
+        list(follow_engine(bad, rounds()))
     assert bad.aborted  # the request is stopped, not left running
 
 
 def test_while_the_budget_takes_no_draft_the_stream_reads_the_engine_alone():
     r = rounds(budget=0)
     session = Session([[7], [8, 9]], early=[[1], [1, 1]])  # told nothing: these never arrive
-    assert list(speculate(session, r)) == [[7], [7, 8, 9]]
+    assert list(follow_engine(session, r)) == [[7], [7, 8, 9]]
     assert not session.aborted

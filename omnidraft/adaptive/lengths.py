@@ -37,14 +37,15 @@ class DraftingPlan:
     modes: ModeChooser | None
     may_idle: bool
 
-    def at(self, target: Any, context: int) -> tuple[bool, bool]:
+    def at(self, target: Target, context: int) -> tuple[bool, bool]:
         """(model, free): the drafts that can still pay after `context` tokens, by the target's
         verify costs there (`verify_costs(context)`: llama.cpp past its exact range verifies fewer
         tokens a call, so a verify of n costs more steps than where the best speedup was measured)."""
-        if self.best_speedup is None or not (self.model or self.free):
+        costs = target.verify_costs(context)
+        if self.best_speedup is None or not (self.model or self.free) or costs is None:
             return self.model, self.free
         seen = best_speedup(
-            target.verify_costs(context),
+            costs,
             self.best_speedup.draft,
             acceptance=self.best_speedup.acceptance,
             need=self.best_speedup.need,

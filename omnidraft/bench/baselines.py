@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..runtime.kernels import stock_kernels
+
+if TYPE_CHECKING:
+    from ..target import DecodingSession, Target
+    from ..targets.local import LocalTarget
 
 __all__ = ["LOOKUP_TOKENS", "Timed", "hf_assisted", "prompt_lookup", "stock_generate", "target_alone"]
 
@@ -46,7 +50,7 @@ def _generate(
     return Timed(out[0, ids.shape[1] :].tolist(), time.perf_counter() - started)
 
 
-def target_alone(target: Any, prompt: str, max_new_tokens: int) -> Timed:
+def target_alone(target: Target, prompt: str, max_new_tokens: int) -> Timed:
     """The target's own greedy decoding, one token per forward (HF generate), on the same model
     object and kernel plan that verifies for the pairing: the fair baseline. A target that is not
     a PyTorch model (llama.cpp) decodes alone through its own session (its engine's plain loop)."""
@@ -55,18 +59,18 @@ def target_alone(target: Any, prompt: str, max_new_tokens: int) -> Timed:
     if not isinstance(target, LocalTarget):
         ids = target.tokenizer(prompt)["input_ids"]
         started = time.perf_counter()
-        out = list(target.begin(ids).decode(max_new_tokens))
+        out = list(cast("DecodingSession", target.begin(ids)).decode(max_new_tokens))
         return Timed(out, time.perf_counter() - started)
     return _generate(target.model, target.tokenizer, prompt, max_new_tokens, sorted(target.eos_ids))
 
 
-def stock_generate(target: Any, prompt: str, max_new_tokens: int) -> Timed:
+def stock_generate(target: LocalTarget, prompt: str, max_new_tokens: int) -> Timed:
     """`target_alone` with every linear layer on stock `F.linear` (a labelled reference row)."""
     with stock_kernels(target.model):
         return target_alone(target, prompt, max_new_tokens)
 
 
-def prompt_lookup(target: Any, prompt: str, max_new_tokens: int) -> Timed:
+def prompt_lookup(target: LocalTarget, prompt: str, max_new_tokens: int) -> Timed:
     """HF prompt-lookup decoding: drafts copied from the prompt's n-grams, no drafter model."""
     return _generate(
         target.model,
@@ -78,7 +82,7 @@ def prompt_lookup(target: Any, prompt: str, max_new_tokens: int) -> Timed:
     )
 
 
-def hf_assisted(target: Any, drafter: Any, prompt: str, max_new_tokens: int) -> Timed:
+def hf_assisted(target: LocalTarget, drafter: Any, prompt: str, max_new_tokens: int) -> Timed:
     """HF assisted generation with a drafter of another tokenizer (universal assisted decoding), on
     the PyTorch drafter (the one a llama.cpp copy stands in for, backends.drafting_copy)."""
     drafter = getattr(drafter, "pytorch", drafter)

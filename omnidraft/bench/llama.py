@@ -28,6 +28,7 @@ import numpy as np
 from .baselines import Timed
 
 if TYPE_CHECKING:
+    from ..llamacpp.llama_target import LlamaCppTarget
     from ..pairing import Pairing
 
 __all__ = ["GgufDraft", "engine_generate", "llama_alone", "run_llama", "summarize_llama", "time_rows"]
@@ -71,7 +72,7 @@ def engine_generate(llm: Any, ids: list[int], n: int, eos: frozenset[int]) -> Ti
 N_CTX = 4096  # the context every llama.cpp row runs with
 
 
-def llama_alone(target: Any, n: int, n_ctx: int = N_CTX) -> Callable[..., Timed]:
+def llama_alone(target: LlamaCppTarget, n: int, n_ctx: int = N_CTX) -> Callable[..., Timed]:
     """The "llama.cpp alone" row, the speed to beat: llama-cpp-python's own `generate` on a plain
     `Llama` of the `LlamaCppTarget` `target`'s GGUF file, called with (prompt, ids), `n` tokens a
     request (or the third argument's)."""

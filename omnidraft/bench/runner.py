@@ -34,13 +34,19 @@ __all__ = [
     "summarize",
 ]
 
+
+def _hf(pair: Pairing) -> LocalTarget:
+    """The pairing's target as the HF model the HF peers run (`--peers` needs a PyTorch target)."""
+    return cast("LocalTarget", pair.target)
+
+
 # peer rows: name -> (label in reports, runner(pair, prompt, n) -> Timed)
 PEERS: dict[str, tuple[str, Callable[[Pairing, str, int], Timed]]] = {
-    "stock": ("HF generate, stock kernels", lambda pair, prompt, n: stock_generate(pair.target, prompt, n)),
-    "lookup": ("HF prompt lookup (10)", lambda pair, prompt, n: prompt_lookup(pair.target, prompt, n)),
+    "stock": ("HF generate, stock kernels", lambda pair, prompt, n: stock_generate(_hf(pair), prompt, n)),
+    "lookup": ("HF prompt lookup (10)", lambda pair, prompt, n: prompt_lookup(_hf(pair), prompt, n)),
     "assisted": (
         "HF assisted generation",
-        lambda pair, prompt, n: hf_assisted(pair.target, pair.drafter, prompt, n),
+        lambda pair, prompt, n: hf_assisted(_hf(pair), pair.drafter, prompt, n),
     ),
 }
 

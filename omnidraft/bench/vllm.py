@@ -17,10 +17,13 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .baselines import Timed
 from .llama import pairing_row
+
+if TYPE_CHECKING:
+    from ..targets.vllm_target import VLLMTarget
 
 __all__ = ["per_request", "run_vllm"]
 
@@ -29,7 +32,7 @@ ENGINES = ("vLLM alone", "omnidraft (default)", "vLLM n-gram speculative")
 DTYPE = "float32"  # every row's weights, as in docs/vllm.md
 
 
-def _engine_alone(target: Any, prompt: str, ids: list[int], n: int) -> Timed:
+def _engine_alone(target: VLLMTarget, prompt: str, ids: list[int], n: int) -> Timed:
     started = time.perf_counter()
     out = target.generate(ids, n)
     return Timed(out, time.perf_counter() - started)

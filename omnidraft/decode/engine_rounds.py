@@ -12,7 +12,7 @@ say drafting cannot pay, it proposes nothing and the engine decodes alone.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 from ..target import Rule, SessionBase
 from .proposers import Round
@@ -20,6 +20,7 @@ from .speculation import Speculation
 from .stats import RoundRecord, round_record
 
 if TYPE_CHECKING:
+    from ..target import EngineSession
     from .rounds import Call
     from .speculator import Speculator
 
@@ -29,10 +30,16 @@ GREEDY = Rule()
 
 
 class Committed(SessionBase):
-    """The stand-in target session a speculation reads: the committed ids."""
+    """The stand-in target session a speculation reads where the engine verifies in its own step:
+    the committed ids (the engine's verdicts arrive in them, never through `verify`)."""
 
     def __init__(self, ids: list[int]) -> None:
         self.ids = ids
+
+    def verify(
+        self, proposal: Any, rule: Rule, q: Any = None, generator: Any = None, *, topk: int = 0
+    ) -> Any:
+        raise TypeError("an engine verifies these rounds in its own step: nothing verifies them here")
 
 
 class EngineRounds:
@@ -58,9 +65,8 @@ class EngineRounds:
         if drafter_ids is None:
             text = s.target.token_bytes.join(ids).decode("utf-8", errors="replace")
             drafter_ids = s.drafter.tokenizer(text, add_special_tokens=False)["input_ids"]
-        self.spec = Speculation(
-            s, Committed(list(ids)), list(ids), drafter_ids, GREEDY, prefills=self.prefills
-        )
+        self._committed = Committed(list(ids))
+        self.spec = Speculation(s, self._committed, list(ids), drafter_ids, GREEDY, prefills=self.prefills)
         self._ids = list(ids)
         self.proposals.clear()
 
@@ -89,7 +95,7 @@ class EngineRounds:
         if rnd is not None:  # the engine verified it since it went back: the verdict is in the ids
             new = ids[len(self._ids) :]
             spec.commit(new, accepted_prefix(rnd, new), now - rnd.ready, now)
-        self._ids = spec.request.target.ids = list(ids)
+        self._ids = self._committed.ids = list(ids)
         rnd = spec.propose(max(1, remaining), limit=limit, k=k)
         assert rnd is not None  # with `limit`, an empty round rather than none
         self._growable = rnd.grows and len(rnd.draft.ids) >= spec.budget.k
@@ -154,7 +160,7 @@ def request_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list
             "engine rounds serve greedy or match-sampled requests without log-probabilities only"
         )
     prompt_ids, drafter_ids = call.target_ids(s.target), call.ids_for(s.drafter)
-    tsession: Any = s.target.begin(prompt_ids)  # a VLLMTarget session: it streams engine steps
+    tsession = cast("EngineSession", s.target.begin(prompt_ids))  # (a target that drafts_in_engine)
     rounds = EngineRounds(s, keep=True)
     context, last = len(prompt_ids), time.perf_counter()
     try:

@@ -202,7 +202,7 @@ class ModelDrafts:
         """Up to k tokens; `ahead`: k, not an acceptance head's length."""
         s, req = self.s, state.request
         k, stop_confidence, extra = s.lengths.for_draft(k, None if ahead else req.stopper)
-        ids = req.target.ids
+        ids = req.session.ids
         if s.healer is not None and ids and req.rule.mode in ("greedy", "match"):
             heal = s.healer.candidates(state.last, s.target.token_bytes.table[ids[-1]])
             if heal is not None:

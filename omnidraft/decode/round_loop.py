@@ -8,7 +8,7 @@ that verify in their own step drive the same speculation through `EngineRounds` 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, cast
 
 from . import overlap
 from .rounds import decode_alone, relaxation, through_eos
@@ -16,6 +16,7 @@ from .speculation import Speculation
 from .stats import RoundRecord, round_record
 
 if TYPE_CHECKING:
+    from ..target import DecodingSession
     from .rounds import Call
     from .speculator import Speculator
 
@@ -25,10 +26,10 @@ __all__ = ["alone_rounds", "request_rounds", "run"]
 def run(
     s: Speculator, spec: Speculation, max_new_tokens: int, topk: int = 0, rows: list | None = None
 ) -> Iterator[tuple[list[int], RoundRecord]]:
-    """Algorithm 1's rounds against the target session `spec.request.target`, until
+    """Algorithm 1's rounds against the target session `spec.request.session`, until
     `max_new_tokens` or EOS. `rows`: the target's top-k rows, kept for distillation when `topk` > 0.
     The first round also prefills the prompt: its verify is not a verification cost."""
-    tsession, eos_ids = spec.request.target, s.target.eos_ids
+    tsession, eos_ids = spec.request.session, s.target.eos_ids
     # where the floor stands aside the target decodes alone: greedy, and no rows asked of a round
     greedy = spec.request.rule.mode == "greedy"
     spec.request.may_decode = greedy and topk == 0 and s.target.capabilities.decodes_alone
@@ -37,7 +38,7 @@ def run(
         rnd = spec.propose(remaining)
         if rnd is None:  # no draft now (the server's budget, or the floor): the target decodes alone
             n, began, new = spec.aside(remaining), time.perf_counter(), []
-            for ids, record in decode_alone(tsession, n):
+            for ids, record in decode_alone(cast("DecodingSession", tsession), n):  # (may_decode)
                 new += ids
                 yield ids, record
             if len(new) < n or n == remaining or (new and new[-1] in eos_ids):
@@ -86,6 +87,6 @@ def alone_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list[i
     """One request the target decodes whole on its side (greedy): no draft at all."""
     tsession = s.target.begin(call.target_ids(s.target))
     try:
-        yield from decode_alone(tsession, call.max_new_tokens)
+        yield from decode_alone(cast("DecodingSession", tsession), call.max_new_tokens)  # (decodes_alone)
     finally:
         tsession.close()

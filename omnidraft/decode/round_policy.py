@@ -47,9 +47,9 @@ class RoundPolicy:
         Without `floor` (a device drafting ahead for a server's engine, whose budget decides what
         it verifies) the balance is not asked."""
         s = self.s
-        model, free = s.plan.at(s.target, len(req.target.ids))  # what can pay at this context
+        model, free = s.plan.at(s.target, len(req.session.ids))  # what can pay at this context
         defer = model and req.k > 0 and req.read.defer(s.policy.last_rates if s.policy else {}, req.produced)
-        limit, ask = within_budget(req.target, remaining - 1, req.k if model and not defer else 0)
+        limit, ask = within_budget(req.session, remaining - 1, req.k if model and not defer else 0)
         if limit == 0 < remaining - 1:
             return None
         # the floor: no more than the request's balance covers (adaptive/floor.py)

@@ -16,7 +16,7 @@ from .config import RELAXED
 from .stats import GenerationStats, RoundRecord, round_record
 
 if TYPE_CHECKING:
-    from ..target import Target, TargetSession
+    from ..target import DecodingSession, Target, TargetSession
 
 __all__ = [
     "Call",
@@ -114,7 +114,7 @@ def relaxation(config: Any, rule: Any, proposal: Proposal) -> dict[str, Any]:
     return {"relax": (mask, config.relaxed_top_r)}
 
 
-def decode_alone(tsession: Any, max_new_tokens: int) -> Iterator[tuple[list[int], RoundRecord]]:
+def decode_alone(tsession: DecodingSession, max_new_tokens: int) -> Iterator[tuple[list[int], RoundRecord]]:
     """The target session decodes alone (greedy); one record per token, as one forward each."""
     context, last = len(tsession.ids), time.perf_counter()
     for token in tsession.decode(max_new_tokens):
@@ -165,7 +165,7 @@ NEUTRAL = {
 
 
 def from_generation_config(
-    config: Any, target: Any, max_new_tokens: int, stop: str | Sequence[str]
+    config: Any, target: Target, max_new_tokens: int, stop: str | Sequence[str]
 ) -> tuple[dict[str, Any], int, str | Sequence[str]]:
     """(sampling options, max_new_tokens, stop) of a request from a `transformers.GenerationConfig`,
     or from the target's own when `config` is "target": greedy unless `do_sample`, then its

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -24,7 +24,7 @@ from .rounds import draft_rows
 
 if TYPE_CHECKING:
     from ..adaptive.acceptance_head import Stopper
-    from ..target import Rule
+    from ..target import Rule, TargetSession
     from .speculator import Speculator
 
 __all__ = ["Booking", "Request", "Speculation"]
@@ -48,16 +48,17 @@ class Booking(NamedTuple):
 
 @dataclass
 class Request:
-    """A request's state between rounds. `target`: the target session, or anything with the
-    committed target ids as `.ids`; `k`: the next model draft length (0: none); `read`: the
-    deferred read of the prompt (retrieve/retriever.py); `idle`: the last round did not draft (the
-    next draft also catches the drafter up: not a drafting cost); `pending`: the last round's costs,
+    """A request's state between rounds. `session`: the target session (or a stand-in holding the
+    committed target ids, where an engine verifies in its own step); `k`: the next model draft
+    length (0: none); `read`: the deferred read of the prompt (retrieve/retriever.py); `idle`: the
+    last round did not draft (the next draft also catches the drafter up: not a drafting cost);
+    `pending`: the last round's costs,
     observed when the next begins; `ledger`: what its rounds gained or lost against the target
     decoding alone (adaptive/floor.py), `booking` the last round's until the next begins;
     `may_decode`: the target may decode a stretch alone where the floor stands aside (greedy, and
     no top-k rows asked of each round)."""
 
-    target: Any
+    session: TargetSession
     rule: Rule
     generator: torch.Generator | None
     prompt_ids: list[int]
@@ -74,14 +75,14 @@ class Request:
 
 
 class Speculation:
-    """One request's rounds of speculator `s` against `target` (a target session, or a stand-in with
+    """One request's rounds of speculator `s` against `session` (a target session, or a stand-in with
     the committed ids). `prefills`: the first verify also reads the prompt (the round loop's), so
     its time is not a verify's; an engine has read the prompt before it first asks."""
 
     def __init__(
         self,
         s: Speculator,
-        target: Any,
+        session: TargetSession,
         prompt_ids: list[int],
         drafter_ids: list[int],
         rule: Rule,
@@ -94,9 +95,9 @@ class Speculation:
             k, stopper = s.lengths.begin_request()
             ledger = s.floor.begin(s.cost.verify.get(1), len(drafter_ids))
         deferral = s.retriever.deferral if s.retriever is not None and s.free_drafts else None
-        read = deferral.begin(len(target.ids)) if deferral is not None else NO_READ
+        read = deferral.begin(len(session.ids)) if deferral is not None else NO_READ
         self.request = Request(
-            target,
+            session,
             rule,
             generator,
             list(prompt_ids),

@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,10 @@ from ..store.atomic import atomic_write_bytes
 from ..target import SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import TokenBytes
+
+if TYPE_CHECKING:
+    from ..target import Target
+    from ..targets.local import LocalTarget
 
 __all__ = ["ReplayTarget", "TargetTrace", "load_traces", "record", "record_many", "save_traces"]
 
@@ -40,7 +44,7 @@ class TargetTrace:
 
 
 @torch.inference_mode()
-def record(target: Any, prompt: str, max_new_tokens: int, k: int = 32) -> TargetTrace:
+def record(target: LocalTarget, prompt: str, max_new_tokens: int, k: int = 32) -> TargetTrace:
     """Greedy continuation of `prompt` by a LocalTarget, and its top-k log-probabilities."""
     ids = target.tokenizer(prompt)["input_ids"]
     x = torch.tensor([ids])
@@ -62,7 +66,7 @@ def record(target: Any, prompt: str, max_new_tokens: int, k: int = 32) -> Target
 
 @torch.inference_mode()
 def record_many(
-    target: Any,
+    target: LocalTarget,
     prompts: list[str],
     max_new_tokens: int,
     k: int = 32,
@@ -210,7 +214,7 @@ class ReplayTarget(TargetBase):
         self._by_prompt = {tuple(t.prompt_ids): t for t in traces}
 
     @classmethod
-    def like(cls, target: Any, traces: list[TargetTrace]) -> ReplayTarget:
+    def like(cls, target: Target, traces: list[TargetTrace]) -> ReplayTarget:
         """A replay of `target` (any Target: its tokenizer, byte view and EOS ids)."""
         return cls(target.tokenizer, target.token_bytes, target.eos_ids, traces, f"replay:{target.name}")
 

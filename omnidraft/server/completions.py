@@ -6,7 +6,7 @@ client of such an endpoint is `OpenAICompletionsTarget` (targets/openai_client.p
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from ..errors import Cancelled
 
 if TYPE_CHECKING:
-    from ..target import Target
+    from ..target import ChunkedSession, ScoringSession, Target
 
 __all__ = [
     "ECHO_CHUNK",
@@ -111,7 +111,7 @@ def complete(
     is held per forward only, so other sessions' verifies interleave with a long completion."""
     ids = _prompt_ids(target, request, max_tokens_total, max_prompt, context)
     k, lock = request.logprobs, lock or contextlib.nullcontext()
-    session: Any = target.begin(ids[:1] if request.echo else ids)  # (one whose target scores_positions)
+    session = cast("ScoringSession", target.begin(ids[:1] if request.echo else ids))  # (scores_positions)
     scored, last = _read_prompt(target, session, ids, request, lock)
     generated = []
     for step in range(request.max_tokens):
@@ -166,7 +166,7 @@ def _prompt_ids(
 
 
 def _read_prompt(
-    target: Target, session: Any, ids: list[int], request: CompletionRequest, lock: Any
+    target: Target, session: ScoringSession, ids: list[int], request: CompletionRequest, lock: Any
 ) -> tuple:
     """(the prompt's scored positions, the last position's logits): with `echo`, position i's row
     scores token i + 1, fed ECHO_CHUNK at a time and each row reduced at once; without, a long
@@ -185,7 +185,7 @@ def _read_prompt(
         return scored, last
     while target.capabilities.prefills_in_chunks:  # a long prompt holds the model a chunk at a time
         with lock:
-            if session.prefill(ECHO_CHUNK) == 0:
+            if cast("ChunkedSession", session).prefill(ECHO_CHUNK) == 0:
                 break
     with lock:
         return scored, session.scores([], 1).float()[-1]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 from ..target import Rule
 from .budget import DraftBudget, DraftGate
@@ -26,9 +26,9 @@ from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalReques
 from .sessions import Session, ended
 
 if TYPE_CHECKING:
-    from ..target import Target
+    from ..target import StreamingSession, Target
 
-__all__ = ["DeviceRounds", "SpeculateRoutes", "speculate"]
+__all__ = ["DeviceRounds", "SpeculateRoutes", "follow_engine"]
 
 CANCELLED = object()  # on a stream's events: its session was deleted
 
@@ -153,7 +153,9 @@ class DeviceRounds:
         self._given = None
 
 
-def speculate(session: Any, rounds: DeviceRounds, rule: Rule = Rule()) -> Iterator[list[int]]:
+def follow_engine(
+    session: StreamingSession, rounds: DeviceRounds, rule: Rule = Rule()
+) -> Iterator[list[int]]:
     """The generated ids of a streaming session as they become known: each yield is every id so far.
     vLLM's outputs arrive on `rounds.events`, beside the ids the proposer tells `rounds` earlier
     (while the budget takes drafts), which must agree with them: one queue, read here, no thread of
@@ -181,8 +183,8 @@ def speculate(session: Any, rounds: DeviceRounds, rule: Rule = Rule()) -> Iterat
             if len(ids) > len(sent):
                 sent = list(ids)
                 yield sent
-        if stream.handle.error is not None:
-            raise stream.handle.error
+        if stream.error is not None:
+            raise stream.error
         if final != sent:
             raise RuntimeError("the proposer's ids disagree with the engine's output")
         finished = True
@@ -242,7 +244,7 @@ class SpeculateRoutes:
     ) -> Iterator[bytes]:
         sent, done = 0, False
         try:
-            for ids in speculate(session.inner, rounds, rule):
+            for ids in follow_engine(cast("StreamingSession", session.inner), rounds, rule):
                 session.used = time.monotonic()
                 done = len(ids) >= rounds.max_tokens or ids[-1] in rounds.eos_ids
                 chunk = GenerateChunk(

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, cast
 import torch
 
 from ..decode.rounds import TokenLogprob, token_logprobs
-from ..target import BatchingTarget, ChunkedSession, Rule, check_target
+from ..target import BatchingTarget, ChunkedSession, Rule, StreamingSession, Target, check_target
 from .budget import DraftBudget, DraftGate
 from .config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule, shown, verify_rule
 from .device_rounds import SpeculateRoutes
@@ -51,7 +51,7 @@ ACTIVE_S = 1.0  # a session that verified within this many seconds counts in the
 class Service(TextRoutes, SpeculateRoutes):
     """The server's state, independent of the web framework (so it can be tested directly)."""
 
-    def __init__(self, target: Any, config: ServerConfig) -> None:
+    def __init__(self, target: Target, config: ServerConfig) -> None:
         self.target, self.config = target, config
         self.vocab = len(target.token_bytes)
         self.sessions: dict[str, Session] = {}
@@ -306,11 +306,8 @@ class Service(TextRoutes, SpeculateRoutes):
     def _engine_decode(self, session: Session, max_tokens: int, rule: Rule = Rule()) -> Iterator[int]:
         """The engine's own decoding loop (one request, batched with other sessions' work), greedy
         or sampled under `rule`; closing this iterator (the client went away) aborts the request."""
-        tokens = (
-            session.inner.decode(max_tokens, rule)
-            if rule.mode != "greedy"
-            else session.inner.decode(max_tokens)
-        )
+        inner = cast(StreamingSession, session.inner)  # (a target that batches sessions)
+        tokens = inner.decode(max_tokens, rule) if rule.mode != "greedy" else inner.decode(max_tokens)
         try:
             yield from tokens
         finally:

@@ -10,9 +10,12 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .protocol import VerifyReply, VerifyRequest
+
+if TYPE_CHECKING:
+    from ..target import TargetSession
 
 __all__ = ["FairLock", "Session", "ended", "release_session", "serving", "tenant_salt"]
 
@@ -28,7 +31,7 @@ def tenant_salt(key: int) -> str:
 class Session:
     """One device's session on the server: the target session and what guards it."""
 
-    inner: Any
+    inner: TargetSession
     used: float
     key: int = 0  # which API key opened it: only that key may use it
     last: tuple[VerifyRequest, VerifyReply] | None = None  # the request applied last and its reply

@@ -22,12 +22,12 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 from ..runtime.measured import remembered
 
 if TYPE_CHECKING:
-    from ..target import Target
+    from ..target import DecodingSession, Target
 
 __all__ = ["candidates", "fastest_engine", "llama_runs", "request_rate"]
 
@@ -91,7 +91,7 @@ def _rate(spec: str, name: str, load: Callable[[str], Target]) -> float:
         return 0.0
 
 
-def request_rate(target: Any) -> float:
+def request_rate(target: Target) -> float:
     """New tokens a second of one greedy request alone on `target`: a `PROMPT`-token prompt read,
     then `NEW` tokens decoded (after a short request that warms the engine)."""
     ids = list(target.tokenizer(TEXT * 12, add_special_tokens=False)["input_ids"])[:PROMPT]
@@ -101,8 +101,8 @@ def request_rate(target: Any) -> float:
     return n / (time.perf_counter() - started)
 
 
-def _decoded(target: Any, prompt: list[int], n: int) -> int:
-    session = target.begin(prompt)
+def _decoded(target: Target, prompt: list[int], n: int) -> int:
+    session = cast("DecodingSession", target.begin(prompt))  # (a target that decodes alone)
     try:
         return len(list(session.decode(n)))
     finally:

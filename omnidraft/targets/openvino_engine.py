@@ -83,7 +83,7 @@ class OpenVINOEngine:
         self.request = self.compiled.create_infer_request()
         self.n_vocab = int(model.output("logits").get_partial_shape()[-1].get_length())
         self.cached = 0  # positions in the KV state
-        self.owner: Any = None
+        self.owner: object | None = None  # the session whose sequence the state holds
         self._seq_axis: int | None = None
 
     def forward(self, ids: list[int], rows: int) -> np.ndarray:
@@ -127,7 +127,7 @@ class OpenVINOEngine:
         self.request.reset_state()
         self.cached = 0
 
-    def claim(self, owner: Any) -> bool:
+    def claim(self, owner: object) -> bool:
         """Make `owner` the sequence in the state; False when it was another's (the state is reset)."""
         if self.owner is owner:
             return True

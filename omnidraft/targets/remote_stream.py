@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from ..adaptive.policy import ema
 from ..errors import RemoteRequestError, StreamCutError, TargetError, TargetUnavailableError
@@ -185,6 +185,36 @@ class ChunkReader:
         self._thread.join(timeout)
 
 
+class Replica(Protocol):
+    """Where a session's requests go now: the server's address and the client holding its
+    connections (a RemoteTarget's current replica)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def http(self) -> Any:  # an httpx.Client
+        ...
+
+
+class StreamedSession(Protocol):
+    """What the speculate stream reads of a RemoteTarget session: its target's replica, its
+    committed ids, its headers and calls, opening it on the server, committing a chunk."""
+
+    @property
+    def owner(self) -> Replica: ...
+
+    ids: list[int]
+
+    def headers(self) -> dict[str, str]: ...
+
+    def call(self, method: str, path: str, message: Any = None) -> Any: ...
+
+    def _open(self) -> str: ...
+
+    def commit(self, chunk: GenerateChunk) -> None: ...
+
+
 def stream_ended(chunk: GenerateChunk) -> None:
     """A stream's last chunk: a cut one (its session closed on the server) raises, so that the
     request ends as an error whose `partial` holds what was committed, not as a finished one."""
@@ -196,7 +226,11 @@ def stream_ended(chunk: GenerateChunk) -> None:
 
 
 def speculate(
-    session: Any, max_tokens: int, rounds: Any, drafter_ids: list[int] | None, sampling: dict[str, Any]
+    session: StreamedSession,
+    max_tokens: int,
+    rounds: Any,
+    drafter_ids: list[int] | None,
+    sampling: dict[str, Any],
 ) -> Iterator[list[int]]:
     """The speculate stream of `session` (a RemoteTarget's): a thread reads the committed chunks,
     the device drafts ahead once after the newest of them, a thread posts each proposal."""
@@ -226,7 +260,12 @@ def speculate(
 
 
 def _follow(
-    session: Any, reader: ChunkReader, sender: ProposalSender, ahead: DraftAhead, max_tokens: int, start: int
+    session: StreamedSession,
+    reader: ChunkReader,
+    sender: ProposalSender,
+    ahead: DraftAhead,
+    max_tokens: int,
+    start: int,
 ) -> Iterator[list[int]]:
     """Commit the stream's chunks as they come; between them, while there is something worth
     drafting, draft ahead and hand each proposal to the sender."""

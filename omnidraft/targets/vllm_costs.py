@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Protocol
 
 import torch
+
+from .vllm_session import SessionEngine, VLLMSession
 
 __all__ = ["BATCH_ROWS", "COST_CONTEXT", "FixedDrafts", "time_batches", "time_verifies"]
 
@@ -15,7 +17,13 @@ COST_CONTEXT = 200  # tokens of context before the tokens whose verify costs are
 BATCH_ROWS = 16  # sequences in the steps whose costs `time_batches` measures
 
 
-def time_verifies(target: Any, up_to: int = 8, reps: int = 5) -> dict[str, float]:
+class TimedEngine(SessionEngine, Protocol):
+    """What the timing reads of a `VLLMTarget`: its requests and engine loop, and its sessions."""
+
+    def begin(self, prompt_ids: list[int]) -> VLLMSession: ...
+
+
+def time_verifies(target: TimedEngine, up_to: int = 8, reps: int = 5) -> dict[str, float]:
     """Seconds to verify n = 1 .. `up_to` tokens after COST_CONTEXT tokens: a request each on a
     plain engine, an engine step each on one with omnidraft's proposer."""
     if target.proposer is not None:
@@ -37,7 +45,7 @@ def time_verifies(target: Any, up_to: int = 8, reps: int = 5) -> dict[str, float
     return {str(n): sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
-def time_engine_verifies(target: Any, up_to: int, reps: int) -> dict[str, float]:
+def time_engine_verifies(target: TimedEngine, up_to: int, reps: int) -> dict[str, float]:
     """Seconds per engine step that verifies n - 1 drafted tokens and samples one (n = 1: a
     plain decode step), after COST_CONTEXT tokens: the median gap between the step's outputs."""
     gen = torch.Generator().manual_seed(0)
@@ -52,7 +60,7 @@ def time_engine_verifies(target: Any, up_to: int, reps: int) -> dict[str, float]
     return costs
 
 
-def time_batches(target: Any, rows: int = BATCH_ROWS, steps: int = 10) -> dict[str, float]:
+def time_batches(target: TimedEngine, rows: int = BATCH_ROWS, steps: int = 10) -> dict[str, float]:
     """Per draft length, the median step of `rows` concurrent requests (their prefill steps are
     the few slow ones the median leaves out)."""
     from concurrent.futures import ThreadPoolExecutor

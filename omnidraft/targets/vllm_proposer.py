@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..target import Rounds
 
 __all__ = ["EngineProposer", "Sequence", "built_since", "proposer_config"]
 
@@ -51,18 +54,6 @@ def built_count() -> int:
     """How many proposers vLLM has built in this process."""
     with _built_lock:
         return int(_built["count"])
-
-
-class Rounds(Protocol):
-    """What a sequence drafts with: `EngineRounds` or anything with its open and next."""
-
-    def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None: ...
-
-    def prepare(self, ids: list[int]) -> None:
-        """Told every row's committed ids before any row is asked for its draft (a device that
-        drafts elsewhere hears of them here)."""
-
-    def next(self, ids: list[int], limit: int, remaining: int) -> list[int]: ...
 
 
 class Sequence:

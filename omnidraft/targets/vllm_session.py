@@ -10,12 +10,12 @@ import queue
 import threading
 import uuid
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Generator, Iterator, Protocol
 
 import torch
 
 from ..decode.verify import Verdict
-from ..target import Rule, SessionBase, judge
+from ..target import Rounds, Rule, SessionBase, judge
 
 if TYPE_CHECKING:
     from .vllm_engine import EngineLoop, Handle
@@ -203,7 +203,7 @@ class VLLMSession(SessionBase):
         self.forwards += 1
         return verdict
 
-    def decode(self, max_tokens: int, rule: Rule | None = None) -> Iterator[int]:
+    def decode(self, max_tokens: int, rule: Rule | None = None) -> Generator[int, None, None]:
         """Decode up to `max_tokens` tokens with vLLM alone (stopping after an EOS), greedy or
         sampled under `rule`, committing each as the engine streams it: vLLM's own decoding loop."""
         for tokens in self.steps(max_tokens, rule=rule):
@@ -212,7 +212,7 @@ class VLLMSession(SessionBase):
     def steps(
         self,
         max_tokens: int,
-        rounds: Any = None,
+        rounds: Rounds | None = None,
         drafter_ids: list[int] | None = None,
         *,
         eos: bool = True,
@@ -237,7 +237,7 @@ class VLLMSession(SessionBase):
     def start(
         self,
         max_tokens: int,
-        rounds: Any = None,
+        rounds: Rounds | None = None,
         drafter_ids: list[int] | None = None,
         *,
         eos: bool = True,
@@ -255,7 +255,11 @@ class VLLMSession(SessionBase):
                 pass
         self.started = True
         proposer = self.owner.proposer if rounds is not None else None
-        seq = proposer.expect(self.ids, rounds, max_tokens, drafter_ids) if proposer is not None else None
+        seq = (
+            None
+            if proposer is None or rounds is None
+            else proposer.expect(self.ids, rounds, max_tokens, drafter_ids)
+        )
         submit = self.owner.submit
         handle = submit(
             self.ids,
@@ -281,6 +285,11 @@ class Stream:
 
     def __init__(self, session: VLLMSession, handle: Any, proposer: Any, seq: Any) -> None:
         self.session, self.handle, self.proposer, self.seq = session, handle, proposer, seq
+
+    @property
+    def error(self) -> BaseException | None:
+        """The engine's error, once its outputs ended (None: it finished or was aborted)."""
+        return self.handle.error
 
     def take(self, out: Any) -> list[int]:
         tokens = [int(t) for t in out.outputs[0].token_ids]
