@@ -90,7 +90,7 @@ _WHERE = {
     "VLLMTarget": "targets.vllm_target",
     "load_model": "store.models",
     "load_target": "targets.registry",
-    "pair": "draft.base",
+    "pair": "pairing",
 }
 
 

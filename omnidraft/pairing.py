@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from .store.profiles import ProfileStore
     from .target import Target
 
-__all__ = ["K_START", "TABLES_KEPT", "DecodeConfig", "Generation", "Pairing", "pair_tables"]
+__all__ = ["K_START", "TABLES_KEPT", "DecodeConfig", "Generation", "Pairing", "pair", "pair_tables"]
 
 
 class Pairing:
@@ -397,3 +397,42 @@ class Pairing:
             adapter_steps=self.steps if learner is not None else None,
             adapter_note=learner.note() if learner is not None else "",
         )
+
+
+def pair(
+    drafter: Drafter,
+    target: Target,
+    config: DecodeConfig | None = None,
+    *,
+    user: str | None = None,
+    learn: bool = False,
+    train: TrainConfig | None = None,
+    adapter: AdapterConfig | None = None,
+    store: ProfileStore | None = None,
+    proposer: Proposer | None = None,
+    **overrides: Any,
+) -> Pairing:
+    """Pair `drafter` (any backend) with `target`; keyword overrides go into `DecodeConfig`.
+
+    `user` loads (and `Pairing.save` writes) that user's profile for this target: n-gram cache,
+    datastore of past outputs, LoRA adapter, metrics. `learn=True` distils every verified request
+    into the pairing's adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA
+    shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp copy of itself
+    (backends.py). `proposer`: where each round's proposal comes from, in place of the drafter's
+    model drafts and retrieved ones (decode/proposers.py; docs/architecture.md has the recipe)."""
+    from .runtime.backends import drafting_copy
+
+    if config is not None and overrides:
+        raise ValueError(f"pass a DecodeConfig or keyword overrides, not both (got {sorted(overrides)})")
+    config = config or DecodeConfig(**overrides)
+    return Pairing(
+        drafting_copy(drafter, config, learn=learn, adapter=adapter, user=user),
+        target,
+        config,
+        user=user,
+        learn=learn,
+        train=train,
+        adapter=adapter,
+        store=store,
+        proposer=proposer,
+    )

@@ -1,6 +1,6 @@
 """The shape of the package: the SDK imports no lab module and nothing heavy on import, has no
 import cycle (imports inside functions count, and so do the parent packages an import runs;
-`if TYPE_CHECKING:` blocks do not) and no file over 400 lines."""
+`if TYPE_CHECKING:` blocks do not) and no file over the line ceiling."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import ast
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,10 +96,22 @@ def test_no_import_cycle_in_the_sdk():
     assert cycles == []
 
 
-def test_the_sdk_never_imports_the_lab_and_no_file_is_over_400_lines():
+REVIEW_LINES = 400  # past this a file is worth a look at where its concepts part (a warning)
+MAX_LINES = 600  # past this one surely holds more than one
+
+
+def test_the_sdk_never_imports_the_lab_and_no_file_is_over_the_line_ceiling():
+    """Files are split by concept, not by a count: the ceiling fails the suite, the review
+    threshold only names the files past it."""
+    long = []
     for path in SDK.rglob("*.py"):
         assert not any(i.split(".")[0] == "benchmarks" for i in _imports(path)), path
-        assert len(path.read_text(encoding="utf-8").splitlines()) <= 400, path
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        assert lines <= MAX_LINES, (path, lines)
+        if lines > REVIEW_LINES:
+            long.append(f"{path.relative_to(ROOT)} ({lines})")
+    if long:
+        warnings.warn(f"past {REVIEW_LINES} lines, worth a review: {', '.join(long)}", stacklevel=1)
 
 
 def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:

@@ -24,14 +24,10 @@ from .session import DraftSession, Stream
 
 if TYPE_CHECKING:
     from ..decode.config import DecodeConfig
-    from ..decode.proposers import Proposer
-    from ..distill.adapters import AdapterConfig
-    from ..distill.trainer import TrainConfig
     from ..pairing import Pairing
-    from ..store.profiles import ProfileStore
     from ..target import Target
 
-__all__ = ["BACKENDS", "Drafter", "pair"]
+__all__ = ["BACKENDS", "Drafter"]
 
 BACKENDS = ("torch", "llama.cpp", "onnx", "auto")
 BACKEND_ENV = "OMNIDRAFT_DRAFTER_BACKEND"  # the backend `load` uses when none is passed
@@ -107,7 +103,9 @@ class Drafter:
         return f"{readable}_{hashlib.sha256(exact).hexdigest()[:16]}"
 
     def pair(self, target: Target, config: DecodeConfig | None = None, **options: Any) -> Pairing:
-        """Pair this drafter with `target`: see `pair` (user, learn, overrides)."""
+        """Pair this drafter with `target`: see `omnidraft.pair` (user, learn, overrides)."""
+        from ..pairing import pair
+
         return pair(self, target, config, **options)
 
     @staticmethod
@@ -187,44 +185,3 @@ class Drafter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab {len(self.token_bytes)})"
-
-
-def pair(
-    drafter: Any,
-    target: Target,
-    config: DecodeConfig | None = None,
-    *,
-    user: str | None = None,
-    learn: bool = False,
-    train: TrainConfig | None = None,
-    adapter: AdapterConfig | None = None,
-    store: ProfileStore | None = None,
-    proposer: Proposer | None = None,
-    **overrides: Any,
-) -> Pairing:
-    """Pair `drafter` (any backend) with `target`; keyword overrides go into `DecodeConfig`.
-
-    `user` loads (and `Pairing.save` writes) that user's profile for this target: n-gram cache,
-    datastore of past outputs, LoRA adapter, metrics. `learn=True` distils every verified request
-    into the pairing's adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA
-    shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp copy of itself
-    (backends.py). `proposer`: where each round's proposal comes from, in place of the drafter's
-    model drafts and retrieved ones (decode/proposers.py; docs/architecture.md has the recipe)."""
-    from ..decode.config import DecodeConfig
-    from ..pairing import Pairing
-    from ..runtime.backends import drafting_copy
-
-    if config is not None and overrides:
-        raise ValueError(f"pass a DecodeConfig or keyword overrides, not both (got {sorted(overrides)})")
-    config = config or DecodeConfig(**overrides)
-    return Pairing(
-        drafting_copy(drafter, config, learn=learn, adapter=adapter, user=user),
-        target,
-        config,
-        user=user,
-        learn=learn,
-        train=train,
-        adapter=adapter,
-        store=store,
-        proposer=proposer,
-    )

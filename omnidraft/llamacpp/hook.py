@@ -37,7 +37,7 @@ class OmnidraftDraftModel(LlamaDraftModel):
     `Llama` with `loading.open_llama(path, draft_model=hook)` so it runs as the target does."""
 
     def __init__(self, drafter: Any, target: Target, *, max_draft: int = 16, **options: Any) -> None:
-        from ..draft.base import pair
+        from ..pairing import pair
 
         self.pairing = pair(drafter, target, **options)
         # llama-cpp-python verifies a draft in one call: keep it within what this engine evaluates
