@@ -159,11 +159,6 @@ class Target(Protocol):
     eos_ids: frozenset[int]
 
     @property
-    def generation_config(self) -> Any:
-        """The model's own `transformers.GenerationConfig`, or None."""
-        ...
-
-    @property
     def capabilities(self) -> Capabilities: ...
 
     @property
@@ -176,6 +171,11 @@ class Target(Protocol):
     def check_rule(self, rule: Rule) -> None: ...
 
     def engine_counters(self) -> tuple[int, float] | None: ...
+
+    @property
+    def generation_config(self) -> Any:
+        """The model's own `transformers.GenerationConfig`, or None."""
+        ...
 
 
 class SessionBase:

@@ -202,7 +202,8 @@ def test_a_server_on_a_second_in_engine_target_serves_a_devices_drafts_losslessl
         out = pair.generate(PROMPT, max_new_tokens=24)
         assert out.token_ids == target_greedy(tiny_target, PROMPT, 24)[: len(out.token_ids)]
         assert len(out.token_ids) == 24 or out.token_ids[-1] in toy.eos_ids
-        assert toy.proposed > 0 and out.stats.mean_accepted_length > 1  # drafts verified in its steps
+        # the engine's steps took drafts (the device's, or the server's lookup where they came late)
+        assert out.stats.served == "engine" and toy.proposed > 0
         remote.close()
     finally:
         stop()
