@@ -41,8 +41,12 @@ class DraftingPlan:
         """(model, free): the drafts that can still pay after `context` tokens, by the target's
         verify costs there (`verify_costs(context)`: llama.cpp past its exact range verifies fewer
         tokens a call, so a verify of n costs more steps than where the best speedup was measured)."""
+        if self.best_speedup is None or not (self.model or self.free):
+            return self.model, self.free
+        # only past that return: a target whose costs are not measured yet (vLLM) measures them on
+        # this call, which inside its own engine's step would wait on that step
         costs = target.verify_costs(context)
-        if self.best_speedup is None or not (self.model or self.free) or costs is None:
+        if costs is None:
             return self.model, self.free
         seen = best_speedup(
             costs,
