@@ -24,7 +24,7 @@ class PromptLookup:
         return request
 
     def propose(self, request: Any, budget: Budget) -> Round | None:
-        ids = request.target.ids
+        ids = request.session.ids
         for i in range(len(ids) - 3, -1, -1):
             if ids[i : i + 2] == ids[-2:]:
                 follow = ids[i + 2 : i + 2 + budget.limit]
