@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, overload
 
 import torch
 
+from .decode import engine_rounds, round_loop
 from .decode.config import K_START, RELAXED, DecodeConfig, warn_relaxed
-from .decode.proposers import Proposer
+from .decode.proposers import default_proposer
 from .decode.rounds import (
     MAX_NEW_TOKENS,
     Call,
@@ -44,10 +45,11 @@ from .translate.tables import TABLES_KEPT, pair_tables
 if TYPE_CHECKING:
     from .adaptive.acceptance_head import AcceptanceHead
     from .adaptive.policy import CostPolicy
+    from .decode.contract import Proposer
     from .distill.adapters import AdapterConfig
     from .distill.learner import Learner
     from .distill.trainer import TrainConfig
-    from .draft.base import Drafter
+    from .draft.interface import PairedDrafter
     from .store.profiles import ProfileStore
     from .target import Target
 
@@ -60,7 +62,7 @@ class Pairing:
 
     def __init__(
         self,
-        drafter: Drafter,
+        drafter: PairedDrafter,
         target: Target,
         config: DecodeConfig,
         *,
@@ -91,9 +93,15 @@ class Pairing:
             drafter, target.name, user, learn=learn, adapter=adapter, saved=saved, shared=shared
         )
         self.speculator = Speculator(
-            drafter, target, config, user=user, profile=profile, adapter=self._adapter, learn=learn,
-            proposer=proposer,
-        )  # fmt: skip
+            drafter,
+            target,
+            config,
+            proposer=default_proposer if proposer is None else lambda _: proposer,
+            user=user,
+            profile=profile,
+            adapter=self._adapter,
+            learn=learn,
+        )
         baseline = shared_adapter(drafter, target.name, shared)
         self.learner = self._learner(train, baseline) if learn else None
         self.last: Generation | None = None
@@ -326,7 +334,7 @@ class Pairing:
             try:
                 mode = self.speculator.mode(rule, logprobs)
                 call = Call(prompt, rule, max_new_tokens, generator, special, logprobs, *after)
-                for new, record in self.speculator.rounds(mode, call, rows):
+                for new, record in self._rounds(mode, call, rows):
                     rounds.append(record)
                     out += new
                     if learner is not None and len(rounds) % tts == 0:
@@ -365,6 +373,15 @@ class Pairing:
         self.last = result = Generation(text, out, stats, rounds, reason, per_token)
         done.append(result)
 
+    def _rounds(self, mode: str, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
+        """A request's rounds in `mode` (`Speculator.mode`): each round's committed ids and its
+        record; `rows` collects the target's top-k rows where a verify returns them."""
+        if mode == "engine":
+            return engine_rounds.request_rounds(self.speculator, call, rows)
+        if mode == "alone":
+            return round_loop.alone_rounds(self.speculator, call, rows)
+        return round_loop.request_rounds(self.speculator, call, rows)
+
     @contextmanager
     def _serving(self) -> Iterator[Learner | None]:
         """One request, counted among the process's (runtime/activity.py: no learning beside it);
@@ -400,7 +417,7 @@ class Pairing:
 
 
 def pair(
-    drafter: Drafter,
+    drafter: PairedDrafter,
     target: Target,
     config: DecodeConfig | None = None,
     *,
@@ -419,7 +436,7 @@ def pair(
     into the pairing's adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA
     shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp copy of itself
     (backends.py). `proposer`: where each round's proposal comes from, in place of the drafter's
-    model drafts and retrieved ones (decode/proposers.py; docs/architecture.md has the recipe)."""
+    model drafts and retrieved ones (decode/contract.py; docs/architecture.md has the recipe)."""
     from .runtime.backends import drafting_copy
 
     if config is not None and overrides:

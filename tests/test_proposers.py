@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from omnidraft.decode.contract import Budget, Round, Verdict
 from omnidraft.decode.engine_rounds import EngineRounds
-from omnidraft.decode.proposers import Budget, Round, Verdict
 
 from .conftest import target_greedy
 

@@ -19,8 +19,8 @@ import torch
 import omnidraft as od
 from omnidraft.bench.network import free_port
 from omnidraft.cli.deploy import haproxy_config
-from omnidraft.server.protocol import ROUTE_HEADER
 from omnidraft.target import Rule
+from omnidraft.wire import ROUTE_HEADER
 
 from .conftest import target_greedy
 from .test_cli_runs import models, own_cache  # noqa: F401 - fixtures

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from omnidraft.server import completions as oai
 from omnidraft.server.app import ServerConfig, create_app
+from omnidraft.wire import CompletionRequest
 
 from .conftest import target_greedy
 from .route_fuzz import ROUTES, fuzz_route, route_poster
@@ -124,7 +125,7 @@ def test_an_echoed_prompt_holds_at_most_one_chunk_of_logits(tiny_target, monkeyp
         CausalRunner, "forward", lambda self, keep=1, **kw: rows.append(keep) or real(self, keep, **kw)
     )
     ids = (tiny_target.tokenizer(PROMPT)["input_ids"] * 20)[:300]
-    request = oai.CompletionRequest(prompt=ids, max_tokens=3, echo=True, logprobs=2, temperature=0.0)
+    request = CompletionRequest(prompt=ids, max_tokens=3, echo=True, logprobs=2, temperature=0.0)
     reply = oai.complete(tiny_target, request, 10_000)
     assert max(rows) <= oai.ECHO_CHUNK and sum(1 for r in rows if r > 1) == -(-len(ids) // oai.ECHO_CHUNK)
     with torch.inference_mode():
@@ -662,16 +663,13 @@ def test_a_request_during_a_running_stream_is_refused_and_the_client_follows_com
     it, and the streaming client ignored the chunks' committed lengths. The verify now gets a 409
     until the stream ends; a chunk whose committed length disagrees raises at the client."""
     from omnidraft.errors import TargetUnavailableError
-    from omnidraft.server.protocol import GenerateChunk
     from omnidraft.targets.remote import RemoteTarget
+    from omnidraft.wire import GenerateChunk
 
     sid, ids = _open(client, tiny_target)
     service = client.app.state.service
     stream = service.generate(
-        sid,
-        __import__("omnidraft.server.protocol", fromlist=["x"]).GenerateRequest(
-            committed=len(ids), max_tokens=5
-        ),
+        sid, __import__("omnidraft.wire", fromlist=["x"]).GenerateRequest(committed=len(ids), max_tokens=5)
     )
     next(stream)  # the stream is running
     r = client.post(
@@ -817,9 +815,9 @@ def test_a_stream_cut_by_its_sessions_delete_ends_with_a_chunk_that_says_so(tiny
     """Issue 87 item 6: a generate stream whose session was deleted closed like a finished one; its
     last chunk now says `cancelled`, and a client reading it raises with what was committed."""
     from omnidraft.errors import TargetUnavailableError
-    from omnidraft.server.protocol import GenerateChunk, GenerateRequest, OpenRequest
     from omnidraft.server.service import Service
     from omnidraft.targets.remote_stream import stream_ended
+    from omnidraft.wire import GenerateChunk, GenerateRequest, OpenRequest
 
     service = Service(tiny_target, ServerConfig())
     ids = tiny_target.tokenizer(PROMPT)["input_ids"]

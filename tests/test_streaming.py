@@ -16,8 +16,8 @@ from omnidraft.errors import RemoteRequestError
 from omnidraft.server.budget import RecentAcceptance
 from omnidraft.server.device_rounds import DeviceRounds
 from omnidraft.server.lookup import PromptLookup
-from omnidraft.server.protocol import GenerateChunk
 from omnidraft.targets.remote_stream import ChunkReader, DraftAhead, ProposalSender
+from omnidraft.wire import GenerateChunk
 
 
 class FakeRounds:

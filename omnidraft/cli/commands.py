@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OmnidraftError
-from ..server.protocol import KEY_ENV, env_keys
+from ..wire import KEY_ENV, env_keys
 from .deploy import deploy
 from .options import build_parser, load_pair, split_pair, start_run
 

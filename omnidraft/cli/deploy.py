@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..server.protocol import ROUTE_HEADER
+from ..wire import ROUTE_HEADER
 
 __all__ = ["deploy", "deploy_args", "haproxy_config"]
 

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, cast
 
 from ..target import Rule, SessionBase
-from .proposers import Round
+from .contract import Round
 from .speculation import Speculation
 from .stats import RoundRecord, round_record
 

@@ -1,11 +1,11 @@
 """Proposers: where a round's proposed target ids come from (as HF's candidate generators and
 vLLM's proposers are for one vocabulary).
 
-A proposer answers three calls, made by a request's `Speculation` (speculation.py):
-`begin(request)` gives the request the proposer's own state, `propose(state, budget)` proposes up to
-`budget.limit` target ids after the committed text (a `Round`, or None for nothing worth proposing),
-and `settle(state, rnd, verdict)` learns what the target committed. The pairing's `RoundPolicy`
-only sizes each budget. docs/architecture.md has the recipe for a proposer of your own.
+A proposer answers three calls, made by a request's `Speculation` (speculation.py), under the
+contract in contract.py: `begin(request)` gives the request the proposer's own state,
+`propose(state, budget)` proposes up to `budget.limit` target ids after the committed text (a
+`Round`, or None for nothing worth proposing), and `settle(state, rnd, verdict)` learns what the
+target committed. The pairing's `RoundPolicy` only sizes each budget.
 
 - `ModelDrafts`: the drafter model drafts up to k tokens, translated into the target's ids;
 - `RetrievedDrafts`: a continuation copied from the request's context or the user's past outputs
@@ -18,115 +18,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..draft.picking import NO_DRAFT, Adaptable, Draft
-from ..translate.translator import Proposal, Source
+from .contract import Budget, RequestState, Round, Verdict
 
 if TYPE_CHECKING:
     from ..draft.session import DraftSession
     from ..retrieve import ContextIndex
-    from .speculation import Request
     from .speculator import Speculator
 
-__all__ = [
-    "Budget",
-    "Extendable",
-    "HybridDrafts",
-    "ModelDrafts",
-    "Proposer",
-    "RetrievedDrafts",
-    "Round",
-    "Verdict",
-    "default_proposer",
-]
-
-
-@dataclass
-class Round:
-    """One round's proposal: the model draft (NO_DRAFT when none), the proposal in target ids, the
-    retrieval plan it used (None: none), the rows rejection sampling verifies against, and when
-    the round began, its draft was done and its proposal was ready (perf_counter seconds; the
-    speculation fills in what a proposer leaves at 0)."""
-
-    draft: Draft
-    proposal: Proposal
-    used: Any = None
-    q: torch.Tensor | None = None
-    started: float = 0.0
-    drafted: float = 0.0
-    ready: float = 0.0
-
-    @classmethod
-    def copied(cls, ids: list[int]) -> Round:
-        """A round proposing target ids copied from elsewhere (no drafter model under them)."""
-        return cls(NO_DRAFT, Proposal.copied(ids))
-
-    @property
-    def grows(self) -> bool:
-        """Whether the drafter may draft on from this round's proposal: a model draft with nothing
-        retrieved run on after it."""
-        return bool(self.draft.ids) and self.used is None
-
-    def retrieved_among(self, accepted: int) -> int:
-        """How many of the first `accepted` proposed tokens were retrieved ones."""
-        return sum(1 for s in self.proposal.sources[:accepted] if s == Source.RETRIEVED)
-
-    def cached_among(self, accepted: int) -> int:
-        """How many of the first `accepted` proposed tokens the n-gram cache translated."""
-        return sum(1 for s in self.proposal.sources[:accepted] if s == Source.NGRAM)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What a round may propose: up to `k` model-drafted tokens (0: none), at most `limit` target ids
-    in all, retrieved tokens or not; `only`: which translations the request's verification accepts
-    (translate/translator.py); `ahead`: draft k tokens whatever an acceptance head says (a device
-    drafting ahead for a server's engine, whose budget decides what is verified)."""
-
-    k: int
-    limit: int
-    retrieve: bool = True
-    only: str = "any"
-    ahead: bool = False
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The target's answer to a round: `new`, the target ids it committed, of which the first
-    `accepted` are proposed tokens (then the target's own token, unless the request ended)."""
-
-    new: list[int]
-    accepted: int
-
-
-class Proposer(Protocol):
-    """Proposes a round's target ids; see the module docstring."""
-
-    def begin(self, request: Request) -> Any:
-        """A new request: the proposer's state for it (whatever `propose` and `settle` need)."""
-        ...
-
-    def propose(self, state: Any, budget: Budget) -> Round | None:
-        """Up to `budget.limit` target ids after the committed text (`state`'s request's target
-        ids), or None: nothing worth proposing this round."""
-        ...
-
-    def settle(self, state: Any, rnd: Round, verdict: Verdict) -> None:
-        """The target's verdict on `rnd`: learn from it, and follow the committed text."""
-        ...
-
-
-@runtime_checkable
-class Extendable(Protocol):
-    """A proposer whose last proposal can grow while its verify is still out (a device drafting
-    ahead of a server's engine, targets/remote_stream.py)."""
-
-    def extend(self, state: Any, rnd: Round, k: int, limit: int) -> Round | None: ...
-
-    def may_resume(self, state: Any, rnd: Round) -> bool: ...
+__all__ = ["HybridDrafts", "ModelDrafts", "RetrievedDrafts", "default_proposer"]
 
 
 @dataclass
@@ -134,7 +36,7 @@ class ModelState:
     """A request's model-draft side: its drafter session, and the drafter context's last token
     (token healing may let the next draft replace it)."""
 
-    request: Request
+    request: RequestState
     drafts: DraftSession
     last: int
 
@@ -146,7 +48,7 @@ class ModelDrafts:
     def __init__(self, speculator: Speculator) -> None:
         self.s = speculator
 
-    def begin(self, request: Request) -> ModelState:
+    def begin(self, request: RequestState) -> ModelState:
         s = self.s
         if isinstance(s.drafter, Adaptable):  # a fake or an exported graph has no adapters
             s.drafter.activate(s.adapter)
@@ -226,7 +128,7 @@ class RetrievedDrafts:
     def __init__(self, speculator: Speculator) -> None:
         self.s = speculator
 
-    def begin(self, request: Request) -> ContextIndex | None:
+    def begin(self, request: RequestState) -> ContextIndex | None:
         s = self.s
         if s.retriever is None or not s.free_drafts:
             return None
@@ -269,7 +171,7 @@ class HybridDrafts:
     def __init__(self, model: ModelDrafts, retrieved: RetrievedDrafts | None) -> None:
         self.model, self.retrieved = model, retrieved
 
-    def begin(self, request: Request) -> tuple[ModelState, Any]:
+    def begin(self, request: RequestState) -> tuple[ModelState, Any]:
         return self.model.begin(request), self.retrieved.begin(request) if self.retrieved else None
 
     def propose(self, state: tuple[ModelState, Any], budget: Budget) -> Round:

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 from .rounds import within_budget
 
 if TYPE_CHECKING:
-    from .proposers import Round
-    from .speculation import Request
+    from .contract import RequestState, Round
     from .speculator import Speculator
 
 __all__ = ["RoundPlan", "RoundPolicy"]
@@ -39,7 +38,7 @@ class RoundPolicy:
     def __init__(self, speculator: Speculator) -> None:
         self.s = speculator
 
-    def plan(self, req: Request, remaining: int, *, floor: bool = True) -> RoundPlan | None:
+    def plan(self, req: RequestState, remaining: int, *, floor: bool = True) -> RoundPlan | None:
         """The next round's plan with `remaining` tokens to go; None when the target's server
         takes no draft now (a zero budget: it should decode the rest alone) or the request's
         balance against the target alone covers no draft (`req.ledger.aside`: where the request
@@ -60,7 +59,7 @@ class RoundPolicy:
         return RoundPlan(ask, limit, free, defer)
 
     def settle_read(
-        self, req: Request, plan: RoundPlan, rnd: Round, committed: int, seconds: float | None
+        self, req: RequestState, plan: RoundPlan, rnd: Round, committed: int, seconds: float | None
     ) -> None:
         """What the round says about deferring the drafter's read of the prompt (`seconds`: the
         round's time, None for the first, which also prefilled)."""
@@ -76,7 +75,7 @@ class RoundPolicy:
             )
 
     @staticmethod
-    def observe(req: Request, rnd: Round, verify_s: float, verified: int) -> None:
+    def observe(req: RequestState, rnd: Round, verify_s: float, verified: int) -> None:
         """Queue the round's costs (`verified` tokens scored in `verify_s`); `begin_round` observes
         them when the next round starts, so a round's overhead includes everything between two
         rounds. A draft right after rounds without one first caught the drafter up on the tokens
@@ -85,7 +84,7 @@ class RoundPolicy:
         req.pending = (drafted, rnd.drafted - rnd.started, verified, verify_s, rnd.started)
         req.idle = not rnd.draft.ids
 
-    def begin_round(self, req: Request, now: float) -> None:
+    def begin_round(self, req: RequestState, now: float) -> None:
         """A new round starts at `now`: the cost model observes the previous round's costs."""
         if req.pending is not None:
             drafted, t_draft, verified, t_verify, started = req.pending

@@ -11,67 +11,23 @@ proposes within it, and the verdict settles the proposer, the cost model and the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..adaptive.floor import Ledger
-from ..retrieve.retriever import NO_READ, PromptRead
-from .proposers import Budget, Extendable, Round, Verdict
+from ..retrieve.retriever import NO_READ
+from .contract import Booking, Budget, Extendable, RequestState, Round, Verdict
 from .round_policy import RoundPlan, RoundPolicy
 from .rounds import draft_rows
 
 if TYPE_CHECKING:
-    from ..adaptive.acceptance_head import Stopper
     from ..target import Rule, TargetSession
     from .speculator import Speculator
 
-__all__ = ["Booking", "Request", "Speculation"]
+__all__ = ["Speculation"]
 
 # which translations a verification rule accepts (translate/translator.py)
 ONLY = {"exact": "direct", "omnidraft": "aligned"}
-
-
-class Booking(NamedTuple):
-    """A round waiting to be booked against the target alone (adaptive/floor.py) when the next one
-    begins: it committed `committed` tokens from `began` (perf_counter seconds); `proposed`: it
-    proposed tokens, `drafted`: the drafter model drafted them, `alone`: the target decoded them
-    alone (a stretch the floor stood aside for)."""
-
-    committed: int
-    began: float
-    proposed: bool = False
-    drafted: bool = False
-    alone: bool = False
-
-
-@dataclass
-class Request:
-    """A request's state between rounds. `session`: the target session (or a stand-in holding the
-    committed target ids, where an engine verifies in its own step); `k`: the next model draft
-    length (0: none); `read`: the deferred read of the prompt (retrieve/retriever.py); `idle`: the
-    last round did not draft (the next draft also catches the drafter up: not a drafting cost);
-    `pending`: the last round's costs,
-    observed when the next begins; `ledger`: what its rounds gained or lost against the target
-    decoding alone (adaptive/floor.py), `booking` the last round's until the next begins;
-    `may_decode`: the target may decode a stretch alone where the floor stands aside (greedy, and
-    no top-k rows asked of each round)."""
-
-    session: TargetSession
-    rule: Rule
-    generator: torch.Generator | None
-    prompt_ids: list[int]
-    drafter_ids: list[int]
-    k: int
-    stopper: Stopper | None
-    read: PromptRead
-    ledger: Ledger
-    produced: int = 0
-    idle: bool = False
-    pending: tuple[int, float, int, float, float] | None = None
-    booking: Booking | None = None
-    may_decode: bool = False
 
 
 class Speculation:
@@ -96,7 +52,7 @@ class Speculation:
             ledger = s.floor.begin(s.cost.verify.get(1), len(drafter_ids))
         deferral = s.retriever.deferral if s.retriever is not None and s.free_drafts else None
         read = deferral.begin(len(session.ids)) if deferral is not None else NO_READ
-        self.request = Request(
+        self.request = RequestState(
             session,
             rule,
             generator,

@@ -4,14 +4,15 @@ What it holds: the translator (direct map + n-gram cache), the drafting plan (wh
 can pay here), the cost model, the draft-length policy or acceptance head, the retriever and the
 proposer, and `lock`, under which requests sharing them change them. A request's rounds are a
 `Speculation` of it (speculation.py), driven by the round loop (round_loop.py) or an engine adapter
-(engine_rounds.py). What it is not: the user's facade (`Pairing`, pairing.py: generate, stream,
-chat, the profile and its saving), or a place that reads a profile's files (store/profiles.py).
+(engine_rounds.py), as `mode` says (the pairing runs the one it names). What it is not: the user's
+facade (`Pairing`, pairing.py: generate, stream, chat, the profile and its saving), or a place
+that reads a profile's files (store/profiles.py).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..adaptive.costs import CostModel
 from ..adaptive.floor import Floor
@@ -20,24 +21,22 @@ from ..retrieve.retriever import Retriever
 from ..translate.ngram_cache import NgramCache
 from ..translate.tables import pair_tables
 from ..translate.translator import Translator
-from . import engine_rounds, round_loop
-from .proposers import Proposer, default_proposer
 
 if TYPE_CHECKING:
     from ..adaptive.acceptance_head import AcceptanceHead
     from ..adaptive.policy import CostPolicy
     from ..distill.learner import Learner
-    from ..draft.base import Drafter
+    from ..draft.interface import PairedDrafter
     from ..store.profiles import PairingProfile
     from ..target import Rule, Target
     from .config import DecodeConfig
-    from .rounds import Call
+    from .contract import Proposer
     from .stats import GenerationStats, RoundRecord
 
 __all__ = ["Speculator", "pair_fingerprint"]
 
 
-def pair_fingerprint(drafter: Any, target: Target) -> str:
+def pair_fingerprint(drafter: PairedDrafter, target: Target) -> str:
     """What a profile of this drafter and target is valid for: both tokenizers' fingerprints."""
     return f"{drafter.token_bytes.fingerprint}:{target.token_bytes.fingerprint}"
 
@@ -46,20 +45,20 @@ class Speculator:
     """The speculation machinery of `drafter` paired with `target` under `config`: with a `user`,
     their `profile`'s n-gram cache, past outputs and acceptance head; `adapter`: the drafter's
     LoRA adapter to draft with (None: the base weights); `learn`: an adapter is being trained (the
-    pairing sets `learner`); `proposer`: where each round's proposal comes from (default: model
-    drafts beside retrieved ones, as `config.drafts` asks)."""
+    pairing sets `learner`); `proposer`: builds, from the speculator, the proposer each round's
+    proposal comes from (the pairing's default: proposers.default_proposer)."""
 
     def __init__(
         self,
-        drafter: Drafter,
+        drafter: PairedDrafter,
         target: Target,
         config: DecodeConfig,
         *,
+        proposer: Callable[[Speculator], Proposer],
         user: str | None = None,
         profile: PairingProfile | None = None,
         adapter: str | None = None,
         learn: bool = False,
-        proposer: Proposer | None = None,
     ) -> None:
         self.drafter, self.target, self.config, self.adapter = drafter, target, config, adapter
         vmap, self.healer = pair_tables(drafter, target, healing=config.healing)
@@ -93,7 +92,7 @@ class Speculator:
         )
         self.learner: Learner | None = None  # the online distillation the rounds feed (learn=True)
         self.lock = threading.RLock()  # the state requests share: costs, policies, caches, stats
-        self.proposer: Proposer = proposer if proposer is not None else default_proposer(self)
+        self.proposer: Proposer = proposer(self)
 
     def _translator(self, vmap: Any, user: str | None, profile: PairingProfile | None) -> Translator:
         """The translator: the direct map, and the n-gram cache (the user's profile's, if saved)."""
@@ -159,15 +158,6 @@ class Speculator:
                 return "no round drafted: the server's budget took no drafts"
             return "no round drafted: the measured costs said a draft would not pay"
         return ""
-
-    def rounds(self, mode: str, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
-        """A request's rounds in `mode` (see `mode`): each round's committed ids and its record;
-        `rows` collects the target's top-k rows where a verify returns them."""
-        if mode == "engine":
-            return engine_rounds.request_rounds(self, call, rows)
-        if mode == "alone":
-            return round_loop.alone_rounds(self, call, rows)
-        return round_loop.request_rounds(self, call, rows)
 
     def finish(
         self, mode: str, out: list[int], rounds: list[RoundRecord], stats: GenerationStats

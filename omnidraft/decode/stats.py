@@ -14,7 +14,7 @@ from statistics import fmean
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
-    from .proposers import Round
+    from .contract import Round
 
 __all__ = ["GenerationStats", "RoundRecord", "read_trace", "round_record", "write_trace"]
 

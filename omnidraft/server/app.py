@@ -24,7 +24,7 @@ as a crash. Bodies are read with a size cap (413) and validated by
 the protocol models (422 with the reason); ids outside the vocabulary are refused (422). Sessions
 expire after `ttl_s` idle, and a cap on sessions and on committed tokens across sessions (KV memory)
 answers 503 rather than exhausting the host. The rules behind the routes (locks, prefill chunks,
-limits, the draft budget) live in service.py; see protocol.py for the idempotency rule.
+limits, the draft budget) live in service.py; see wire.py for the idempotency rule.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..wire import KEY_ENV, VERSION
 from .config import OPERATOR, shown
 from .drain import Drain, DrainGate, add_ready_route
 from .openai_api import OPENAI_PATHS, error_body
-from .protocol import KEY_ENV, VERSION
 from .routes import RequestIO, add_device_routes, add_openai_routes, add_ops_routes
 from .service import HTTPError, ServerConfig, Service
 

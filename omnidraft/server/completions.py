@@ -1,7 +1,7 @@
-"""The server's side of OpenAI's `/v1/completions`: the request models (`SamplingFields`,
-`CompletionRequest`) and `complete`, one greedy completion with echo and log-probabilities on a
-target that scores positions. The routes are server/text_routes.py and server/openai_api.py; the
-client of such an endpoint is `OpenAICompletionsTarget` (targets/openai_client.py)."""
+"""The server's side of OpenAI's `/v1/completions`: `complete`, one greedy completion with echo and
+log-probabilities on a target that scores positions (the request models are in wire.py). The
+routes are server/text_routes.py and server/openai_api.py; the client of such an endpoint is
+`OpenAICompletionsTarget` (targets/openai_client.py)."""
 
 from __future__ import annotations
 
@@ -9,73 +9,14 @@ import contextlib
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ..errors import Cancelled
 
 if TYPE_CHECKING:
     from ..target import ChunkedSession, ScoringSession, Target
+    from ..wire import CompletionRequest
 
-__all__ = [
-    "ECHO_CHUNK",
-    "MAX_LOGPROBS",
-    "MAX_PROMPT_CHARS",
-    "Cancelled",
-    "CompletionRequest",
-    "SamplingFields",
-    "complete",
-    "token_string",
-]
-
-MAX_LOGPROBS = 20
-
-
-class SamplingFields(BaseModel):
-    """What OpenAI's completion and chat requests share: the model name, sampling, stop, streaming.
-    An unknown field is refused, naming it; OpenAI fields this server does not implement are taken
-    at their neutral values only (a penalty of 0, no logit bias), and `user` is accepted. An empty
-    stop string is refused."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    model: str | None = None
-    user: str | None = None
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    logit_bias: None = None
-    stream_options: dict | None = None
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
-
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        """An empty stop string is refused (422): it would match before the first character and end
-        every reply at once. (`Pairing.generate` refuses it too.)"""
-        if stop == "" or (isinstance(stop, list) and "" in stop):
-            raise ValueError(
-                "stop strings must be non-empty: an empty one would end the reply before it starts"
-            )
-        return stop
-
-
-class CompletionRequest(SamplingFields):
-    """The subset of OpenAI's completion request this server implements."""
-
-    prompt: list[StrictInt] | str = Field(min_length=1)  # an empty prompt is a 400, never a 500
-    max_tokens: int = Field(16, ge=0, le=4096)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    return_tokens_as_token_ids: bool = False
-
-    @property
-    def top_logprob_count(self) -> int | None:
-        """Alternatives per token the reply lists; None: no log-probabilities asked for."""
-        return self.logprobs
+__all__ = ["ECHO_CHUNK", "MAX_PROMPT_CHARS", "Cancelled", "complete", "token_string"]
 
 
 def token_string(token_bytes: Any, token: int, as_ids: bool) -> str:

@@ -114,7 +114,7 @@ class HTTPError(Exception):
 
 
 def sampling_rule(request: Any) -> Rule:
-    """The Rule of a request's sampling fields (protocol._Sampled): greedy at temperature 0, else
+    """The Rule of a request's sampling fields (wire._Sampled): greedy at temperature 0, else
     `match` under its filters and seed; a combination Rule refuses is a 422."""
     if request.temperature == 0:
         return Rule()
@@ -129,7 +129,7 @@ def sampling_rule(request: Any) -> Rule:
 
 
 def verify_rule(request: Any) -> Rule:
-    """The Rule a verify request (protocol.VerifyRequest) names: its mode under its temperature and
+    """The Rule a verify request (wire.VerifyRequest) names: its mode under its temperature and
     filters; a combination Rule refuses is a 422."""
     return checked_rule(
         mode=request.mode,

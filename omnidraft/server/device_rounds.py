@@ -18,11 +18,11 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 from ..target import Rule
+from ..wire import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
 from .budget import DraftBudget, DraftGate
 from .config import HTTPError, ServerConfig, sampling_rule
 from .lookup import PromptLookup
 from .metrics import Metrics
-from .protocol import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
 from .sessions import Session, ended
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from ..wire import VERSION
 from .openai_api import OPENAI_PATHS, error_body
-from .protocol import VERSION
 
 __all__ = ["Drain", "DrainGate", "DrainingServer", "add_ready_route"]
 

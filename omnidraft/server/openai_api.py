@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..decode.rounds import TokenLogprob
-from .completions import CompletionRequest, SamplingFields
+from ..wire import CompletionRequest, SamplingFields
 
 if TYPE_CHECKING:
     from ..target import Target

@@ -18,9 +18,7 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from ..target import Rule
-from .config import shown
-from .openai_api import ChatRequest, chat_prompt, models_reply, respond
-from .protocol import (
+from ..wire import (
     VERSION,
     GenerateRequest,
     OpenRequest,
@@ -29,6 +27,8 @@ from .protocol import (
     SpeculateRequest,
     VerifyRequest,
 )
+from .config import shown
+from .openai_api import ChatRequest, chat_prompt, models_reply, respond
 from .service import HTTPError, ServerConfig, Service
 
 __all__ = ["RequestIO", "add_device_routes", "add_openai_routes", "add_ops_routes", "streamed"]
@@ -242,7 +242,7 @@ def add_openai_routes(app: FastAPI, service: Service, io: RequestIO) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        from .completions import CompletionRequest
+        from ..wire import CompletionRequest
 
         parsed = await io.body(request, CompletionRequest)
         check_model(parsed)

@@ -20,11 +20,7 @@ import torch
 
 from ..decode.rounds import TokenLogprob, token_logprobs
 from ..target import BatchingTarget, ChunkedSession, Rule, StreamingSession, Target, check_target
-from .budget import DraftBudget, DraftGate
-from .config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule, shown, verify_rule
-from .device_rounds import SpeculateRoutes
-from .metrics import Metrics
-from .protocol import (
+from ..wire import (
     MAX_PROPOSAL,
     GenerateChunk,
     GenerateRequest,
@@ -35,6 +31,10 @@ from .protocol import (
     VerifyReply,
     VerifyRequest,
 )
+from .budget import DraftBudget, DraftGate
+from .config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule, shown, verify_rule
+from .device_rounds import SpeculateRoutes
+from .metrics import Metrics
 from .sessions import FairLock, Session, ended, release_session, serving
 from .text_routes import TextRoutes
 

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .protocol import VerifyReply, VerifyRequest
+from ..wire import VerifyReply, VerifyRequest
 
 if TYPE_CHECKING:
     from ..target import TargetSession

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, cast
 import torch
 
 from ..target import Rule
+from ..wire import MAX_PROMPT
 from .config import HTTPError, ServerConfig
 from .metrics import Metrics
-from .protocol import MAX_PROMPT
 from .sessions import Session, release_session
 
 if TYPE_CHECKING:

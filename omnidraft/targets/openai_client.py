@@ -28,10 +28,10 @@ import torch
 from ..decode.verify import Verdict
 from ..errors import IncompatibleError, RemoteRequestError
 from ..optional import require
-from ..server.completions import MAX_LOGPROBS, CompletionRequest
 from ..target import SessionBase, TargetBase
 from ..translate.codec import ByteCodec
 from ..translate.token_bytes import build_token_bytes
+from ..wire import MAX_LOGPROBS, CompletionRequest
 from .remote_http import call_json
 
 __all__ = ["OpenAICompletionsTarget"]

@@ -7,7 +7,7 @@ The tokenizer comes from the server (or pass `tokenizer=` to use a local copy); 
 fingerprint must match the server's or pairing is refused. One keep-alive HTTP connection is
 reused; each call has a timeout; transport failures and 502/503/504 are retried a bounded number
 of times, which is safe because a verify request names the committed length it builds on (see
-protocol.py). A session opens on the server at its first verify: one that only decodes alone is a
+omnidraft/wire.py). A session opens on the server at its first verify: one that only decodes alone is a
 single streamed request, as a plain server's completion is, with no session to open or close.
 When the server stays unreachable the call raises `TargetUnavailableError`; the pairing keeps
 what was committed so far (`error.partial`). Given several replicas' URLs, a session whose replica
@@ -29,7 +29,10 @@ import torch
 from ..decode.verify import Verdict
 from ..errors import IncompatibleError, RemoteRequestError, StreamCutError, TargetUnavailableError
 from ..optional import require
-from ..server.protocol import (
+from ..target import Capabilities, SessionBase, TargetBase
+from ..translate.codec import ByteCodec
+from ..translate.token_bytes import build_token_bytes
+from ..wire import (
     ROUTE_HEADER,
     GenerateChunk,
     GenerateRequest,
@@ -42,9 +45,6 @@ from ..server.protocol import (
     VerifyRequest,
     env_keys,
 )
-from ..target import Capabilities, SessionBase, TargetBase
-from ..translate.codec import ByteCodec
-from ..translate.token_bytes import build_token_bytes
 from .remote_http import call_json, refused
 from .remote_stream import speculate, stream_ended
 
@@ -378,7 +378,7 @@ class _OutOfStep(TargetUnavailableError):
 
 
 def _sampling_fields(rule: Any) -> dict[str, Any]:
-    """A sampled rule's fields as a request carries them (protocol._Sampled)."""
+    """A sampled rule's fields as a request carries them (wire._Sampled)."""
     return {
         "temperature": rule.temperature,
         "top_k": rule.top_k,

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from ..adaptive.policy import ema
 from ..errors import RemoteRequestError, StreamCutError, TargetError, TargetUnavailableError
-from ..server.protocol import MAX_PROPOSAL, GenerateChunk, ProposalRequest, SpeculateRequest
+from ..wire import MAX_PROPOSAL, GenerateChunk, ProposalRequest, SpeculateRequest
 from .remote_http import refused
 
 __all__ = ["ChunkReader", "DraftAhead", "ProposalSender", "speculate", "stream_ended"]

@@ -1,4 +1,9 @@
-"""The wire format between a device (RemoteTarget) and a verification server, version 1.
+"""What travels between a client and a verification server: the device protocol (version 1) and
+the OpenAI completion request the server also accepts. Clients (targets/remote.py,
+targets/openai_client.py) and the server (server/) both import this module; it imports no other
+part of the SDK.
+
+The device protocol (RemoteTarget and `omnidraft serve`):
 
 A session is opened with the prompt's target ids; the server keeps the committed ids and the KV
 cache. Each verify request names the committed length it builds on. The server applies a request
@@ -20,13 +25,15 @@ from __future__ import annotations
 import math
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 __all__ = [
     "KEY_ENV",
+    "MAX_LOGPROBS",
     "ROUTE_HEADER",
     "MIN_TEMPERATURE",
     "VERSION",
+    "CompletionRequest",
     "ErrorReply",
     "GenerateChunk",
     "GenerateRequest",
@@ -34,6 +41,7 @@ __all__ = [
     "OpenReply",
     "OpenRequest",
     "PromptGenerateRequest",
+    "SamplingFields",
     "ProposalReply",
     "ProposalRequest",
     "SpeculateRequest",
@@ -211,3 +219,56 @@ class GenerateChunk(_Message):
 class ErrorReply(_Message):
     error: str
     committed: int | None = None  # a stale request's 409: the session's committed length
+
+
+# OpenAI's /v1/completions (server/completions.py, server/openai_api.py)
+
+MAX_LOGPROBS = 20
+
+
+class SamplingFields(BaseModel):
+    """What OpenAI's completion and chat requests share: the model name, sampling, stop, streaming.
+    An unknown field is refused, naming it; OpenAI fields this server does not implement are taken
+    at their neutral values only (a penalty of 0, no logit bias), and `user` is accepted. An empty
+    stop string is refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: str | None = None
+    user: str | None = None
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    logit_bias: None = None
+    stream_options: dict | None = None
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        """An empty stop string is refused (422): it would match before the first character and end
+        every reply at once. (`Pairing.generate` refuses it too.)"""
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError(
+                "stop strings must be non-empty: an empty one would end the reply before it starts"
+            )
+        return stop
+
+
+class CompletionRequest(SamplingFields):
+    """The subset of OpenAI's completion request this server implements."""
+
+    prompt: list[StrictInt] | str = Field(min_length=1)  # an empty prompt is a 400, never a 500
+    max_tokens: int = Field(16, ge=0, le=4096)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        """Alternatives per token the reply lists; None: no log-probabilities asked for."""
+        return self.logprobs
