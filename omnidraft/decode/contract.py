@@ -83,7 +83,10 @@ class Verdict:
 
 
 class Proposer(Protocol):
-    """Proposes a round's target ids; see the module docstring."""
+    """Proposes a round's target ids. One proposer serves every request of its pairing, and
+    requests may run at once (the server's sessions, an engine's steps): its calls are made with
+    no lock held, so what it shares across requests it guards itself; what `begin` returns is one
+    request's alone, and that request's calls come one at a time."""
 
     def begin(self, request: RequestState) -> Any:
         """A new request: the proposer's state for it (whatever `propose` and `settle` need)."""

@@ -64,13 +64,12 @@ class ModelDrafts:
         cache learns, and the next draft length is chosen (into the request)."""
         s, req, draft = self.s, state.request, rnd.draft
         held = (s.drafter.token_bytes.table[state.last] or b"") if draft.healed else b""  # the draft's start
-        keep, tail = s.translator.resync(draft.ids, held + s.target.token_bytes.join(verdict.new))
-        s.translator.learn(draft.ids[:keep] + tail, verdict.new, skip=len(held))
+        keep, tail = s.resync(draft.ids, held, verdict.new)
         state.drafts.commit(keep, tail)
         if s.model_drafts:
             retrieved = rnd.retrieved_among(verdict.accepted)
             modeled = len(rnd.proposal) - rnd.proposal.retrieved
-            req.k = s.lengths.next(
+            req.k = s.next_length(
                 req.k, req.stopper, len(draft.ids), modeled, verdict.accepted - retrieved, keep
             )
         state.last = (draft.ids[:keep] + tail or [state.last])[-1]
@@ -96,8 +95,7 @@ class ModelDrafts:
     def _round(self, state: ModelState, draft: Draft, only: str, limit: int) -> Round:
         s, drafted = self.s, time.perf_counter()
         skip = len(s.drafter.token_bytes.table[state.last] or b"") if draft.healed else 0
-        with s.lock:
-            proposal = s.translator.translate(draft.ids, only=only, skip=skip)
+        proposal = s.translate(draft.ids, only, skip)
         return Round(draft, proposal.cut(min(len(proposal), limit)), drafted=drafted)
 
     def _draft(self, state: ModelState, k: int, *, ahead: bool) -> Draft:
@@ -129,38 +127,26 @@ class RetrievedDrafts:
         self.s = speculator
 
     def begin(self, request: RequestState) -> ContextIndex | None:
-        s = self.s
-        if s.retriever is None or not s.free_drafts:
-            return None
-        with s.lock:  # begin() also moves the shared acceptance history
-            return s.retriever.begin(request.prompt_ids)
+        return self.s.begin_retrieval(request.prompt_ids)
 
     def propose(self, index: ContextIndex | None, budget: Budget) -> Round | None:
-        s = self.s
-        if index is None or s.retriever is None:
+        used = self.s.retrieve(index, budget.limit, budget.k > 0) if index is not None else None
+        if used is None:
             return None
-        with s.lock:
-            rates = s.policy.last_rates if s.policy else {}
-            used = s.retriever.plan(index, s.cost, rates, budget.limit, drafting=budget.k > 0)
-            if used is None:
-                return None
-            rnd = Round.copied(used.candidate.ids[: used.length])
+        rnd = Round.copied(used.candidate.ids[: used.length])
         rnd.used, rnd.drafted = used, time.perf_counter()  # no drafter forward
         return rnd
 
     def run_on(self, index: ContextIndex | None, rnd: Round, limit: int) -> Round:
         """`rnd` (a model draft) run on into a retrieved continuation, where its end matches one."""
-        if index is not None and self.s.retriever is not None:
-            with self.s.lock:
-                rnd.proposal, rnd.used = self.s.retriever.extend(index, rnd.proposal, limit)
+        if index is not None:
+            rnd.proposal, rnd.used = self.s.run_on(index, rnd.proposal, limit)
         return rnd
 
     def settle(self, index: ContextIndex | None, rnd: Round, verdict: Verdict) -> None:
         """The index reads the committed ids; the retrieval statistics see the round."""
         if index is not None:
-            index.commit(verdict.new)
-            if self.s.retriever is not None:
-                self.s.retriever.observe(rnd.used, len(rnd.proposal), verdict.accepted)
+            self.s.commit_retrieval(index, verdict.new, rnd.used, len(rnd.proposal), verdict.accepted)
 
 
 class HybridDrafts:

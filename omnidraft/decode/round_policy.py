@@ -63,16 +63,15 @@ class RoundPolicy:
     ) -> None:
         """What the round says about deferring the drafter's read of the prompt (`seconds`: the
         round's time, None for the first, which also prefilled)."""
-        with self.s.lock:
-            req.read.settle(
-                plan.defer,
-                committed,
-                seconds,
-                len(rnd.draft.ids),
-                rnd.drafted - rnd.started,
-                self.s.cost.draft,
-                req.produced,
-            )
+        self.s.settle_read(
+            req.read,
+            plan.defer,
+            committed,
+            seconds,
+            len(rnd.draft.ids),
+            rnd.drafted - rnd.started,
+            req.produced,
+        )
 
     @staticmethod
     def observe(req: RequestState, rnd: Round, verify_s: float, verified: int) -> None:
@@ -88,8 +87,5 @@ class RoundPolicy:
         """A new round starts at `now`: the cost model observes the previous round's costs."""
         if req.pending is not None:
             drafted, t_draft, verified, t_verify, started = req.pending
-            with self.s.lock:
-                self.s.cost.observe(
-                    drafted, t_draft, verified, t_verify, (now - started) - t_draft - t_verify
-                )
+            self.s.observe_costs(drafted, t_draft, verified, t_verify, (now - started) - t_draft - t_verify)
             req.pending = None

@@ -47,9 +47,7 @@ class Speculation:
         prefills: bool = True,
     ) -> None:
         self.s, self.policy, self.proposer = s, RoundPolicy(s), s.proposer
-        with s.lock:  # begin_request also moves the shared acceptance history
-            k, stopper = s.lengths.begin_request()
-            ledger = s.floor.begin(s.cost.verify.get(1), len(drafter_ids))
+        k, stopper, ledger = s.begin_request(len(drafter_ids))
         deferral = s.retriever.deferral if s.retriever is not None and s.free_drafts else None
         read = deferral.begin(len(session.ids)) if deferral is not None else NO_READ
         self.request = RequestState(
@@ -108,8 +106,7 @@ class Speculation:
             raise RuntimeError("commit() before propose(): no proposal to settle")
         now = time.perf_counter() if now is None else now
         first = self.rounds == 0
-        with self.s.lock:
-            self.proposer.settle(self.state, rnd, Verdict(new, accepted))
+        self.proposer.settle(self.state, rnd, Verdict(new, accepted))
         seconds = None if first and self._prefills else now - rnd.started
         self.policy.settle_read(req, plan, rnd, len(new), seconds)
         req.produced += len(new)
@@ -120,8 +117,7 @@ class Speculation:
         if seconds is not None:  # (the first round also read the prompt: not booked)
             req.booking = Booking(len(new), rnd.started, len(rnd.proposal) > 0, bool(rnd.draft.ids))
         elif rnd.draft.ids:  # the drafter read the prompt, which the target alone never does
-            with self.s.lock:
-                self.s.floor.read_prompt(req.ledger, len(req.drafter_ids), rnd.drafted - rnd.started)
+            self.s.read_prompt(req.ledger, len(req.drafter_ids), rnd.drafted - rnd.started)
             req.ledger.unread = 0
         self.rounds += 1
         return rnd
@@ -135,8 +131,7 @@ class Speculation:
         """The target decoded `new` alone from `began` (perf_counter seconds): the proposer follows
         the committed text, and the floor measures the target's step from it."""
         req = self.request
-        with self.s.lock:
-            self.proposer.settle(self.state, Round.copied([]), Verdict(new, 0))
+        self.proposer.settle(self.state, Round.copied([]), Verdict(new, 0))
         req.produced += len(new)
         req.idle, req.pending = True, None
         req.booking = Booking(len(new), began, alone=True)
@@ -159,8 +154,7 @@ class Speculation:
     def close(self) -> None:
         """The request is over: its last round booked, its ledger handed to the pairing's floor."""
         self._book(time.perf_counter())
-        with self.s.lock:
-            self.s.floor.end(self.request.ledger)
+        self.s.end_request(self.request.ledger)
 
     def extend(self, k: int, limit: int) -> Round | None:
         """The last proposal with its model draft drafted `k` tokens further (at most `limit` target

@@ -2,7 +2,8 @@
 
 What it holds: the translator (direct map + n-gram cache), the drafting plan (which kinds of draft
 can pay here), the cost model, the draft-length policy or acceptance head, the retriever and the
-proposer, and `lock`, under which requests sharing them change them. A request's rounds are a
+proposer, shared by the pairing's requests, which change them only through its methods (each
+takes the speculator's own lock; no caller holds it). A request's rounds are a
 `Speculation` of it (speculation.py), driven by the round loop (round_loop.py) or an engine adapter
 (engine_rounds.py), as `mode` says (the pairing runs the one it names). What it is not: the user's
 facade (`Pairing`, pairing.py: generate, stream, chat, the profile and its saving), or a place
@@ -15,7 +16,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..adaptive.costs import CostModel
-from ..adaptive.floor import Floor
+from ..adaptive.floor import Floor, Ledger
 from ..adaptive.lengths import DraftLengths, plan_drafting
 from ..retrieve.retriever import Retriever
 from ..translate.ngram_cache import NgramCache
@@ -23,12 +24,15 @@ from ..translate.tables import pair_tables
 from ..translate.translator import Translator
 
 if TYPE_CHECKING:
-    from ..adaptive.acceptance_head import AcceptanceHead
+    from ..adaptive.acceptance_head import AcceptanceHead, Stopper
     from ..adaptive.policy import CostPolicy
     from ..distill.learner import Learner
     from ..draft.interface import PairedDrafter
+    from ..retrieve import ContextIndex
+    from ..retrieve.retriever import PromptRead, Used
     from ..store.profiles import PairingProfile
     from ..target import Rule, Target
+    from ..translate.translator import Proposal
     from .config import DecodeConfig
     from .contract import Proposer
     from .stats import GenerationStats, RoundRecord
@@ -91,7 +95,7 @@ class Speculator:
             label=f"{drafter.name} -> {target.name}",
         )
         self.learner: Learner | None = None  # the online distillation the rounds feed (learn=True)
-        self.lock = threading.RLock()  # the state requests share: costs, policies, caches, stats
+        self._lock = threading.RLock()  # the state requests share: costs, policies, caches, stats
         self.proposer: Proposer = proposer(self)
 
     def _translator(self, vmap: Any, user: str | None, profile: PairingProfile | None) -> Translator:
@@ -143,7 +147,7 @@ class Speculator:
         in_engine = greedy or (rule.mode == "match" and rule.seed is None)
         if in_engine and self.learner is None and can.drafts_in_engine:
             return "engine"
-        with self.lock:
+        with self._lock:
             return self.modes.choose() if self.modes is not None and greedy else "speculate"
 
     def why(self, mode: str, stats: GenerationStats) -> str:
@@ -164,7 +168,7 @@ class Speculator:
     ) -> dict[str, Any] | None:
         """A finished request's bookkeeping: the user's datastore, the mode chooser, the head.
         Returns the metrics row of a head update, if one ran."""
-        with self.lock:
+        with self._lock:
             if self.retriever is not None:
                 self.retriever.finish(out)
             if self.modes is not None and len(rounds) > 1:  # decode-phase rate: round 1 also prefills
@@ -175,3 +179,96 @@ class Speculator:
                     label=f"{self.drafter.name} -> {self.target.name}",
                 )
             return self.lengths.end_request(self.learner)
+
+    # What a request changes in the state its pairing's requests share, each under the lock.
+
+    def begin_request(self, drafter_tokens: int) -> tuple[int, Stopper | None, Ledger]:
+        """A request begins: its first draft length, its acceptance head's stopper (None: none) and
+        its ledger against the target alone (`drafter_tokens`: the prompt the drafter reads)."""
+        with self._lock:  # (the draft lengths' begin also moves the shared acceptance history)
+            k, stopper = self.lengths.begin_request()
+            return k, stopper, self.floor.begin(self.cost.verify.get(1), drafter_tokens)
+
+    def read_prompt(self, ledger: Ledger, tokens: int, seconds: float) -> None:
+        """The drafter read the request's prompt of `tokens` in `seconds` (the floor books it)."""
+        with self._lock:
+            self.floor.read_prompt(ledger, tokens, seconds)
+
+    def end_request(self, ledger: Ledger) -> None:
+        """A request is over: the floor takes its ledger."""
+        with self._lock:
+            self.floor.end(ledger)
+
+    def observe_costs(
+        self, drafted: int, t_draft: float, verified: int, t_verify: float, t_other: float
+    ) -> None:
+        """A round's costs, for the cost model (adaptive/costs.py)."""
+        with self._lock:
+            self.cost.observe(drafted, t_draft, verified, t_verify, t_other)
+
+    def settle_read(
+        self,
+        read: PromptRead,
+        deferred: bool,
+        committed: int,
+        seconds: float | None,
+        drafted: int,
+        t_draft: float,
+        produced: int,
+    ) -> None:
+        """What a round says about deferring the drafter's read of the prompt (retrieve/retriever.py)."""
+        with self._lock:
+            read.settle(deferred, committed, seconds, drafted, t_draft, self.cost.draft, produced)
+
+    def translate(self, draft: list[int], only: str, skip: int) -> Proposal:
+        """A drafter draft in the target's ids (translate/translator.py)."""
+        with self._lock:
+            return self.translator.translate(draft, only=only, skip=skip)
+
+    def resync(self, draft: list[int], held: bytes, new: list[int]) -> tuple[int, list[int]]:
+        """How many of `draft`'s tokens the drafter keeps and the drafter ids of the rest, after the
+        target committed `new` (`held`: the bytes of the drafter token the draft began by
+        replacing); the n-gram cache learns the pair."""
+        with self._lock:
+            keep, tail = self.translator.resync(draft, held + self.target.token_bytes.join(new))
+            self.translator.learn(draft[:keep] + tail, new, skip=len(held))
+            return keep, tail
+
+    def next_length(
+        self, k: int, stopper: Stopper | None, drafted: int, modeled: int, accepted: int, kept: int
+    ) -> int:
+        """The next model draft length after a round (adaptive/lengths.py)."""
+        with self._lock:
+            return self.lengths.next(k, stopper, drafted, modeled, accepted, kept)
+
+    def begin_retrieval(self, prompt_ids: list[int]) -> ContextIndex | None:
+        """A request's retrieval index (None: this pairing retrieves nothing at this target)."""
+        if self.retriever is None or not self.free_drafts:
+            return None
+        with self._lock:  # (begin also moves the shared acceptance history)
+            return self.retriever.begin(prompt_ids)
+
+    def retrieve(self, index: ContextIndex, limit: int, drafting: bool) -> Used | None:
+        """A retrieved continuation where the planner expects it to pay (None: none)."""
+        if self.retriever is None:
+            return None
+        with self._lock:
+            rates = self.policy.last_rates if self.policy else {}
+            return self.retriever.plan(index, self.cost, rates, limit, drafting=drafting)
+
+    def run_on(self, index: ContextIndex, proposal: Proposal, limit: int) -> tuple[Proposal, Used | None]:
+        """`proposal` run on into a retrieved continuation where its end matches one."""
+        if self.retriever is None:
+            return proposal, None
+        with self._lock:
+            return self.retriever.extend(index, proposal, limit)
+
+    def commit_retrieval(
+        self, index: ContextIndex, new: list[int], used: Used | None, proposed: int, accepted: int
+    ) -> None:
+        """The index reads the committed ids `new` (it walks the user's datastore, which a request's
+        end extends); the retrieval statistics see the round: `accepted` of `proposed`."""
+        with self._lock:
+            index.commit(new)
+            if self.retriever is not None:
+                self.retriever.observe(used, proposed, accepted)
