@@ -18,22 +18,19 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, overload
 import torch
 
 from .decode import engine_rounds, round_loop
+from .decode.chat import chat_stops, render_chat
 from .decode.config import K_START, RELAXED, DecodeConfig, warn_relaxed
+from .decode.generation import Generation, token_logprobs, verified
 from .decode.proposers import default_proposer
-from .decode.rounds import (
+from .decode.request import (
     MAX_NEW_TOKENS,
-    Call,
-    Generation,
-    chat_stops,
+    Request,
     check_after,
     check_logprobs,
     check_request,
     first_stop,
     from_generation_config,
     make_generator,
-    render_chat,
-    token_logprobs,
-    verified,
 )
 from .decode.speculator import Speculator, pair_fingerprint
 from .decode.stats import GenerationStats, RoundRecord
@@ -333,8 +330,8 @@ class Pairing:
             tts = learner.config.tts_every if learner is not None else 0
             try:
                 mode = self.speculator.mode(rule, logprobs)
-                call = Call(prompt, rule, max_new_tokens, generator, special, logprobs, *after)
-                for new, record in self._rounds(mode, call, rows):
+                request = Request(prompt, rule, max_new_tokens, generator, special, logprobs, *after)
+                for new, record in self._rounds(mode, request, rows):
                     rounds.append(record)
                     out += new
                     if learner is not None and len(rounds) % tts == 0:
@@ -373,14 +370,14 @@ class Pairing:
         self.last = result = Generation(text, out, stats, rounds, reason, per_token)
         done.append(result)
 
-    def _rounds(self, mode: str, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
+    def _rounds(self, mode: str, request: Request, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
         """A request's rounds in `mode` (`Speculator.mode`): each round's committed ids and its
         record; `rows` collects the target's top-k rows where a verify returns them."""
         if mode == "engine":
-            return engine_rounds.request_rounds(self.speculator, call, rows)
+            return engine_rounds.request_rounds(self.speculator, request, rows)
         if mode == "alone":
-            return round_loop.alone_rounds(self.speculator, call, rows)
-        return round_loop.request_rounds(self.speculator, call, rows)
+            return round_loop.alone_rounds(self.speculator, request, rows)
+        return round_loop.request_rounds(self.speculator, request, rows)
 
     @contextmanager
     def _serving(self) -> Iterator[Learner | None]:

@@ -94,7 +94,7 @@ def test_a_chat_answer_ends_where_the_template_ends_an_assistants_turn(
 ):
     """Any chat model: the turn's end ("<|im_end|>" here) stops a chat where no EOS token writes it,
     beside the caller's own stops; a template that writes none adds nothing."""
-    from omnidraft.decode.rounds import chat_stops, turn_end
+    from omnidraft.decode.chat import chat_stops, turn_end
 
     monkeypatch.setattr(tiny_target.tokenizer, "chat_template", CHATML, raising=False)
     assert turn_end(tiny_target.tokenizer) == "<|im_end|>"

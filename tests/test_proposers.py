@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnidraft.decode.contract import Budget, Round, Verdict
+from omnidraft.decode.contract import Budget, Outcome, Round
 from omnidraft.decode.engine_rounds import EngineRounds
 
 from .conftest import target_greedy
@@ -31,9 +31,9 @@ class PromptLookup:
                 return Round.copied(follow) if follow else None
         return None
 
-    def settle(self, request: Any, rnd: Round, verdict: Verdict) -> None:
+    def settle(self, request: Any, rnd: Round, outcome: Outcome) -> None:
         self.settled += 1
-        self.accepted += verdict.accepted
+        self.accepted += outcome.accepted
 
 
 def test_a_proposer_of_ones_own_is_driven_round_by_round_and_stays_lossless(tiny_drafter, tiny_target):

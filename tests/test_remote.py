@@ -86,7 +86,9 @@ def test_remote_verdicts_carry_topk_rows_for_learning(http, draft_tokenizer, tin
         user="alice",
         learn=True,
         adapter=AdapterConfig(rank=4, alpha=8),
-        train=TrainConfig(interval=1, lr=1e-2, cpu_share=0, background=False),  # it steps before generate returns
+        train=TrainConfig(
+            interval=1, lr=1e-2, cpu_share=0, background=False
+        ),  # it steps before generate returns
         store=ProfileStore(tmp_path),
     )
     out = pair.generate(PROMPTS[1], max_new_tokens=16)

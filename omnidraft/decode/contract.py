@@ -1,6 +1,7 @@
 """The contract between a request's speculation (speculation.py) and its proposer: the request's
 state a proposer reads (`RequestState`: its target session's committed ids are `session.ids`), the
-`Budget` a round is proposed within, the `Round` proposed, the target's `Verdict` on it, and the
+`Budget` a round is proposed within, the `Round` proposed, its `Outcome` (what the target committed;
+not the verify maths' `decode.verify.Verdict`, which a target session returns), and the
 `Proposer` and `Extendable` protocols. The built-in proposers are in proposers.py;
 docs/architecture.md has the recipe for one of your own.
 """
@@ -8,7 +9,7 @@ docs/architecture.md has the recipe for one of your own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -21,7 +22,16 @@ if TYPE_CHECKING:
     from ..adaptive.acceptance_head import Stopper
     from ..target import Rule, TargetSession
 
-__all__ = ["Booking", "Budget", "Extendable", "Proposer", "RequestState", "Round", "Verdict"]
+__all__ = [
+    "Booking",
+    "Budget",
+    "Extendable",
+    "Outcome",
+    "Proposer",
+    "RequestState",
+    "Round",
+    "accepted_prefix",
+]
 
 
 @dataclass
@@ -73,9 +83,16 @@ class Budget:
     ahead: bool = False
 
 
+def accepted_prefix(proposed: Sequence[int], committed: Sequence[int]) -> int:
+    """How many of the `proposed` ids were accepted, where a target committed `committed` after
+    the same context: the length of their common prefix (the engine's own token ends it)."""
+    n = min(len(proposed), len(committed))
+    return next((j for j in range(n) if proposed[j] != committed[j]), n)
+
+
 @dataclass(frozen=True)
-class Verdict:
-    """The target's answer to a round: `new`, the target ids it committed, of which the first
+class Outcome:
+    """A round's outcome: `new`, the target ids the target committed, of which the first
     `accepted` are proposed tokens (then the target's own token, unless the request ended)."""
 
     new: list[int]
@@ -97,8 +114,8 @@ class Proposer(Protocol):
         ids), or None: nothing worth proposing this round."""
         ...
 
-    def settle(self, state: Any, rnd: Round, verdict: Verdict) -> None:
-        """The target's verdict on `rnd`: learn from it, and follow the committed text."""
+    def settle(self, state: Any, rnd: Round, outcome: Outcome) -> None:
+        """The outcome of `rnd` (what the target committed): learn from it, and follow the committed text."""
         ...
 
 

@@ -15,13 +15,13 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, cast
 
 from ..target import Rule, SessionBase
-from .contract import Round
+from .contract import Round, accepted_prefix
 from .speculation import Speculation
 from .stats import RoundRecord, round_record
 
 if TYPE_CHECKING:
     from ..target import EngineSession
-    from .rounds import Call
+    from .request import Request
     from .speculator import Speculator
 
 __all__ = ["Committed", "EngineRounds", "request_rounds"]
@@ -94,7 +94,7 @@ class EngineRounds:
         rnd = spec.round
         if rnd is not None:  # the engine verified it since it went back: the verdict is in the ids
             new = ids[len(self._ids) :]
-            spec.commit(new, accepted_prefix(rnd, new), now - rnd.ready, now)
+            spec.commit(new, accepted_prefix(rnd.proposal.ids.tolist(), new), now - rnd.ready, now)
         self._ids = self._committed.ids = list(ids)
         rnd = spec.propose(max(1, remaining), limit=limit, k=k)
         assert rnd is not None  # with `limit`, an empty round rather than none
@@ -137,29 +137,24 @@ class EngineRounds:
         rnd = self.proposals.pop(context, None)
         if rnd is None:
             return round_record(None, context, tokens, 0, t_verify)
-        return round_record(rnd, context, tokens, accepted_prefix(rnd, tokens), t_verify)
+        return round_record(
+            rnd, context, tokens, accepted_prefix(rnd.proposal.ids.tolist(), tokens), t_verify
+        )
 
 
-def accepted_prefix(rnd: Round, new: list[int]) -> int:
-    """How many of `rnd`'s proposed ids the engine committed: the ids `new` agree with up to the
-    engine's own token."""
-    proposed = rnd.proposal.ids.tolist()
-    return next((j for j, t in enumerate(proposed) if j >= len(new) or new[j] != t), len(proposed))
-
-
-def request_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
+def request_rounds(s: Speculator, request: Request, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
     """One request, greedy or match-sampled, on a target whose engine verifies the pairing's drafts
     in its own step (`drafts_in_engine`: vLLM with omnidraft's proposer; a sampled request through
     vLLM's rejection sampler, which takes each proposal as one-hot); the same signature as
     round_loop.request_rounds (no rows: no log-probabilities here). One (ids, record) per engine
     step: the step's committed ids and the round that proposed them (a step without a proposal:
     the engine decoding alone)."""
-    rule, max_new_tokens = call.rule, call.max_new_tokens
-    if rule.mode not in ("greedy", "match") or call.logprobs:
+    rule, max_new_tokens = request.rule, request.max_new_tokens
+    if rule.mode not in ("greedy", "match") or request.logprobs:
         raise ValueError(
             "engine rounds serve greedy or match-sampled requests without log-probabilities only"
         )
-    prompt_ids, drafter_ids = call.target_ids(s.target), call.ids_for(s.drafter)
+    prompt_ids, drafter_ids = request.target_ids(s.target), request.ids_for(s.drafter)
     tsession = cast("EngineSession", s.target.begin(prompt_ids))  # (a target that drafts_in_engine)
     rounds = EngineRounds(s, keep=True)
     context, last = len(prompt_ids), time.perf_counter()

@@ -35,7 +35,7 @@ from .stats import RoundRecord, round_record
 
 if TYPE_CHECKING:
     from ..target import TargetSession
-    from .rounds import Call
+    from .request import Request
     from .speculator import Speculator
 
 __all__ = ["overlaps", "run"]
@@ -44,15 +44,15 @@ GREEDY = Rule()
 STEP = 1  # drafter tokens drafted between two looks at the verify in flight
 
 
-def overlaps(s: Speculator, call: Call, topk: int) -> bool:
-    """Whether `call` drafts beside its target's verifies: greedy, no rows asked of a verify, model
+def overlaps(s: Speculator, request: Request, topk: int) -> bool:
+    """Whether `request` drafts beside its target's verifies: greedy, no rows asked of a verify, model
     drafts that can pay, a target that verifies on its own threads and a drafter that drafts on
     the cores those leave (`DecodeConfig.overlap` turns it off)."""
     threads = s.target.capabilities.verifies_beside
     return (
         s.config.overlap
         and s.config.mode != RELAXED
-        and call.rule.mode == "greedy"
+        and request.rule.mode == "greedy"
         and topk == 0
         and s.model_drafts
         and threads > 0
@@ -61,15 +61,15 @@ def overlaps(s: Speculator, call: Call, topk: int) -> bool:
     )
 
 
-def run(s: Speculator, call: Call) -> Iterator[tuple[list[int], RoundRecord]]:
+def run(s: Speculator, request: Request) -> Iterator[tuple[list[int], RoundRecord]]:
     """One greedy request's rounds with the drafter drafting beside the target's verifies: one
     (committed ids, record) per verify, as round_loop.request_rounds yields them."""
-    tsession = s.target.begin(call.target_ids(s.target))
+    tsession = s.target.begin(request.target_ids(s.target))
     worker = ThreadPoolExecutor(1, thread_name_prefix="omnidraft-verify")
     s.drafter.use_threads(max(1, cpu_threads() - s.target.capabilities.verifies_beside))
     rounds = EngineRounds(s, prefills=True)
     try:
-        yield from _rounds(s, rounds, tsession, worker, call)
+        yield from _rounds(s, rounds, tsession, worker, request)
     finally:
         if rounds.spec is not None:
             rounds.spec.close()
@@ -79,18 +79,18 @@ def run(s: Speculator, call: Call) -> Iterator[tuple[list[int], RoundRecord]]:
 
 
 def _rounds(
-    s: Speculator, rounds: EngineRounds, tsession: TargetSession, worker: ThreadPoolExecutor, call: Call
+    s: Speculator, rounds: EngineRounds, tsession: TargetSession, worker: ThreadPoolExecutor, request: Request
 ) -> Iterator[tuple[list[int], RoundRecord]]:
     ids = list(tsession.ids)  # (the worker appends to the session's own)
     eos, prompt = s.target.eos_ids, len(ids)
     # the prompt's prefill and first token on the worker; the drafter reads its prompt meanwhile
     began = time.perf_counter()
     pending = worker.submit(_verify, tsession, [])
-    rounds.open(ids, call.ids_for(s.drafter))
+    rounds.open(ids, request.ids_for(s.drafter))
     assert rounds.spec is not None
     spec = rounds.spec
     spec.request.may_decode = s.target.capabilities.decodes_alone
-    proposal, at, context = _propose(rounds, ids, call.max_new_tokens), prompt, prompt
+    proposal, at, context = _propose(rounds, ids, request.max_new_tokens), prompt, prompt
     sent: list[int] = []
     first = True
     while True:
@@ -100,7 +100,7 @@ def _rounds(
             rnd.started = min(rnd.drafted, max(rnd.started, done))
         new = through_eos(tsession.ids[context:], eos)
         yield new, _record(context, len(sent), accepted, new, done - began)
-        remaining = call.max_new_tokens - (len(tsession.ids) - prompt)
+        remaining = request.max_new_tokens - (len(tsession.ids) - prompt)
         if not new or new[-1] in eos or remaining <= 0:
             return
         context, first = len(tsession.ids), False

@@ -4,7 +4,7 @@ vLLM's proposers are for one vocabulary).
 A proposer answers three calls, made by a request's `Speculation` (speculation.py), under the
 contract in contract.py: `begin(request)` gives the request the proposer's own state,
 `propose(state, budget)` proposes up to `budget.limit` target ids after the committed text (a
-`Round`, or None for nothing worth proposing), and `settle(state, rnd, verdict)` learns what the
+`Round`, or None for nothing worth proposing), and `settle(state, rnd, outcome)` learns what the
 target committed. The pairing's `RoundPolicy` only sizes each budget.
 
 - `ModelDrafts`: the drafter model drafts up to k tokens, translated into the target's ids;
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..draft.picking import NO_DRAFT, Adaptable, Draft
-from .contract import Budget, RequestState, Round, Verdict
+from .contract import Budget, Outcome, RequestState, Round
 
 if TYPE_CHECKING:
     from ..draft.session import DraftSession
@@ -59,18 +59,18 @@ class ModelDrafts:
         draft = NO_DRAFT if budget.k == 0 else self._draft(state, budget.k, ahead=budget.ahead)
         return self._round(state, draft, budget.only, budget.limit)
 
-    def settle(self, state: ModelState, rnd: Round, verdict: Verdict) -> None:
+    def settle(self, state: ModelState, rnd: Round, outcome: Outcome) -> None:
         """The drafter keeps what matches the committed text and re-encodes the rest, the n-gram
         cache learns, and the next draft length is chosen (into the request)."""
         s, req, draft = self.s, state.request, rnd.draft
         held = (s.drafter.token_bytes.table[state.last] or b"") if draft.healed else b""  # the draft's start
-        keep, tail = s.resync(draft.ids, held, verdict.new)
+        keep, tail = s.resync(draft.ids, held, outcome.new)
         state.drafts.commit(keep, tail)
         if s.model_drafts:
-            retrieved = rnd.retrieved_among(verdict.accepted)
+            retrieved = rnd.retrieved_among(outcome.accepted)
             modeled = len(rnd.proposal) - rnd.proposal.retrieved
             req.k = s.next_length(
-                req.k, req.stopper, len(draft.ids), modeled, verdict.accepted - retrieved, keep
+                req.k, req.stopper, len(draft.ids), modeled, outcome.accepted - retrieved, keep
             )
         state.last = (draft.ids[:keep] + tail or [state.last])[-1]
 
@@ -143,10 +143,10 @@ class RetrievedDrafts:
             rnd.proposal, rnd.used = self.s.run_on(index, rnd.proposal, limit)
         return rnd
 
-    def settle(self, index: ContextIndex | None, rnd: Round, verdict: Verdict) -> None:
+    def settle(self, index: ContextIndex | None, rnd: Round, outcome: Outcome) -> None:
         """The index reads the committed ids; the retrieval statistics see the round."""
         if index is not None:
-            self.s.commit_retrieval(index, verdict.new, rnd.used, len(rnd.proposal), verdict.accepted)
+            self.s.commit_retrieval(index, outcome.new, rnd.used, len(rnd.proposal), outcome.accepted)
 
 
 class HybridDrafts:
@@ -170,11 +170,11 @@ class HybridDrafts:
                 rnd = retrieved.run_on(index, rnd, budget.limit)
         return rnd
 
-    def settle(self, state: tuple[ModelState, Any], rnd: Round, verdict: Verdict) -> None:
+    def settle(self, state: tuple[ModelState, Any], rnd: Round, outcome: Outcome) -> None:
         model, index = state
-        self.model.settle(model, rnd, verdict)
+        self.model.settle(model, rnd, outcome)
         if self.retrieved is not None:
-            self.retrieved.settle(index, rnd, verdict)
+            self.retrieved.settle(index, rnd, outcome)
 
     def extend(self, state: tuple[ModelState, Any], rnd: Round, k: int, limit: int) -> Round | None:
         return self.model.extend(state[0], rnd, k, limit)

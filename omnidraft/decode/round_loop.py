@@ -17,7 +17,7 @@ from .stats import RoundRecord, round_record
 
 if TYPE_CHECKING:
     from ..target import DecodingSession
-    from .rounds import Call
+    from .request import Request
     from .speculator import Speculator
 
 __all__ = ["alone_rounds", "request_rounds", "run"]
@@ -63,30 +63,32 @@ def run(
             return
 
 
-def request_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
+def request_rounds(s: Speculator, request: Request, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
     """One request's rounds from its prompt: the target session opened (and closed after), then
     `run`. `rows` collects the target's top-k rows of every round, as wide as distillation or
-    `call.logprobs` (the caller's per-token log-probabilities) needs. Where the target verifies on
+    `request.logprobs` (the caller's per-token log-probabilities) needs. Where the target verifies on
     threads of its own, a greedy request drafts beside its verifies instead (overlap.py)."""
-    topk = max(s.learner.config.topk if s.learner is not None else 0, call.logprobs)
-    if overlap.overlaps(s, call, topk):
-        yield from overlap.run(s, call)
+    topk = max(s.learner.config.topk if s.learner is not None else 0, request.logprobs)
+    if overlap.overlaps(s, request, topk):
+        yield from overlap.run(s, request)
         return
-    tsession = s.target.begin(call.target_ids(s.target))
+    tsession = s.target.begin(request.target_ids(s.target))
     try:
-        spec = Speculation(s, tsession, tsession.ids, call.ids_for(s.drafter), call.rule, call.generator)
+        spec = Speculation(
+            s, tsession, tsession.ids, request.ids_for(s.drafter), request.rule, request.generator
+        )
         try:
-            yield from run(s, spec, call.max_new_tokens, topk, rows)
+            yield from run(s, spec, request.max_new_tokens, topk, rows)
         finally:
             spec.close()
     finally:
         tsession.close()  # a remote session frees its server-side KV cache now
 
 
-def alone_rounds(s: Speculator, call: Call, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
+def alone_rounds(s: Speculator, request: Request, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
     """One request the target decodes whole on its side (greedy): no draft at all."""
-    tsession = s.target.begin(call.target_ids(s.target))
+    tsession = s.target.begin(request.target_ids(s.target))
     try:
-        yield from decode_alone(cast("DecodingSession", tsession), call.max_new_tokens)  # (decodes_alone)
+        yield from decode_alone(cast("DecodingSession", tsession), request.max_new_tokens)  # (decodes_alone)
     finally:
         tsession.close()

@@ -12,13 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .rounds import within_budget
-
 if TYPE_CHECKING:
+    from ..target import TargetSession
     from .contract import RequestState, Round
     from .speculator import Speculator
 
-__all__ = ["RoundPlan", "RoundPolicy"]
+__all__ = ["RoundPlan", "RoundPolicy", "within_budget"]
 
 
 @dataclass(frozen=True)
@@ -89,3 +88,10 @@ class RoundPolicy:
             drafted, t_draft, verified, t_verify, started = req.pending
             self.s.observe_costs(drafted, t_draft, verified, t_verify, (now - started) - t_draft - t_verify)
             req.pending = None
+
+
+def within_budget(tsession: TargetSession, limit: int, k: int) -> tuple[int, int]:
+    """(limit, k) for this round's proposal, each capped by the draft budget the target session's
+    server gave in its last reply (server/budget.py: a server under load takes fewer draft tokens)."""
+    cap = tsession.budget
+    return (limit, k) if cap is None else (min(limit, cap), min(k, cap))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..retrieve.retriever import NO_READ
-from .contract import Booking, Budget, Extendable, RequestState, Round, Verdict
+from .contract import Booking, Budget, Extendable, Outcome, RequestState, Round
 from .round_policy import RoundPlan, RoundPolicy
 from .rounds import draft_rows
 
@@ -106,7 +106,7 @@ class Speculation:
             raise RuntimeError("commit() before propose(): no proposal to settle")
         now = time.perf_counter() if now is None else now
         first = self.rounds == 0
-        self.proposer.settle(self.state, rnd, Verdict(new, accepted))
+        self.proposer.settle(self.state, rnd, Outcome(new, accepted))
         seconds = None if first and self._prefills else now - rnd.started
         self.policy.settle_read(req, plan, rnd, len(new), seconds)
         req.produced += len(new)
@@ -131,7 +131,7 @@ class Speculation:
         """The target decoded `new` alone from `began` (perf_counter seconds): the proposer follows
         the committed text, and the floor measures the target's step from it."""
         req = self.request
-        self.proposer.settle(self.state, Round.copied([]), Verdict(new, 0))
+        self.proposer.settle(self.state, Round.copied([]), Outcome(new, 0))
         req.produced += len(new)
         req.idle, req.pending = True, None
         req.booking = Booking(len(new), began, alone=True)

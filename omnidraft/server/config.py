@@ -1,7 +1,7 @@
 """What a verification server is configured with (`ServerConfig`: keys, quotas, limits), how it
 refuses a request (`HTTPError`: the status and the reason its reply carries), and what a
 request's fields ask for, checked: the rule of its sampling fields (`sampling_rule`), its token
-ids (`check_ids`) and its draft rows as a distribution (`draft_rows`)."""
+ids (`check_ids`) and its draft rows as a distribution (`dense_draft_rows`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ __all__ = [
     "ServerConfig",
     "check_ids",
     "checked_rule",
-    "draft_rows",
+    "dense_draft_rows",
     "sampling_rule",
     "verify_rule",
 ]
@@ -155,7 +155,7 @@ def check_ids(ids: Any, vocab: int, what: str) -> None:
         raise HTTPError(422, f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
 
-def draft_rows(request: Any, vocab: int) -> torch.Tensor:
+def dense_draft_rows(request: Any, vocab: int) -> torch.Tensor:
     """(K, Vt) float: a verify's sparse draft rows q, one per proposed token, each made a
     distribution (whatever it summed to); 422 where rows are missing or name foreign ids."""
     if request.q is None or len(request.q) != len(request.proposal):

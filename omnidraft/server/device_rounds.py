@@ -17,6 +17,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
+from ..decode.contract import accepted_prefix
 from ..target import Rule
 from ..wire import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
 from .budget import DraftBudget, DraftGate
@@ -145,8 +146,7 @@ class DeviceRounds:
         if self._given is None:
             return
         at, draft = self._given
-        accepted = next((i for i, (a, b) in enumerate(zip(draft, ids[at:])) if a != b), None)
-        accepted = min(len(draft), len(ids) - at) if accepted is None else accepted
+        accepted = accepted_prefix(draft, ids[at:])
         self.observe(len(draft), accepted)
         if self._looked:
             self.lookup.observe(len(draft), accepted)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..decode.rounds import TokenLogprob
+from ..decode.generation import TokenLogprob
 from ..wire import CompletionRequest, SamplingFields
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def models_reply(name: str) -> dict[str, Any]:
 def chat_prompt(tokenizer: Any, request: ChatRequest, name: str) -> list[int]:
     """The conversation through the target's chat template, as token ids (its special tokens once);
     a ValueError names a target without a template."""
-    from ..decode.rounds import render_chat
+    from ..decode.chat import render_chat
 
     text = render_chat(tokenizer, [{"role": m.role, "content": m.content} for m in request.messages], name)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, cast
 
 import torch
 
-from ..decode.rounds import TokenLogprob, token_logprobs
+from ..decode.generation import TokenLogprob, token_logprobs
 from ..target import BatchingTarget, ChunkedSession, Rule, StreamingSession, Target, check_target
 from ..wire import (
     MAX_PROPOSAL,
@@ -32,7 +32,7 @@ from ..wire import (
     VerifyRequest,
 )
 from .budget import DraftBudget, DraftGate
-from .config import HTTPError, ServerConfig, check_ids, draft_rows, sampling_rule, shown, verify_rule
+from .config import HTTPError, ServerConfig, check_ids, dense_draft_rows, sampling_rule, shown, verify_rule
 from .device_rounds import SpeculateRoutes
 from .metrics import Metrics
 from .sessions import FairLock, Session, ended, release_session, serving
@@ -158,7 +158,11 @@ class Service(TextRoutes, SpeculateRoutes):
         self._check_context(committed + len(proposal) + 1, "the session")
         with self.table_lock:
             self._reserve(len(proposal) + 1, session.key)
-        q = draft_rows(request, self.vocab) if rule.mode in ("exact", "omnidraft") and proposal else None
+        q = (
+            dense_draft_rows(request, self.vocab)
+            if rule.mode in ("exact", "omnidraft") and proposal
+            else None
+        )
         generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         started = time.perf_counter()
         try:

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Iterator, Protocol
 
 from ..adaptive.policy import ema
+from ..decode.contract import accepted_prefix
 from ..errors import RemoteRequestError, StreamCutError, TargetError, TargetUnavailableError
 from ..wire import MAX_PROPOSAL, GenerateChunk, ProposalRequest, SpeculateRequest
 from .remote_http import refused
@@ -56,7 +57,7 @@ class DraftAhead:
     def _remainder(self, ids: list[int]) -> list[int] | None:
         """What of the proposal is left after `ids`, None where `ids` left it."""
         done = len(ids) - self.at
-        if not self.proposal or done < 0 or ids[self.at :] != self.proposal[:done]:
+        if not self.proposal or done < 0 or accepted_prefix(self.proposal, ids[self.at :]) < done:
             return None
         return self.proposal[done:]
 
