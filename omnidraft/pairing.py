@@ -1,7 +1,7 @@
 """A drafter paired with a target, as the user holds it: the request API (`generate`, `stream`,
 `chat`: streaming, EOS, stop strings, `max_new_tokens`), the user's profile (adapter, learning,
 metrics) and its saving. The speculation machinery it drives is a `Speculator`
-(decode/speculator.py), with its own lock; the rounds are round_loop.py and engine_rounds.py, the
+(decode/speculator.py), with its own lock; the rounds are round_loop.py and engine_proposals.py, the
 acceptance maths verify.py, the vocabulary work translate/.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, overload
 
 import torch
 
-from .decode import engine_rounds, round_loop
+from .decode import engine_proposals, round_loop
 from .decode.chat import chat_stops, render_chat
 from .decode.config import K_START, RELAXED, DecodeConfig, warn_relaxed
 from .decode.generation import Generation, token_logprobs, verified
@@ -374,7 +374,7 @@ class Pairing:
         """A request's rounds in `mode` (`Speculator.mode`): each round's committed ids and its
         record; `rows` collects the target's top-k rows where a verify returns them."""
         if mode == "engine":
-            return engine_rounds.request_rounds(self.speculator, request, rows)
+            return engine_proposals.request_rounds(self.speculator, request, rows)
         if mode == "alone":
             return round_loop.alone_rounds(self.speculator, request, rows)
         return round_loop.request_rounds(self.speculator, request, rows)

@@ -31,7 +31,7 @@ __all__ = [
     "DecodingSession",
     "EngineSession",
     "EngineStream",
-    "Rounds",
+    "ProposalSource",
     "Rule",
     "ScoringSession",
     "SessionBase",
@@ -256,9 +256,9 @@ class DecodingSession(TargetSession, Protocol):
         ...
 
 
-class Rounds(Protocol):
+class ProposalSource(Protocol):
     """Where an engine's own step takes a sequence's drafts (`EngineSession.steps`): a pairing's
-    `EngineRounds`, a server's `DeviceRounds` (a device's proposals), or anything with these."""
+    `EngineProposals`, a server's `DeviceProposals` (a device's proposals), or anything with these."""
 
     def open(self, ids: list[int], drafter_ids: list[int] | None = None) -> None:
         """A new sequence over the committed `ids` (`drafter_ids`: its text in the drafter's ids)."""
@@ -274,13 +274,13 @@ class Rounds(Protocol):
 
 class EngineSession(TargetSession, Protocol):
     """A session of a target with `capabilities.drafts_in_engine`: `steps` runs one request in the
-    engine's own loop, its drafts taken from `rounds` and verified in the engine's step, yielding
+    engine's own loop, its drafts taken from `source` and verified in the engine's step, yielding
     the ids each step committed; greedy, or sampled under a `match` `rule`."""
 
     def steps(
         self,
         max_tokens: int,
-        rounds: Rounds | None = None,
+        source: ProposalSource | None = None,
         drafter_ids: list[int] | None = None,
         *,
         eos: bool = True,
@@ -309,7 +309,7 @@ class StreamingSession(EngineSession, Protocol):
     def start(
         self,
         max_tokens: int,
-        rounds: Rounds | None = None,
+        source: ProposalSource | None = None,
         drafter_ids: list[int] | None = None,
         *,
         eos: bool = True,

@@ -17,7 +17,7 @@ streams one `GenerateChunk` per line (NDJSON) as the tokens are committed. A `Pr
 does the same for a whole completion without a session (one exchange, as a plain server would).
 On an engine that verifies drafts inside its own step (vLLM), a `SpeculateRequest` streams the
 rest of a session's completion the same way while the device posts `ProposalRequest`s: the
-engine verifies the newest one that continues the committed text (server/device_rounds.py).
+engine verifies the newest one that continues the committed text (server/device_proposals.py).
 """
 
 from __future__ import annotations

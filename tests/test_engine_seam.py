@@ -1,7 +1,7 @@
-"""The engine-step seam (target.py: `EngineSession`, `StreamingSession`, `EngineStream`, `Rounds`)
+"""The engine-step seam (target.py: `EngineSession`, `StreamingSession`, `EngineStream`, `ProposalSource`)
 is all a second in-engine target needs: `ToyEngine`, one class pair in this file, verifies each
-step's drafts in a loop of its own, and both a pairing's engine rounds (decode/engine_rounds.py)
-and a server's device path (server/device_rounds.py, through a RemoteTarget) run on it, their
+step's drafts in a loop of its own, and both a pairing's engine rounds (decode/engine_proposals.py)
+and a server's device path (server/device_proposals.py, through a RemoteTarget) run on it, their
 output the target's own greedy output."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from omnidraft.decode.verify import Verdict
 from omnidraft.target import (
     Capabilities,
     EngineStream,
-    Rounds,
+    ProposalSource,
     Rule,
     SessionBase,
     StreamingSession,
@@ -27,7 +27,7 @@ STEP_DRAFT = 4  # draft tokens one engine step verifies at most
 
 
 class ToyEngine(TargetBase):
-    """An in-engine target over a LocalTarget's model: each step asks `rounds` for a draft after
+    """An in-engine target over a LocalTarget's model: each step asks `source` for a draft after
     the committed ids and verifies it, all in the engine's loop (here, a thread or the caller's)."""
 
     capabilities = Capabilities(decodes_alone=True, batches_sessions=True, drafts_in_engine=True)
@@ -75,18 +75,18 @@ class ToySession(SessionBase):
         return verdict
 
     def _run(
-        self, max_tokens: int, rounds: Rounds | None, drafter_ids: list[int] | None, eos: bool
+        self, max_tokens: int, source: ProposalSource | None, drafter_ids: list[int] | None, eos: bool
     ) -> Iterator[list[int]]:
-        """The engine's loop: a draft from `rounds` a step, verified; the ids each step commits."""
+        """The engine's loop: a draft from `source` a step, verified; the ids each step commits."""
         inner, produced = self.owner.local.begin(list(self.ids)), 0
-        if rounds is not None:
-            rounds.open(list(inner.ids), drafter_ids)
+        if source is not None:
+            source.open(list(inner.ids), drafter_ids)
         try:
             while produced < max_tokens:
                 draft: list[int] = []
-                if rounds is not None:
-                    rounds.prepare(list(inner.ids))
-                    draft = rounds.next(list(inner.ids), STEP_DRAFT, max_tokens - produced)
+                if source is not None:
+                    source.prepare(list(inner.ids))
+                    draft = source.next(list(inner.ids), STEP_DRAFT, max_tokens - produced)
                 self.owner.proposed += len(draft)
                 before = len(inner.ids)
                 inner.verify(torch.tensor(draft, dtype=torch.long), Rule())
@@ -103,14 +103,14 @@ class ToySession(SessionBase):
     def steps(
         self,
         max_tokens: int,
-        rounds: Rounds | None = None,
+        source: ProposalSource | None = None,
         drafter_ids: list[int] | None = None,
         *,
         eos: bool = True,
         rule: Rule | None = None,
     ) -> Iterator[list[int]]:
         assert rule is None, "the toy engine decodes greedily"
-        for new in self._run(max_tokens, rounds, drafter_ids, eos):
+        for new in self._run(max_tokens, source, drafter_ids, eos):
             self.ids = self.ids + new
             yield new
 
@@ -121,14 +121,14 @@ class ToySession(SessionBase):
     def start(
         self,
         max_tokens: int,
-        rounds: Rounds | None = None,
+        source: ProposalSource | None = None,
         drafter_ids: list[int] | None = None,
         *,
         eos: bool = True,
         outputs: queue.Queue | None = None,
         rule: Rule | None = None,
     ) -> ToyStream:
-        return ToyStream(self, self._run(max_tokens, rounds, drafter_ids, eos), outputs or queue.Queue())
+        return ToyStream(self, self._run(max_tokens, source, drafter_ids, eos), outputs or queue.Queue())
 
     def close(self) -> None:
         self._inner.close()

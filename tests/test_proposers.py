@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from omnidraft.decode.contract import Budget, Outcome, Round
-from omnidraft.decode.engine_rounds import EngineRounds
+from omnidraft.decode.engine_proposals import EngineProposals
 
 from .conftest import target_greedy
 
@@ -60,7 +60,7 @@ def test_engine_rounds_record_each_step_by_the_proposal_made_at_its_context(tiny
     nothing was proposed; the verdict is inferred from the ids of the next call."""
     lookup = PromptLookup()
     pair = tiny_drafter.pair(tiny_target, k=4, proposer=lookup)
-    rounds = EngineRounds(pair.speculator, keep=True)
+    rounds = EngineProposals(pair.speculator, keep=True)
     ids = tiny_target.tokenizer(REPEATS)["input_ids"]
     rounds.open(ids)
     proposal = rounds.next(ids, limit=4, remaining=10)

@@ -525,8 +525,8 @@ def test_mode_chooser_probes_a_far_slower_mode_rarely():
         ModeChooser(probe_cost=0)
 
 
-def test_a_sampled_stream_without_rounds_is_refused_not_decoded_greedily():
-    """`steps(rule=sampled)` without rounds sent a session's generate, which decodes greedily: the
+def test_a_sampled_stream_without_a_proposal_source_is_refused_not_decoded_greedily():
+    """`steps(rule=sampled)` without a proposal source sent a session's generate, which decodes greedily: the
     rule was dropped. It is refused, naming why, before any request."""
     from omnidraft.target import Rule
     from omnidraft.targets.remote import _RemoteSession

@@ -14,13 +14,13 @@ import pytest
 
 from omnidraft.errors import RemoteRequestError
 from omnidraft.server.budget import RecentAcceptance
-from omnidraft.server.device_rounds import DeviceRounds
+from omnidraft.server.device_proposals import DeviceProposals
 from omnidraft.server.lookup import PromptLookup
 from omnidraft.targets.remote_stream import ChunkReader, DraftAhead, ProposalSender
 from omnidraft.wire import GenerateChunk
 
 
-class FakeRounds:
+class FakeProposals:
     """A drafter that always drafts the next integers: `next` starts a round after the ids,
     `extend` drafts on; `calls` records what was asked."""
 
@@ -47,8 +47,8 @@ class FakeRounds:
 
 
 def test_the_device_drafts_ahead_and_starts_over_only_where_the_server_left_the_draft():
-    rounds = FakeRounds()
-    ahead = DraftAhead(rounds, step=3)
+    source = FakeProposals()
+    ahead = DraftAhead(source, step=3)
     ids = [1, 2, 3]
     assert ahead.next_proposal(ids, budget=2, remaining=50) == [4, 5, 6]  # a new round: 3 tokens
     grown = []
@@ -57,18 +57,18 @@ def test_the_device_drafts_ahead_and_starts_over_only_where_the_server_left_the_
     assert grown[-1] == list(range(4, 4 + 3 * 2 + 2))  # drafted on to 3 budget + 2 past the committed ids
     # the server accepted 4, 5 and emitted 6: the proposal still continues, only what is left is sent
     more = ahead.next_proposal([1, 2, 3, 4, 5, 6], budget=2, remaining=47)
-    assert more is not None and more[0] == 7 and ("resume",) in rounds.calls
-    assert [c[0] for c in rounds.calls].count("next") == 1
+    assert more is not None and more[0] == 7 and ("resume",) in source.calls
+    assert [c[0] for c in source.calls].count("next") == 1
     # the server emitted 9 instead of 7: a new round after the committed ids
     assert ahead.next_proposal([1, 2, 3, 4, 5, 6, 9], budget=2, remaining=46) == [10, 11, 12]
-    assert rounds.calls[-1] == ("next", 7, 3)
+    assert source.calls[-1] == ("next", 7, 3)
     assert ahead.next_proposal([1, 2, 3, 4], budget=0, remaining=10) is None  # the server takes none
     assert ahead.next_proposal([1, 2, 3, 4], budget=4, remaining=1) is None  # nothing left to draft
 
 
 def test_a_draft_the_drafter_stopped_is_not_drafted_on_until_the_server_moves():
-    rounds = FakeRounds(stop_after=3)
-    ahead = DraftAhead(rounds, step=3)
+    source = FakeProposals(stop_after=3)
+    ahead = DraftAhead(source, step=3)
     assert ahead.next_proposal([1], budget=4, remaining=50) == [2, 3, 4]
     assert ahead.next_proposal([1], budget=4, remaining=50) is None  # stopped: wait for the server
 
@@ -154,11 +154,11 @@ def test_a_budget_driven_to_zero_is_measured_again():
 
 
 def test_a_proposal_for_text_not_yet_committed_is_refused():
-    rounds = DeviceRounds(3, 8, {0}, lambda: 4, lambda: 0.0)
+    source = DeviceProposals(3, 8, {0}, lambda: 4, lambda: 0.0)
     with pytest.raises(ValueError, match="at most the committed 3 tokens, got at=1000000000"):
-        rounds.offer(10**9, [5])
-    rounds.offer(3, [5, 6])
-    assert rounds.next([1, 2, 3], 8, 8) == [5, 6]
+        source.offer(10**9, [5])
+    source.offer(3, [5, 6])
+    assert source.next([1, 2, 3], 8, 8) == [5, 6]
 
 
 def _echo_server() -> tuple[int, threading.Event]:

@@ -1,6 +1,6 @@
 """omnidraft's proposer inside vLLM's speculative step (targets/vllm_proposer.py), without an
 engine: which batch row holds which announced request, rows of other requests, a failing drafter,
-and the engine rounds (engine_rounds.py) settling verdicts inferred from the committed ids."""
+and the engine rounds (engine_proposals.py) settling verdicts inferred from the committed ids."""
 
 from __future__ import annotations
 

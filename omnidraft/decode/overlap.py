@@ -7,7 +7,7 @@ cores, drafts on past the proposal as if all of it were accepted (the drafter's 
 standing for the target's own); when the target's tokens follow the proposal, the next verify is
 ready the moment this one ends, so a round costs max(draft, verify), not their sum.
 
-The request's `Speculation` is driven through `EngineRounds` (engine_rounds.py), as a device
+The request's `Speculation` is driven through `EngineProposals` (engine_proposals.py), as a device
 drafting for a server's engine drives it: a proposal stays one round while the committed ids
 follow it, verified a piece at a time, and is committed (and the drafter re-synced) where the
 target's tokens leave it; while the drafter drafts a new round the target decodes its next token,
@@ -29,7 +29,7 @@ import torch
 from ..llamacpp.loading import cpu_threads
 from ..target import Rule
 from .config import RELAXED
-from .engine_rounds import EngineRounds
+from .engine_proposals import EngineProposals
 from .rounds import through_eos
 from .stats import RoundRecord, round_record
 
@@ -67,30 +67,34 @@ def run(s: Speculator, request: Request) -> Iterator[tuple[list[int], RoundRecor
     tsession = s.target.begin(request.target_ids(s.target))
     worker = ThreadPoolExecutor(1, thread_name_prefix="omnidraft-verify")
     s.drafter.use_threads(max(1, cpu_threads() - s.target.capabilities.verifies_beside))
-    rounds = EngineRounds(s, prefills=True)
+    source = EngineProposals(s, prefills=True)
     try:
-        yield from _rounds(s, rounds, tsession, worker, request)
+        yield from _rounds(s, source, tsession, worker, request)
     finally:
-        if rounds.spec is not None:
-            rounds.spec.close()
+        if source.spec is not None:
+            source.spec.close()
         worker.shutdown(wait=True)
         s.drafter.use_threads(None)
         tsession.close()
 
 
 def _rounds(
-    s: Speculator, rounds: EngineRounds, tsession: TargetSession, worker: ThreadPoolExecutor, request: Request
+    s: Speculator,
+    source: EngineProposals,
+    tsession: TargetSession,
+    worker: ThreadPoolExecutor,
+    request: Request,
 ) -> Iterator[tuple[list[int], RoundRecord]]:
     ids = list(tsession.ids)  # (the worker appends to the session's own)
     eos, prompt = s.target.eos_ids, len(ids)
     # the prompt's prefill and first token on the worker; the drafter reads its prompt meanwhile
     began = time.perf_counter()
     pending = worker.submit(_verify, tsession, [])
-    rounds.open(ids, request.ids_for(s.drafter))
-    assert rounds.spec is not None
-    spec = rounds.spec
+    source.open(ids, request.ids_for(s.drafter))
+    assert source.spec is not None
+    spec = source.spec
     spec.request.may_decode = s.target.capabilities.decodes_alone
-    proposal, at, context = _propose(rounds, ids, request.max_new_tokens), prompt, prompt
+    proposal, at, context = _propose(source, ids, request.max_new_tokens), prompt, prompt
     sent: list[int] = []
     first = True
     while True:
@@ -109,14 +113,14 @@ def _rounds(
         if left is None:  # a new round: the target decodes its next token while the drafter drafts
             ids, sent = list(tsession.ids), []  # after the committed ones, its first token for that one
             pending = worker.submit(_verify, tsession, sent)
-            proposal, at = _propose(rounds, ids, remaining), context
+            proposal, at = _propose(source, ids, remaining), context
             want = 1 + max(1, spec.budget.k)
         else:
-            rounds.resume()  # the proposal's last token may have been uncertain: it is verified now
+            source.resume()  # the proposal's last token may have been uncertain: it is verified now
             sent = left[: min(len(left), max(1, spec.budget.k), remaining - 1)]
             pending = worker.submit(_verify, tsession, sent)
             want = context - at + len(sent) + 1 + max(1, spec.budget.k)
-        proposal = _draft_on(rounds, pending, proposal, want)
+        proposal = _draft_on(source, pending, proposal, want)
 
 
 def _verify(tsession: TargetSession, sent: list[int]) -> tuple[int, float]:
@@ -125,9 +129,9 @@ def _verify(tsession: TargetSession, sent: list[int]) -> tuple[int, float]:
     return verdict.accepted, time.perf_counter()
 
 
-def _propose(rounds: EngineRounds, ids: list[int], remaining: int) -> list[int]:
+def _propose(source: EngineProposals, ids: list[int], remaining: int) -> list[int]:
     """A new round's proposal after `ids` (committing the last round's verdict, read off them)."""
-    return rounds.next(list(ids), max(0, remaining - 1), remaining)
+    return source.next(list(ids), max(0, remaining - 1), remaining)
 
 
 def _left(proposal: list[int], at: int, ids: list[int]) -> list[int] | None:
@@ -140,13 +144,13 @@ def _left(proposal: list[int], at: int, ids: list[int]) -> list[int] | None:
 
 
 def _draft_on(
-    rounds: EngineRounds, pending: Future[tuple[int, float]], proposal: list[int], want: int
+    source: EngineProposals, pending: Future[tuple[int, float]], proposal: list[int], want: int
 ) -> list[int]:
     """While `pending` verifies, the drafter drafts `proposal` on, `STEP` tokens at a time, until
     the verify is done or the proposal holds `want` ids (the verify in flight, the target's token
     after it, for which the drafter's stands, and the next verify)."""
     while not pending.done() and len(proposal) < want:
-        longer = rounds.extend(STEP, want)
+        longer = source.extend(STEP, want)
         if longer is None:
             break
         proposal = longer

@@ -2,7 +2,7 @@
 
 A request's `Speculation` (speculation.py) proposes each round (its policy sizes it, its proposer
 fills it), the target session verifies, and the speculation commits the verdict. Engines
-that verify in their own step drive the same speculation through `EngineRounds` (engine_rounds.py).
+that verify in their own step drive the same speculation through `EngineProposals` (engine_proposals.py).
 """
 
 from __future__ import annotations

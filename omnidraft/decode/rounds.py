@@ -1,4 +1,4 @@
-"""What the round drivers (round_loop.py, overlap.py, engine_rounds.py) and the speculation share:
+"""What the round drivers (round_loop.py, overlap.py, engine_proposals.py) and the speculation share:
 the draft rows rejection sampling verifies against, the relaxed rule's keyword, a target decoding
 alone, and a round's ids cut at the end of generation."""
 

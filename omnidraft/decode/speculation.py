@@ -3,7 +3,7 @@
 `Speculation` is the one state machine of a request's rounds. The round loop (round_loop.run) drives
 it for targets verified call by call; engines that verify in their own step (vLLM's proposer,
 llama.cpp's draft-model hook, a device drafting for a server's engine) drive it through
-`EngineRounds` (engine_rounds.py), which infers each verdict from the committed ids. Each round the
+`EngineProposals` (engine_proposals.py), which infers each verdict from the committed ids. Each round the
 speculator's `RoundPolicy` (round_policy.py) sizes a budget, its proposer (proposers.py)
 proposes within it, and the verdict settles the proposer, the cost model and the draft lengths.
 """

@@ -5,7 +5,7 @@ can pay here), the cost model, the draft-length policy or acceptance head, the r
 proposer, shared by the pairing's requests, which change them only through its methods (each
 takes the speculator's own lock; no caller holds it). A request's rounds are a
 `Speculation` of it (speculation.py), driven by the round loop (round_loop.py) or an engine adapter
-(engine_rounds.py), as `mode` says (the pairing runs the one it names). What it is not: the user's
+(engine_proposals.py), as `mode` says (the pairing runs the one it names). What it is not: the user's
 facade (`Pairing`, pairing.py: generate, stream, chat, the profile and its saving), or a place
 that reads a profile's files (store/profiles.py).
 """

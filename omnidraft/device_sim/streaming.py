@@ -1,5 +1,5 @@
 """The streaming design simulated: devices drafting ahead for one server's batched engine across a
-network, event by event (targets/remote_stream.py and server/device_rounds.py are what it models).
+network, event by event (targets/remote_stream.py and server/device_proposals.py are what it models).
 
 The server steps back to back while any stream runs. At the start of a step each stream's row
 takes its newest proposal that has arrived and still continues the committed text, up to the

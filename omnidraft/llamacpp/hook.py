@@ -5,8 +5,8 @@
     llm = Llama(model_path=str(od.presets.gguf_path("qwen2.5-coder-1.5b")), draft_model=hook)
 
 `Llama.generate` calls its `draft_model` with every committed id (prompt, output, and the token
-it just sampled) and verifies what comes back itself. The hook's rounds are `EngineRounds`
-(engine_rounds.py, shared with vLLM's in-engine proposer): each call commits the last round's
+it just sampled) and verifies what comes back itself. The hook's proposals come from `EngineProposals`
+(engine_proposals.py, shared with vLLM's in-engine proposer): each call commits the last round's
 inferred verdict to the request's speculation and proposes again through the pairing's proposer:
 model drafts translated into the target's ids, retrieved continuations, or both (`drafts=`). A call
 whose ids do not extend the last call's starts a new request. Where the measured costs say drafting
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from llama_cpp.llama_speculative import LlamaDraftModel
 
-from ..decode.engine_rounds import EngineRounds
+from ..decode.engine_proposals import EngineProposals
 from .llama_target import LlamaCppTarget
 
 if TYPE_CHECKING:
@@ -44,24 +44,24 @@ class OmnidraftDraftModel(LlamaDraftModel):
         # exactly at the context's length (no draft where no batch is exact)
         self.engine = target.engine if isinstance(target, LlamaCppTarget) else None
         self.max_draft = max_draft
-        self.rounds = EngineRounds(self.pairing.speculator)
+        self.source = EngineProposals(self.pairing.speculator)
 
     @property
     def calls(self) -> int:
-        return self.rounds.calls
+        return self.source.calls
 
     @property
     def proposed(self) -> int:
-        return self.rounds.proposed
+        return self.source.proposed
 
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
         ids = [int(t) for t in input_ids]
-        if not self.rounds.extends(ids):
-            self.rounds.open(ids)
+        if not self.source.extends(ids):
+            self.source.open(ids)
         # llama.cpp verifies a draft in one call: at most what it evaluates exactly at this context
         limit = (
             self.max_draft
             if self.engine is None
             else min(self.max_draft, self.engine.rows_at(len(ids) - 1) - 1)
         )
-        return np.asarray(self.rounds.next(ids, limit, self.max_draft + 1), dtype=np.intc)
+        return np.asarray(self.source.next(ids, limit, self.max_draft + 1), dtype=np.intc)

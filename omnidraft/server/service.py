@@ -33,7 +33,7 @@ from ..wire import (
 )
 from .budget import DraftBudget, DraftGate
 from .config import HTTPError, ServerConfig, check_ids, dense_draft_rows, sampling_rule, shown, verify_rule
-from .device_rounds import SpeculateRoutes
+from .device_proposals import SpeculateRoutes
 from .metrics import Metrics
 from .sessions import FairLock, Session, ended, release_session, serving
 from .text_routes import TextRoutes

@@ -38,7 +38,7 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request of this session at a time
     verified: bool = False  # a session that never verifies expires after `fresh_ttl_s`, not `ttl_s`
     streaming: bool = False  # a generate stream is running: other requests are refused until it ends
-    rounds: Any = None  # a speculate stream's DeviceRounds, which takes the device's proposals
+    source: Any = None  # a speculate stream's DeviceProposals, which takes the device's proposals
     busy: int = 0  # requests being served now (a prefill, a verify): a session in use never expires
     cancelled: threading.Event = field(default_factory=threading.Event)  # deleted: its stream stops
 
@@ -51,8 +51,8 @@ class Session:
     def cancel(self) -> None:
         """The session was deleted: a stream it runs stops at its next token."""
         self.cancelled.set()
-        if self.rounds is not None:
-            self.rounds.cancel()
+        if self.source is not None:
+            self.source.cancel()
 
     @property
     def in_use(self) -> bool:

@@ -260,7 +260,7 @@ class _RemoteSession(SessionBase):
     def steps(
         self,
         max_tokens: int,
-        rounds: Any = None,
+        source: Any = None,
         drafter_ids: list[int] | None = None,
         *,
         eos: bool = True,
@@ -268,23 +268,23 @@ class _RemoteSession(SessionBase):
     ) -> Iterator[list[int]]:
         """Decode up to `max_tokens` more tokens (stopping after an EOS) in the server's engine
         loop, greedy or sampled under `rule` (a `match` rule), one list of committed ids per chunk;
-        with `rounds` (an `EngineRounds`) the device drafts ahead of the tokens it hears and posts
+        with `source` (an `EngineProposals`) the device drafts ahead of the tokens it hears and posts
         proposals, which the engine verifies in its own step (targets/remote_stream.py,
-        server/device_rounds.py). Needs a server that `drafts_in_engine`. A stream that breaks
+        server/device_proposals.py). Needs a server that `drafts_in_engine`. A stream that breaks
         starts again from the committed ids (`_resumed`)."""
         if not eos:
             raise ValueError("a server stream stops after an EOS; eos=False is not served")
-        if rounds is None and rule is not None and rule.mode != "greedy":
+        if source is None and rule is not None and rule.mode != "greedy":
             raise ValueError(
-                "a sampled stream without rounds is not served by a session's generate (greedy only): "
-                "pass rounds, or sample with pair.generate"
+                "a sampled stream without a proposal source is not served by generate (greedy only): "
+                "pass source, or sample with pair.generate"
             )
         sampling = {} if rule is None or rule.mode == "greedy" else _sampling_fields(rule)
         first = [drafter_ids]  # the drafter's encoding holds for the first stream only
 
         def stream(n: int) -> Iterator[list[int]]:
-            if rounds is not None:
-                yield from speculate(self, n, rounds, first.pop() if first else None, sampling)
+            if source is not None:
+                yield from speculate(self, n, source, first.pop() if first else None, sampling)
                 return
             path = f"/v1/sessions/{self._open()}/generate"
             for chunk in self._chunks(path, GenerateRequest(committed=len(self.ids), max_tokens=n)):

@@ -1,7 +1,7 @@
 """A device's side of a speculate stream, built for a network between device and server.
 
 The server streams committed tokens; the device drafts after them and posts proposals, which the
-server's engine verifies in its own step (server/device_rounds.py). Over a real round trip three things
+server's engine verifies in its own step (server/device_proposals.py). Over a real round trip three things
 keep the device's drafts useful:
 - the stream is read by a thread of its own (`ChunkReader`), so tokens are committed as they
   arrive and the device drafts once after the newest of them, never after each of a backlog;
@@ -37,8 +37,8 @@ class DraftAhead:
     """The device's proposal while it streams, drafted ahead of what it has heard.
 
     After the committed ids change in a way the proposal did not foresee (or at the start), a new
-    round drafts `step` tokens after them (`rounds.next`); while the committed ids keep following
-    the proposal, the same draft is drafted on, `step` tokens at a time (`rounds.extend`), until
+    round drafts `step` tokens after them (`source.next`); while the committed ids keep following
+    the proposal, the same draft is drafted on, `step` tokens at a time (`source.extend`), until
     it reaches 3 budget + 2 tokens past the committed ones: enough for the server's step in flight
     and the one after it to each accept a whole budget and emit one token, and for the step after
     those to find `budget` more (a round trip up to about two steps). So a proposal the server
@@ -46,10 +46,10 @@ class DraftAhead:
     verified, the next step's draft is at the server already. `next_proposal`
     says what to send now, or None when there is nothing new (then wait for the server)."""
 
-    def __init__(self, rounds: Any, step: int = 3) -> None:
+    def __init__(self, source: Any, step: int = 3) -> None:
         if step < 1:
             raise ValueError(f"draft step must be >= 1, got {step}")
-        self.rounds, self.step = rounds, step
+        self.source, self.step = source, step
         self.at = 0  # the committed length the proposal was drafted after
         self.proposal: list[int] = []
         self._heard = 0  # the committed length at the last call
@@ -71,15 +71,15 @@ class DraftAhead:
         heard, self._heard = self._heard, len(ids)
         if not left:  # a new round: the server's tokens left the proposal, or used it up
             first = min(self.step, ahead)
-            self.proposal = self.rounds.next(list(ids), ahead, remaining, k=first)
+            self.proposal = self.source.next(list(ids), ahead, remaining, k=first)
             self.at = len(ids)
             return list(self.proposal) or None
         if len(left) >= ahead:
             return None
         if len(ids) > heard:  # the server committed part of it since: draft on past an uncertain token
-            self.rounds.resume()
+            self.source.resume()
         done = len(ids) - self.at
-        longer = self.rounds.extend(self.step, done + ahead)
+        longer = self.source.extend(self.step, done + ahead)
         if longer is None or len(longer) <= len(self.proposal):
             return None
         self.proposal = longer
@@ -229,7 +229,7 @@ def stream_ended(chunk: GenerateChunk) -> None:
 def speculate(
     session: StreamedSession,
     max_tokens: int,
-    rounds: Any,
+    source: Any,
     drafter_ids: list[int] | None,
     sampling: dict[str, Any],
 ) -> Iterator[list[int]]:
@@ -240,7 +240,7 @@ def speculate(
     import httpx
 
     owner, sid, start = session.owner, session._open(), len(session.ids)
-    rounds.open(list(session.ids), drafter_ids)
+    source.open(list(session.ids), drafter_ids)
     path = f"/v1/sessions/{sid}/speculate"
     content = SpeculateRequest(committed=start, max_tokens=max_tokens, **sampling).model_dump_json()
     headers = session.headers()
@@ -257,7 +257,7 @@ def speculate(
         reader = ChunkReader(reply.iter_lines())
         stack.callback(reader.join, 5.0)
         stack.callback(reply.close)  # (callbacks run last first: the reader's read ends with it)
-        yield from _follow(session, reader, sender, DraftAhead(rounds), max_tokens, start)
+        yield from _follow(session, reader, sender, DraftAhead(source), max_tokens, start)
 
 
 def _follow(

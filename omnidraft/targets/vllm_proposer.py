@@ -8,7 +8,7 @@ sequences' decode tokens, and commits the accepted prefix and its own token: a v
 decode step with a few more tokens costs, not a request of its own.
 
 A pairing announces a request before submitting it (`expect`: its prompt ids and its
-`EngineRounds`, engine_rounds.py); the proposer finds each row's sequence by its ids (rows carry
+`EngineProposals`, engine_proposals.py); the proposer finds each row's sequence by its ids (rows carry
 no request id here), drafts for the announced ones and proposes nothing for every other request,
 which vLLM then simply decodes. A drafter that fails proposes nothing from then on: vLLM verifies
 whatever is proposed, so nothing a proposer does can change the output.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..target import Rounds
+    from ..target import ProposalSource
 
 __all__ = ["EngineProposer", "Sequence", "built_since", "proposer_config"]
 
@@ -57,10 +57,12 @@ def built_count() -> int:
 
 
 class Sequence:
-    """One announced request: its prompt ids, its rounds, how many tokens it may produce."""
+    """One announced request: its prompt ids, its proposal source, how many tokens it may produce."""
 
-    def __init__(self, prompt: list[int], rounds: Rounds, max_tokens: int, drafter_ids: list[int] | None):
-        self.prompt, self.rounds, self.max_tokens = list(prompt), rounds, max_tokens
+    def __init__(
+        self, prompt: list[int], source: ProposalSource, max_tokens: int, drafter_ids: list[int] | None
+    ):
+        self.prompt, self.source, self.max_tokens = list(prompt), source, max_tokens
         self.drafter_ids = drafter_ids
         self.known = np.asarray(self.prompt, dtype=np.int64)  # the ids this sequence last drafted after
         self.opened = self.failed = False
@@ -71,14 +73,14 @@ class Sequence:
         return n > m - (0 if self.opened else 1) and np.array_equal(row[:m], self.known)
 
     def prepare(self, ids: list[int]) -> None:
-        self.rounds.prepare(ids)
+        self.source.prepare(ids)
 
     def next(self, ids: list[int], limit: int) -> list[int]:
         if not self.opened:
-            self.rounds.open(self.prompt, self.drafter_ids)
+            self.source.open(self.prompt, self.drafter_ids)
             self.opened = True
         remaining = self.max_tokens - (len(ids) - len(self.prompt))
-        draft = self.rounds.next(ids, limit, remaining) if remaining > 1 else []
+        draft = self.source.next(ids, limit, remaining) if remaining > 1 else []
         self.known = np.asarray(ids, dtype=np.int64)
         return draft[: max(0, min(limit, remaining - 1))]
 
@@ -98,10 +100,10 @@ class EngineProposer:
             _built["latest"] = self
 
     def expect(
-        self, prompt: list[int], rounds: Rounds, max_tokens: int, drafter_ids: list[int] | None = None
+        self, prompt: list[int], source: ProposalSource, max_tokens: int, drafter_ids: list[int] | None = None
     ) -> Sequence:
-        """Announce a request about to be submitted: drafts for it come from `rounds`."""
-        seq = Sequence(prompt, rounds, max_tokens, drafter_ids)
+        """Announce a request about to be submitted: drafts for it come from `source`."""
+        seq = Sequence(prompt, source, max_tokens, drafter_ids)
         with self._lock:
             self._sequences.append(seq)
         return seq
@@ -157,7 +159,7 @@ class EngineProposer:
 
     @staticmethod
     def _guard(seq: Sequence, call: Any, *args: Any) -> Any:
-        """`call(*args)` unless the sequence's rounds failed before; a failure ends its drafts."""
+        """`call(*args)` unless the sequence's proposal source failed before; a failure ends its drafts."""
         if seq.failed:
             return None
         try:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Generator, Iterator, Protocol
 import torch
 
 from ..decode.verify import Verdict
-from ..target import Rounds, Rule, SessionBase, judge
+from ..target import ProposalSource, Rule, SessionBase, judge
 
 if TYPE_CHECKING:
     from .vllm_engine import EngineLoop, Handle
@@ -212,7 +212,7 @@ class VLLMSession(SessionBase):
     def steps(
         self,
         max_tokens: int,
-        rounds: Rounds | None = None,
+        source: ProposalSource | None = None,
         drafter_ids: list[int] | None = None,
         *,
         eos: bool = True,
@@ -220,13 +220,13 @@ class VLLMSession(SessionBase):
     ) -> Iterator[list[int]]:
         """Decode up to `max_tokens` tokens (stopping after an EOS), one list of committed ids per
         engine step: greedy, or sampled under `rule` (a `match` rule: temperature, top_k, top_p,
-        min_p, seed). With `rounds` (an `EngineRounds`) and an engine built with omnidraft's
-        proposer, the engine's speculative step verifies the drafts `rounds` proposes
+        min_p, seed). With `source` (an `EngineProposals`) and an engine built with omnidraft's
+        proposer, the engine's speculative step verifies the drafts `source` proposes
         (targets/vllm_proposer.py), so a step may commit several tokens; a sampled request is
         verified by vLLM's rejection sampler, which takes a proposal as one-hot (accepted with the
         target's probability of it, else a token drawn from the rest): the output follows the
         target's own distribution whatever is proposed."""
-        stream, done = self.start(max_tokens, rounds, drafter_ids, eos=eos, rule=rule), False
+        stream, done = self.start(max_tokens, source, drafter_ids, eos=eos, rule=rule), False
         try:
             for out in stream.handle.stream():
                 yield stream.take(out)
@@ -237,7 +237,7 @@ class VLLMSession(SessionBase):
     def start(
         self,
         max_tokens: int,
-        rounds: Rounds | None = None,
+        source: ProposalSource | None = None,
         drafter_ids: list[int] | None = None,
         *,
         eos: bool = True,
@@ -254,11 +254,11 @@ class VLLMSession(SessionBase):
             while self.prefill(4096) > 0:
                 pass
         self.started = True
-        proposer = self.owner.proposer if rounds is not None else None
+        proposer = self.owner.proposer if source is not None else None
         seq = (
             None
-            if proposer is None or rounds is None
-            else proposer.expect(self.ids, rounds, max_tokens, drafter_ids)
+            if proposer is None or source is None
+            else proposer.expect(self.ids, source, max_tokens, drafter_ids)
         )
         submit = self.owner.submit
         handle = submit(

@@ -1,4 +1,4 @@
-"""DeviceRounds, the server's side of a streaming device session, without an engine: what the
+"""DeviceProposals, the server's side of a streaming device session, without an engine: what the
 device is told, which of its proposals the engine takes, how long the engine waits for one, and
 the stream's check that the ids told early agree with the engine's output."""
 
@@ -9,13 +9,15 @@ import time
 
 import pytest
 
-from omnidraft.server.device_rounds import DeviceRounds, follow_engine
+from omnidraft.server.device_proposals import DeviceProposals, follow_engine
 
 PROMPT = [1, 2, 3]
 
 
-def rounds(budget: int = 4, wait: float = 0.0, max_tokens: int = 6, seen: list | None = None) -> DeviceRounds:
-    return DeviceRounds(
+def proposals(
+    budget: int = 4, wait: float = 0.0, max_tokens: int = 6, seen: list | None = None
+) -> DeviceProposals:
+    return DeviceProposals(
         len(PROMPT),
         max_tokens,
         {0},
@@ -26,20 +28,20 @@ def rounds(budget: int = 4, wait: float = 0.0, max_tokens: int = 6, seen: list |
 
 
 def test_the_device_hears_the_generated_ids_cut_after_an_eos_and_at_max_tokens():
-    r = rounds(max_tokens=4)
+    r = proposals(max_tokens=4)
     r.prepare(PROMPT + [7])
     r.prepare(PROMPT + [7])  # nothing new: nothing told
     r.prepare(PROMPT + [7, 8, 0, 9])  # an EOS: what follows it in the row is not the output
     told = [r.events.get_nowait() for _ in range(r.events.qsize())]
     assert told == [[7], [7, 8, 0]]
-    r = rounds(max_tokens=2)
+    r = proposals(max_tokens=2)
     r.prepare(PROMPT + [7, 8, 9])
     assert r.events.get_nowait() == [7, 8]
 
 
 def test_the_engine_takes_the_newest_proposal_that_continues_the_committed_ids():
     seen: list = []
-    r = rounds(budget=2, seen=seen)
+    r = proposals(budget=2, seen=seen)
     r.offer(3, [7, 8, 9])
     assert r.next(PROMPT, 8, 6) == [7, 8]  # cut to the budget
     assert r.next(PROMPT + [7], 8, 5) == [8, 9]  # the same proposal's tail, one token on
@@ -51,10 +53,10 @@ def test_the_engine_takes_the_newest_proposal_that_continues_the_committed_ids()
 
 
 def test_no_draft_when_the_budget_is_zero_and_no_wait_for_a_device_that_does_not_answer():
-    r = rounds(budget=0, wait=5.0)
+    r = proposals(budget=0, wait=5.0)
     r.offer(3, [7, 8])
     assert r.next(PROMPT, 8, 6) == []
-    r = rounds(wait=0.05)
+    r = proposals(wait=0.05)
     began = time.monotonic()
     assert r.next(PROMPT, 8, 6) == [] and r.next(PROMPT + [7], 8, 5) == []  # two misses
     assert r.next(PROMPT + [7, 8], 8, 4) == []  # not waited for after two misses
@@ -62,7 +64,7 @@ def test_no_draft_when_the_budget_is_zero_and_no_wait_for_a_device_that_does_not
 
 
 def test_the_engine_waits_for_the_devices_proposal_after_the_ids_it_was_told():
-    r = rounds(wait=5.0)
+    r = proposals(wait=5.0)
     threading.Timer(0.05, r.offer, (4, [8, 9])).start()
     began = time.monotonic()
     assert r.next(PROMPT + [7], 8, 5) == [8, 9]
@@ -81,7 +83,7 @@ class Output:
 
 
 class Session:
-    """A session whose engine outputs the given lists, telling `rounds` the ids first (as vLLM's
+    """A session whose engine outputs the given lists, telling `source` the ids first (as vLLM's
     proposer does) or, where `early` says, other ids."""
 
     def __init__(self, outputs: list[list[int]], early: list[list[int]] | None = None) -> None:
@@ -89,10 +91,10 @@ class Session:
         self.handle, self.ended = self, False
         self.error: BaseException | None = None
 
-    def start(self, max_tokens: int, rounds: DeviceRounds, *, outputs, rule=None):
+    def start(self, max_tokens: int, source: DeviceProposals, *, outputs, rule=None):
         generated: list[int] = []
         for i, tokens in enumerate(self.outputs):  # the whole run, queued at once
-            rounds.prepare(PROMPT + (self.early[i] if self.early else generated + tokens))
+            source.prepare(PROMPT + (self.early[i] if self.early else generated + tokens))
             generated += tokens
             outputs.put(Output(tokens))
         outputs.put(None)
@@ -107,16 +109,16 @@ class Session:
 
 def test_the_stream_yields_each_step_once_and_refuses_ids_the_engine_did_not_output():
     session = Session([[7], [8, 9], [0]])
-    assert list(follow_engine(session, rounds())) == [[7], [7, 8, 9], [7, 8, 9, 0]]
+    assert list(follow_engine(session, proposals())) == [[7], [7, 8, 9], [7, 8, 9, 0]]
     assert session.ended and not session.aborted
     bad = Session([[7], [8]], early=[[7], [7, 5]])
     with pytest.raises(RuntimeError, match="disagree"):
-        list(follow_engine(bad, rounds()))
+        list(follow_engine(bad, proposals()))
     assert bad.aborted  # the request is stopped, not left running
 
 
 def test_while_the_budget_takes_no_draft_the_stream_reads_the_engine_alone():
-    r = rounds(budget=0)
+    r = proposals(budget=0)
     session = Session([[7], [8, 9]], early=[[1], [1, 1]])  # told nothing: these never arrive
     assert list(follow_engine(session, r)) == [[7], [7, 8, 9]]
     assert not session.aborted

@@ -29,12 +29,12 @@ from .sessions import Session, ended
 if TYPE_CHECKING:
     from ..target import StreamingSession, Target
 
-__all__ = ["DeviceRounds", "SpeculateRoutes", "follow_engine"]
+__all__ = ["DeviceProposals", "SpeculateRoutes", "follow_engine"]
 
 CANCELLED = object()  # on a stream's events: its session was deleted
 
 
-class DeviceRounds:
+class DeviceProposals:
     """One streaming session's side of the engine's speculative step (see the module docstring).
 
     `start`: the prompt's length; `budget()`: the draft tokens the server takes now (0: none);
@@ -154,15 +154,15 @@ class DeviceRounds:
 
 
 def follow_engine(
-    session: StreamingSession, rounds: DeviceRounds, rule: Rule = Rule()
+    session: StreamingSession, source: DeviceProposals, rule: Rule = Rule()
 ) -> Iterator[list[int]]:
     """The generated ids of a streaming session as they become known: each yield is every id so far.
-    vLLM's outputs arrive on `rounds.events`, beside the ids the proposer tells `rounds` earlier
+    vLLM's outputs arrive on `source.events`, beside the ids the proposer tells `source` earlier
     (while the budget takes drafts), which must agree with them: one queue, read here, no thread of
     its own per session. Greedy, or sampled under `rule` (vLLM's rejection sampler verifies the
     proposals). Closing the iterator aborts the request."""
-    events = rounds.events
-    stream = session.start(rounds.max_tokens, rounds, outputs=events, rule=rule)
+    events = source.events
+    stream = session.start(source.max_tokens, source, outputs=events, rule=rule)
     final: list[int] = []
     sent: list[int] = []
     finished = False
@@ -177,8 +177,8 @@ def follow_engine(
                 ids = final
             if ids[: len(sent)] != sent[: len(ids)]:
                 raise RuntimeError("the proposer's ids disagree with the engine's output")
-            rounds.committed = max(
-                rounds.committed, rounds.start + len(ids)
+            source.committed = max(
+                source.committed, source.start + len(ids)
             )  # what the device may have heard
             if len(ids) > len(sent):
                 sent = list(ids)
@@ -221,32 +221,32 @@ class SpeculateRoutes:
         with session.lock:
             end = self._claim_stream(session, request.committed, request.max_tokens)
             start, limit, eos = request.committed, request.max_tokens, self.target.eos_ids
-            rounds = DeviceRounds(start, limit, eos, self._engine_budget, self._wait_s, self._observe)
-            session.rounds, session.verified = rounds, True
-        return ended(self._speculating(session, rounds, start, rule, end), end)
+            source = DeviceProposals(start, limit, eos, self._engine_budget, self._wait_s, self._observe)
+            session.source, session.verified = source, True
+        return ended(self._speculating(session, source, start, rule, end), end)
 
     def propose(self, sid: str, request: ProposalRequest, key: int = 0) -> ProposalReply:
         """A streaming session's newest proposal (the engine takes it at its next step if it still
         continues the committed text)."""
         session = self._session(sid, key)
-        rounds = session.rounds
-        if rounds is None:
+        source = session.source
+        if source is None:
             raise HTTPError(409, "the session is not streaming a speculate reply: open one first")
         self._check_ids(request.proposal, "proposal")
         try:
-            rounds.offer(request.at, list(request.proposal))
+            source.offer(request.at, list(request.proposal))
         except ValueError as exc:
             raise HTTPError(422, str(exc)) from exc
         return ProposalReply(budget=self._engine_budget())
 
     def _speculating(
-        self, session: Session, rounds: DeviceRounds, start: int, rule: Rule, end: Callable[[], None]
+        self, session: Session, source: DeviceProposals, start: int, rule: Rule, end: Callable[[], None]
     ) -> Iterator[bytes]:
         sent, done = 0, False
         try:
-            for ids in follow_engine(cast("StreamingSession", session.inner), rounds, rule):
+            for ids in follow_engine(cast("StreamingSession", session.inner), source, rule):
                 session.used = time.monotonic()
-                done = len(ids) >= rounds.max_tokens or ids[-1] in rounds.eos_ids
+                done = len(ids) >= source.max_tokens or ids[-1] in source.eos_ids
                 chunk = GenerateChunk(
                     tokens=ids[sent:], committed=start + len(ids), done=done, budget=self._engine_budget()
                 )
@@ -257,7 +257,7 @@ class SpeculateRoutes:
             if not done:  # the stream was cut (its session closed): its last chunk says so
                 yield GenerateChunk.cut(start + sent)
         finally:
-            session.rounds = None
+            session.source = None
             end()
 
     def _engine_budget(self) -> int:

@@ -3,7 +3,7 @@
 llama-cpp-python's `draft_model` hook (llamacpp/hook.py), vLLM's proposer inside its engine step
 (targets/vllm_proposer.py) and a device drafting for a server's engine (targets/remote_stream.py) call a
 proposer with the committed ids of one sequence and verify what comes back themselves.
-`EngineRounds` adapts that to the sequence's `Speculation` (speculation.py), the same state machine
+`EngineProposals` adapts that to the sequence's `Speculation` (speculation.py), the same state machine
 the round loop drives: each call infers the last round's verdict from the ids (the accepted prefix
 of its proposal, then the engine's token), commits it, and proposes again. Where the measured costs
 say drafting cannot pay, it proposes nothing and the engine decodes alone.
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .request import Request
     from .speculator import Speculator
 
-__all__ = ["Committed", "EngineRounds", "request_rounds"]
+__all__ = ["Committed", "EngineProposals", "request_rounds"]
 
 GREEDY = Rule()
 
@@ -42,7 +42,7 @@ class Committed(SessionBase):
         raise TypeError("an engine verifies these rounds in its own step: nothing verifies them here")
 
 
-class EngineRounds:
+class EngineProposals:
     """One sequence's rounds of `speculator` while an engine verifies them. With `keep`, each
     proposal is kept by the context it was made at, for whoever reads the engine's steps (`record`).
     `prefills`: the first round's verify also read the prompt, so it is not booked as a round
@@ -156,14 +156,14 @@ def request_rounds(s: Speculator, request: Request, rows: list) -> Iterator[tupl
         )
     prompt_ids, drafter_ids = request.target_ids(s.target), request.ids_for(s.drafter)
     tsession = cast("EngineSession", s.target.begin(prompt_ids))  # (a target that drafts_in_engine)
-    rounds = EngineRounds(s, keep=True)
+    source = EngineProposals(s, keep=True)
     context, last = len(prompt_ids), time.perf_counter()
     try:
         for tokens in tsession.steps(
-            max_new_tokens, rounds, drafter_ids, rule=None if rule.mode == "greedy" else rule
+            max_new_tokens, source, drafter_ids, rule=None if rule.mode == "greedy" else rule
         ):
             now = time.perf_counter()
-            yield tokens, rounds.record(context, tokens, now - last)
+            yield tokens, source.record(context, tokens, now - last)
             context, last = context + len(tokens), now
     finally:
         tsession.close()
