@@ -329,9 +329,9 @@ class Pairing:
         with self._serving() as learner:
             tts = learner.config.tts_every if learner is not None else 0
             try:
-                mode = self.speculator.mode(rule, logprobs)
+                served = self.speculator.serving(rule, logprobs)
                 request = Request(prompt, rule, max_new_tokens, generator, special, logprobs, *after)
-                for new, record in self._rounds(mode, request, rows):
+                for new, record in self._rounds(served, request, rows):
                     rounds.append(record)
                     out += new
                     if learner is not None and len(rounds) % tts == 0:
@@ -346,7 +346,7 @@ class Pairing:
                         yield text[shown : len(text) - hold]
                         shown = len(text) - hold
             except TargetError as exc:  # e.g. a remote target gone: keep what was committed
-                stats = self._stats(mode, rounds, len(out), time.perf_counter() - started)
+                stats = self._stats(served, rounds, len(out), time.perf_counter() - started)
                 per_token = token_logprobs(out, rows, logprobs) if logprobs else None
                 text += decoder.decode(b"", final=True)
                 self.last = exc.partial = Generation(text, out, stats, rounds, "error", per_token)
@@ -355,8 +355,8 @@ class Pairing:
             text += decoder.decode(b"", final=True)
         if len(text) > shown:
             yield text[shown:]
-        stats = self._stats(mode, rounds, len(out), time.perf_counter() - started)
-        if (row := self.speculator.finish(mode, out, rounds, stats)) is not None:
+        stats = self._stats(served, rounds, len(out), time.perf_counter() - started)
+        if (row := self.speculator.finish(served, out, rounds, stats)) is not None:
             self.metrics.append(row)
         if self.learner is not None and out:
             self.learner.observe(
@@ -370,12 +370,12 @@ class Pairing:
         self.last = result = Generation(text, out, stats, rounds, reason, per_token)
         done.append(result)
 
-    def _rounds(self, mode: str, request: Request, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
-        """A request's rounds in `mode` (`Speculator.mode`): each round's committed ids and its
-        record; `rows` collects the target's top-k rows where a verify returns them."""
-        if mode == "engine":
+    def _rounds(self, served: str, request: Request, rows: list) -> Iterator[tuple[list[int], RoundRecord]]:
+        """A request's rounds, served as `served` says (`Speculator.serving`): each round's committed
+        ids and its record; `rows` collects the target's top-k rows where a verify returns them."""
+        if served == "engine":
             return engine_proposals.request_rounds(self.speculator, request, rows)
-        if mode == "alone":
+        if served == "alone":
             return round_loop.alone_rounds(self.speculator, request, rows)
         return round_loop.request_rounds(self.speculator, request, rows)
 
@@ -399,15 +399,15 @@ class Pairing:
                     learning.resume()
 
     def _stats(
-        self, mode: str, rounds: list[RoundRecord], new_tokens: int, seconds: float
+        self, served: str, rounds: list[RoundRecord], new_tokens: int, seconds: float
     ) -> GenerationStats:
         """A request's stats: how it was served and why, and (learning) the adapter's steps so far."""
         stats = GenerationStats.from_rounds(rounds, new_tokens, seconds)
         learner = self.learner
         return replace(
             stats,
-            served=mode,
-            why=self.speculator.why(mode, stats),
+            served=served,
+            why=self.speculator.why(served, stats),
             adapter_steps=self.steps if learner is not None else None,
             adapter_note=learner.note() if learner is not None else "",
         )

@@ -62,7 +62,7 @@ def test_where_drafting_cannot_pay_the_pairing_decodes_alone_and_says_why(tiny_d
     target = CostedTarget(tiny_target, LINEAR)
     with caplog.at_level(logging.INFO, logger="omnidraft.pairing"):
         pairing = tiny_drafter.pair(target)
-    assert not pairing.drafting and not pairing.speculating and pairing.speculator.modes is None
+    assert not pairing.drafting and not pairing.speculating and pairing.speculator.chooser is None
     assert "drafting cannot pay" in caplog.text and "decoding steps" in caplog.text
     for _ in range(3):  # never a probe
         out = pairing.generate(PROMPT, max_new_tokens=24)

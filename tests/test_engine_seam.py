@@ -181,7 +181,7 @@ def target_greedy(local: Any, prompt: str, n: int) -> list[int]:
 def test_a_pairing_on_a_second_in_engine_target_runs_engine_rounds_losslessly(tiny_target, tiny_drafter):
     toy = ToyEngine(tiny_target)
     pair = tiny_drafter.pair(toy, k=3)
-    assert pair.speculator.mode(Rule(), 0) == "engine"
+    assert pair.speculator.serving(Rule(), 0) == "engine"
     out = pair.generate(PROMPT, max_new_tokens=24)
     assert out.token_ids == target_greedy(tiny_target, PROMPT, 24)[: len(out.token_ids)]
     assert len(out.token_ids) == 24 or out.token_ids[-1] in toy.eos_ids

@@ -469,26 +469,26 @@ def test_decoding_alone_is_one_exchange_and_keeps_no_session(app, http, tiny_tar
 
 def test_the_latency_objective_measures_both_modes_and_stays_identical(http, tiny_drafter, tiny_target):
     pair = tiny_drafter.pair(_remote(http))  # defaults: cost-driven k, latency objective
-    assert pair.speculator.modes is not None
+    assert pair.speculator.chooser is not None
     ref = target_greedy(tiny_target, PROMPTS[1], 20)
     outs = [pair.generate(PROMPTS[1], max_new_tokens=20) for _ in range(3)]
     assert all(o.token_ids == ref for o in outs)
     assert any(r.drafted for r in outs[0].rounds)  # first request: speculate
     assert all(r.drafted == 0 and r.emitted == 1 for r in outs[1].rounds)  # second: the server alone
-    assert all(rate is not None for rate in pair.speculator.modes.rates.values())
+    assert all(rate is not None for rate in pair.speculator.chooser.rates.values())
     compute = tiny_drafter.pair(_remote(http), objective="compute")
     assert (
-        compute.speculator.modes is None
-        and tiny_drafter.pair(tiny_target, mode="match", temperature=1.0).speculator.modes is None
+        compute.speculator.chooser is None
+        and tiny_drafter.pair(tiny_target, mode="match", temperature=1.0).speculator.chooser is None
     )
     with pytest.raises(ValueError, match="objective must be 'latency' or 'compute'"):
         tiny_drafter.pair(tiny_target, objective="fast")
 
 
 def test_mode_chooser_takes_the_faster_mode_and_probes_the_other():
-    from omnidraft.adaptive.policy import ModeChooser
+    from omnidraft.adaptive.policy import ServingChooser
 
-    chooser = ModeChooser(probe_every=4, probe_cost=1.0)  # probes as often as probe_every allows
+    chooser = ServingChooser(probe_every=4, probe_cost=1.0)  # probes as often as probe_every allows
     assert chooser.choose() == "speculate"  # each mode is measured once first
     chooser.observe("speculate", 100, 10.0)
     assert chooser.choose() == "alone"
@@ -505,10 +505,10 @@ def test_mode_chooser_takes_the_faster_mode_and_probes_the_other():
 
 
 def test_mode_chooser_probes_a_far_slower_mode_rarely():
-    from omnidraft.adaptive.policy import ModeChooser
+    from omnidraft.adaptive.policy import ServingChooser
 
     def first_probe(speculate_s, alone_s=10.0):
-        chooser = ModeChooser(probe_every=8)
+        chooser = ServingChooser(probe_every=8)
         for mode in ("speculate", "alone"):
             assert chooser.choose() == mode
             chooser.observe(mode, 100, speculate_s if mode == "speculate" else alone_s)
@@ -522,7 +522,7 @@ def test_mode_chooser_probes_a_far_slower_mode_rarely():
         first_probe(6.25) == 19
     )  # the server alone measured 37.5% slower: a probe costs that much of a request
     with pytest.raises(ValueError, match="probe_cost > 0"):
-        ModeChooser(probe_cost=0)
+        ServingChooser(probe_cost=0)
 
 
 def test_a_sampled_stream_without_a_proposal_source_is_refused_not_decoded_greedily():

@@ -14,7 +14,7 @@ import torch
 
 from .acceptance_head import AcceptanceHead, Stopper, head_state
 from .costs import CostModel
-from .policy import BestSpeedup, CostPolicy, Hysteresis, ModeChooser, best_speedup
+from .policy import BestSpeedup, CostPolicy, Hysteresis, ServingChooser, best_speedup
 
 if TYPE_CHECKING:
     from ..target import Target
@@ -27,14 +27,14 @@ log = logging.getLogger("omnidraft.pairing")
 @dataclass(frozen=True)
 class DraftingPlan:
     """Which drafts a pairing uses and who decides when: `model` / `free` (retrieved) drafts, each
-    on unless the config excludes it or the best speedup says it cannot pay here; `modes`, the
+    on unless the config excludes it or the best speedup says it cannot pay here; `chooser`, the
     per-request chooser between speculating and the target decoding alone (None: every request
     speculates, or none can); `may_idle`, whether the cost policy may skip drafting a round."""
 
     best_speedup: BestSpeedup | None
     model: bool
     free: bool
-    modes: ModeChooser | None
+    chooser: ServingChooser | None
     may_idle: bool
 
     def at(self, target: Target, context: int) -> tuple[bool, bool]:
@@ -78,8 +78,8 @@ def plan_drafting(drafter: Any, target: Target, config: Any, learn: bool) -> Dra
         )
     can = target.capabilities
     per_round = config.drafts != "model" and can.in_process
-    modes = (
-        ModeChooser()
+    chooser = (
+        ServingChooser()
         if config.objective == "latency"
         and config.mode == "greedy"
         and config.k is None
@@ -90,12 +90,12 @@ def plan_drafting(drafter: Any, target: Target, config: Any, learn: bool) -> Dra
         and not per_round
         else None
     )
-    return DraftingPlan(seen, model, free, modes, modes is None)
+    return DraftingPlan(seen, model, free, chooser, chooser is None)
 
 
 class DraftLengths:
     """`config`: the pairing's DecodeConfig. `may_idle`: the cost policy may decide not to draft
-    (False when a per-request ModeChooser decides that). `hidden_size`: the drafter's (an
+    (False when a per-request ServingChooser decides that). `hidden_size`: the drafter's (an
     acceptance head reads its hidden states); `saved_head`: the head's tensors from the profile.
     `label` names the pairing in log lines."""
 

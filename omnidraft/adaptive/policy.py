@@ -17,7 +17,7 @@ __all__ = [
     "Acceptance",
     "CostPolicy",
     "Hysteresis",
-    "ModeChooser",
+    "ServingChooser",
     "BestSpeedup",
     "PolicyKnobs",
     "committed",
@@ -214,7 +214,7 @@ class CostPolicy:
 
     def __init__(self, cost: CostModel, *, may_idle: bool = True, **knobs: Any) -> None:
         """`knobs`: `PolicyKnobs`' fields (k_max, start, probe_every, decay, margin, max_wait,
-        fresh, long_decay). `may_idle`: False never chooses k = 0 (a ModeChooser then decides per
+        fresh, long_decay). `may_idle`: False never chooses k = 0 (a ServingChooser then decides per
         request whether to draft)."""
         k = PolicyKnobs(**knobs)
         self.cost, self.k_max, self.start, self.probe_every, self.decay = (
@@ -227,7 +227,7 @@ class CostPolicy:
         self.margin, self.max_wait = k.margin, max(k.max_wait, k.probe_every)
         self.wait = k.probe_every  # idle rounds before the next probe
         self.fresh, self.fresh_left = k.fresh, 0  # rounds each request drafts before the policy may idle
-        self.may_idle = may_idle  # False: never k = 0 (a ModeChooser decides per request whether to draft)
+        self.may_idle = may_idle  # False: never k = 0 (a ServingChooser decides per request whether to draft)
         # EMAs per drafting round: this request's, and the pairing's long run a new request starts from
         self.seen, self.long_run = Acceptance(k.decay), Acceptance(k.long_decay)
         self.ratio: float | None = None
@@ -297,14 +297,14 @@ class CostPolicy:
         return self.last_rates[0] <= (1 + self.margin) * max(v for k, v in self.last_rates.items() if k > 0)
 
 
-class ModeChooser:
+class ServingChooser:
     """Per request: speculate, or let the target decode alone (a remote target: the server generates
-    the whole completion), whichever has measured more committed tokens per second. Each mode is
+    the whole completion), whichever has measured more committed tokens per second. Each way is
     tried once first; afterwards the slower one is tried again after `probe_every` requests, and
     after twice as many each time a probe confirms the faster one (up to `max_interval`): prompts,
-    load and the network drift, but a settled choice should cost little. A probe of a mode that
+    load and the network drift, but a settled choice should cost little. A probe of a way that
     measured a share g slower costs about g of one request, so probes also wait g / `probe_cost`
-    requests: far apart modes are probed rarely (the faster one is re-measured by every request it
+    requests: ways far apart are probed rarely (the faster one is re-measured by every request it
     serves, so its slowing down narrows the gap and brings the probe closer). Mutable: one per pairing."""
 
     MODES = ("speculate", "alone")
@@ -335,7 +335,7 @@ class ModeChooser:
         rates = ", ".join(
             f"{m} {'untried' if r is None else f'{r:.2f} tok/s'}" for m, r in self.rates.items()
         )
-        return f"ModeChooser({rates})"
+        return f"ServingChooser({rates})"
 
     def choose(self) -> str:
         for mode in self.MODES:

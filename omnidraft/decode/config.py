@@ -31,7 +31,7 @@ class DecodeConfig:
     `CostPolicy`); an int fixes it (and is where `adaptive` and `head` start). `objective`:
     "latency" (default) serves each greedy request of a pairing with the default `k` either
     speculatively or with the target decoding alone (a remote target: the server generating the
-    whole completion), whichever measured faster (adaptive/policy.py `ModeChooser`), so such a
+    whole completion), whichever measured faster (adaptive/policy.py `ServingChooser`), so such a
     pairing is never much slower than its target alone; "compute" always speculates, which spends
     fewer target forwards per token.
     `mode`/`temperature`: see verify.py; `top_k`/`top_p`/`min_p` filter the target distribution that

@@ -5,7 +5,7 @@ can pay here), the cost model, the draft-length policy or acceptance head, the r
 proposer, shared by the pairing's requests, which change them only through its methods (each
 takes the speculator's own lock; no caller holds it). A request's rounds are a
 `Speculation` of it (speculation.py), driven by the round loop (round_loop.py) or an engine adapter
-(engine_proposals.py), as `mode` says (the pairing runs the one it names). What it is not: the user's
+(engine_proposals.py), as `serving` says (the pairing runs the one it names). What it is not: the user's
 facade (`Pairing`, pairing.py: generate, stream, chat, the profile and its saving), or a place
 that reads a profile's files (store/profiles.py).
 """
@@ -70,7 +70,7 @@ class Speculator:
         # drafter ids with a target id of the same bytes (exact mode drafts only these)
         self.shared_vocab = vmap.d2t >= 0
         self.plan = plan = plan_drafting(drafter, target, config, learn)
-        self.best_speedup, self.modes = plan.best_speedup, plan.modes
+        self.best_speedup, self.chooser = plan.best_speedup, plan.chooser
         self.model_drafts, self.free_drafts = plan.model, plan.free
         # measured costs, from the target's own where it has them
         self.cost = CostModel(verify=plan.best_speedup.verify if plan.best_speedup else None)
@@ -126,14 +126,14 @@ class Speculator:
     @property
     def speculating(self) -> bool:
         """Whether this pairing drafts: False once its measured costs say drafting cannot pay."""
-        if not self.drafting or (self.modes is not None and not self.modes.speculating):
+        if not self.drafting or (self.chooser is not None and not self.chooser.speculating):
             return False
         return self.lengths.speculating if self.model_drafts else True
 
-    def mode(self, rule: Rule, logprobs: int) -> str:
+    def serving(self, rule: Rule, logprobs: int) -> str:
         """How a request is served: "engine" (the target's engine verifies the drafts in its own
         step: vLLM with omnidraft's proposer, greedy or sampled without a seed), "alone" (the
-        target decodes it alone: drafting cannot pay, or the mode chooser measured it faster) or
+        target decodes it alone: drafting cannot pay, or the serving chooser measured it faster) or
         "speculate" (the round loop). A request for per-token log-probabilities speculates: each
         round's verify returns its rows; so does a seeded sampled one (the round loop keys each
         sample by seed and position, so the output depends on the seed alone, not on which drafts
@@ -148,11 +148,11 @@ class Speculator:
         if in_engine and self.learner is None and can.drafts_in_engine:
             return "engine"
         with self._lock:
-            return self.modes.choose() if self.modes is not None and greedy else "speculate"
+            return self.chooser.choose() if self.chooser is not None and greedy else "speculate"
 
-    def why(self, mode: str, stats: GenerationStats) -> str:
-        """Why a request served in `mode` drafted as it did (empty where it simply speculated)."""
-        if mode == "alone":
+    def why(self, served: str, stats: GenerationStats) -> str:
+        """Why a request served `served` drafted as it did (empty where it simply speculated)."""
+        if served == "alone":
             if not self.drafting:
                 seen = f": {self.best_speedup.reason()}" if self.best_speedup is not None else ""
                 return f"drafting cannot pay on this machine{seen}"
@@ -164,16 +164,16 @@ class Speculator:
         return ""
 
     def finish(
-        self, mode: str, out: list[int], rounds: list[RoundRecord], stats: GenerationStats
+        self, served: str, out: list[int], rounds: list[RoundRecord], stats: GenerationStats
     ) -> dict[str, Any] | None:
-        """A finished request's bookkeeping: the user's datastore, the mode chooser, the head.
+        """A finished request's bookkeeping: the user's datastore, the serving chooser, the head.
         Returns the metrics row of a head update, if one ran."""
         with self._lock:
             if self.retriever is not None:
                 self.retriever.finish(out)
-            if self.modes is not None and len(rounds) > 1:  # decode-phase rate: round 1 also prefills
-                self.modes.observe(
-                    mode,
+            if self.chooser is not None and len(rounds) > 1:  # decode-phase rate: round 1 also prefills
+                self.chooser.observe(
+                    served,
                     len(out) - rounds[0].emitted,
                     stats.seconds - rounds[0].seconds,
                     label=f"{self.drafter.name} -> {self.target.name}",
