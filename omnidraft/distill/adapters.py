@@ -178,7 +178,7 @@ def int8_copy(model: Any, tokenizer: Any | None = None) -> Any:
 def int8_learner(drafting: Any) -> Any:
     """The model to train an int8 copy's adapters through: the copy with its int8 linears emulated
     in fp32 (int8.fake_int8) and the same LoRA modules. Training on the fp32 base instead would fit
-    the adapter to weights the drafter never drafts with (SmolLM2: int8 alone costs ~7% τ)."""
+    the adapter to weights the drafter never drafts with (int8 alone lowers τ: docs/distillation.md)."""
     from ..runtime.int8 import fake_int8
 
     return _share_lora(fake_int8(drafting), drafting)

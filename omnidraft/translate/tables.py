@@ -34,9 +34,9 @@ def _tokenizer_key(side: Any) -> tuple[Any, ...]:
 def pair_tables(drafter: Any, target: Target, *, healing: bool = True) -> tuple[VocabMap, Healer | None]:
     """The vocabulary map and (with `healing`) the token healer of a drafter-target tokenizer pair.
 
-    Both are read-only and take ~0.4 s to build against Gemma's 262k vocabulary, so every pairing
-    of the same two tokenizers shares one copy (the last TABLES_KEPT pairs are kept): a second
-    `drafter.pair(target)` costs milliseconds, not a rebuild.
+    Both are read-only and take a noticeable time to build against a large vocabulary (Gemma's),
+    so every pairing of the same two tokenizers shares one copy (the last TABLES_KEPT pairs are
+    kept): a second `drafter.pair(target)` costs no rebuild.
     """
     key = (_tokenizer_key(drafter), _tokenizer_key(target))
     with _tables_lock:
