@@ -48,6 +48,7 @@ ONE_TIME_PROGRESS = (
     "Converting and de-quantizing GGUF tensors",
     "Writing model shards",
     "timing linear kernels on this machine (once)",
+    "measuring ",  # "measuring KIND for MODEL on this machine (once; ...)": runtime/measured.py
 )
 
 
