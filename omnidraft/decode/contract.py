@@ -9,7 +9,7 @@ docs/architecture.md has the recipe for one of your own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -22,16 +22,7 @@ if TYPE_CHECKING:
     from ..adaptive.acceptance_head import Stopper
     from ..target import Rule, TargetSession
 
-__all__ = [
-    "Booking",
-    "Budget",
-    "Extendable",
-    "Outcome",
-    "Proposer",
-    "RequestState",
-    "Round",
-    "accepted_prefix",
-]
+__all__ = ["Booking", "Budget", "Extendable", "Outcome", "Proposer", "RequestState", "Round"]
 
 
 @dataclass
@@ -81,13 +72,6 @@ class Budget:
     retrieve: bool = True
     only: str = "any"
     ahead: bool = False
-
-
-def accepted_prefix(proposed: Sequence[int], committed: Sequence[int]) -> int:
-    """How many of the `proposed` ids were accepted, where a target committed `committed` after
-    the same context: the length of their common prefix (the engine's own token ends it)."""
-    n = min(len(proposed), len(committed))
-    return next((j for j in range(n) if proposed[j] != committed[j]), n)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, cast
 
 from ..target import Rule, SessionBase
-from .contract import Round, accepted_prefix
+from .contract import Round
 from .speculation import Speculation
 from .stats import RoundRecord, round_record
+from .verify import accepted_prefix
 
 if TYPE_CHECKING:
     from ..target import EngineSession

@@ -16,16 +16,20 @@ tokenizers, no per-token Python loops. Shapes: M proposed tokens, Vt target voca
 `exact` mode: drafter sampling restricted to the shared vocabulary). With OmniDraft's n-gram rows
 (eq. 1-2) the drafter did not sample from q' itself, so the result is an approximation of the
 target distribution: the `omnidraft` mode documents that.
+
+Where an engine verified a proposal itself, `accepted_prefix` reads how much of it was accepted
+from the ids it committed (plain ints: a device's and a server's side use it too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["Verdict", "argmax", "greedy", "match", "probabilities", "rejection", "relaxed"]
+__all__ = ["Verdict", "accepted_prefix", "argmax", "greedy", "match", "probabilities", "rejection", "relaxed"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,13 @@ class Verdict:
     token: int
     topk: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
     chosen: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+
+def accepted_prefix(proposed: Sequence[int], committed: Sequence[int]) -> int:
+    """How many of the `proposed` ids were accepted, where a target committed `committed` after
+    the same context: the length of their common prefix (the engine's own token ends it)."""
+    n = min(len(proposed), len(committed))
+    return next((j for j in range(n) if proposed[j] != committed[j]), n)
 
 
 def probabilities(

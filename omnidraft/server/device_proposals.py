@@ -17,7 +17,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
-from ..decode.contract import accepted_prefix
+from ..decode.verify import accepted_prefix
 from ..target import Rule
 from ..wire import MAX_PROPOSAL, GenerateChunk, ProposalReply, ProposalRequest, SpeculateRequest
 from .budget import DraftBudget, DraftGate

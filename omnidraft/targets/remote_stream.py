@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Iterator, Protocol
 
 from ..adaptive.policy import ema
-from ..decode.contract import accepted_prefix
+from ..decode.verify import accepted_prefix
 from ..errors import RemoteRequestError, StreamCutError, TargetError, TargetUnavailableError
 from ..wire import MAX_PROPOSAL, GenerateChunk, ProposalRequest, SpeculateRequest
 from .remote_http import refused
