@@ -43,12 +43,15 @@ def pin_xdist_worker() -> None:
 
 
 # progress a run shows only the first time anything on the machine needs it: the presets' GGUF
-# dequantised and cached (transformers' bars), and the kernels timed once (ours)
+# dequantised and cached (transformers' bars), the kernels timed once, and a measurement kept per
+# machine (runtime/measured.py's one line, "measuring KIND for MODEL on this machine (once; ...)")
 ONE_TIME_PROGRESS = (
     "Converting and de-quantizing GGUF tensors",
     "Writing model shards",
     "timing linear kernels on this machine (once)",
-    "measuring ",  # "measuring KIND for MODEL on this machine (once; ...)": runtime/measured.py
+)
+ONE_TIME_MEASUREMENT = re.compile(
+    r"measuring \S+ for .+ on this machine \(once; `omnidraft doctor --reset` forgets it\)$"
 )
 
 
@@ -58,7 +61,7 @@ def unasked_output(stderr: str) -> list[str]:
     return [
         piece
         for piece in re.split(r"[\r\n]", stderr)
-        if piece.strip() and not piece.startswith(ONE_TIME_PROGRESS)
+        if piece.strip() and not piece.startswith(ONE_TIME_PROGRESS) and not ONE_TIME_MEASUREMENT.match(piece)
     ]
 
 
