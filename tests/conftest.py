@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -42,16 +41,12 @@ def pin_xdist_worker() -> None:
     os.environ["OMP_NUM_THREADS"] = str(len(share))
 
 
-# progress a run shows only the first time anything on the machine needs it: the presets' GGUF
-# dequantised and cached (transformers' bars), the kernels timed once, and a measurement kept per
-# machine (runtime/measured.py's one line, "measuring KIND for MODEL on this machine (once; ...)")
-ONE_TIME_PROGRESS = (
-    "Converting and de-quantizing GGUF tensors",
-    "Writing model shards",
-    "timing linear kernels on this machine (once)",
-)
+# what a run says only the first time anything on the machine needs it (runtime/notice.py's lines):
+# a preset dequantised and cached, exported, the kernels timed once, and a measurement kept per
+# machine (runtime/measured.py's one line, "measuring once on this machine: WHAT, for MODEL (...)")
+ONE_TIME_PROGRESS = ("first load of ", "exporting ", "timing ")
 ONE_TIME_MEASUREMENT = re.compile(
-    r"measuring \S+ for .+ on this machine \(once; `omnidraft doctor --reset` forgets it\)$"
+    r"measuring once on this machine: .+, for .+ \(.+; `omnidraft doctor --reset` forgets it\)$"
 )
 
 
@@ -66,8 +61,9 @@ def unasked_output(stderr: str) -> list[str]:
 
 
 def gsm8k_texts(split: str = "train", n: int = 1500) -> list[str]:
-    lines = (DATA / "gsm8k" / f"{split}.jsonl").read_text().splitlines()[:n]
-    return [f"Question: {d['question']}\nAnswer: {d['answer']}" for d in map(json.loads, lines)]
+    from omnidraft.bench.datasets import gsm8k_rows
+
+    return [f"Question: {d['question']}\nAnswer: {d['answer']}" for d in gsm8k_rows(split)[:n]]
 
 
 def train_bpe(vocab_size: int, texts: list[str]):

@@ -308,18 +308,25 @@ def test_timed_rows_take_turns_running_first_and_compare_with_the_first_row():
 def test_the_data_is_found_from_a_checkout_the_user_is_in_and_the_error_names_where_it_looked(
     tmp_path, monkeypatch
 ):
-    """A package installed outside the checkout (the README's by-hand install) still finds the
-    checkout's data/ from the working directory or one below it; elsewhere the error says where
-    it looked and what to do."""
+    """A package installed outside the checkout (the README's by-hand install) reads the prompts
+    the demo and bench use from its own copy anywhere, and finds the checkout's data/ (the lab's
+    train split) from the working directory or one below it; elsewhere the error says where it
+    looked and what to do."""
     from omnidraft.bench import datasets
 
     monkeypatch.delenv("OMNIDRAFT_DATA", raising=False)
     monkeypatch.setattr(datasets, "REPO_DATA", tmp_path / "site-packages" / "data")
+    monkeypatch.chdir(tmp_path)
+    for workload in ("gsm8k", "humaneval", "mixed", "summarize", "rag", "code-edit", "chat"):
+        assert len(load_prompts(workload, 2)) == 2, workload
+    with pytest.raises(FileNotFoundError, match="gsm8k/train.jsonl is not in the package .* OMNIDRAFT_DATA"):
+        load_prompts("gsm8k:train", 1)
+    with pytest.raises(FileNotFoundError, match="site-packages/data nor under .* OMNIDRAFT_DATA"):
+        datasets.data_dir()
     checkout = tmp_path / "omnidraft"
     (checkout / "data" / "gsm8k").mkdir(parents=True)
+    (checkout / "data" / "gsm8k" / "train.jsonl").write_text('{"question": "q", "answer": "a"}\n')
     (checkout / "examples").mkdir()
     monkeypatch.chdir(checkout / "examples")
     assert datasets.data_dir() == (checkout / "data").resolve()
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="site-packages/data nor under .* OMNIDRAFT_DATA"):
-        datasets.data_dir()
+    assert load_prompts("gsm8k:train", 5) == ["Question: q\nAnswer: Let's think step by step."]

@@ -41,6 +41,7 @@ def installed(tmp_path_factory):
     (wheel,) = (tmp / "dist").glob("omnidraft-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "omnidraft/shortlist/corpus.jsonl.gz" in names and "omnidraft/py.typed" in names
+    assert "omnidraft/bench/data/gsm8k/test.jsonl.gz" in names  # the demo's and bench's prompts
     assert not any(n.startswith(("benchmarks/", "tests/", "data/")) for n in names)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)

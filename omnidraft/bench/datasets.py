@@ -1,8 +1,10 @@
 """Benchmark prompts: GSM8K, HumanEval, or any JSONL file with a "prompt" field.
 
-Data is read from $OMNIDRAFT_DATA, else from the repository's own `data/` (see data/README.md), found
-beside the package or from the working directory.
-Nothing is downloaded and nothing outside the repository is read.
+The prompts the demo and `omnidraft bench` use (GSM8K's test split, HumanEval, a CNN/DailyMail
+sample) ship in the package (`omnidraft/bench/data/`, each with its license). What only the lab and
+the tests read (GSM8K's train split, vocabulary files) is in the repository's `data/`
+(data/README.md), found beside the package or from the working directory; $OMNIDRAFT_DATA, a
+directory laid out like either, comes first. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -13,32 +15,51 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["WORKLOADS", "data_dir", "load_prompts", "load_references"]
+__all__ = ["WORKLOADS", "data_dir", "dataset_file", "gsm8k_rows", "load_prompts", "load_references"]
 
 HUMANEVAL_TRAIN_FROM = 64
 
-
+PACKAGED = Path(__file__).resolve().parent / "data"  # what ships in the wheel
 REPO_DATA = Path(__file__).resolve().parents[2] / "data"  # the checkout's data/ (an editable install)
 
 
-def data_dir() -> Path:
-    """The data directory: $OMNIDRAFT_DATA, else the checkout's `data/` (an editable install), else
-    the `data/` of the working directory or of a directory above it (a checkout the user is in,
-    with the package installed elsewhere)."""
+def _candidates() -> list[Path]:
     if os.environ.get("OMNIDRAFT_DATA"):
-        tried = [Path(os.environ["OMNIDRAFT_DATA"])]
-    else:
-        here = Path.cwd().resolve()
-        tried = [REPO_DATA, *(d / "data" for d in (here, *here.parents))]
+        return [Path(os.environ["OMNIDRAFT_DATA"])]
+    here = Path.cwd().resolve()
+    return [REPO_DATA, *(d / "data" for d in (here, *here.parents))]
+
+
+def data_dir() -> Path:
+    """The repository's data directory: $OMNIDRAFT_DATA, else the checkout's `data/` (an editable
+    install), else the `data/` of the working directory or of a directory above it (a checkout the
+    user is in, with the package installed elsewhere)."""
+    tried = _candidates()
     for path in tried:
-        if (path / "gsm8k").is_dir():
+        if (path / "tokenizers").is_dir() or (path / "gsm8k").is_dir():
             return path
-    raise FileNotFoundError(
-        f"no gsm8k/ under {tried[0]}"
+    raise FileNotFoundError(_not_found("the repository's data/", tried))
+
+
+def _not_found(what: str, tried: list[Path]) -> str:
+    return (
+        f"{what} is not in the package and not under {tried[0]}"
         + (f" nor under {tried[1]} and the directories above" if tried[1:] else "")
         + "; run from a checkout of the repository (its data/) or set OMNIDRAFT_DATA to a directory laid "
         "out like its data/"
     )
+
+
+def dataset_file(relative: str) -> Path:
+    """A dataset file by its path under a data directory ("gsm8k/test.jsonl"), plain or gzipped:
+    from $OMNIDRAFT_DATA if it has it, else the package's copy, else the repository's data/."""
+    tried = [*([Path(os.environ["OMNIDRAFT_DATA"])] if os.environ.get("OMNIDRAFT_DATA") else []), PACKAGED]
+    tried += [d for d in _candidates() if d not in tried]
+    for base in tried:
+        for name in (relative, relative + ".gz"):
+            if (base / name).is_file():
+                return base / name
+    raise FileNotFoundError(_not_found(relative, [d for d in tried if d != PACKAGED]))
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -47,14 +68,17 @@ def _jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def _gsm8k(part: str) -> list[dict]:
-    return _jsonl(data_dir() / "gsm8k" / f"{part}.jsonl")
+def gsm8k_rows(part: str = "test") -> list[dict]:
+    """GSM8K's rows ("question", "answer") of the "test" split (shipped) or "train" (a checkout)."""
+    if part not in ("test", "train"):
+        raise ValueError(f"unknown GSM8K split {part!r}: use gsm8k or gsm8k:train")
+    return _jsonl(dataset_file(f"gsm8k/{part}.jsonl"))
 
 
 def _humaneval(part: str) -> list[dict]:
     if part not in ("", "test", "train"):
         raise ValueError(f"unknown HumanEval split {part!r}: use humaneval or humaneval:train")
-    rows = _jsonl(data_dir() / "humaneval" / "HumanEval.jsonl.gz")
+    rows = _jsonl(dataset_file("humaneval/HumanEval.jsonl.gz"))
     return rows[HUMANEVAL_TRAIN_FROM:] if part == "train" else rows
 
 
@@ -63,7 +87,7 @@ def _gsm8k_prompt(row: dict) -> str:
 
 
 def _cnndm() -> list[dict]:
-    return _jsonl(data_dir() / "cnndm" / "train_sample.jsonl")
+    return _jsonl(dataset_file("cnndm/train_sample.jsonl"))
 
 
 def _words(text: str, n: int) -> str:
@@ -116,7 +140,7 @@ def _code_edit(n: int) -> list[str]:
 
 def _chat(n: int) -> list[str]:
     """A GSM8K question and its worked answer as a first turn, then a follow-up quoting a line of it."""
-    return [_chat_prompt(r) for r in _gsm8k("test")[:n]]
+    return [_chat_prompt(r) for r in gsm8k_rows("test")[:n]]
 
 
 def _chat_prompt(r: dict) -> str:
@@ -134,7 +158,7 @@ def _mixed(n: int, start: int) -> list[str]:
     j-th prompt of each built from the j-th item of its source (CNN/DM articles 10-49 and from 80,
     GSM8K test problems from 200 and 300, none of which the other workloads use). "mixed" starts at
     j = 0 and is held out (never used to tune anything); "mixed:dev" starts at j = 10."""
-    articles, problems = _cnndm(), _gsm8k("test")
+    articles, problems = _cnndm(), gsm8k_rows("test")
     out = []
     for i in range(n):
         j = start + i // 6
@@ -181,7 +205,7 @@ def load_prompts(dataset: str, n: int, *, split: str = "test") -> list[str]:
         return WORKLOADS[dataset](n)
     name, _, part = dataset.partition(":")
     if name == "gsm8k":
-        return [_gsm8k_prompt(r) for r in _gsm8k(part or split)[:n]]
+        return [_gsm8k_prompt(r) for r in gsm8k_rows(part or split)[:n]]
     if name == "humaneval":
         return [r["prompt"] for r in _humaneval(part)[:n]]
     path = Path(dataset)
@@ -210,7 +234,7 @@ def load_references(dataset: str, n: int) -> list[tuple[str, str]]:
     name, _, part = dataset.partition(":")
     if name == "gsm8k":
         return [
-            (_gsm8k_prompt(r), " " + _CALCULATOR.sub("", r["answer"])) for r in _gsm8k(part or "test")[:n]
+            (_gsm8k_prompt(r), " " + _CALCULATOR.sub("", r["answer"])) for r in gsm8k_rows(part or "test")[:n]
         ]
     if name == "humaneval":
         return [(r["prompt"], r["canonical_solution"]) for r in _humaneval(part)[:n]]
