@@ -70,10 +70,11 @@ demo: $(STAMP)
 test:
 	$(MAKE) -j3 --no-print-directory $(STAMP) $(OPTIMUM_STAMP) $(OPENVINO_STAMP) haproxy
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not exclusive and not install" --durations=25
-	$(PY) -m pytest -m "exclusive and not install" --durations=10
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not exclusive" --durations=25
+	$(PY) -m pytest -m exclusive --durations=10
 
-# the README's by-hand install in a fresh venv, then its Quickstart and `omnidraft doctor` there
+# the README's by-hand install in a fresh venv and home, then every command the README shows there
+# (`make test` runs it too, in its last phase)
 test-install: $(STAMP)
 	$(PY) -m pytest -m install
 

@@ -60,7 +60,7 @@ def test_the_best_speedup_of_linear_cheap_and_costly_drafts():
 
 def test_where_drafting_cannot_pay_the_pairing_decodes_alone_and_says_why(tiny_drafter, tiny_target, caplog):
     target = CostedTarget(tiny_target, LINEAR)
-    with caplog.at_level(logging.INFO, logger="omnidraft.pairing"):
+    with caplog.at_level(logging.DEBUG, logger="omnidraft.pairing"):
         pairing = tiny_drafter.pair(target)
     assert not pairing.drafting and not pairing.speculating and pairing.speculator.chooser is None
     assert "drafting cannot pay" in caplog.text and "decoding steps" in caplog.text

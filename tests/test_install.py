@@ -1,11 +1,18 @@
-"""The README's by-hand install, as a new user runs it: a fresh venv, the README's own lines, then
-its Quickstart, every example and `omnidraft doctor` in that venv, each without a crash or a
-warning the user did not ask for (the cloud example's server prints only its start line). It
-installs gigabytes, so `make test-install` runs it, not `make test`."""
+"""The README's by-hand install, as a new user runs it: a fresh venv and a fresh home directory, the
+README's own lines, then from a directory outside the checkout its Quickstart (its printed speed
+within 30% of the README's example line), every example, `omnidraft doctor`, `omnidraft demo --n 1`
+and one `omnidraft bench` line, each without a crash or a line on stderr the user did not ask for
+(one-time work says once what it does; the cloud example's server prints its start line).
+
+`make test` runs it by itself, after the other tests (both cores, nothing beside it: the speed is
+compared). The llama.cpp wheel the README's first line builds is the one `make` built from nothing
+with the same tool and command (copied into the fresh home); everything else starts from nothing."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +24,9 @@ from omnidraft.bench.network import free_port
 from .conftest import unasked_output
 
 ROOT = Path(__file__).resolve().parents[1]
+WHEELS = Path(os.environ.get("WHEELS", Path.home() / ".cache" / "omnidraft" / "wheels"))
 
-pytestmark = pytest.mark.install
+pytestmark = [pytest.mark.install, pytest.mark.exclusive]
 
 
 def readme_install_lines() -> list[str]:
@@ -29,49 +37,115 @@ def readme_install_lines() -> list[str]:
     return [line.split("  #")[0].strip() for line in lines if line.startswith(("python ", "pip "))]
 
 
-def test_the_readmes_by_hand_install_runs_the_quickstart_and_doctor_quietly(tmp_path):
+def readme_quickstart() -> tuple[str, float]:
+    """The Quickstart's code and the speed (tok/s) its example output line shows."""
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    shown = re.search(r'"128 tokens in [\d.]+ s \(([\d.]+) tok/s\)', code)
+    assert shown, "the Quickstart's example line must show 128 tokens and a speed"
+    return code, float(shown.group(1))
+
+
+def quiet(run: subprocess.CompletedProcess[str], what: str, progress: str | None = None) -> None:
+    """`run` succeeded and wrote nothing to stderr but one-time work's lines (and, with
+    `progress`, its own progress bar, whose lines start so)."""
+    assert run.returncode == 0, (what, run.stderr[-3000:])
+    unasked = [line for line in unasked_output(run.stderr) if not (progress and line.startswith(progress))]
+    assert not unasked, (what, unasked[:20])
+
+
+def test_the_readmes_by_hand_install_runs_every_command_it_shows_quietly(tmp_path):
     lines = readme_install_lines()
     assert any(line.startswith("pip install") for line in lines) and len(lines) >= 3
+    home = tmp_path / "home"
+    built = sorted(WHEELS.glob("llama_cpp_python-*.whl"))
+    assert built, f"make builds the llama.cpp wheel into {WHEELS} before this test"
+    (home / ".cache" / "omnidraft" / "wheels").mkdir(parents=True)
+    for wheel in built:
+        shutil.copy2(wheel, home / ".cache" / "omnidraft" / "wheels" / wheel.name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    python, bin_ = venv / "bin" / "python", venv / "bin"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and "OMNIDRAFT" not in k
+    }
+    env["HOME"] = str(home)
+    env["PIP_CACHE_DIR"] = str(Path.home() / ".cache" / "pip")  # (downloads only; nothing omnidraft keeps)
     for line in lines:
         command = f"{python} -m {line}" if line.startswith("pip ") else f"{python} {line[len('python ') :]}"
         done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True)
         assert done.returncode == 0, (line, done.stderr[-3000:])
-    readme = (ROOT / "README.md").read_text()
-    quickstart = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    script = tmp_path / "quickstart.py"
-    script.write_text(quickstart.replace("max_new_tokens=128", "max_new_tokens=8"))
-    out = subprocess.run([str(python), str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert not unasked_output(out.stderr), out.stderr[-3000:]  # no warning, no progress bar
-    assert "8 tokens in " in out.stdout
+    work = tmp_path / "work"  # a user's own directory, not the checkout
+    work.mkdir()
+
+    code, shown = readme_quickstart()
+    (work / "quickstart.py").write_text(code)
+    first = subprocess.run([str(python), "quickstart.py"], cwd=work, env=env, capture_output=True, text=True)
+    quiet(first, "the Quickstart, first run")
+    again = subprocess.run([str(python), "quickstart.py"], cwd=work, env=env, capture_output=True, text=True)
+    assert again.returncode == 0 and not again.stderr.strip(), again.stderr[
+        -3000:
+    ]  # nothing once it is set up
+    speed = float(re.search(r"128 tokens in [\d.]+ s \(([\d.]+) tok/s\)", again.stdout).group(1))
+    assert 0.7 * shown <= speed <= 1.3 * shown, (
+        f"the Quickstart ran at {speed} tok/s, the README shows {shown}"
+    )
+
     for example in ("local_pairing.py", "chat_streaming.py"):  # every example a user runs alone
         run = subprocess.run(
             [str(python), str(ROOT / "examples" / example), "--max-new-tokens", "8"],
-            cwd=tmp_path,
+            cwd=work,
             env=env,
             capture_output=True,
             text=True,
         )
-        assert run.returncode == 0 and not unasked_output(run.stderr), (example, run.stderr[-3000:])
+        quiet(run, example)
     port = free_port()
     cloud = subprocess.run(
         [str(python), str(ROOT / "examples" / "cloud_target_with_user_adapter.py"), "--port", str(port)]
         + ["--max-new-tokens", "8", "--requests", "1", "--profiles", str(tmp_path / "profiles")],
-        cwd=tmp_path,
+        cwd=work,
         env=env,
         capture_output=True,
         text=True,
     )
     assert cloud.returncode == 0, cloud.stderr[-3000:]
-    server_lines = unasked_output(cloud.stderr)  # (one-time measurements say so, once)
+    server_lines = unasked_output(cloud.stderr)
     assert all(line.startswith("omnidraft serve: ") for line in server_lines), cloud.stderr[-3000:]
     assert "profile of alice@example.com saved" in cloud.stdout, cloud.stdout
+
     doctor = subprocess.run(
-        [str(venv / "bin" / "omnidraft"), "doctor"], cwd=tmp_path, env=env, capture_output=True, text=True
+        [str(bin_ / "omnidraft"), "doctor"], cwd=work, env=env, capture_output=True, text=True
     )
     assert doctor.returncode == 0, doctor.stderr[-3000:]
     assert "FAILED" not in doctor.stdout and "  torch: ok" in doctor.stdout, doctor.stdout
+
+    demo = subprocess.run(
+        [str(bin_ / "omnidraft"), "demo", "--n", "1", "--repeats", "1"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    quiet(demo, "omnidraft demo")
+    assert "math" in demo.stdout and "x" in demo.stdout, demo.stdout
+    bench = subprocess.run(
+        [str(bin_ / "omnidraft"), "bench", "--pair", "smollm2-135m:qwen2.5-coder-0.5b", "--dataset", "gsm8k"]
+        + [
+            "--dataset",
+            "humaneval",
+            "--n",
+            "1",
+            "--max-new-tokens",
+            "16",
+            "--no-peers",
+            "--out",
+            "bench_out",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    quiet(bench, "omnidraft bench", progress="smollm2-135m:qwen2.5-coder-0.5b ")  # its bar, per prompt
+    assert list((work / "bench_out").glob("*.json")), bench.stdout

@@ -70,7 +70,7 @@ def plan_drafting(drafter: Any, target: Target, config: Any, learn: bool) -> Dra
     model = config.drafts != "retrieval" and (seen is None or seen.model_pays)
     free = config.drafts != "model" and (seen is None or seen.free_pays)
     if seen is not None and not (model or free):
-        log.info(
+        log.debug(
             "%s -> %s: drafting cannot pay on this machine; the target decodes alone (%s)",
             drafter.name,
             target.name,
@@ -184,7 +184,7 @@ class DraftLengths:
             if self.policy.speculating != was:
                 rates = self.policy.last_rates
                 best = max((key for key in rates if key > 0), key=rates.__getitem__)
-                log.info(
+                log.debug(
                     "%s: %s (measured: %.1f tok/s drafting %d a round, %.1f tok/s alone)",
                     self.label,
                     (

@@ -271,10 +271,10 @@ def _profiles(args: argparse.Namespace) -> None:
 def _doctor(args: argparse.Namespace) -> None:
     from ..errors import MissingModelError
     from ..store.presets import PRESETS, require_installed
-    from .doctor import report, reset
+    from .doctor import clear_cache, report, reset
 
-    if args.reset:
-        print("\n".join(reset()))
+    if args.reset or args.clear_cache:
+        print("\n".join((reset() if args.reset else []) + (clear_cache() if args.clear_cache else [])))
         return
     drafter = None if args.drafter == "none" else args.drafter
     if drafter in PRESETS:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -22,7 +24,7 @@ from ..runtime import measured
 from ..runtime.kernels import BUCKETS
 from ..store import presets
 
-__all__ = ["backends", "report", "reset"]
+__all__ = ["backends", "clear_cache", "disk", "report", "reset"]
 
 _BACKENDS = {
     "onnxruntime": "ONNX Runtime drafter (export/)",
@@ -177,6 +179,59 @@ def backends(spec: str) -> list[str]:
     return lines
 
 
+# what the cache holds: what is built again at next use (`omnidraft doctor --clear-cache` removes it),
+# then what is kept (a user's profiles; the measurements, which `--reset` forgets)
+REBUILT = {
+    "gguf": "the presets' GGUF files assembled from their packages' parts; llama.cpp drafters' Q8_0 copies",
+    "converted": "fp32 copies of the presets that PyTorch or an OpenVINO export reads",
+    "openvino": "presets exported to OpenVINO IR",
+    "shortlists": "shortlisted drafter heads",
+}
+KEPT = {
+    "profiles": "pairing profiles: adapters, n-gram caches, users' past outputs (never cleared here)",
+    "measured": "what was measured on this machine (`omnidraft doctor --reset` forgets it)",
+}
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _human(size: int) -> str:
+    return f"{size / 2**30:.1f} GB" if size >= 2**30 else f"{size / 2**20:.0f} MB"
+
+
+def disk() -> list[str]:
+    """What the cache holds on disk, by part and for the rebuilt parts by entry."""
+    root = presets.cache_dir()
+    parts = [(name, root / name) for name in (*REBUILT, *KEPT) if (root / name).is_dir()]
+    sizes = {name: _size(path) for name, path in parts}
+    lines = [f"cache {root}: {_human(sum(sizes.values()))} (OMNIDRAFT_CACHE moves it)"]
+    for name, path in parts:
+        lines.append(f"  {name}/ {_human(sizes[name])}: {REBUILT.get(name) or KEPT[name]}")
+        if name in REBUILT:
+            entries = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+            lines += [f"    {p.name} {_human(_size(p))}" for p in entries]
+    if any(name in REBUILT for name, _ in parts):
+        lines.append("  `omnidraft doctor --clear-cache` removes what is rebuilt at next use")
+    return lines
+
+
+def clear_cache() -> list[str]:
+    """Remove the cache's rebuilt parts (REBUILT); profiles and measurements stay. A line each."""
+    root = presets.cache_dir()
+    lines = []
+    for name in REBUILT:
+        path = root / name
+        if path.is_dir():
+            size = _size(path)
+            shutil.rmtree(path)
+            lines.append(f"removed {path} ({_human(size)}; rebuilt at next use)")
+    return lines or [f"nothing to clear under {root}"]
+
+
 def reset() -> list[str]:
     """Forget every per-machine measurement; one line per file removed."""
     removed = measured.reset()
@@ -197,7 +252,7 @@ def report(targets: Sequence[str] = (), drafter: str | None = None) -> list[str]
         for module, what in _BACKENDS.items()
     ]
     lines += [f"preset {name}: {_preset_state(name)}" for name in sorted(presets.PRESETS)]
-    lines += _measurements() + _drafter_weights()
+    lines += _measurements() + _drafter_weights() + disk()
     if drafter is not None:
         lines += backends(drafter)
     for spec in targets:

@@ -93,7 +93,7 @@ def load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) -> 
 
     drafter = od.Drafter.load(drafter_spec, backend=getattr(args, "drafter_backend", None))
     target = engine(getattr(args, "target_backend", "torch")).load(target_spec, {})
-    logging.getLogger("omnidraft").info(
+    logging.getLogger("omnidraft").debug(
         "loaded %s and %s in %.1f s", drafter, target, time.perf_counter() - started
     )
     extra = {"mode": getattr(args, "mode", "greedy"), "temperature": getattr(args, "temperature", 0.0)}
@@ -114,7 +114,7 @@ def load_pair(drafter_spec: str, target_spec: str, args: argparse.Namespace) -> 
 def start_run(args: argparse.Namespace) -> None:
     """A command's start: log lines to stderr (the chatty libraries quiet), counts checked."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for noisy in ("transformers", "httpx", "huggingface_hub"):
+    for noisy in ("transformers", "httpx", "huggingface_hub", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if getattr(args, "n", 1) < 1 or getattr(args, "max_new_tokens", 1) < 1:
         raise SystemExit(
@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _generate_args(sub: Any) -> None:
     """`omnidraft generate`: stream one speculative generation."""
+    from ..targets.registry import engine_names
+
     g = sub.add_parser("generate", help="stream one speculative generation")
     g.add_argument("prompt")
     g.add_argument(
@@ -156,6 +158,12 @@ def _generate_args(sub: Any) -> None:
     g.add_argument("--mode", choices=["greedy", "match", "exact", "omnidraft"], default="greedy")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--target-backend",
+        choices=engine_names(),
+        default="auto",
+        help="the target's engine (default auto: the fastest here for its weights, as load_target picks)",
+    )
     add_decoding_args(g)
 
 
@@ -385,6 +393,11 @@ def _doctor_args(sub: Any) -> None:
     )
     o.add_argument(
         "--reset", action="store_true", help="forget every per-machine measurement (timed again at next use)"
+    )
+    o.add_argument(
+        "--clear-cache",
+        action="store_true",
+        help="remove the cache's converted and exported models (rebuilt at next use); profiles stay",
     )
 
 

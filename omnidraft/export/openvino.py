@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..errors import IncompatibleError
+from ..runtime.notice import one_time
 
 __all__ = ["WEIGHTS", "export_openvino", "exported", "openvino_python"]
 
@@ -87,7 +88,7 @@ def exported(spec: str, *, weights: str = "int8", python: str | None = None) -> 
         if (out / "openvino_model.xml").is_file():
             return out
         python = openvino_python(python)
-        log.info("exporting %s to OpenVINO IR (%s weights) once, into %s: about a minute", spec, weights, out)
+        one_time("exporting %s to OpenVINO IR (%s weights) once, into %s: about a minute", spec, weights, out)
         started = time.perf_counter()
         out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(out, directory=True) as tmp:

@@ -78,7 +78,7 @@ def drafting_copy(drafter: Any, config: Any, *, learn: bool, adapter: Any, user:
     fast, slow = drafting_cost(llama), drafting_cost(drafter)
     if fast >= slow:
         return drafter
-    log.info(
+    log.debug(
         "%s: drafting on llama.cpp (%.1f ms a token against %.1f on PyTorch here)",
         drafter.name,
         1e3 * fast,

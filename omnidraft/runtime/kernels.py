@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from . import measured
+from .notice import one_time
 
 __all__ = [
     "BUCKETS",
@@ -161,9 +162,8 @@ def kernel_plan(model: nn.Module, *, cache: Path | None = None, reps: int = 3) -
     missing = [key for key in seen if key not in known]
     if missing and torch.backends.mkldnn.is_available():
         started = time.perf_counter()
-        from tqdm.auto import tqdm
-
-        for key in tqdm(missing, desc="timing linear kernels on this machine (once)", leave=False):
+        one_time("timing %d linear kernel shape(s) once on this machine (a few seconds each)", len(missing))
+        for key in missing:
             known[key] = _time_shape(seen[key], reps)
         path = measured.update(kind, {key: known[key] for key in missing}, root=cache)
         log.info(

@@ -22,6 +22,7 @@ import torch
 from filelock import FileLock
 
 from ..store.atomic import atomic_write_bytes
+from .notice import one_time
 
 __all__ = ["directory", "entries", "machine_key", "read", "remembered", "reset", "update"]
 
@@ -79,14 +80,38 @@ def update(kind: str, entries: dict[str, Any], *, root: Path | None = None) -> P
     return path
 
 
-def remembered(kind: str, key: str, measure: Callable[[], Any], *, root: Path | None = None) -> Any:
+# what each kind of measurement finds out, and about how long it takes, as its one log line says it
+WHAT = {
+    "attention": ("which attention kernel is faster", "a second"),
+    "drafting-cost": ("what one drafted token costs", "a few seconds"),
+    "request-alone": ("how fast one request decodes alone", "up to a minute"),
+    "target-graphs": ("whether CUDA graphs speed the target up", "seconds"),
+    "vllm-verify-costs": ("what a verify of 1-9 tokens costs on vLLM", "under a minute"),
+    "vllm-batch-costs": ("what a step of several sequences costs on vLLM", "under a minute"),
+    "llama-cpp-smoke": ("whether this llama.cpp build runs the model", "seconds"),
+    "llama-exact-rows": ("how many tokens one llama.cpp call verifies bit-exactly", "a few seconds"),
+    "llama-row-costs": ("what a verify of several tokens costs on llama.cpp", "a few seconds"),
+    "drafter-weights": ("which weight format drafts fastest on llama.cpp", "under a minute"),
+    "openvino-margin": ("how far OpenVINO's verify rows are from one-row steps", "seconds"),
+    "openvino-verify-costs-trimmed": ("what a verify of several tokens costs on OpenVINO", "seconds"),
+}
+
+
+def remembered(
+    kind: str, key: str, measure: Callable[[], Any], *, root: Path | None = None, about: str | None = None
+) -> Any:
     """`measure()` for `key`, measured once on this machine and kept (see the module doc). The
-    measurement runs outside the lock (it may take seconds); the write merges under it."""
+    measurement runs outside the lock (it may take seconds); the write merges under it. Its one
+    log line says in words what it finds out (`about`, else `WHAT[kind]`) and about how long."""
     known = read(kind, root=root)
     if key in known:
         return known[key]
-    log.info(
-        "measuring %s for %s on this machine (once; `omnidraft doctor --reset` forgets it)", kind, _named(key)
+    what, takes = WHAT.get(kind, (kind, "seconds"))
+    one_time(
+        "measuring once on this machine: %s, for %s (%s; `omnidraft doctor --reset` forgets it)",
+        about or what,
+        _named(key),
+        takes,
     )
     value = measure()
     update(kind, {key: value}, root=root)

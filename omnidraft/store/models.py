@@ -12,9 +12,11 @@ import logging
 import time
 from pathlib import Path
 from typing import Any, Iterator
+from unittest import mock
 
 import torch
 
+from ..runtime.notice import one_time
 from . import presets
 from .atomic import atomic_path, build_lock
 
@@ -95,17 +97,19 @@ def _converted_dir(path: Path, name: str) -> Path:
 
 @contextlib.contextmanager
 def _quiet_loading() -> Iterator[None]:
-    """transformers' weight-loading progress bars off while omnidraft loads a model (a run prints
-    what it was asked for; the CLI logs one line a load), restored after."""
+    """transformers' weight-loading and dequantising progress bars off while omnidraft loads a
+    model (a run prints what it was asked for; a first load says so in one line), restored after."""
     from transformers.utils import logging as hf_logging
 
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
+    # the GGUF dequantiser's bar is tqdm's own, which transformers' switch does not reach
+    with mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda items, **_: items):
+        try:
+            yield
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
 
 
 def _load_hf(source: str, name: str, dtype: torch.dtype, **kwargs: Any) -> LoadedModel:
@@ -130,7 +134,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedModel:
 
 def _convert_gguf(path: Path, name: str, dtype: torch.dtype, converted: Path) -> LoadedModel:
     started = time.perf_counter()
-    log.info(
+    one_time(
         "first load of %s: dequantising %s once (tens of seconds; cached in %s)", name, path.name, converted
     )
     loaded = _load_hf(str(path.parent), name, dtype, gguf_file=path.name)
@@ -141,7 +145,7 @@ def _convert_gguf(path: Path, name: str, dtype: torch.dtype, converted: Path) ->
         converted,
     )
     _forget_gguf_origin(loaded.model)
-    with atomic_path(converted, directory=True) as tmp:
+    with atomic_path(converted, directory=True) as tmp, _quiet_loading():
         loaded.model.save_pretrained(tmp)
         loaded.tokenizer.save_pretrained(tmp)
     return loaded

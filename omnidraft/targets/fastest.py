@@ -63,7 +63,7 @@ def fastest_engine(spec: str, load: Callable[[str], Target]) -> str:
         return names[0]
     rates = {name: _rate(spec, name, load) for name in names}
     best = max(rates, key=rates.__getitem__)
-    log.info(
+    log.debug(
         "%s: a request alone takes %s here: the target runs on %s",
         spec,
         ", ".join(f"{NEW / r:.2f} s on {n}" if r > 0 else f"failed on {n}" for n, r in rates.items()),
@@ -85,7 +85,14 @@ def _rate(spec: str, name: str, load: Callable[[str], Target]) -> float:
             gc.collect()
 
     try:
-        return float(remembered("request-alone", f"{spec}|{name}|{_build(name)}", measure))
+        return float(
+            remembered(
+                "request-alone",
+                f"{spec}|{name}|{_build(name)}",
+                measure,
+                about=f"how fast one request decodes alone on {name}",
+            )
+        )
     except Exception as exc:  # noqa: BLE001 - an engine that cannot run it is simply not chosen
         log.info("%s: not on %s here (%s)", spec, name, exc)
         return 0.0
