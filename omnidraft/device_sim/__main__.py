@@ -71,7 +71,30 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--context", type=int, default=None, help="context the costs are read at (default: the middle one)"
     )
+    _capacity_args(sub)
     return p
+
+
+def _capacity_args(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "capacity", help="devices one server holds within a per-user time per token, per design (capacity.py)"
+    )
+    where = c.add_mutually_exclusive_group(required=True)
+    where.add_argument("--steps", help="a batched step profile JSON (python -m benchmarks.step_profile)")
+    where.add_argument("--server", help="a server profile whose step is compute-bound (its target_ms)")
+    c.add_argument("--model", default=None, help="with --steps: the model shape (default: the first)")
+    c.add_argument("--context", type=int, default=None, help="with --steps: the context (default: smallest)")
+    c.add_argument("--device", required=True, help="the device's profile (its drafter_ms)")
+    c.add_argument("--rtt", type=float, action="append", required=True, metavar="MS")
+    c.add_argument(
+        "--target-ms", type=float, action="append", metavar="MS", help="p95 ms a token (default 50)"
+    )
+    c.add_argument("--acceptance", type=float, default=None, help="the device's per-token acceptance")
+    c.add_argument("--trace", default=None, help="fit --acceptance to these recorded rounds instead")
+    c.add_argument("--tokens", type=int, default=128)
+    c.add_argument("--ngram-found", type=float, default=0.5, help="server n-gram: a match found a step")
+    c.add_argument("--ngram-acceptance", type=float, default=0.5, help="server n-gram: per-token acceptance")
+    c.add_argument("--json", default=None, help="also write the rows here")
 
 
 def _scenarios(args, cat):
@@ -110,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "stream":
         return _stream(args, cat.devices)
+    if args.command == "capacity":
+        return _capacity(args, cat.devices)
     if args.command == "list":
         profiles: list[DeviceProfile | NetworkProfile] = [*cat.devices.values(), *cat.networks.values()]
         for p in profiles:
@@ -226,6 +251,51 @@ def _stream(args: argparse.Namespace, devices: dict[str, DeviceProfile]) -> None
                 f"{rtt:>7g}{n:>8}{mean('device_tok_s'):>14.2f}{mean('server_tok_s'):>14.2f}"
                 f"{mean('alone_tok_s'):>13.2f}{mean('speedup'):>8.2f}x{mean('steps_per_token'):>13.2f}"
             )
+
+
+def _capacity(args: argparse.Namespace, devices: dict[str, DeviceProfile]) -> None:
+    from .capacity import StepProfile, capacity_table, read_step_profile
+    from .simulate import acceptance_per_position
+
+    for name in (args.device, args.server):
+        if name is not None and name not in devices:
+            raise SystemExit(f"unknown device profile {name!r}; known: {', '.join(sorted(devices))}")
+    try:
+        step = (
+            read_step_profile(args.steps, args.model, args.context)
+            if args.steps
+            else StepProfile.compute_bound(devices[args.server])
+        )
+        acceptance = acceptance_per_position(read_trace(args.trace)) if args.trace else args.acceptance
+    except (OSError, ValueError) as exc:
+        raise SystemExit(str(exc)) from None
+    if acceptance is None:
+        raise SystemExit("give --acceptance or --trace (recorded rounds to fit it to)")
+    rows = capacity_table(
+        step,
+        devices[args.device],
+        args.rtt,
+        args.target_ms or [50.0],
+        tokens=args.tokens,
+        acceptance=acceptance,
+        ngram_found=args.ngram_found,
+        ngram_acceptance=args.ngram_acceptance,
+    )
+    how = "measured" if step.measured else "not measured as a batch"
+    print(f"server step: {step.name} ({how}); {step.source}")
+    print(
+        f"device: {args.device}, acceptance {acceptance:.2f} a token; server n-gram (assumed): "
+        f"found {args.ngram_found:.2f}, acceptance {args.ngram_acceptance:.2f}"
+    )
+    print(f"{'RTT ms':>7}{'target ms':>10}  {'design':<13}{'capacity':>9}{'p95 ms':>8}{'server tok/s':>13}")
+    for r in rows:
+        p95 = f"{r['p95_ms']:>8.1f}" if r["p95_ms"] is not None else f"{'-':>8}"
+        tps = f"{r['server_tok_s']:>13.1f}" if r["server_tok_s"] is not None else f"{'-':>13}"
+        print(f"{r['rtt_ms']:>7g}{r['target_ms']:>10g}  {r['design']:<13}{r['capacity']:>9}{p95}{tps}")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"step": step.name, "acceptance": acceptance, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

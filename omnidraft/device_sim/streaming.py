@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .hardware import DeviceProfile
 
@@ -54,6 +54,7 @@ class StreamResult:
     server_tok_s: float
     steps_per_token: float
     alone_tok_s: float
+    device_ms_per_token: tuple[float, ...] = ()  # each device's, its request's time over its tokens
 
     @property
     def speedup(self) -> float:
@@ -104,17 +105,31 @@ class Streaming:
             )
 
 
-def simulate_streaming(server: DeviceProfile, device: DeviceProfile, **scenario: Any) -> StreamResult:
+def simulate_streaming(
+    server: DeviceProfile,
+    device: DeviceProfile,
+    step_ms: Callable[[int, int], float] | None = None,
+    **scenario: Any,
+) -> StreamResult:
     """The scenario (`Streaming`'s fields as keywords: rtt_ms, devices, acceptance, budget, tokens,
-    first, shared_cpu, seed, ttft_s) simulated event by event (see the module doc)."""
-    return _Simulation(server, device, Streaming(**scenario)).run()
+    first, shared_cpu, seed, ttft_s) simulated event by event (see the module doc). `step_ms(rows,
+    tokens)`: a server step's cost by its rows and all their tokens (a batched step profile,
+    capacity.py); by default `server.target_cost(tokens)`, a step as costly as one sequence that long."""
+    return _Simulation(server, device, Streaming(**scenario), step_ms).run()
 
 
 class _Simulation:
     """The event queue of one scenario: proposals arriving at the server, devices hearing tokens."""
 
-    def __init__(self, server: DeviceProfile, device: DeviceProfile, sc: Streaming) -> None:
+    def __init__(
+        self,
+        server: DeviceProfile,
+        device: DeviceProfile,
+        sc: Streaming,
+        step_ms: Callable[[int, int], float] | None = None,
+    ) -> None:
         self.server, self.device, self.sc = server, device, sc
+        self.step_ms = step_ms or (lambda rows, tokens: server.target_cost(tokens))
         rng = random.Random(sc.seed)
         self.streams = [
             _Stream([rng.random() < sc.acceptance for _ in range(sc.tokens + 64)]) for _ in range(sc.devices)
@@ -176,7 +191,7 @@ class _Simulation:
         while any(s.committed < sc.tokens for s in streams):
             self.deliver(now)
             plan = self.plan()
-            now += self.server.target_cost(sum(1 + given for _, given in plan)) / 1000
+            now += self.step_ms(len(plan), sum(1 + given for _, given in plan)) / 1000
             steps += 1
             for i, given in plan:
                 s = streams[i]
@@ -188,10 +203,11 @@ class _Simulation:
                 if s.committed >= sc.tokens:
                     s.done_s = now
                 self.push(now + self.half, "hear", i, (s.committed, 0))
-        alone_s = sc.ttft_s + sc.tokens * self.server.target_cost(sc.devices) / 1000
+        alone_s = sc.ttft_s + sc.tokens * self.step_ms(sc.devices, sc.devices) / 1000
         return StreamResult(
             device_tok_s=sum(sc.tokens / (sc.ttft_s + s.done_s) for s in streams) / sc.devices,
             server_tok_s=committed / (sc.ttft_s + now),
             steps_per_token=steps * sc.devices / committed,
             alone_tok_s=sc.devices * sc.tokens / alone_s,
+            device_ms_per_token=tuple(1000 * (sc.ttft_s + s.done_s) / sc.tokens for s in streams),
         )
