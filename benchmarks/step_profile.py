@@ -144,6 +144,48 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def from_vllm_measurements(model: str, threads: int = 1) -> dict[str, Any]:
+    """A step profile of the vLLM engine as this machine measured it when it first served `model`
+    on `threads` threads (`VLLMTarget`'s kept verify costs of 1-8 tokens on one row and batch costs
+    of 16 rows of 1, 4 and 8 tokens: runtime/measured.py), at the context those use."""
+    from omnidraft.runtime import measured
+    from omnidraft.targets.vllm_costs import BATCH_ROWS, COST_CONTEXT
+
+    torch.set_num_threads(threads)  # (a measurement is kept per machine and thread count)
+
+    def entry(kind: str) -> dict[str, float]:
+        found = [v for k, v in measured.read(kind).items() if k.split("|")[0] == model]
+        if not found:
+            raise SystemExit(f"no {kind} measured for {model} on this machine: serve it on vLLM once first")
+        return {str(k): float(v) for k, v in found[0].items()}
+
+    verify, batch = entry("vllm-verify-costs"), entry("vllm-batch-costs")
+    per_row = {int(total) // BATCH_ROWS: ms for total, ms in batch.items()}
+    tokens = sorted(t for t in per_row if str(t) in verify)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "device": "cpu",
+        "device_name": f"{platform.processor() or platform.machine()}, vLLM's CPU engine",
+        "torch": torch.__version__,
+        "dtype": "float32",
+        "rows": [1, BATCH_ROWS],
+        "tokens": tokens,
+        "contexts": [COST_CONTEXT],
+        "models": {
+            model: {
+                "source": "VLLMTarget's kept verify_costs and batch_costs (runtime/measured.py)",
+                "contexts": {
+                    str(COST_CONTEXT): {
+                        "1": {str(t): round(1e3 * verify[str(t)], 3) for t in tokens},
+                        str(BATCH_ROWS): {str(t): round(1e3 * per_row[t], 3) for t in tokens},
+                    }
+                },
+            }
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_profile", description=__doc__)
     p.add_argument("--device", default="cuda")
@@ -156,7 +198,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=420.0, help="no row count starts after this many s")
     p.add_argument("--out", default="step-profile.json")
+    p.add_argument(
+        "--from-vllm",
+        metavar="MODEL",
+        default=None,
+        help="write the profile of vLLM's engine as this machine measured it serving MODEL (no timing)",
+    )
+    p.add_argument("--threads", type=int, default=1, help="with --from-vllm: the server's threads")
     args = p.parse_args(argv)
+    if args.from_vllm:
+        Path(args.out).write_text(json.dumps(from_vllm_measurements(args.from_vllm, args.threads), indent=1))
+        print(f"wrote {args.out}")
+        return
     if min(args.rows) < 1 or min(args.tokens) < 1 or min(args.contexts) < 1:
         raise SystemExit("--rows, --tokens and --contexts must be >= 1")
     report = profile(args)

@@ -122,3 +122,69 @@ def test_the_command_prints_a_capacity_row_per_design(profile_json, capsys, tmp_
     assert len(rows) == 4 and all(r["capacity"] >= 1 for r in rows)
     with pytest.raises(SystemExit, match="give --acceptance or --trace"):
         device_sim(["capacity", "--steps", str(profile_json), "--device", "phone-npu-what-if", "--rtt", "20"])
+
+
+def test_a_prompt_read_in_pieces_is_priced_in_the_servers_steps():
+    """With `prompt`, each request's prompt is read `chunk` tokens a step and its first token comes
+    with the last piece: alone on one row, 3 pieces then 3 more steps for 4 tokens."""
+    from omnidraft.device_sim.streaming import simulate_streaming
+
+    server = DeviceProfile(
+        name="s", source="t", drafter_ms=0.0, target_ms=(10.0, 20.0), prefill_ms_per_token=0.0
+    )
+    r = simulate_streaming(server, DEVICE, rtt_ms=0, acceptance=0.0, budget=0, tokens=4, prompt=5, chunk=2)
+    # pieces of 2, 2, 1 tokens: 20 + 20 + 10 ms, the last giving the first token; then 3 steps of 10
+    assert r.device_ms_per_token == (pytest.approx(80.0 / 4),)
+
+
+def test_the_check_against_a_bench_prices_each_measured_row(tmp_path, capsys):
+    """`capacity-check` reads `omnidraft bench --remote`'s JSON and prints, per row, the model's
+    server tokens/s and median request seconds a token beside the measured ones."""
+    rows = [
+        {"rtt_ms": 50.0, "devices": n, "row": row, "requests": 4, "tokens": 256, "tok_s": tok_s}
+        | {"ttft_s": 0.5, "request_s_per_token_p50": s}
+        for n, row, tok_s, s in [(1, "server alone", 5.0, 0.2), (2, "device drafting", 9.0, 0.21)]
+    ]
+    (tmp_path / "bench.json").write_text(json.dumps(rows))
+    profile = "this-machine:vllm-1cpu:qwen2.5-coder-0.5b"
+    argv = ["--server", profile, "--device", profile, "--acceptance", "0.76", "--seeds", "2"]
+    device_sim(["capacity-check", str(tmp_path / "bench.json"), *argv])
+    out = capsys.readouterr().out
+    assert out.count("| 50 |") == 2 and "largest error" in out
+    from omnidraft.device_sim.capacity import against_bench
+    from omnidraft.device_sim.hardware import load_profiles
+
+    vllm = load_profiles().devices[profile]
+    (alone, drafting) = against_bench(rows, vllm, vllm, acceptance=0.76, seeds=2)
+    # alone: the row's 0.5 s to the first token added, then 64 steps of one token each at 156 ms
+    assert alone["predicted_s_per_token_p50"] == pytest.approx((0.5 + 64 * 0.156) / 64, rel=0.02)
+    assert alone["error_tok_s"] == pytest.approx(alone["predicted_tok_s"] / 5.0 - 1, abs=1e-3)
+    assert drafting["devices"] == 2 and drafting["predicted_tok_s"] > 0
+    with pytest.raises(SystemExit, match="not the JSON of `omnidraft bench --remote`"):
+        (tmp_path / "bad.json").write_text('[{"row": "server alone"}]')
+        device_sim(["capacity-check", str(tmp_path / "bad.json"), *argv])
+
+
+def test_the_vllm_engines_own_measured_costs_make_a_step_profile(tmp_path, monkeypatch):
+    """`step_profile --from-vllm MODEL` turns what a vLLM server measured on this machine (verify
+    costs on one row, steps of 16 rows) into a profile the capacity model reads."""
+    import torch
+
+    from benchmarks.step_profile import from_vllm_measurements
+    from omnidraft.runtime import measured
+
+    monkeypatch.setenv("OMNIDRAFT_CACHE", str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        measured.update("vllm-verify-costs", {"m|args": {str(t): 0.1 + 0.001 * t for t in range(1, 9)}})
+        measured.update("vllm-batch-costs", {"m|args|True": {"16": 0.2, "64": 0.6, "128": 1.0}})
+        doc = from_vllm_measurements("m")
+    finally:
+        torch.set_num_threads(threads)
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    profile = read_step_profile(tmp_path / "p.json")
+    assert profile.rows == (1, 16) and profile.tokens == (1, 4, 8)
+    assert profile.cost(1, 4) == pytest.approx(104.0) and profile.cost(16, 64) == pytest.approx(600.0)
+    with pytest.raises(SystemExit, match="no vllm-verify-costs measured for other"):
+        from_vllm_measurements("other")

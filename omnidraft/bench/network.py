@@ -230,6 +230,7 @@ def summarize_row(runs: list[Timed], wall: float, reference: list[list[int]] | N
     gaps = [b - a for r in runs for a, b in zip(r.times, r.times[1:])]
     ttft = [r.times[0] - r.sent for r in runs if r.times]
     per = sorted(gaps) or [0.0]
+    per_request = [(r.times[-1] - r.sent) / len(r.tokens) for r in runs if r.tokens] or [0.0]
     return {
         "requests": len(runs),
         "tokens": tokens,
@@ -237,7 +238,8 @@ def summarize_row(runs: list[Timed], wall: float, reference: list[list[int]] | N
         "ttft_s": statistics.median(ttft) if ttft else None,
         "gap_p50_s": per[len(per) // 2],
         "gap_p95_s": per[min(len(per) - 1, int(0.95 * len(per)))],
-        "worst_request_s_per_token": max((r.times[-1] - r.sent) / len(r.tokens) for r in runs if r.tokens),
+        "worst_request_s_per_token": max(per_request),
+        "request_s_per_token_p50": statistics.median(per_request),
         "identical": sum(r.tokens == ref for r, ref in zip(runs, reference)) if reference else None,
     }
 

@@ -95,6 +95,19 @@ def _capacity_args(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--ngram-found", type=float, default=0.5, help="server n-gram: a match found a step")
     c.add_argument("--ngram-acceptance", type=float, default=0.5, help="server n-gram: per-token acceptance")
     c.add_argument("--json", default=None, help="also write the rows here")
+    v = sub.add_parser(
+        "capacity-check",
+        help="the streaming model against measured `omnidraft bench --remote` rows (its JSON)",
+    )
+    v.add_argument("bench")
+    v.add_argument("--server", required=True, help="the server's profile (its target_ms)")
+    v.add_argument("--device", required=True, help="the device's profile (its drafter_ms)")
+    v.add_argument("--acceptance", type=float, required=True, help="the device's per-token acceptance")
+    v.add_argument("--budget", type=int, default=6, help="draft tokens the server takes a row and step")
+    v.add_argument("--seeds", type=int, default=8)
+    v.add_argument(
+        "--steps", default=None, help="the server's batched step profile JSON (default: --server's)"
+    )
 
 
 def _scenarios(args, cat):
@@ -135,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         return _stream(args, cat.devices)
     if args.command == "capacity":
         return _capacity(args, cat.devices)
+    if args.command == "capacity-check":
+        return _capacity_check(args, cat.devices)
     if args.command == "list":
         profiles: list[DeviceProfile | NetworkProfile] = [*cat.devices.values(), *cat.networks.values()]
         for p in profiles:
@@ -296,6 +311,48 @@ def _capacity(args: argparse.Namespace, devices: dict[str, DeviceProfile]) -> No
         Path(args.json).write_text(
             json.dumps({"step": step.name, "acceptance": acceptance, "rows": rows}, indent=1)
         )
+
+
+def _capacity_check(args: argparse.Namespace, devices: dict[str, DeviceProfile]) -> None:
+    from .capacity import against_bench, read_step_profile
+
+    for name in (args.server, args.device):
+        if name not in devices:
+            raise SystemExit(f"unknown device profile {name!r}; known: {', '.join(sorted(devices))}")
+    try:
+        measured = json.loads(Path(args.bench).read_text())
+        rows = against_bench(
+            measured,
+            devices[args.server],
+            devices[args.device],
+            acceptance=args.acceptance,
+            budget=args.budget,
+            seeds=args.seeds,
+            step=read_step_profile(args.steps) if args.steps else None,
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"{args.bench}: not the JSON of `omnidraft bench --remote`: {exc}") from None
+    print(
+        "| RTT ms | devices | row | server tok/s predicted / measured | error "
+        "| request s/token p50 predicted / measured | error |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+
+        def cell(key: str) -> str:
+            got, err = r[f"measured_{key}"], r[f"error_{key}"]
+            return (
+                f"{r[f'predicted_{key}']:.3f} / {got:.3f} | {err:+.0%}"
+                if got
+                else f"{r[f'predicted_{key}']:.3f} / - | -"
+            )
+
+        print(
+            f"| {r['rtt_ms']:g} | {r['devices']} | {r['row']} | {cell('tok_s')} | {cell('s_per_token_p50')} |"
+        )
+    errors = [abs(r[k]) for r in rows for k in ("error_tok_s", "error_s_per_token_p50") if r[k] is not None]
+    if errors:
+        print(f"largest error {max(errors):.0%}: {'within' if max(errors) <= 0.15 else 'outside'} 15%")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,17 @@ from typing import Any, Callable
 from .hardware import DeviceProfile
 from .streaming import simulate_streaming
 
-__all__ = ["DESIGNS", "Load", "StepProfile", "capacity", "capacity_table", "load", "read_step_profile"]
+__all__ = [
+    "DESIGNS",
+    "Load",
+    "StepProfile",
+    "Workload",
+    "against_bench",
+    "capacity",
+    "capacity_table",
+    "load",
+    "read_step_profile",
+]
 
 FORMAT, VERSION = "omnidraft-step-profile", 1
 DESIGNS = ("alone", "streaming", "round-trip", "server-ngram")
@@ -120,7 +130,9 @@ def read_step_profile(path: str | Path, model: str | None = None, context: int |
     return StepProfile(
         name=f"{doc.get('device_name', doc['device'])}:{name}:{doc['dtype']}:context {at}",
         source=f"benchmarks/step_profile.py on {doc.get('device_name')} (torch {doc.get('torch')}, "
-        f"{doc['dtype']}, random weights of the {name} shape), {at} tokens of context a row",
+        f"{doc['dtype']}, "
+        + doc["models"][name].get("source", f"random weights of the {name} shape")
+        + f"), {at} tokens of context a row",
         rows=rows,
         tokens=tokens,
         ms=tuple(tuple(float(table[r][str(t)]) for t in tokens) for r in rows),
@@ -194,34 +206,38 @@ def _server_ngram(step: StepProfile, n: int, tokens: int, k: int, found: float, 
     return _load("server-ngram", n, [1000 * t / tokens for t in finished], now, tokens)
 
 
-def load(
-    design: str,
-    step: StepProfile,
-    device: DeviceProfile,
-    devices: int,
-    *,
-    rtt_ms: float = 50.0,
-    tokens: int = 128,
-    acceptance: float = 0.6,
-    k: int = 3,
-    budget: int = 6,
-    ngram_k: int = 5,
-    ngram_found: float = 0.5,
-    ngram_acceptance: float = 0.5,
-    seed: int = 0,
-) -> Load:
-    """`design` (one of DESIGNS) with `devices` devices on `step` (see the module doc)."""
+@dataclass(frozen=True)
+class Workload:
+    """What every device asks and how its drafts fare (see the module doc): `rtt_ms` to the server,
+    `tokens` a request, the device's per-token `acceptance`, `k` tokens a round-trip round, the
+    server's `budget` of drafted tokens a row and step (streaming), and the server's n-gram: `ngram_k`
+    tokens proposed where a match is found (`ngram_found`), each right with `ngram_acceptance`."""
+
+    rtt_ms: float = 50.0
+    tokens: int = 128
+    acceptance: float = 0.6
+    k: int = 3
+    budget: int = 6
+    ngram_k: int = 5
+    ngram_found: float = 0.5
+    ngram_acceptance: float = 0.5
+    seed: int = 0
+
+
+def load(design: str, step: StepProfile, device: DeviceProfile, devices: int, **workload: Any) -> Load:
+    """`design` (one of DESIGNS) with `devices` devices on `step`; `workload`: `Workload`'s fields."""
+    w = Workload(**workload)
     if design not in DESIGNS:
         raise ValueError(f"unknown design {design!r}; the designs are {', '.join(DESIGNS)}")
-    if devices < 1 or tokens < 2:
-        raise ValueError(f"need devices >= 1 and tokens >= 2, got {devices} and {tokens}")
+    if devices < 1 or w.tokens < 2:
+        raise ValueError(f"need devices >= 1 and tokens >= 2, got {devices} and {w.tokens}")
     if design == "alone":
         ms = step.cost(devices, devices)
         return Load("alone", devices, ms, ms, 1000 * devices / ms)
     if design == "round-trip":
-        return _round_trip(step, device, devices, rtt_ms, tokens, k, acceptance, seed)
+        return _round_trip(step, device, devices, w.rtt_ms, w.tokens, w.k, w.acceptance, w.seed)
     if design == "server-ngram":
-        return _server_ngram(step, devices, tokens, ngram_k, ngram_found, ngram_acceptance, seed)
+        return _server_ngram(step, devices, w.tokens, w.ngram_k, w.ngram_found, w.ngram_acceptance, w.seed)
     server = DeviceProfile(
         name=step.name, source=step.source, drafter_ms=0.0, target_ms=(1.0,), prefill_ms_per_token=0.0
     )
@@ -229,15 +245,15 @@ def load(
         server,
         device,
         step_ms=step.cost,
-        rtt_ms=rtt_ms,
+        rtt_ms=w.rtt_ms,
         devices=devices,
-        acceptance=acceptance,
-        budget=budget,
-        tokens=tokens,
-        seed=seed,
+        acceptance=w.acceptance,
+        budget=w.budget,
+        tokens=w.tokens,
+        seed=w.seed,
     )
     per_user = list(r.device_ms_per_token)
-    return _load("streaming", devices, per_user, max(per_user) * tokens / 1000, tokens)
+    return _load("streaming", devices, per_user, max(per_user) * w.tokens / 1000, w.tokens)
 
 
 def capacity(at: Callable[[int], Load], target_ms: float, most: int = 1024) -> tuple[int, Load | None]:
@@ -290,3 +306,54 @@ def capacity_table(
                     }
                 )
     return rows
+
+
+def against_bench(
+    measured: list[dict[str, Any]],
+    server: DeviceProfile,
+    device: DeviceProfile,
+    *,
+    acceptance: float,
+    budget: int = 6,
+    seeds: int = 8,
+    shared_cpu: bool = True,
+    step: StepProfile | None = None,
+) -> list[dict[str, Any]]:
+    """The streaming model's prediction of each "server alone" and "device drafting" row of
+    `omnidraft bench --remote` (its JSON rows), beside what was measured: the server's tokens/s and
+    the median request's seconds a token. Each row's own time to first token is added to its
+    requests (the model does not price prefill); a device's requests run one after another, so the
+    server's rate is devices x tokens over a request's mean time. `step`: a batched step profile
+    for the server's steps (default: `server`'s, as if compute-bound)."""
+    out = []
+    for row in measured:
+        if row.get("row") not in ("server alone", "device drafting"):
+            continue
+        n, tokens = int(row["devices"]), max(2, round(row["tokens"] / row["requests"]))
+        runs = [
+            simulate_streaming(
+                server,
+                device,
+                step_ms=step.cost if step is not None else None,
+                rtt_ms=float(row["rtt_ms"]),
+                devices=n,
+                acceptance=acceptance,
+                budget=budget if row["row"] == "device drafting" else 0,
+                tokens=tokens,
+                shared_cpu=shared_cpu,
+                seed=seed,
+                ttft_s=float(row.get("ttft_s") or 0.0),
+            )
+            for seed in range(seeds)
+        ]
+        per_token = [ms / 1000 for r in runs for ms in r.device_ms_per_token]
+        request_s = tokens * sum(per_token) / len(per_token)
+        predicted = {"tok_s": n * tokens / request_s, "s_per_token_p50": median(per_token)}
+        got = {"tok_s": row["tok_s"], "s_per_token_p50": row.get("request_s_per_token_p50")}
+        entry: dict[str, Any] = {"rtt_ms": row["rtt_ms"], "devices": n, "row": row["row"]}
+        for key in predicted:
+            entry[f"predicted_{key}"] = round(predicted[key], 3)
+            entry[f"measured_{key}"] = got[key]
+            entry[f"error_{key}"] = round(predicted[key] / got[key] - 1, 3) if got[key] else None
+        out.append(entry)
+    return out

@@ -16,7 +16,9 @@ Acceptance: at each position of a stream's text the device's greedy guess, given
 before it, is right with probability `acceptance` (independently; a fitted per-token rate), so a
 proposal drafted after committed position m is right up to the first wrong guess from m on. The
 server decoding alone commits one token per row a step. `ttft_s`, the time to a request's first
-token (its prefill, measured), is added to every request in both modes. Pure Python, no torch,
+token (its prefill, measured), is added to every request in both modes; or, with `prompt`, each
+request's prompt is read in the server's steps, `chunk` tokens a step (0: all at once), its row
+adding those tokens to the step's cost and its first token coming with the last piece. Pure Python, no torch,
 seeded.
 """
 
@@ -36,6 +38,7 @@ __all__ = ["StreamResult", "Streaming", "simulate_streaming"]
 class _Stream:
     right: list[bool]  # per generated position: whether the device's guess there is right
     committed: int = 0  # tokens the server has committed
+    unread: int = 0  # prompt tokens the server has yet to read
     heard: int = 0  # tokens the device has heard of
     # the device's proposal: drafted after `at` committed tokens, `length` tokens long (positions at..)
     at: int = 0
@@ -87,6 +90,8 @@ class Streaming:
     shared_cpu: bool = False
     seed: int = 0
     ttft_s: float = 0.0
+    prompt: int = 0
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if (
@@ -97,6 +102,8 @@ class Streaming:
             or not 0 <= self.acceptance <= 1
             or self.rtt_ms < 0
             or self.ttft_s < 0
+            or self.prompt < 0
+            or self.chunk < 0
         ):
             raise ValueError(
                 "need devices, tokens, first >= 1, budget >= 0, 0 <= acceptance <= 1, rtt_ms, ttft_s >= 0; "
@@ -188,13 +195,22 @@ class _Simulation:
         for i in range(sc.devices):
             self.draft(i, 0.0)
         now, steps, committed = 0.0, 0, 0
+        for s in streams:
+            s.unread = sc.prompt
         while any(s.committed < sc.tokens for s in streams):
             self.deliver(now)
             plan = self.plan()
-            now += self.step_ms(len(plan), sum(1 + given for _, given in plan)) / 1000
+            reading = {i: min(streams[i].unread, sc.chunk or streams[i].unread) for i, _ in plan}
+            fed = sum(reading[i] if streams[i].unread else 1 + given for i, given in plan)
+            now += self.step_ms(len(plan), fed) / 1000
             steps += 1
             for i, given in plan:
                 s = streams[i]
+                if s.unread:  # a piece of the prompt; its last piece gives the first token
+                    s.unread -= reading[i]
+                    if s.unread:
+                        continue
+                    given = 0
                 ok = next((j for j in range(given) if not s.right[s.committed + j]), given)
                 new = min(ok + 1, sc.tokens - s.committed)
                 s.committed += new
