@@ -147,6 +147,8 @@ def _serve(args: argparse.Namespace) -> None:
         ttl_s=args.ttl,
         max_sessions_per_key=args.max_sessions_per_key,
         log_requests=args.log_requests,
+        adapters_dir=args.share_adapters,
+        adapter_min_keys=args.adapter_min_keys,
     )
     if args.log_requests:
         import logging

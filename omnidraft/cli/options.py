@@ -326,6 +326,15 @@ def _serve_args(sub: Any) -> None:
         help="log one line per request to stderr: method, path, status, seconds, which API key",
     )
     v.add_argument(
+        "--share-adapters",
+        metavar="DIR",
+        default=None,
+        help="take devices' LoRA adapters for this target and serve their average (docs/personalization.md)",
+    )
+    v.add_argument(
+        "--adapter-min-keys", type=int, default=2, help="API keys whose uploads make a round of the average"
+    )
+    v.add_argument(
         "--max-sessions-per-key",
         type=int,
         default=None,

@@ -38,7 +38,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..distill.federated import AdapterExchange
 from ..wire import KEY_ENV, VERSION
+from .adapter_routes import add_adapter_routes
 from .config import OPERATOR, shown
 from .drain import Drain, DrainGate, add_ready_route
 from .openai_api import OPENAI_PATHS, error_body
@@ -240,4 +242,10 @@ def create_app(target: Target, config: ServerConfig = ServerConfig()) -> FastAPI
     add_ready_route(app, app.state.drain)
     add_device_routes(app, service, io)
     add_openai_routes(app, service, io)
+    exchange = (
+        AdapterExchange(config.adapters_dir, min_keys=config.adapter_min_keys)
+        if config.adapters_dir
+        else None
+    )
+    add_adapter_routes(app, exchange, io)
     return app

@@ -46,6 +46,8 @@ class ServerConfig:
     # the longest an engine step waits for a streaming device's proposal (at most a quarter of a step)
     proposal_wait_s: float = 0.03
     log_requests: bool = False  # one line per request on the "omnidraft.requests" logger (INFO)
+    adapters_dir: str | None = None  # where the adapter exchange keeps its versions (None: off)
+    adapter_min_keys: int = 2  # API keys whose uploads make a round of the shared adapter
 
     def __post_init__(self) -> None:
         if (

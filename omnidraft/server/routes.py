@@ -57,12 +57,14 @@ class RequestIO:
     def __init__(self, service: Service, config: ServerConfig) -> None:
         self.service, self.config = service, config
 
-    async def read(self, request: Request) -> bytes:
+    async def read(self, request: Request, limit: int | None = None) -> bytes:
+        """The body, at most `limit` bytes (default: the config's `max_body_bytes`), else a 413."""
+        most = limit or self.config.max_body_bytes
         data = bytearray()  # appended in place: a body in many small chunks costs linear time
         async for chunk in request.stream():
             data += chunk
-            if len(data) > self.config.max_body_bytes:
-                raise HTTPError(413, f"request body over the limit of {self.config.max_body_bytes} bytes")
+            if len(data) > most:
+                raise HTTPError(413, f"request body over the limit of {most} bytes")
         return bytes(data)
 
     async def body(self, request: Request, model: type[BaseModel]) -> Any:

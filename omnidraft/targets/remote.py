@@ -144,6 +144,33 @@ class RemoteTarget(TargetBase):
         content = message.model_dump_json(exclude_none=True) if message is not None else None
         return call_json(self.http, self.url, method, path, content, self.retries)
 
+    def upload_adapter(self, state: dict[str, Any], requests: int) -> dict[str, int]:
+        """Send this device's LoRA adapter (its tensors, as `Pairing.save_adapter` keeps them) and
+        how many requests it learned from to the server's adapter exchange (`omnidraft serve
+        --share-adapters`, distill/federated.py); no text leaves the device. Returns the shared
+        version now and this round's uploads; an adapter the server will not take raises
+        RemoteRequestError with its reason."""
+        from ..distill.federated import encode_state
+
+        reply = self.http.put(
+            "/v1/adapters/upload", params={"requests": requests}, content=encode_state(state)
+        )
+        if reply.status_code >= 400:
+            raise refused(self.url, "/v1/adapters/upload", reply)
+        return dict(reply.json())
+
+    def shared_adapter(self) -> tuple[int, dict[str, Any] | None]:
+        """The server's shared adapter for this target: (version, its tensors), (0, None) before the
+        first round."""
+        from ..distill.federated import decode_state
+
+        reply = self.http.get("/v1/adapters/shared")
+        if reply.status_code == 404 and "no shared adapter yet" in reply.text:
+            return 0, None
+        if reply.status_code >= 400:
+            raise refused(self.url, "/v1/adapters/shared", reply)
+        return int(reply.headers["x-omnidraft-adapter-version"]), decode_state(reply.content)
+
     def __repr__(self) -> str:
         return f"RemoteTarget({self.name!r} at {self.url})"
 
