@@ -71,6 +71,7 @@ def run_users(
     users: dict[str, str] = USERS,
     switch: tuple[str, str] | None = None,
     from_shared: bool = False,
+    federated: bool = False,
     live: Any = None,
     live_tokens: int = 64,
 ) -> dict[str, Any]:
@@ -170,6 +171,9 @@ def run_users(
                 {"user": user, "adapter": "own from shared", "requests": requests, **score(adapter, user)}
             )
         save()
+    if federated:  # adapters averaged across the users' devices, no text pooled (distill/federated.py)
+        rows += _federated(drafter, lora, t2d, target, config, streams, checkpoints, costs, score, result)
+        save()
     if switch is not None:  # a user whose work changes: A's stream, then B's
         first, then = switch
         after = [c for c in SWITCH_AFTER if c <= n_train]
@@ -189,6 +193,64 @@ def run_users(
         save()
     plot(result, out / f"{name}.png")
     return result
+
+
+def _federated(
+    drafter: Any,
+    lora: Any,
+    t2d: Any,
+    target: Any,
+    config: TrainConfig,
+    streams: dict[str, list[tuple[Any, str]]],
+    checkpoints: list[int],
+    costs: dict[str, Any],
+    score: Any,
+    result: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """FedAvg rounds between checkpoints: each user's device trains from the last shared adapter on
+    its own requests of the round ("federated + own": that adapter, scored on the user's held-back
+    requests), uploads it, and the server's average of the round's uploads (weighted by requests,
+    clipped: `fedavg`) is the next shared adapter ("federated", scored on every user). Every own
+    adapter starts from the same initial weights (the trainer's seed), as a first shared version."""
+    import torch
+
+    from omnidraft.distill.adapters import adapter_state
+    from omnidraft.distill.federated import encode_state, fedavg
+
+    torch.manual_seed(config.seed)
+    fed = f"federated_{time.time_ns()}"
+    drafter.add_adapter(fed, lora)
+    shared = {k: v.clone() for k, v in adapter_state(drafter.trainable, fed).items()}
+    rows, done, sent = [], 0, []
+    for mark in checkpoints:
+        uploads = []
+        for user, stream in streams.items():
+            local = f"fedlocal_{user}_{mark}_{time.time_ns()}"
+            label = f"federated {user}"
+            state = _train(
+                drafter,
+                local,
+                lora,
+                t2d,
+                target,
+                config,
+                [stream[done:mark]],
+                [mark - done],
+                costs,
+                label,
+                shared,
+            )[mark - done]
+            _rewind(drafter, local, state)
+            rows.append({"user": user, "adapter": "federated + own", "requests": mark, **score(local, user)})
+            uploads.append((state, mark - done))
+            sent.append(len(encode_state(state)))
+        shared = fedavg(uploads, shared)
+        _rewind(drafter, fed, shared)
+        for user in streams:
+            rows.append({"user": user, "adapter": "federated", "requests": mark, **score(fed, user)})
+        done = mark
+    result["federated_bytes_sent_per_round"] = max(sent)
+    return rows
 
 
 def live_speed(
@@ -325,6 +387,11 @@ def add_args(sub: Any) -> None:
         help="also each user's own adapter started from one trained on the other users' streams",
     )
     u.add_argument(
+        "--federated",
+        action="store_true",
+        help="also adapters averaged across the users' devices (FedAvg rounds at the checkpoints)",
+    )
+    u.add_argument(
         "--live",
         action="store_true",
         help="also time each user's held-back requests on llama.cpp: alone, and drafting with each adapter",
@@ -368,6 +435,7 @@ def run(args: argparse.Namespace) -> None:
         name=args.name,
         switch=switch,
         from_shared=args.from_shared,
+        federated=args.federated,
         live=live,
         live_tokens=args.live_tokens,
     )

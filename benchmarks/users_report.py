@@ -32,6 +32,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{c['adapter_bytes']:,} |"
         )
     lines += ["", f"Peak RSS of the run: {result['peak_rss_mb']:.0f} MB."]
+    if "federated_bytes_sent_per_round" in result:
+        lines.append(f"Federated: {result['federated_bytes_sent_per_round']:,} bytes sent a device a round.")
     if "live" in result:
         live = result["live"]
         lines += [
@@ -60,14 +62,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, user in enumerate(result["users"]):  # a colour per user, a line style per adapter kind
         start = next(r["acceptance"] for r in result["rows"] if r["user"] == user and r["adapter"] == "none")
-        for kind, style in (("own", "-"), ("shared", "--"), ("own from shared", ":")):
+        kinds = (("own", "-"), ("shared", "--"), ("own from shared", ":"), ("federated", "-."))
+        for kind, style in (*kinds, ("federated + own", (0, (3, 1, 1, 1)))):
             points = ([] if kind == "own from shared" else [(0, start)]) + [
                 (r["requests"], r["acceptance"])
                 for r in result["rows"]
                 if r["user"] == user and r["adapter"] == kind
             ]
-            if len(points) > 1 or kind != "own from shared":
-                ax.plot(*zip(*points), style, color=f"C{i}", marker="o", label=f"{user}, {kind}")
+            if len(points) > 1:  # (a kind this run did not measure has only the start)
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, linestyle=style, color=f"C{i}", marker="o", label=f"{user}, {kind}")
     ax.set_xlabel("the user's requests learned from")
     ax.set_ylabel("greedy acceptance on the user's held-back requests")
     ax.set_title(result["pair"])

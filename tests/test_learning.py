@@ -1177,6 +1177,7 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
         users=users,
         switch=("developer", "tutor"),
         from_shared=True,
+        federated=True,
         live=tiny_target,
         live_tokens=4,
     )
@@ -1192,7 +1193,12 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
             (user, "own from shared", 0),
             (user, "own from shared", 2),
             (user, "own from shared", 4),
+            (user, "federated", 2),
+            (user, "federated", 4),
+            (user, "federated + own", 2),
+            (user, "federated + own", 4),
         } <= kinds
+    assert result["federated_bytes_sent_per_round"] > 0
     assert ("tutor", "cross:developer", 4) in kinds and ("developer", "cross:tutor", 4) in kinds
     assert ("tutor", "switch:developer", 0) in kinds
     trained = [r for r in result["rows"] if r["adapter"] in ("own", "shared")]
@@ -1202,6 +1208,7 @@ def test_the_per_user_experiment_scores_own_shared_and_cross_adapters(drafter, t
         == {"tutor", "developer", "shared", "switch"}
         | {f"without {u}" for u in users}
         | {f"{u} from shared" for u in users}
+        | {f"federated {u}" for u in users}
         and result["costs"]["shared"]["steps"] > 0
     )
     assert all(0 <= r["acceptance"] <= 1 and r["tau"] >= 1 for r in result["rows"])
