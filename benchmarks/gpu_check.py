@@ -172,6 +172,13 @@ def generate_ms_per_token(model: Any, device: torch.device, context: int, reps: 
     return (median_ms(lambda: run(33), device, reps) - median_ms(lambda: run(1), device, reps)) / 32
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
 def check(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     report: dict[str, Any] = {
@@ -179,9 +186,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         "version": VERSION,
         "device": args.device,
         "dtype": args.dtype,
-        "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        "device_name": device_name(device),
         "torch": torch.__version__,
         "contexts": args.contexts,
         "ks": args.ks,

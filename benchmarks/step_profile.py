@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .gpu_check import CONFIGS, MODELS, _sync, median_ms
+from .gpu_check import CONFIGS, MODELS, _sync, device_name, median_ms
 
 FORMAT, VERSION = "omnidraft-step-profile", 1
 
@@ -99,9 +99,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "format": FORMAT,
         "version": VERSION,
         "device": args.device,
-        "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        "device_name": device_name(device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
