@@ -51,9 +51,14 @@ def median_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
 
 def build(name: str, device: torch.device, dtype: torch.dtype, layers: int | None) -> Any:
     """A causal LM of `name`'s shape with random weights, on `device` in `dtype`."""
+    return build_from(CONFIGS / f"{name}.json", device, dtype, layers)
+
+
+def build_from(config_path: Path, device: torch.device, dtype: torch.dtype, layers: int | None = None) -> Any:
+    """A causal LM of the shape in `config_path` (a config.json) with random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    doc = json.loads((CONFIGS / f"{name}.json").read_text())
+    doc = json.loads(config_path.read_text())
     if layers is not None:
         doc["num_hidden_layers"] = layers
     config = AutoConfig.for_model(doc.pop("model_type"), **doc)

@@ -19,34 +19,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .gpu_check import CONFIGS, MODELS, _sync, device_name, median_ms
+from .gpu_check import CONFIGS, MODELS, _sync, build_from, device_name, median_ms
 
 FORMAT, VERSION = "omnidraft-step-profile", 1
 
 
-def build(config_path: Path, device: torch.device, dtype: torch.dtype) -> Any:
-    """A causal LM of the shape in `config_path` with random weights, on `device` in `dtype`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    doc = json.loads(config_path.read_text())
-    config = AutoConfig.for_model(doc.pop("model_type"), **doc)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval().requires_grad_(False)
+def kv_shape(config: Any) -> tuple[int, int]:
+    """(KV heads, head dimension) of a model config."""
+    heads = config.num_attention_heads
+    return getattr(config, "num_key_value_heads", None) or heads, getattr(config, "head_dim", None) or (
+        config.hidden_size // heads
+    )
 
 
 def kv_bytes(config: Any, rows: int, context: int, dtype: torch.dtype) -> int:
-    heads = config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads, dim = kv_shape(config)
     size = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * rows * kv_heads * context * dim * size
 
@@ -68,9 +61,7 @@ def filled_cache(model: Any, rows: int, context: int) -> Any:
     from transformers import DynamicCache
 
     config, param = model.config, next(model.parameters())
-    heads = config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads, dim = kv_shape(config)
     cache = DynamicCache(config=config)
     for layer in range(config.num_hidden_layers):
         k = torch.randn(rows, kv_heads, context, dim, device=param.device, dtype=param.dtype)
@@ -112,7 +103,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     configs = [(Path(args.config).stem, Path(args.config))] if args.config else []
     configs += [(name, CONFIGS / f"{name}.json") for name in ([] if args.config else args.models)]
     for name, path in configs:
-        model = build(path, device, dtype)
+        model = build_from(path, device, dtype)
         row: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters()), "contexts": {}}
         report["models"][name] = row
         for context in args.contexts:
@@ -164,7 +155,7 @@ def from_vllm_measurements(model: str, threads: int = 1) -> dict[str, Any]:
         "format": FORMAT,
         "version": VERSION,
         "device": "cpu",
-        "device_name": f"{platform.processor() or platform.machine()}, vLLM's CPU engine",
+        "device_name": f"{device_name(torch.device('cpu'))}, vLLM's CPU engine",
         "torch": torch.__version__,
         "dtype": "float32",
         "rows": [1, BATCH_ROWS],

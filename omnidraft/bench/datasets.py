@@ -53,8 +53,8 @@ def _not_found(what: str, tried: list[Path]) -> str:
 def dataset_file(relative: str) -> Path:
     """A dataset file by its path under a data directory ("gsm8k/test.jsonl"), plain or gzipped:
     from $OMNIDRAFT_DATA if it has it, else the package's copy, else the repository's data/."""
-    tried = [*([Path(os.environ["OMNIDRAFT_DATA"])] if os.environ.get("OMNIDRAFT_DATA") else []), PACKAGED]
-    tried += [d for d in _candidates() if d not in tried]
+    given = os.environ.get("OMNIDRAFT_DATA")
+    tried = [Path(given), PACKAGED] if given else [PACKAGED, *_candidates()]
     for base in tried:
         for name in (relative, relative + ".gz"):
             if (base / name).is_file():

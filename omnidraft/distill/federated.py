@@ -170,24 +170,28 @@ class AdapterExchange:
         with self._lock:
             version, current = self.shared()
             like = decode_state(current) if current else None
-            if like is None and self._uploads():
-                like = decode_state(self._uploads()[0][1].read_bytes())
+            pending = self._uploads()
+            if like is None and pending:
+                like = decode_state(pending[0][1].read_bytes())
             check_upload(state, like)
             atomic_write_bytes(self.root / "uploads" / f"key-{key}.safetensors", encode_state(state))
             meta = {"requests": requests, "version": version}  # the state's weight, the round it is for
             atomic_write_bytes(self.root / "uploads" / f"key-{key}.json", json.dumps(meta).encode())
-            if len(self._uploads()) >= self.min_keys:
-                self._average(version, like if current else None)
-                version += 1
-            return Round(self.version(), tuple(k for k, _ in self._uploads()))
+            pending = self._uploads()
+            if len(pending) < self.min_keys:
+                return Round(version, tuple(k for k, _ in pending))
+            self._average(pending, version, like if current else None)
+            return Round(version + 1, ())
 
-    def _average(self, version: int, reference: dict[str, torch.Tensor] | None) -> None:
+    def _average(
+        self, pending: list[tuple[int, Path]], version: int, reference: dict[str, torch.Tensor] | None
+    ) -> None:
         uploads = []
-        for key, path in self._uploads():
+        for _, path in pending:
             requests = json.loads((path.with_suffix(".json")).read_text())["requests"]
             uploads.append((decode_state(path.read_bytes()), int(requests)))
         new = fedavg(uploads, reference, clip=self.clip, max_requests=self.max_requests)
         atomic_write_bytes(self.root / f"shared-{version + 1:06d}.safetensors", encode_state(new))
-        for _, path in self._uploads():  # only once the new version is in place
+        for _, path in pending:  # only once the new version is in place
             path.with_suffix(".json").unlink(missing_ok=True)
             path.unlink(missing_ok=True)
