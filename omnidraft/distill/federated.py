@@ -65,7 +65,7 @@ def check_upload(state: dict[str, torch.Tensor], like: dict[str, torch.Tensor] |
     ranks = {int(v.shape[0]) for k, v in state.items() if "lora_A" in k and v.dim() == 2}
     if len(ranks) != 1 or any(v.dim() != 2 for v in state.values()):
         raise Rejected(f"an adapter upload has one LoRA rank and 2-D tensors; ranks found: {sorted(ranks)}")
-    bad = next((k for k, v in state.items() if not torch.isfinite(v).all()), None)
+    bad = next((k for k, v in sorted(state.items()) if not torch.isfinite(v).all()), None)
     if bad is not None:
         raise Rejected(f"{bad} holds a value that is not finite")
     if like is not None:
@@ -74,7 +74,7 @@ def check_upload(state: dict[str, torch.Tensor], like: dict[str, torch.Tensor] |
             raise Rejected(
                 f"the adapter's tensors are not the shared one's: missing {missing[:2]}, extra {extra[:2]}"
             )
-        wrong = next((k for k in state if state[k].shape != like[k].shape), None)
+        wrong = next((k for k in sorted(state) if state[k].shape != like[k].shape), None)
         if wrong is not None:
             raise Rejected(
                 f"{wrong} is {tuple(state[wrong].shape)}, the shared adapter's {tuple(like[wrong].shape)}"
