@@ -35,3 +35,13 @@ def test_doctor_shows_what_was_measured_and_reset_forgets_it(tmp_path, monkeypat
     assert measured.entries() == [] and measured.read("probe") == {}
     assert measured.remembered("probe", "k", lambda: calls.append(1) or 0.5) == 0.5  # measured again
     assert len(calls) == 2
+
+
+def test_a_measurement_line_names_the_model_not_a_version_or_setting():
+    from omnidraft.runtime.measured import _named
+
+    llama = "/cache/gguf/qwen2.5-coder-0.5b-instruct.gguf:491400928|0.3.36+omnidraft.3|libggml-base.so:834176"
+    assert _named(llama) == "qwen2.5-coder-0.5b-instruct.gguf"
+    vino = "qwen2.5-coder-0.5b-int8|0123abcd|51200|openvino 2025.3.0-1-releases/2025/3|threads 4"
+    assert _named(vino) == "qwen2.5-coder-0.5b-int8"
+    assert _named("/models/drafter|bf16") == "drafter"

@@ -122,7 +122,8 @@ def _named(key: str) -> str:
     """What a key is about, as a log line says it: the file or model it names (its first part, or
     the first part that is a path), not the versions, sizes and settings that make it unique."""
     parts = key.split("|")
-    named = next((p for p in parts if "/" in p or p.endswith((".gguf", ".xml"))), parts[0])
+    files = [p for p in parts if p.split(":")[0].endswith((".gguf", ".xml", ".onnx"))]
+    named = next(iter(files), next((p for p in parts if p.startswith("/")), parts[0]))
     return Path(named.split(":")[0]).name or named
 
 

@@ -36,14 +36,18 @@ COST_CONTEXT = 200  # tokens of context before the tokens whose costs are measur
 
 def model_key(engine: OpenVINOEngine) -> str:
     """The model's identity for the measurement store: its IR's size and a hash of its graph, and
-    OpenVINO's version and thread count."""
+    OpenVINO's version, thread count and precision."""
     import openvino
 
     xml = engine.xml
     digest = hashlib.sha256(xml.read_bytes()).hexdigest()[:16]
     weights = xml.with_suffix(".bin")
     size = weights.stat().st_size if weights.exists() else 0
-    return f"{xml.parent.name}|{digest}|{size}|openvino {openvino.__version__}|threads {engine.threads}"
+    precision = engine.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
+    return (
+        f"{xml.parent.name}|{digest}|{size}|openvino {openvino.__version__}|threads {engine.threads}"
+        f"|{precision}"
+    )
 
 
 def measured_margin(engine: OpenVINOEngine, tokenizer: Any) -> float:

@@ -74,8 +74,15 @@ class OpenVINOEngine:
         model = cut_head(core.read_model(str(xml)))
         self.inputs = {p.get_any_name() for p in model.inputs}
         # a bf16 KV cache, not the default u8: a verify attends to its own new positions before
-        # they are stored, so with a quantized cache its rows would differ from one-row decoding
-        config = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1", "KV_CACHE_PRECISION": "bf16"}
+        # they are stored, so with a quantized cache its rows would differ from one-row decoding.
+        # f32 activations, not the bf16 a CPU with AMX defaults to: there a verify's rows differed
+        # from one-row steps and every call was slower (docs/openvino.md)
+        config = {
+            "PERFORMANCE_HINT": "LATENCY",
+            "NUM_STREAMS": "1",
+            "KV_CACHE_PRECISION": "bf16",
+            "INFERENCE_PRECISION_HINT": "f32",
+        }
         if threads:
             config["INFERENCE_NUM_THREADS"] = str(threads)
         config.update(properties or {})

@@ -80,6 +80,8 @@ class _OpenVINOSession(SessionBase):
     def _exact(self, logits: torch.Tensor, draft: list[int], verdict: Verdict) -> Verdict:
         """The greedy verdict as one-token-at-a-time decoding gives it: the first consulted row whose
         top two logits are within the engine's margin is decided again by a one-row step."""
+        if self.owner.margin <= 0:  # no two logits are closer than nothing: the verdict stands
+            return verdict
         top = logits[: verdict.accepted + 1].topk(2, dim=-1).values
         close = ((top[:, 0] - top[:, 1]) < self.owner.margin).nonzero()[:, 0]
         close = close[close > 0] if self.prefilled else close  # (the prompt's row is decoding's own)
@@ -157,6 +159,7 @@ class OpenVINOTarget(TargetBase):
         self.codec = ByteCodec(self.tokenizer, self.token_bytes)
         self.eos_ids = _eos_ids(self.engine.xml.parent, self.tokenizer)
         self.margin = margin if margin is not None else self._measured_margin()
+        self._costs: dict[int, float] | None = None
 
     @classmethod
     def load(cls, spec: str, *, weights: str = "int8", **options: Any) -> OpenVINOTarget:
@@ -176,7 +179,9 @@ class OpenVINOTarget(TargetBase):
     def verify_costs(self, context: int | None = None) -> dict[int, float] | None:
         from ..runtime.openvino_margin import measured_costs
 
-        return measured_costs(self.engine, self.tokenizer)
+        if self._costs is None:  # measured once a machine; read once a target (planning asks a round)
+            self._costs = measured_costs(self.engine, self.tokenizer)
+        return dict(self._costs)
 
     def begin(self, prompt_ids: list[int]) -> _OpenVINOSession:
         if not prompt_ids:
