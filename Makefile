@@ -63,8 +63,10 @@ haproxy:
 	command -v haproxy >/dev/null 2>&1 || apt-get install -y -q haproxy >/dev/null || \
 	  (apt-get update -q >/dev/null && apt-get install -y -q haproxy >/dev/null)
 
-demo: $(STAMP)
-	$(VENV)/bin/omnidraft demo $(DEMO_ARGS)
+# the target on the fastest engine here: llama.cpp, or OpenVINO (its exporter in its own venv)
+demo:
+	$(MAKE) -j2 --no-print-directory $(STAMP) $(OPENVINO_STAMP)
+	OMNIDRAFT_OPENVINO_PYTHON=$(abspath $(OPENVINO_VENV))/bin/python $(VENV)/bin/omnidraft demo $(DEMO_ARGS)
 
 # the three venvs and the router install side by side (downloads overlap llama.cpp's compile)
 test:

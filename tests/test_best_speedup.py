@@ -99,6 +99,26 @@ def test_where_drafting_can_pay_the_pairing_drafts(tiny_drafter, tiny_target):
     assert sum(r.drafted for r in out.rounds) > 0
 
 
+def test_a_first_request_drafts_no_model_token_whose_prompt_read_the_floor_cannot_cover(
+    tiny_drafter, tiny_target, monkeypatch
+):
+    """The drafter's read of a prompt, known before any request (measured once a machine), counts
+    in a first model draft's worst case: a read dearer than the request may lose drafts nothing
+    from the drafter model, a cheap one drafts."""
+    from omnidraft.runtime.backends import read_ms
+
+    assert read_ms(tiny_drafter, tokens=24) > 0
+    monkeypatch.setattr(omnidraft.runtime.backends, "reading_cost", lambda drafter: 0.05)
+    pairing = tiny_drafter.pair(CostedTarget(tiny_target, CHEAP))
+    assert pairing.speculator.floor.read == 0.05 and pairing.speculator.model_drafts
+    out = pairing.generate(PROMPT, max_new_tokens=24)
+    assert out.token_ids == target_greedy(tiny_target, PROMPT, 24)
+    assert sum(r.drafted for r in out.rounds) == 0
+    monkeypatch.setattr(omnidraft.runtime.backends, "reading_cost", lambda drafter: 1e-6)
+    out = tiny_drafter.pair(CostedTarget(tiny_target, CHEAP)).generate(PROMPT, max_new_tokens=24)
+    assert sum(r.drafted for r in out.rounds) > 0
+
+
 def test_drafts_stop_where_the_context_makes_verifying_cost_a_step_a_token(tiny_drafter, tiny_target):
     """llama.cpp past its exact range verifies a token a call: from that context on, no draft."""
     past = len(tiny_target.tokenizer(PROMPT)["input_ids"]) + 6

@@ -1,12 +1,13 @@
 """`omnidraft demo`: a few GSM8K and HumanEval prompts, the default pairing against the fastest way
 to run the same target weights on this machine, side by side, per request and in total.
 
-The engine compared with is llama.cpp where the target is a GGUF file (a preset or a path) this
-machine's llama.cpp build runs (llamacpp/smoke.py): on a CPU it decodes those weights several times
-faster than PyTorch. Elsewhere (a Hugging Face model, no llama.cpp) it is the PyTorch target on its
-fastest kernels (bench/runner.py). Each request runs on llama.cpp as the engine alone, the pairing
-twice, then the engine alone again (so a drift of the machine's speed weighs on both), greedy;
-every output is compared with the engine's own.
+The engine compared with is the one `load_target(spec)` picks (targets/fastest.py): of llama.cpp
+(a GGUF file this machine's llama.cpp build runs) and OpenVINO (an exported IR, or a preset where an
+exporter is named: `make demo` names its own), the one that served a request alone fastest here,
+timed once a machine; elsewhere (a Hugging Face model, neither engine) the PyTorch target on its
+fastest kernels (bench/runner.py). Each request runs on that engine alone, the pairing twice, then
+the engine alone again (so a drift of the machine's speed weighs on both), greedy; every output is
+compared with the engine's own.
 """
 
 from __future__ import annotations
@@ -19,22 +20,26 @@ from typing import Any
 __all__ = ["demo_engine", "run_demo", "verdict", "workloads"]
 
 
+ENGINES = {"llama.cpp": "llama.cpp", "openvino": "OpenVINO"}  # in-process engines: their names on screen
+
+
 def demo_engine(target_spec: str, choice: str = "auto") -> str:
-    """ "llama.cpp" or "torch": `choice`, or for "auto" the fastest engine this machine has for
-    `target_spec` (llama.cpp for a GGUF file its build runs, else PyTorch)."""
+    """ "llama.cpp", "openvino" or "torch": `choice`, or for "auto" the engine that serves
+    `target_spec` alone fastest here (the one `load_target` picks)."""
     if choice != "auto":
         return choice
-    from ..targets.fastest import llama_runs
+    from ..targets.registry import resolved
 
-    return "llama.cpp" if llama_runs(target_spec) else "torch"
+    name = resolved(target_spec, "auto", {})
+    return name if name in ENGINES else "torch"
 
 
 def run_demo(args: argparse.Namespace, datasets: list[str]) -> tuple[str, list[dict[str, Any]]]:
     """(the engine compared with, one row per request: dataset, index, tokens, the engine's and
     omnidraft's tokens/s, identical, acceptance, tau)."""
     engine = demo_engine(args.target, args.target_backend)
-    if engine == "llama.cpp":
-        return "llama.cpp", _on_llama(args, datasets)
+    if engine in ENGINES:
+        return ENGINES[engine], _on_engine(args, datasets, engine)
     return "PyTorch (its fastest kernels here)", _on_torch(args, datasets)
 
 
@@ -67,16 +72,26 @@ def _timed_pair(pair: Any, prompt: str, n: int) -> tuple[Any, float]:
     return out, time.perf_counter() - started
 
 
-def _on_llama(args: argparse.Namespace, datasets: list[str]) -> list[dict[str, Any]]:
+def _alone(engine: str, target: Any, n: int) -> Any:
+    """(prompt, ids) -> the timed output of `target` decoding alone: llama-cpp-python's own
+    `generate` for llama.cpp, the target's own one-token loop for OpenVINO."""
+    from .baselines import target_alone
+    from .llama import llama_alone
+
+    if engine == "llama.cpp":
+        return llama_alone(target, n)
+    return lambda prompt, ids, tokens=n: target_alone(target, prompt, tokens)
+
+
+def _on_engine(args: argparse.Namespace, datasets: list[str], engine: str) -> list[dict[str, Any]]:
     import omnidraft as od
 
     from .datasets import load_prompts
-    from .llama import llama_alone
 
-    target = od.LlamaCppTarget(args.target)
+    target = od.load_target(args.target, engine)
     drafter = od.Drafter.load(args.drafter, backend=args.drafter_backend)
     pair = drafter.pair(target, k=args.k, stop_confidence=args.stop_confidence, strategy=args.strategy)
-    alone = llama_alone(target, args.max_new_tokens)
+    alone = _alone(engine, target, args.max_new_tokens)
     warm = load_prompts(datasets[0], 1)[0]
     pair.generate(warm, max_new_tokens=8)
     alone(warm, target.tokenizer(warm)["input_ids"], 8)

@@ -76,6 +76,10 @@ class Speculator:
         self.cost = CostModel(verify=plan.best_speedup.verify if plan.best_speedup else None)
         # no request slower than the target alone (adaptive/floor.py), where latency is the objective
         self.floor = Floor(on=config.objective == "latency")
+        if plan.best_speedup is not None and plan.model:  # a first model draft's read, before measured
+            from ..runtime.backends import reading_cost
+
+            self.floor.read = reading_cost(drafter)
         self.retriever: Retriever | None = None
         if config.drafts != "model":
             self.retriever = Retriever.for_user(

@@ -27,7 +27,14 @@ from . import measured
 if TYPE_CHECKING:
     from ..target import Target
 
-__all__ = ["draft_ms", "drafting_cost", "drafting_copy", "fastest_drafter", "pairing_best_speedup"]
+__all__ = [
+    "draft_ms",
+    "drafting_copy",
+    "drafting_cost",
+    "fastest_drafter",
+    "pairing_best_speedup",
+    "reading_cost",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,27 @@ def drafting_cost(drafter: Any) -> float:
     with `draft_ms` and remembered."""
     key = drafter.cost_key  # its model, backend, weights and head
     return float(measured.remembered("drafting-cost", key, lambda: draft_ms(drafter))) / 1e3
+
+
+def read_ms(drafter: Any, tokens: int = 200, reps: int = 3) -> float:
+    """Median ms per token of `drafter` reading a fresh prompt of `tokens` tokens and drafting one
+    token after it (what a request's first model draft costs beyond its drafted tokens)."""
+    ids = list(drafter.tokenizer(PROBE * (1 + tokens // 8))["input_ids"])[:tokens]
+    times = []
+    for rep in range(reps + 1):  # (the first, a warm-up)
+        prompt = ids[rep:]  # (another first token each time: no cached prefix reused)
+        session = drafter.begin(prompt)
+        started = time.perf_counter()
+        session.propose(1, stop_confidence=0)
+        times.append((time.perf_counter() - started) * 1e3 / len(prompt))
+    return median(times[1:])
+
+
+def reading_cost(drafter: Any) -> float:
+    """Seconds `drafter` takes to read a prompt token (its class and model), measured once per
+    machine with `read_ms` and remembered: what the floor charges a first model draft before the
+    request has measured it (adaptive/floor.py)."""
+    return float(measured.remembered("drafter-read-cost", drafter.cost_key, lambda: read_ms(drafter))) / 1e3
 
 
 def drafting_copy(drafter: Any, config: Any, *, learn: bool, adapter: Any, user: str | None) -> Any:

@@ -84,6 +84,7 @@ def update(kind: str, entries: dict[str, Any], *, root: Path | None = None) -> P
 WHAT = {
     "attention": ("which attention kernel is faster", "a second"),
     "drafting-cost": ("what one drafted token costs", "a few seconds"),
+    "drafter-read-cost": ("what reading a prompt token costs the drafter", "seconds"),
     "request-alone": ("how fast one request decodes alone", "up to a minute"),
     "target-graphs": ("whether CUDA graphs speed the target up", "seconds"),
     "vllm-verify-costs": ("what a verify of 1-9 tokens costs on vLLM", "under a minute"),
