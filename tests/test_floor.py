@@ -54,6 +54,9 @@ def test_drafts_that_pay_are_not_capped():
 
 
 def test_a_losing_request_halves_the_next_ones_allowance_a_paying_one_restores_it():
+    """...and one that drafted nothing doubles it back: a few losing requests in a row must not
+    end drafting for every later request (the allowance would cover no draft, so no request would
+    draft and pay to restore it)."""
     floor = Floor()
     lost = floor.begin(STEP)
     lost.book(1, 3 * STEP, True)
@@ -62,6 +65,14 @@ def test_a_losing_request_halves_the_next_ones_allowance_a_paying_one_restores_i
     for _ in range(10):
         floor.end(lost)
     assert floor.scale == FloorKnobs().least
+    idle = floor.begin(STEP)
+    idle.book(1, STEP, False)
+    floor.end(idle)
+    assert floor.scale == 2 * FloorKnobs().least
+    for _ in range(10):
+        floor.end(idle)
+    assert floor.scale == 1.0
+    floor.end(lost)
     paid = floor.begin(STEP)
     paid.book(5, 1.2 * STEP, True)
     floor.end(paid)

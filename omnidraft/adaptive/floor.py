@@ -14,7 +14,9 @@ comes back only as the allowance grows with the tokens decoded (a probe, whose c
 What this is not: the draft-length policy (policy.py) or the cost model (costs.py), which choose
 the best round; the floor only caps what a round may risk. `Floor` is the pairing's prior across
 requests: the engine's step as last measured, and how much exploring the last requests earned
-(a request whose drafts lost halves the next one's allowance; one whose drafts paid restores it).
+(a request whose drafts lost halves the next one's allowance; one whose drafts paid restores it,
+and one that drafted nothing doubles it back: a pairing that lost a few requests in a row would
+otherwise never draft again, whatever its later requests could gain).
 It holds under the latency objective; `objective="compute"` always speculates (fewer target
 forwards a token, whatever the wall time), so its pairings are not floored.
 """
@@ -184,3 +186,5 @@ class Floor:
             self.scale = max(self.knobs.least, self.scale / 2)
         elif ledger.drafted > 0:
             self.scale = 1.0
+        else:  # it drafted nothing: the next may probe more (else a few losses would end drafting)
+            self.scale = min(1.0, self.scale * 2)
