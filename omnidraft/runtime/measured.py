@@ -94,7 +94,7 @@ WHAT = {
     "llama-row-costs": ("what a verify of several tokens costs on llama.cpp", "a few seconds"),
     "drafter-weights": ("which weight format drafts fastest on llama.cpp", "under a minute"),
     "openvino-margin": ("how far OpenVINO's verify rows are from one-row steps", "seconds"),
-    "openvino-verify-costs-trimmed": ("what a verify of several tokens costs on OpenVINO", "seconds"),
+    "openvino-verify-costs-rejected": ("what a verify of several tokens costs on OpenVINO", "seconds"),
 }
 
 
