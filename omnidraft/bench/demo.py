@@ -15,7 +15,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, cast
+
+if TYPE_CHECKING:
+    from ..llamacpp.llama_target import LlamaCppTarget
+    from ..target import Target
+    from .baselines import Timed
 
 __all__ = ["demo_engine", "run_demo", "verdict", "workloads"]
 
@@ -72,14 +77,14 @@ def _timed_pair(pair: Any, prompt: str, n: int) -> tuple[Any, float]:
     return out, time.perf_counter() - started
 
 
-def _alone(engine: str, target: Any, n: int) -> Any:
+def _alone(engine: str, target: Target, n: int) -> Callable[..., Timed]:
     """(prompt, ids) -> the timed output of `target` decoding alone: llama-cpp-python's own
     `generate` for llama.cpp, the target's own one-token loop for OpenVINO."""
     from .baselines import target_alone
     from .llama import llama_alone
 
     if engine == "llama.cpp":
-        return llama_alone(target, n)
+        return llama_alone(cast("LlamaCppTarget", target), n)
     return lambda prompt, ids, tokens=n: target_alone(target, prompt, tokens)
 
 

@@ -84,7 +84,7 @@ def _margin(engine: OpenVINOEngine, tokenizer: Any, steps: int = 24, most: int =
 
 def _costs(engine: OpenVINOEngine, tokenizer: Any, up_to: int = 9, reps: int = 5) -> dict[str, float]:
     """Seconds to verify n tokens whose n - 1 proposed ones are all rejected, as a round pays it: the
-    forward, the trim of the rejected positions (OpenVINO copies every state tensor,
+    forward, the trim of the rejected positions (OpenVINO reads every state tensor back,
     docs/openvino.md) and what that trim costs the next step (the state set is converted back on
     the next call), less one plain step; n = 1 is the plain step (decoding alone), measured after
     a step, never after a trim."""
