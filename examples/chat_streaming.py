@@ -19,7 +19,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     args = p.parse_args()
 
-    pair = od.Drafter.load(args.drafter).pair(od.LocalTarget.load(args.target))
+    pair = od.Drafter.load(args.drafter).pair(od.load_target(args.target))
     messages = [{"role": "user", "content": args.question}]
     for piece in pair.stream(messages, max_new_tokens=args.max_new_tokens):  # ends at the turn's end
         sys.stdout.write(piece)

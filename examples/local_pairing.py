@@ -17,7 +17,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     args = p.parse_args()
 
-    pair = od.Drafter.load(args.drafter).pair(od.LocalTarget.load(args.target))
+    pair = od.Drafter.load(args.drafter).pair(od.load_target(args.target))
     out = pair.generate(args.prompt, max_new_tokens=args.max_new_tokens)
     print(args.prompt + out.text)
     print(f"\n[{out.stats}]")  # tokens, speed, how it was served and why, acceptance and tau

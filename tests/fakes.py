@@ -37,16 +37,20 @@ class OracleDrafter:
 class _OracleSession:
     def __init__(self, owner: OracleDrafter) -> None:
         self.owner, self.pos, self.draft = owner, 0, []
+        self.stop_ids: frozenset[int] = frozenset()  # (a drafted token that ends a draft: none here)
 
-    def propose(self, k, *, temperature=0.0, allowed=None, generator=None, stop_confidence=0.0, heal=None):
+    def propose(
+        self, k, *, temperature=0.0, allowed=None, generator=None, stop_confidence=0.0, heal=None, more=False
+    ):
+        """The reference's next `k` tokens; `more`: those after the draft proposed last (grown on)."""
         o = self.owner
-        i = o.starts.get(self.pos, len(o.reference))
-        ids = o.reference[i : i + k] or [o.token_bytes.byte_token[ord("x")]]
-        if o.wrong_at < len(ids):
+        i = o.starts.get(self.pos, len(o.reference)) + (len(self.draft) if more else 0)
+        ids = o.reference[i : i + k] or ([] if more else [o.token_bytes.byte_token[ord("x")]])
+        if not more and o.wrong_at < len(ids):
             ids[o.wrong_at] = next(
                 t for t in o.token_bytes.byte_token if t is not None and t != ids[o.wrong_at]
             )
-        self.draft = ids
+        self.draft = self.draft + ids if more else ids
         return Draft(ids)
 
     def commit(self, keep, tail):

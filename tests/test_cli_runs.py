@@ -119,6 +119,21 @@ def test_bench_through_the_server_reports_every_row(models, tmp_path):
     assert len(rows) >= 2 and all(r["identical"] == r["prompts"] == 1 for r in rows)
 
 
+def test_bench_through_a_llama_cpp_server_across_the_delaying_proxy_reports_every_row(models, tmp_path):
+    """`omnidraft bench --remote --target-backend llama.cpp` (bench/network.py): the server in a
+    process of its own on the first core, the device on the second behind the delaying proxy; the
+    device's stream is the server's own output, and the bench leaves its process's cores as they were."""
+    pair = f"{models['drafter.gguf']}:{models['target.gguf']}"
+    argv = ["bench", "--remote", "--target-backend", "llama.cpp", "--rtt", "20", "--pair", pair, *FEW]
+    cpus = os.sched_getaffinity(0)
+    assert run_cli([*argv, "--dataset", "gsm8k", "--out", str(tmp_path), "--name", "n"]) == 0
+    assert os.sched_getaffinity(0) == cpus
+    rows = json.loads((tmp_path / "n.json").read_text())
+    assert [r["row"] for r in rows] == ["server alone", "device drafting"]
+    assert all(r["identical"] == r["requests"] == 1 and r["against"] for r in rows)
+    assert rows[1]["worst_request_speedup"] > 0
+
+
 def test_bench_on_llama_cpp_reports_every_row(models, tmp_path):
     pair = f"{models['drafter.gguf']}:{models['target.gguf']}"
     argv = ["bench", "--target-backend", "llama.cpp", "--pair", pair, "--dataset", "gsm8k", *FEW]

@@ -168,3 +168,51 @@ def test_the_shipped_05b_exported_once_pairs_with_smollm2_and_stays_identical(mo
     pair = od.Drafter.load("smollm2-135m").pair(target)
     for prompt in ["def fibonacci(n):", gsm8k_texts("test", 1)[0][:200]]:
         assert pair.generate(prompt, max_new_tokens=48).token_ids == alone(target, prompt, 48), prompt
+
+
+def test_a_server_on_openvino_runs_a_devices_stream_in_its_own_step_loop(
+    ov_target, tiny_drafter, monkeypatch
+):
+    """`omnidraft serve` on OpenVINO serves `/speculate` (server/device_proposals.py `step_loop`):
+    the device drafts, each server step verifies its newest proposal; every output is the engine's,
+    with proposals accepted in full and rejected. Where a verify costs what this tiny model's does
+    (several steps) the server takes no draft and decodes alone; at costs like the shipped models'
+    (a verify of a few about a step) it takes them. The server waits for each draft here (timing
+    apart: docs/remote.md measures it)."""
+    import httpx
+
+    from omnidraft.bench.remote import serve_in_thread
+    from omnidraft.server.app import ServerConfig, create_app
+    from omnidraft.targets.remote import RemoteTarget
+
+    def served(drafter_for) -> dict[str, float]:
+        config = ServerConfig(api_key="k", proposal_wait_s=0.5)  # (a step waits for this device's draft)
+        url, stop = serve_in_thread(create_app(ov_target, config))
+        try:
+            remote = RemoteTarget(url, api_key="k", tokenizer=ov_target.tokenizer)
+            assert remote.capabilities.drafts_in_engine  # the server says its own step loop takes drafts
+            for prompt in PROMPTS[:3]:
+                ref = alone(ov_target, prompt, 24)
+                config = od.DecodeConfig(k=5, strategy="ngram", drafts="model")
+                out = od.Pairing(drafter_for(ref), remote, config).generate(prompt, max_new_tokens=24)
+                assert out.token_ids == ref, prompt
+                assert out.stats.served == "engine"
+            remote.close()
+            metrics = httpx.get(url + "/metrics", headers={"authorization": "Bearer k"}).text
+        finally:
+            stop()
+        return {
+            k: float(v) for k, v in (line.split(" ", 1) for line in metrics.splitlines() if line[:1] != "#")
+        }
+
+    def oracle(ref: list[int]) -> OracleDrafter:
+        return OracleDrafter(ov_target, ref)
+
+    assert served(oracle)["omnidraft_accepted_tokens_total"] == 0  # drafts cannot pay here: none taken
+    flat = {1: 2.0, 2: 2.0, 4: 2.1, 8: 2.2}  # (slow enough that a step waits for the device)
+    monkeypatch.setattr(ov_target, "verify_costs", lambda context=None: flat)
+    counters = served(oracle)
+    assert counters["omnidraft_accepted_tokens_total"] > 24  # its steps verified the device's drafts
+    assert 0 < counters["omnidraft_engine_steps_total"] < 24
+    wrong = served(lambda ref: OracleDrafter(ov_target, ref, wrong_at=2))  # every draft's third is wrong
+    assert 0 < wrong["omnidraft_accepted_tokens_total"] < counters["omnidraft_accepted_tokens_total"]

@@ -137,12 +137,14 @@ def _bench_remote(args: argparse.Namespace) -> None:
 
 
 def bench_network(args: argparse.Namespace) -> None:
-    """Devices drafting for a vLLM server across a delaying proxy (bench/network.py)."""
+    """Devices drafting for a server (vLLM, OpenVINO, llama.cpp) across a delaying proxy, against
+    the fastest engine alone here (bench/network.py)."""
     import json
 
     from tqdm import tqdm
 
     from ..store.atomic import atomic_write_bytes
+    from ..targets.registry import resolved
     from .datasets import load_prompts
     from .network import NetworkRun, markdown, run_network
 
@@ -150,6 +152,7 @@ def bench_network(args: argparse.Namespace) -> None:
     results: list[dict[str, Any]] = []
     for pair_spec in args.pair or [f"{DRAFTER}:qwen2.5-coder-0.5b"]:
         drafter_spec, target_spec = split_pair(pair_spec)
+        engine, fastest = resolved(target_spec, args.target_backend, {}), resolved(target_spec, "auto", {})
         for dataset in args.dataset or ["mixed"]:
             bar = tqdm(desc=f"{pair_spec} {dataset} network", file=sys.stderr)
             run = NetworkRun(
@@ -162,6 +165,8 @@ def bench_network(args: argparse.Namespace) -> None:
                 stock=not args.no_stock,
                 sampling={"temperature": args.temperature, "top_p": args.top_p} if args.temperature else None,
                 log=str(out / f"{args.name}-servers.log"),
+                engine=engine,
+                fastest=fastest,
             )
             rows = run_network(
                 run,
@@ -173,7 +178,8 @@ def bench_network(args: argparse.Namespace) -> None:
             bar.close()
             results += [{"pair": pair_spec, "dataset": dataset, **r} for r in rows]
             text += (
-                f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens\n\n{markdown(rows)}"
+                f"\n{pair_spec} {dataset}, {args.n} prompts, {args.max_new_tokens} tokens, the server on "
+                f"{engine}; speedups against {rows[0]['against']}\n\n{markdown(rows)}"
             )
             atomic_write_bytes(out / f"{args.name}.json", json.dumps(results, indent=1).encode())
             atomic_write_bytes(out / f"{args.name}.md", text.encode())
@@ -328,13 +334,19 @@ ENGINE_BENCHES: dict[str, Callable[[argparse.Namespace], None]] = {
     "llama.cpp": bench_engine,
     "vllm": bench_engine,
 }
-REMOTE_BENCHES: dict[str, Callable[[argparse.Namespace], None]] = {"vllm": bench_network}
+# a serving engine's hybrid bench: devices streaming to `omnidraft serve` across a delaying proxy
+REMOTE_BENCHES: dict[str, Callable[[argparse.Namespace], None]] = {
+    name: bench_network for name in ("vllm", "openvino", "llama.cpp")
+}
 
 
 def bench(args: argparse.Namespace) -> None:
-    from ..targets.registry import engine
+    from ..targets.registry import engine, resolved
     from .report import markdown_table, write_report
 
+    if args.target_backend == "auto":  # the fastest engine here for the (first) pair's target
+        first = (args.pair or [f"{DRAFTER}:{TARGET}"])[0]
+        args.target_backend = resolved(split_pair(first)[1], "auto", {})
     chosen = engine(args.target_backend)
     if args.remote:
         return (chosen.bench_remote or REMOTE_BENCHES.get(chosen.name, _bench_remote))(args)

@@ -1,17 +1,22 @@
-"""`omnidraft bench --remote --target-backend vllm`: devices drafting for a vLLM server across a real
-round trip, beside the server decoding alone and a stock vLLM server (docs/remote.md).
+"""`omnidraft bench --remote` on a serving engine (vLLM, OpenVINO, llama.cpp): devices drafting for
+a server across a real round trip, beside the server decoding alone, the fastest engine alone and
+a stock vLLM server (docs/remote.md).
 
-The server (`omnidraft serve --engine vllm`) runs in a process of its own on the first CPU; the
+The server (`omnidraft serve --engine E`) runs in a process of its own on the first CPU; the
 devices run in this process on the second, each with its own drafter pairing and HTTP
 connections; between them a proxy (delay_proxy.py, its own process) delays every byte by half the
 round trip each way. Rows, each with the same prompts, greedy, one device per concurrent stream:
 - server alone: each device streams `POST /v1/generate`, the server decoding the whole completion;
-- device drafting: `pair.stream` through `RemoteTarget` (the `/speculate` stream and its proposals);
-- stock vLLM: `python -m vllm.entrypoints.openai.api_server` on the same CPU with the same weights,
-  streamed `/v1/completions`.
+- device drafting: `pair.stream` through `RemoteTarget` (the `/speculate` stream and its proposals,
+  verified in vLLM's engine step or the server's own step loop on an in-process engine);
+- fastest engine alone: where the fastest engine here for these weights (targets/fastest.py) is
+  not E, `omnidraft serve --engine` on it, streamed as the server alone is: what a user could run
+  instead, and what every row's speedup is measured against;
+- stock vLLM (E = vllm): `python -m vllm.entrypoints.openai.api_server` on the same CPU with the
+  same weights, streamed `/v1/completions`.
 Per row: tokens/s over the wall time of all its requests, time to first token, the gaps between
-tokens (p50, p95), and on omnidraft's server its engine's seconds and steps per committed token;
-every output is compared with the server decoding alone.
+tokens (p50, p95), the worst request, and on omnidraft's server its engine's seconds and steps per
+committed token; every output is compared with the server decoding alone.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ __all__ = [
     "wait_up",
 ]
 
-ROWS = ("server alone", "device drafting", "stock vLLM")
+ROWS = ("server alone", "device drafting", "stock vLLM", "fastest engine alone")
 SERVER_CPU, DEVICE_CPU = 0, 1
 
 
@@ -239,6 +244,7 @@ def summarize_row(runs: list[Timed], wall: float, reference: list[list[int]] | N
         "gap_p50_s": per[len(per) // 2],
         "gap_p95_s": per[min(len(per) - 1, int(0.95 * len(per)))],
         "worst_request_s_per_token": max(per_request),
+        "request_s_per_token": per_request,
         "request_s_per_token_p50": statistics.median(per_request),
         "identical": sum(r.tokens == ref for r, ref in zip(runs, reference)) if reference else None,
     }
@@ -247,10 +253,12 @@ def summarize_row(runs: list[Timed], wall: float, reference: list[list[int]] | N
 @dataclass(frozen=True)
 class NetworkRun:
     """What `run_network` measures: `prompts` of `max_new_tokens` each, from devices drafting with
-    `drafter` for `target` on a vLLM server, at each round trip of `rtts_ms` and each device count
-    of `devices`; `stock`: also a stock vLLM server's row; `log`: the servers' output; `server_args`:
-    `omnidraft serve`'s engine flags; `sampling` (temperature, top_p, ...): every row samples
-    instead of decoding greedily (outputs then differ by chance: identical is not counted)."""
+    `drafter` for `target` on a server on `engine`, at each round trip of `rtts_ms` and each device
+    count of `devices`; `fastest`: the fastest engine here for the target, whose row is the
+    speedups' reference where it is not `engine` (None: `engine` is); `stock`: also a stock vLLM
+    server's row (vLLM only); `log`: the servers' output; `server_args`: `omnidraft serve`'s engine
+    flags; `sampling` (temperature, top_p, ...): every row samples instead of decoding greedily
+    (outputs then differ by chance: identical is not counted)."""
 
     drafter: str
     target: str
@@ -262,6 +270,8 @@ class NetworkRun:
     log: str = "bench_out/network-servers.log"
     server_args: tuple[str, ...] = ("--dtype", "float32")
     sampling: dict[str, Any] | None = None
+    engine: str = "vllm"
+    fastest: str | None = None
 
 
 def run_network(
@@ -277,16 +287,28 @@ def run_network(
     from ..store.models import load_tokenizer
 
     os.makedirs(os.path.dirname(run.log) or ".", exist_ok=True)
-    os.sched_setaffinity(0, {DEVICE_CPU})
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, {DEVICE_CPU})  # the devices' core, for the run (then as it was)
     torch.set_num_threads(1)
-    bench = _NetworkBench(run, load_tokenizer(run.target), progress, done)
-    bench.omnidraft_rows()
-    if run.stock:
-        bench.stock_rows()
+    try:
+        bench = _NetworkBench(run, load_tokenizer(run.target), progress, done)
+        bench.omnidraft_rows()
+        if run.fastest is not None and run.fastest != run.engine:
+            bench.fastest_rows(run.fastest)
+        if run.stock and run.engine == "vllm":
+            bench.stock_rows()
+    finally:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
     results = bench.results
-    alone = {(r["rtt_ms"], r["devices"]): r["tok_s"] for r in results if r["row"] == ROWS[0]}
+    against = ROWS[3] if any(r["row"] == ROWS[3] for r in results) else ROWS[0]
+    base = {(r["rtt_ms"], r["devices"]): r for r in results if r["row"] == against}
     for r in results:
-        r["speedup"] = r["tok_s"] / alone[(r["rtt_ms"], r["devices"])]
+        ref = base[(r["rtt_ms"], r["devices"])]
+        r["speedup"] = r["tok_s"] / ref["tok_s"]
+        pairs = zip(ref["request_s_per_token"], r["request_s_per_token"])
+        r["worst_request_speedup"] = min((a / b for a, b in pairs if b > 0), default=None)
+        r["against"] = f"{against} ({run.fastest or run.engine})"
     return results
 
 
@@ -308,7 +330,8 @@ class _NetworkBench:
         runs, wall = _concurrently(n, jobs)
         if row == ROWS[0] and self.run.sampling is None:  # the greedy reference of the other rows
             self.references.setdefault(n, [r.tokens for r in runs])
-        summary = summarize_row(runs, wall, self.references.get(n))
+        # (another engine's weights and numerics: its text is its own, not compared)
+        summary = summarize_row(runs, wall, None if row == ROWS[3] else self.references.get(n))
         if before is not None:  # the server's engine work per committed token
             after, tokens = engine_counters(self.url), max(1, sum(len(r.tokens) for r in runs))
             summary["engine_steps_per_token"] = (after[0] - before[0]) / tokens
@@ -316,17 +339,36 @@ class _NetworkBench:
         self.results.append({"rtt_ms": rtt, "devices": n, "row": row, **summary})
         self.done(self.results)
 
+    def _serve(self, engine: str) -> list[str]:
+        run = self.run
+        argv = [sys.executable, "-m", "omnidraft.cli", "serve", "--engine", engine, "--target", run.target]
+        return argv + ["--port", str(self.port), "--no-auth", *(run.server_args if engine == "vllm" else ())]
+
+    def fastest_rows(self, engine: str) -> None:
+        """`omnidraft serve --engine` on the fastest engine here, streamed alone as the server is."""
+        import httpx
+
+        run = self.run
+        with server_process(self._serve(engine), SERVER_CPU, self.url, "/health", run.log):
+            for rtt in run.rtts_ms:
+                with _proxy(self.port, rtt) as near:
+                    http = httpx.Client(base_url=near, timeout=600)
+                    _server_alone(http, self.ids[0], 8)  # warm-up
+                    for n in run.devices:
+                        n_tokens, sampling = run.max_new_tokens, run.sampling
+                        jobs = [partial(_server_alone, http, i, n_tokens, sampling) for i in self.ids]
+                        self.add(rtt, n, ROWS[3], jobs)
+                    http.close()
+
     def omnidraft_rows(self) -> None:
-        """`omnidraft serve --engine vllm`: the server alone, then devices drafting for it."""
+        """`omnidraft serve --engine E`: the server alone, then devices drafting for it."""
         import httpx
 
         import omnidraft as od
 
         run, ids = self.run, self.ids
         drafter = od.Drafter.load(run.drafter)
-        argv = [sys.executable, "-m", "omnidraft.cli", "serve", "--engine", "vllm", "--target", run.target]
-        argv += ["--port", str(self.port), "--no-auth", *run.server_args]
-        with server_process(argv, SERVER_CPU, self.url, "/health", run.log):
+        with server_process(self._serve(run.engine), SERVER_CPU, self.url, "/health", run.log):
             for rtt in run.rtts_ms:
                 with _proxy(self.port, rtt) as near:
                     http = httpx.Client(base_url=near, timeout=600)
@@ -381,10 +423,10 @@ class _NetworkBench:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The rows as a table (tok/s and speedup over the server alone at the same RTT and load)."""
+    """The rows as a table (tok/s and speedup over the fastest engine alone at the same RTT and load)."""
     head = (
-        "| RTT ms | devices | row | tok/s | speedup | TTFT s | gap p50 / p95 ms | worst s/token | "
-        "engine s/token | steps/token | identical |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| RTT ms | devices | row | tok/s | speedup | worst request | TTFT s | gap p50 / p95 ms | "
+        "worst s/token | engine s/token | steps/token | identical |\n" + "|---" * 12 + "|\n"
     )
 
     def cell(r: dict[str, Any], key: str, fmt: str) -> str:
@@ -392,6 +434,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
     return head + "".join(
         f"| {r['rtt_ms']:g} | {r['devices']} | {r['row']} | {r['tok_s']:.2f} | {r['speedup']:.2f}x | "
+        f"{cell(r, 'worst_request_speedup', '.2f')}x | "
         f"{cell(r, 'ttft_s', '.2f')} | {1000 * r['gap_p50_s']:.0f} / {1000 * r['gap_p95_s']:.0f} | "
         f"{r['worst_request_s_per_token']:.3f} | {cell(r, 'engine_s_per_token', '.3f')} | "
         f"{cell(r, 'engine_steps_per_token', '.2f')} | "

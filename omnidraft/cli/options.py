@@ -249,8 +249,9 @@ def _bench_args(sub: Any) -> None:
     b.add_argument(
         "--target-backend",
         choices=engine_names(),
-        default="torch",
-        help="the target's engine (targets/registry.py). llama.cpp: against llama.cpp alone, its own "
+        default="auto",
+        help="the target's engine (targets/registry.py; default auto: the fastest here for the first pair's "
+        "target, as load_target picks). llama.cpp: against llama.cpp alone, its own "
         "speculative decoding and prompt lookup (with --remote: the server runs the target on llama.cpp); "
         "vllm: against vLLM alone and vLLM's n-gram speculative decoding; another engine: the pairing "
         "against the target decoding alone",

@@ -1,8 +1,10 @@
 """A device's rounds inside the server's engine step: the device drafts, the engine verifies.
 
-On `omnidraft serve --engine vllm` a device may stream a session (`/speculate`): the rest of its
-completion is one engine request, and after every engine step vLLM's proposer
-(targets/vllm_proposer.py) asks this object for the row's next draft. The device hears of the
+A device may stream a session (`/speculate`): the rest of its completion is one engine request.
+On `omnidraft serve --engine vllm`, after every engine step vLLM's proposer
+(targets/vllm_proposer.py) asks this object for the row's next draft; on an in-process engine with
+measured verify costs (OpenVINO, llama.cpp) the server runs the request's step loop itself
+(`step_loop`) and asks it the same way. The device hears of the
 committed ids at once (`prepare`, before the step's output travels vLLM's usual way), drafts after
 them and posts its proposal (`offer`); the engine takes the newest proposal that still continues
 the committed text, cut to the server's draft budget, and waits for one at most `wait_s()` (a step
@@ -29,7 +31,7 @@ from .sessions import Session, ended
 if TYPE_CHECKING:
     from ..target import StreamingSession, Target
 
-__all__ = ["DeviceProposals", "SpeculateRoutes", "follow_engine"]
+__all__ = ["DeviceProposals", "SpeculateRoutes", "follow_engine", "step_loop"]
 
 CANCELLED = object()  # on a stream's events: its session was deleted
 
@@ -83,6 +85,11 @@ class DeviceProposals:
         if end > self._published:
             self._published = end
             self.events.put(list(generated[:end]))
+
+    def stepped(self, ids: list[int]) -> None:
+        """A step of the server's own loop (`step_loop`) committed up to `ids`, about to go out."""
+        self._told = time.monotonic()
+        self.committed = max(self.committed, len(ids))
 
     def next(self, ids: list[int], limit: int, remaining: int) -> list[int]:
         """The device's newest proposal that continues `ids`, at most the budget's length; waits
@@ -192,6 +199,37 @@ def follow_engine(
         stream.end(finished)
 
 
+def step_loop(
+    session: Session, source: DeviceProposals, model: Any, rule: Rule, timed: Callable[[float], None]
+) -> Iterator[list[int]]:
+    """An in-process engine's own step loop for a speculate stream, yielding every generated id so
+    far after each step: a step takes the device's newest proposal that continues the committed ids
+    (waiting for one at most `source.wait_s()` after the last step's ids went out, the model free
+    meanwhile), verifies it in one forward under `model` (the server's model lock) and commits what
+    the target accepts and the token it emits; with no proposal it decodes one token. Greedy, or
+    sampled under `rule` (the verification rule keeps the target's distribution). `timed` is told
+    each forward's seconds. Ends early once the session is deleted."""
+    import torch
+
+    generator = torch.Generator().manual_seed(rule.seed) if rule.seed is not None else None
+    generated: list[int] = []
+    inner = session.inner
+    while len(generated) < source.max_tokens and not session.cancelled.is_set():
+        remaining = source.max_tokens - len(generated)
+        draft = source.next(list(inner.ids), remaining - 1, remaining)
+        with model:
+            started = time.perf_counter()
+            verdict = inner.verify(torch.tensor(draft, dtype=torch.long), rule, None, generator)
+            timed(time.perf_counter() - started)
+        new = draft[: verdict.accepted] + [verdict.token]
+        end = next((i + 1 for i, t in enumerate(new) if t in source.eos_ids), len(new))
+        generated += new[:end]
+        source.stepped(inner.ids)
+        yield list(generated)
+        if end < len(new) or generated[-1] in source.eos_ids:
+            return
+
+
 class SpeculateRoutes:
     """`speculate` and `propose`, mixed into `Service` (over the state and checks it provides)."""
 
@@ -203,6 +241,9 @@ class SpeculateRoutes:
     _claim_stream: Callable[[Session, int, int], Callable[[], None]]
     _check_ids: Callable[[Any, str], None]
     budget: DraftBudget | None
+    stream_budget: DraftBudget | None  # an in-process engine's: one session's verifies at a time
+    streams: bool  # whether `speculate` is served (the engine's step loop, or the server's)
+    model_lock: Any
     gate: DraftGate  # whether the budget's drafts measured faster than none at this load
     _gate_lock: threading.Lock
 
@@ -210,11 +251,11 @@ class SpeculateRoutes:
         """Checks `request` now (a stale one is refused with its status), then returns the NDJSON
         stream of the session's continuation, decoded in the engine's loop while the engine
         verifies the proposals the device posts to `propose`."""
-        if not self.target.capabilities.drafts_in_engine:
+        if not self.streams:
             raise HTTPError(
                 409,
                 "this server's engine verifies one request per round: use /verify "
-                "(streaming speculation needs `omnidraft serve --engine vllm`)",
+                "(streaming speculation needs an engine with measured verify costs, or vLLM's)",
             )
         session = self._session(sid, key)
         rule = sampling_rule(request)
@@ -243,8 +284,13 @@ class SpeculateRoutes:
         self, session: Session, source: DeviceProposals, start: int, rule: Rule, end: Callable[[], None]
     ) -> Iterator[bytes]:
         sent, done = 0, False
+        steps = (
+            follow_engine(cast("StreamingSession", session.inner), source, rule)
+            if self.target.capabilities.drafts_in_engine
+            else step_loop(session, source, self.model_lock, rule, self.metrics.observe)
+        )
         try:
-            for ids in follow_engine(cast("StreamingSession", session.inner), source, rule):
+            for ids in steps:
                 session.used = time.monotonic()
                 done = len(ids) >= source.max_tokens or ids[-1] in source.eos_ids
                 chunk = GenerateChunk(
@@ -263,16 +309,17 @@ class SpeculateRoutes:
     def _engine_budget(self) -> int:
         """The draft tokens a streaming session's proposal may have now (the engine verifies them
         in its own step: no context tail is recomputed), while the gate measures that they pay."""
-        if self.budget is None:
+        drafts = self.budget or self.stream_budget
+        if drafts is None:
             return MAX_PROPOSAL
-        budget = self.budget(0)
+        budget = drafts(0)
         with self._gate_lock:
-            return budget if self.gate.allow(self.budget.active_n, budget > 0) else 0
+            return budget if self.gate.allow(drafts.active_n, budget > 0) else 0
 
     def _wait_s(self) -> float:
         """How long a step waits for a streaming device's proposal: `proposal_wait_s`, at most a
         quarter of a step, shared by the active sessions (the whole batch waits)."""
-        step = (self.costs or {}).get(1, 0.0)
+        step = (self.costs or (self.stream_budget.costs if self.stream_budget else {})).get(1, 0.0)
         wait = min(self.config.proposal_wait_s, step / 4) if step else self.config.proposal_wait_s
         return wait / max(1, self.budget.active_n if self.budget is not None else 1)
 
@@ -280,5 +327,5 @@ class SpeculateRoutes:
         self.metrics.rounds += 1
         self.metrics.proposed += proposed
         self.metrics.accepted += accepted
-        if self.budget is not None:
-            self.budget.acceptance.observe(proposed, accepted)
+        if (drafts := self.budget or self.stream_budget) is not None:
+            drafts.acceptance.observe(proposed, accepted)

@@ -21,7 +21,8 @@ class Metrics:
     rejected_requests: int = 0
     latency: list[int] = field(default_factory=lambda: [0] * (len(_BUCKETS) + 1))
     latency_sum: float = 0.0
-    # (engine steps, busy seconds) so far, from a target whose engine loop counts them (vLLM)
+    # (engine steps, busy seconds) so far, from a target whose engine loop counts them (vLLM); an
+    # in-process engine's are its model calls as timed here (`observe`)
     counters: Callable[[], tuple[int, float] | None] = lambda: None
     # (prompt tokens, those read from the prefix cache) so far, from an engine with a shared cache (vLLM)
     cache: Callable[[], tuple[int, int] | None] = lambda: None
@@ -52,13 +53,13 @@ class Metrics:
             f"omnidraft_verify_seconds_sum {self.latency_sum:.6f}",
             f"omnidraft_verify_seconds_count {running}",
         ]
-        if (counted := self.counters()) is not None:  # what a benchmark reads: engine work per token
-            lines += [
-                "# TYPE omnidraft_engine_steps_total counter",
-                f"omnidraft_engine_steps_total {counted[0]}",
-                "# TYPE omnidraft_engine_seconds_total counter",
-                f"omnidraft_engine_seconds_total {counted[1]:.6f}",
-            ]
+        counted = self.counters() or (running, self.latency_sum)  # what a benchmark reads: work per token
+        lines += [
+            "# TYPE omnidraft_engine_steps_total counter",
+            f"omnidraft_engine_steps_total {counted[0]}",
+            "# TYPE omnidraft_engine_seconds_total counter",
+            f"omnidraft_engine_seconds_total {counted[1]:.6f}",
+        ]
         if (tokens := self.cache()) is not None:  # the engine's own count, across every key
             lines += [
                 "# TYPE omnidraft_prompt_tokens_total counter",

@@ -71,6 +71,12 @@ class Service(TextRoutes, SpeculateRoutes):
             None if costs is None else {**costs, **cast(BatchingTarget, target).batch_costs()}
         )
         self.budget = DraftBudget(self.costs, self._active_sessions, MAX_PROPOSAL - 1) if self.costs else None
+        # an in-process engine whose verify costs are measured (OpenVINO, llama.cpp) runs a speculate
+        # stream in a step loop of the server's own (device_proposals.step_loop), one session's
+        # verify at a time: its budget is one session's
+        own = None if self.batches or not can.in_process else target.verify_costs()
+        self.stream_budget = DraftBudget(own, lambda: 1, MAX_PROPOSAL - 1) if own else None
+        self.streams = can.drafts_in_engine or self.stream_budget is not None
         self.gate, self._gate_lock = DraftGate(), threading.Lock()  # streaming sessions' drafts, measured
         self.context: int | None = target.context_length  # None: unbounded
         with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +91,7 @@ class Service(TextRoutes, SpeculateRoutes):
             vocab_size=self.vocab,
             fingerprint=self.target.token_bytes.fingerprint,
             eos_ids=sorted(self.target.eos_ids),
-            drafts_in_engine=self.target.capabilities.drafts_in_engine,
+            drafts_in_engine=self.streams,
         )
 
     def open(self, request: OpenRequest, key: int = 0) -> OpenReply:
