@@ -9,9 +9,10 @@ round trip each way. Rows, each with the same prompts, greedy, one device per co
 - server alone: each device streams `POST /v1/generate`, the server decoding the whole completion;
 - device drafting: `pair.stream` through `RemoteTarget` (the `/speculate` stream and its proposals,
   verified in vLLM's engine step or the server's own step loop on an in-process engine);
-- fastest engine alone: where the fastest engine here for these weights (targets/fastest.py) is
-  not E, `omnidraft serve --engine` on it, streamed as the server alone is: what a user could run
-  instead, and what every row's speedup is measured against;
+- alone on X: each other engine here that runs these weights (targets/fastest.py `candidates`),
+  `omnidraft serve --engine X` streamed as the server alone is: what a user could run instead. The
+  fastest of these rows and the server alone, at the same round trip and load, is what every
+  row's speedup (total and worst request) is measured against;
 - stock vLLM (E = vllm): `python -m vllm.entrypoints.openai.api_server` on the same CPU with the
   same weights, streamed `/v1/completions`.
 Per row: tokens/s over the wall time of all its requests, time to first token, the gaps between
@@ -46,7 +47,7 @@ __all__ = [
     "wait_up",
 ]
 
-ROWS = ("server alone", "device drafting", "stock vLLM", "fastest engine alone")
+ROWS = ("server alone", "device drafting", "stock vLLM", "alone on")  # the last: "alone on <engine>"
 SERVER_CPU, DEVICE_CPU = 0, 1
 
 
@@ -254,8 +255,8 @@ def summarize_row(runs: list[Timed], wall: float, reference: list[list[int]] | N
 class NetworkRun:
     """What `run_network` measures: `prompts` of `max_new_tokens` each, from devices drafting with
     `drafter` for `target` on a server on `engine`, at each round trip of `rtts_ms` and each device
-    count of `devices`; `fastest`: the fastest engine here for the target, whose row is the
-    speedups' reference where it is not `engine` (None: `engine` is); `stock`: also a stock vLLM
+    count of `devices`; `others`: the other engines here streamed alone (the fastest such row, or
+    the server alone, is the speedups' reference); `stock`: also a stock vLLM
     server's row (vLLM only); `log`: the servers' output; `server_args`: `omnidraft serve`'s engine
     flags; `sampling` (temperature, top_p, ...): every row samples instead of decoding greedily
     (outputs then differ by chance: identical is not counted)."""
@@ -271,7 +272,7 @@ class NetworkRun:
     server_args: tuple[str, ...] = ("--dtype", "float32")
     sampling: dict[str, Any] | None = None
     engine: str = "vllm"
-    fastest: str | None = None
+    others: tuple[str, ...] = ()
 
 
 def run_network(
@@ -293,22 +294,25 @@ def run_network(
     try:
         bench = _NetworkBench(run, load_tokenizer(run.target), progress, done)
         bench.omnidraft_rows()
-        if run.fastest is not None and run.fastest != run.engine:
-            bench.fastest_rows(run.fastest)
+        for other in run.others:
+            bench.alone_rows(other)
         if run.stock and run.engine == "vllm":
             bench.stock_rows()
     finally:
         os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
     results = bench.results
-    against = ROWS[3] if any(r["row"] == ROWS[3] for r in results) else ROWS[0]
-    base = {(r["rtt_ms"], r["devices"]): r for r in results if r["row"] == against}
+    base: dict[tuple[float, int], dict[str, Any]] = {}  # the fastest engine alone, by (RTT, devices)
+    for r in results:
+        if r["row"] == ROWS[0] or r["row"].startswith(ROWS[3]):
+            key = (r["rtt_ms"], r["devices"])
+            base[key] = max(base.get(key, r), r, key=lambda row: row["tok_s"])
     for r in results:
         ref = base[(r["rtt_ms"], r["devices"])]
         r["speedup"] = r["tok_s"] / ref["tok_s"]
         pairs = zip(ref["request_s_per_token"], r["request_s_per_token"])
         r["worst_request_speedup"] = min((a / b for a, b in pairs if b > 0), default=None)
-        r["against"] = f"{against} ({run.fastest or run.engine})"
+        r["against"] = ref["row"] if ref["row"] != ROWS[0] else f"{ROWS[3]} {run.engine}"
     return results
 
 
@@ -331,7 +335,7 @@ class _NetworkBench:
         if row == ROWS[0] and self.run.sampling is None:  # the greedy reference of the other rows
             self.references.setdefault(n, [r.tokens for r in runs])
         # (another engine's weights and numerics: its text is its own, not compared)
-        summary = summarize_row(runs, wall, None if row == ROWS[3] else self.references.get(n))
+        summary = summarize_row(runs, wall, None if row.startswith(ROWS[3]) else self.references.get(n))
         if before is not None:  # the server's engine work per committed token
             after, tokens = engine_counters(self.url), max(1, sum(len(r.tokens) for r in runs))
             summary["engine_steps_per_token"] = (after[0] - before[0]) / tokens
@@ -344,8 +348,8 @@ class _NetworkBench:
         argv = [sys.executable, "-m", "omnidraft.cli", "serve", "--engine", engine, "--target", run.target]
         return argv + ["--port", str(self.port), "--no-auth", *(run.server_args if engine == "vllm" else ())]
 
-    def fastest_rows(self, engine: str) -> None:
-        """`omnidraft serve --engine` on the fastest engine here, streamed alone as the server is."""
+    def alone_rows(self, engine: str) -> None:
+        """`omnidraft serve --engine` on another engine here, streamed alone as the server is."""
         import httpx
 
         run = self.run
@@ -357,7 +361,7 @@ class _NetworkBench:
                     for n in run.devices:
                         n_tokens, sampling = run.max_new_tokens, run.sampling
                         jobs = [partial(_server_alone, http, i, n_tokens, sampling) for i in self.ids]
-                        self.add(rtt, n, ROWS[3], jobs)
+                        self.add(rtt, n, f"{ROWS[3]} {engine}", jobs)
                     http.close()
 
     def omnidraft_rows(self) -> None:
