@@ -158,7 +158,9 @@ def _server_alone(http: Any, ids: list[int], n: int, sampling: dict[str, Any] | 
     return run
 
 
-def _stock(http: Any, model: str, ids: list[int], n: int, sampling: dict[str, Any] | None = None) -> Timed:
+def _stock(
+    http: Any, ids: list[int], n: int, sampling: dict[str, Any] | None = None, model: str = "target"
+) -> Timed:
     body = {
         "model": model,
         "prompt": ids,
@@ -350,18 +352,24 @@ class _NetworkBench:
 
     def alone_rows(self, engine: str) -> None:
         """`omnidraft serve --engine` on another engine here, streamed alone as the server is."""
+        self._streamed(self._serve(engine), "/health", f"{ROWS[3]} {engine}", _server_alone)
+
+    def _streamed(
+        self, argv: list[str], health: str, row: str, stream: Callable[..., Timed], counted: bool = True
+    ) -> None:
+        """The rows `row` of a server started with `argv` (up once `health` answers), each request
+        streamed alone by `stream(http, ids, max_tokens, sampling)`, at every round trip and load."""
         import httpx
 
         run = self.run
-        with server_process(self._serve(engine), SERVER_CPU, self.url, "/health", run.log):
+        with server_process(argv, SERVER_CPU, self.url, health, run.log):
             for rtt in run.rtts_ms:
                 with _proxy(self.port, rtt) as near:
                     http = httpx.Client(base_url=near, timeout=600)
-                    _server_alone(http, self.ids[0], 8)  # warm-up
+                    stream(http, self.ids[0], 8)  # warm-up
                     for n in run.devices:
-                        n_tokens, sampling = run.max_new_tokens, run.sampling
-                        jobs = [partial(_server_alone, http, i, n_tokens, sampling) for i in self.ids]
-                        self.add(rtt, n, f"{ROWS[3]} {engine}", jobs)
+                        jobs = [partial(stream, http, i, run.max_new_tokens, run.sampling) for i in self.ids]
+                        self.add(rtt, n, row, jobs, counted)
                     http.close()
 
     def omnidraft_rows(self) -> None:
@@ -398,32 +406,13 @@ class _NetworkBench:
 
     def stock_rows(self) -> None:
         """A stock vLLM server on the same CPU with the same weights, as VLLMTarget.load sets them."""
-        import httpx
-
         from ..store.models import hf_directory
 
-        run = self.run
-        argv = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            hf_directory(run.target),
-        ]
+        model = hf_directory(self.run.target)
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
         argv += ["--port", str(self.port), "--dtype", "float32", "--served-model-name", "target"]
         argv += ["--block-size", "32", "--kv-cache-memory-bytes", str(2 << 30)]
-        with server_process(argv, SERVER_CPU, self.url, "/v1/models", run.log):
-            for rtt in run.rtts_ms:
-                with _proxy(self.port, rtt) as near:
-                    http = httpx.Client(base_url=near, timeout=600)
-                    _stock(http, "target", self.ids[0], 8)
-                    for n in run.devices:
-                        jobs = [
-                            partial(_stock, http, "target", i, run.max_new_tokens, run.sampling)
-                            for i in self.ids
-                        ]
-                        self.add(rtt, n, ROWS[2], jobs, counted=False)
-                    http.close()
+        self._streamed(argv, "/v1/models", ROWS[2], _stock, counted=False)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -226,7 +226,7 @@ def step_loop(
         generated += new[:end]
         source.stepped(inner.ids)
         yield list(generated)
-        if end < len(new) or generated[-1] in source.eos_ids:
+        if generated[-1] in source.eos_ids:
             return
 
 
@@ -241,7 +241,7 @@ class SpeculateRoutes:
     _claim_stream: Callable[[Session, int, int], Callable[[], None]]
     _check_ids: Callable[[Any, str], None]
     budget: DraftBudget | None
-    stream_budget: DraftBudget | None  # an in-process engine's: one session's verifies at a time
+    drafts: DraftBudget | None  # a streaming session's: `budget`, or an in-process engine's (one session's)
     streams: bool  # whether `speculate` is served (the engine's step loop, or the server's)
     model_lock: Any
     gate: DraftGate  # whether the budget's drafts measured faster than none at this load
@@ -309,7 +309,7 @@ class SpeculateRoutes:
     def _engine_budget(self) -> int:
         """The draft tokens a streaming session's proposal may have now (the engine verifies them
         in its own step: no context tail is recomputed), while the gate measures that they pay."""
-        drafts = self.budget or self.stream_budget
+        drafts = self.drafts
         if drafts is None:
             return MAX_PROPOSAL
         budget = drafts(0)
@@ -319,13 +319,13 @@ class SpeculateRoutes:
     def _wait_s(self) -> float:
         """How long a step waits for a streaming device's proposal: `proposal_wait_s`, at most a
         quarter of a step, shared by the active sessions (the whole batch waits)."""
-        step = (self.costs or (self.stream_budget.costs if self.stream_budget else {})).get(1, 0.0)
+        step = self.drafts.costs.get(1, 0.0) if self.drafts is not None else 0.0
         wait = min(self.config.proposal_wait_s, step / 4) if step else self.config.proposal_wait_s
-        return wait / max(1, self.budget.active_n if self.budget is not None else 1)
+        return wait / max(1, self.drafts.active_n if self.drafts is not None else 1)
 
     def _observe(self, proposed: int, accepted: int) -> None:
         self.metrics.rounds += 1
         self.metrics.proposed += proposed
         self.metrics.accepted += accepted
-        if (drafts := self.budget or self.stream_budget) is not None:
-            drafts.acceptance.observe(proposed, accepted)
+        if self.drafts is not None:
+            self.drafts.acceptance.observe(proposed, accepted)

@@ -75,8 +75,8 @@ class Service(TextRoutes, SpeculateRoutes):
         # stream in a step loop of the server's own (device_proposals.step_loop), one session's
         # verify at a time: its budget is one session's
         own = None if self.batches or not can.in_process else target.verify_costs()
-        self.stream_budget = DraftBudget(own, lambda: 1, MAX_PROPOSAL - 1) if own else None
-        self.streams = can.drafts_in_engine or self.stream_budget is not None
+        self.drafts = DraftBudget(own, lambda: 1, MAX_PROPOSAL - 1) if own else self.budget
+        self.streams = can.drafts_in_engine or own is not None
         self.gate, self._gate_lock = DraftGate(), threading.Lock()  # streaming sessions' drafts, measured
         self.context: int | None = target.context_length  # None: unbounded
         with tempfile.TemporaryDirectory() as tmp:
