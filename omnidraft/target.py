@@ -181,10 +181,14 @@ class Target(Protocol):
 class SessionBase:
     """What a target session inherits unless it says otherwise: no draft budget, nothing to free.
     `cancel`: set by whoever runs the session's next call (a server whose client may leave); a
-    session whose engine computes a call elsewhere stops it once that is set (raising Cancelled)."""
+    session whose engine computes a call elsewhere stops it once that is set (raising Cancelled).
+    `prefill_s`: the seconds its first call spent reading the prompt and giving the first token,
+    where the session times that apart (None: it does not), so the floor can book the rest of a
+    request's first round against the target alone (adaptive/floor.py)."""
 
     budget: int | None = None
     cancel: threading.Event | None = None
+    prefill_s: float | None = None
 
     def close(self) -> None:
         """The generation is over: nothing to free."""

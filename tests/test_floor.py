@@ -4,6 +4,8 @@ the round loop's path when the floor stands aside, on tiny in-test models."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import omnidraft as od
@@ -61,7 +63,7 @@ def test_a_losing_request_halves_the_next_ones_allowance_a_paying_one_restores_i
     lost = floor.begin(STEP)
     lost.book(1, 3 * STEP, True)
     floor.end(lost)
-    assert floor.scale == 0.5 and floor.begin(STEP).explore == pytest.approx(0.01)
+    assert floor.scale == 0.5 and floor.begin(STEP).explore == pytest.approx(FloorKnobs().explore / 2)
     for _ in range(10):
         floor.end(lost)
     assert floor.scale == FloorKnobs().least
@@ -141,3 +143,95 @@ def test_standing_aside_decodes_stretches_alone_and_keeps_the_targets_output(
     assert [r.proposed for r in out.rounds] == [0] * 40  # decoded alone, one record a token
     again = pair.generate(prompt, max_new_tokens=40)  # the proposer followed the text decoded alone
     assert again.token_ids == ref
+
+
+class _SlowPrompt:
+    """A target session whose first call reads the prompt slowly (`read` seconds more), timing that
+    read apart as `prefill_s` where `timed`, as an OpenVINO session does, or not at all."""
+
+    def __init__(self, inner, read: float, timed: bool) -> None:
+        self.inner, self.read, self.timed, self.first = inner, read, timed, True
+        self.prefill_s = None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _reading(self, call):
+        if not self.first:
+            return call()
+        started, self.first = time.perf_counter(), False
+        time.sleep(self.read)
+        out = call()
+        if self.timed:
+            self.prefill_s = time.perf_counter() - started
+        return out
+
+    def verify(self, *args, **kwargs):
+        return self._reading(lambda: self.inner.verify(*args, **kwargs))
+
+    def decode(self, max_tokens):
+        tokens = self.inner.decode(max_tokens)
+        yield self._reading(lambda: next(tokens))
+        yield from tokens
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_the_prompts_read_is_never_taken_for_the_targets_step(tiny_drafter, tiny_target, monkeypatch, timed):
+    """A request whose first stretch decodes alone from the prompt (no step known yet, or a server
+    that takes no draft) measures the step without the prompt's read (it made a 627-token summary's
+    step 105 ms where it was 27, and the floor then let every later request's drafts lose); where
+    the session times its read apart, the first stretch's other tokens measure it."""
+    prompt = gsm8k_texts("test", 1)[0][:80]
+    ref = target_greedy(tiny_target, prompt, 40)
+    pair = od.Pairing(
+        OracleDrafter(tiny_target, ref), tiny_target, od.DecodeConfig(k=5, strategy="ngram", drafts="model")
+    )
+    ledgers = []
+
+    def begin(step, unread=0):
+        ledgers.append(_Aside(FloorKnobs(), 0.02, None))  # (no step yet: the first round decodes)
+        return ledgers[-1]
+
+    monkeypatch.setattr(pair.speculator.floor, "begin", begin)
+    opened = tiny_target.begin
+    monkeypatch.setattr(tiny_target, "begin", lambda ids: _SlowPrompt(opened(ids), 0.6, timed))
+    assert pair.generate(prompt, max_new_tokens=40).token_ids == ref  # (stretches of 16)
+    ledger = ledgers[-1]
+    assert ledger.measured and ledger.step < 0.6 / 16  # measured by a later stretch, or the first's rest
+
+
+def test_a_first_round_under_the_floor_proposes_nothing_and_is_booked_where_timed(
+    tiny_drafter, tiny_target, monkeypatch
+):
+    """The first round's read of the prompt gives its first token whatever it proposes, so a
+    rejected first proposal loses its whole verify (on OpenVINO a summary's first proposal of 7
+    retrieved tokens cost 1.7 steps for nothing, and then the allowance was spent): under the floor
+    it proposes nothing, later rounds do. Where the session times its read apart, the rest of that
+    round is booked (no token); where it does not, the first booking is the second round's."""
+    prompt = gsm8k_texts("test", 1)[0][:80]
+    ref = target_greedy(tiny_target, prompt, 8)
+    booked: list[tuple[int, bool]] = []
+    book = Ledger.book
+    monkeypatch.setattr(
+        Ledger, "book", lambda self, c, s, p, **kw: booked.append((c, p)) or book(self, c, s, p, **kw)
+    )
+    opened, firsts = tiny_target.begin, []
+    for timed, step in ((False, STEP), (True, STEP), (True, None)):
+        pair = od.Pairing(
+            OracleDrafter(tiny_target, ref),
+            tiny_target,
+            od.DecodeConfig(k=4, strategy="ngram", drafts="model"),
+        )
+        monkeypatch.setattr(
+            pair.speculator.floor, "begin", lambda _, unread=0, step=step: Ledger(FloorKnobs(), 0.5, step)
+        )
+        monkeypatch.setattr(
+            tiny_target, "begin", lambda ids, timed=timed: _SlowPrompt(opened(ids), 0.0, timed)
+        )
+        booked.clear()
+        out = pair.generate(prompt, max_new_tokens=8)
+        assert out.token_ids == ref
+        firsts.append((out.rounds[0].proposed, any(r.proposed for r in out.rounds[1:]), booked[:1]))
+    assert firsts[0][:2] == (0, True) and firsts[0][2][0][0] >= 1  # untimed: the second round's
+    assert firsts[1][:2] == (0, True) and firsts[1][2] == [(0, False)]  # timed: the first round's
+    assert firsts[2][0] > 0  # no step known: no floor yet, the first round proposes

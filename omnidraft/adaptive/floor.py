@@ -48,7 +48,7 @@ class FloorKnobs:
     may explore); `aside`: tokens the target decodes alone, in one go, each time the balance cannot
     cover a draft; `least`: the smallest share of `explore` that losing requests bring it to."""
 
-    explore: float = 0.02
+    explore: float = 0.01
     horizon: int = 128
     aside: int = 16
     least: float = 1 / 16
@@ -95,9 +95,10 @@ class Ledger:
 
     def book(self, committed: int, seconds: float, proposed: bool, *, drafted: bool = False) -> None:
         """A round (`proposed`: it proposed tokens; `drafted`: the drafter model drafted them, having
-        read every committed token) committed `committed` tokens in `seconds`."""
+        read every committed token) committed `committed` tokens in `seconds` (0: a first round
+        whose one token the prompt's read gave, booked for what it spent past that)."""
         self.unread = 0 if drafted else self.unread + committed
-        if self.step is None or committed < 1:
+        if self.step is None or committed < 0:
             return
         gained = committed * self.step - seconds
         self.saved += gained
@@ -111,11 +112,13 @@ class Ledger:
             self.saved -= seconds
             self.drafted -= seconds
 
-    def alone(self, committed: int, seconds: float) -> None:
-        """The target decoded `committed` tokens alone in `seconds`: the step as measured now."""
-        if committed < 1 or seconds <= 0:
+    def alone(self, committed: int, seconds: float | None) -> None:
+        """The target decoded `committed` tokens alone in `seconds`: the step as measured now (None:
+        the stretch also read the prompt, so it measures no step)."""
+        if committed < 1 or (seconds is not None and seconds <= 0):
             return
-        self.step, self.measured = seconds / committed, True
+        if seconds is not None:
+            self.step, self.measured = seconds / committed, True
         self.unread += committed
         self.tokens += committed  # booked at exactly its own step: no gain, no loss
 

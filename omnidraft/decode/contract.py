@@ -117,13 +117,15 @@ class Booking(NamedTuple):
     """A round waiting to be booked against the target alone (adaptive/floor.py) when the next one
     begins: it committed `committed` tokens from `began` (perf_counter seconds); `proposed`: it
     proposed tokens, `drafted`: the drafter model drafted them, `alone`: the target decoded them
-    alone (a stretch the floor stood aside for)."""
+    alone (a stretch the floor stood aside for); `measures`: False where that stretch also read the
+    prompt, not timed apart, so its time is no measure of the target's step."""
 
     committed: int
     began: float
     proposed: bool = False
     drafted: bool = False
     alone: bool = False
+    measures: bool = True
 
 
 @dataclass

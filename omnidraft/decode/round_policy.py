@@ -37,14 +37,20 @@ class RoundPolicy:
     def __init__(self, speculator: Speculator) -> None:
         self.s = speculator
 
-    def plan(self, req: RequestState, remaining: int, *, floor: bool = True) -> RoundPlan | None:
+    def plan(
+        self, req: RequestState, remaining: int, *, floor: bool = True, first: bool = False
+    ) -> RoundPlan | None:
         """The next round's plan with `remaining` tokens to go; None when the target's server
         takes no draft now (a zero budget: it should decode the rest alone) or the request's
         balance against the target alone covers no draft (`req.ledger.aside`: where the request
         `may_decode`, its target decodes a stretch alone; else its rounds propose nothing).
         Without `floor` (a device drafting ahead for a server's engine, whose budget decides what
-        it verifies) the balance is not asked."""
+        it verifies) the balance is not asked. `first`: the round also reads the prompt, which
+        gives its first token whatever it proposes, so a rejected proposal loses its whole verify
+        (not a verify less one step, as later): under the floor it proposes nothing."""
         s = self.s
+        if floor and first and req.ledger.on and req.ledger.step is not None:
+            return RoundPlan(0, 0, False, False)
         model, free = s.plan.at(s.target, len(req.session.ids))  # what can pay at this context
         defer = model and req.k > 0 and req.read.defer(s.policy.last_rates if s.policy else {}, req.produced)
         limit, ask = within_budget(req.session, remaining - 1, req.k if model and not defer else 0)

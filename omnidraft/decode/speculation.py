@@ -80,7 +80,7 @@ class Speculation:
         started, req = time.perf_counter(), self.request
         self.policy.begin_round(req, started)
         self._book(started)
-        plan = self.policy.plan(req, remaining, floor=k is None)
+        plan = self.policy.plan(req, remaining, floor=k is None, first=self.rounds == 0 and self._prefills)
         if plan is None and limit is None:
             return None
         plan = plan or RoundPlan(0, 0, False, False)
@@ -114,13 +114,26 @@ class Speculation:
             req.idle = not rnd.draft.ids
         else:
             self.policy.observe(req, rnd, verify_s, len(rnd.proposal) + 1)
-        if seconds is not None:  # (the first round also read the prompt: not booked)
+        if seconds is not None:
             req.booking = Booking(len(new), rnd.started, len(rnd.proposal) > 0, bool(rnd.draft.ids))
-        elif rnd.draft.ids:  # the drafter read the prompt, which the target alone never does
-            self.s.read_prompt(req.ledger, len(req.drafter_ids), rnd.drafted - rnd.started)
-            req.ledger.unread = 0
+        else:  # the first round also read the prompt
+            self._book_first(rnd, len(new))
         self.rounds += 1
         return rnd
+
+    def _book_first(self, rnd: Round, committed: int) -> None:
+        """The first round's booking: the drafter's read of the prompt is charged (the target alone
+        never reads with it), and where the session timed its own read of the prompt (with the first
+        token) apart, the rest of the round is booked against the target alone."""
+        req, read = self.request, 0.0
+        if rnd.draft.ids:
+            read = rnd.drafted - rnd.started
+            self.s.read_prompt(req.ledger, len(req.drafter_ids), read)
+            req.ledger.unread = 0
+        prefill = getattr(req.session, "prefill_s", None)
+        if prefill is not None:
+            began = rnd.started + read + prefill
+            req.booking = Booking(committed - 1, began, len(rnd.proposal) > 0, bool(rnd.draft.ids))
 
     def aside(self, remaining: int) -> int:
         """After `propose` returned None: how many of the `remaining` tokens the target decodes
@@ -134,7 +147,11 @@ class Speculation:
         self.proposer.settle(self.state, Round.copied([]), Outcome(new, 0))
         req.produced += len(new)
         req.idle, req.pending = True, None
-        req.booking = Booking(len(new), began, alone=True)
+        prefill = getattr(req.session, "prefill_s", None) if self.rounds == 0 and self._prefills else 0.0
+        if prefill is None:  # the stretch read the prompt too: its time is no step
+            req.booking = Booking(len(new), began, alone=True, measures=False)
+        else:
+            req.booking = Booking(len(new) - (1 if prefill else 0), began + prefill, alone=True)
         self.rounds += 1
 
     def _book(self, now: float) -> None:
@@ -145,7 +162,7 @@ class Speculation:
             return
         done, req.booking = req.booking, None
         if done.alone:
-            req.ledger.alone(done.committed, now - done.began)
+            req.ledger.alone(done.committed, now - done.began if done.measures else None)
             return
         if 1 in self.s.cost.verify:  # (a one-token verify extrapolated from longer ones misleads)
             req.ledger.seen(self.s.cost.verify_cost(1))

@@ -19,6 +19,7 @@ output is the engine's own one-token-at-a-time output. What this module is not: 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -52,7 +53,9 @@ class _OpenVINOSession(SessionBase):
             self.cached = 0  # read afresh
         self.prefilled = self.cached == 0
         if self.prefilled:
+            started = time.perf_counter()
             first = engine.forward(self.ids, 1)
+            self.prefill_s = time.perf_counter() - started
             self.cached = len(self.ids)
             return first if not draft else np.concatenate([first, engine.forward(draft, len(draft))])
         tail = self.ids[self.cached :] + draft
