@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from .decode.contract import Proposer
     from .distill.adapters import AdapterConfig
     from .distill.learner import Learner
+    from .distill.sharing import AdapterSharing
     from .distill.trainer import TrainConfig
     from .draft.interface import PairedDrafter
     from .store.profiles import ProfileStore
@@ -69,6 +70,8 @@ class Pairing:
         adapter: AdapterConfig | str | None = None,
         store: ProfileStore | None = None,
         proposer: Proposer | None = None,
+        share: bool = False,
+        share_every: int = 10,
     ) -> None:
         from .store.profiles import ProfileStore
         from .target import check_target
@@ -102,6 +105,11 @@ class Pairing:
         baseline = shared_adapter(drafter, target.name, shared)
         self.learner = self._learner(train, baseline) if learn else None
         self.last: Generation | None = None
+        self.sharing: AdapterSharing | None = None  # the adapter exchange with the target's server
+        if share:
+            from .distill.sharing import AdapterSharing
+
+            self.sharing = AdapterSharing(self, every=share_every)
 
     def _learner(self, train: TrainConfig | None, baseline: str | None) -> Learner:
         """The online distillation into the pairing's adapter (`learn=True`)."""
@@ -366,6 +374,8 @@ class Pairing:
             )
             stats = replace(stats, adapter_steps=self.steps, adapter_note=self.learner.note())
             self.speculator.adapter = self.learner.drafting_adapter  # its own, or its baseline
+            if self.sharing is not None:
+                self.sharing.after_request()
         per_token = token_logprobs(out, rows, logprobs) if logprobs else None
         self.last = result = Generation(text, out, stats, rounds, reason, per_token)
         done.append(result)
@@ -424,6 +434,8 @@ def pair(
     adapter: AdapterConfig | None = None,
     store: ProfileStore | None = None,
     proposer: Proposer | None = None,
+    share: bool = False,
+    share_every: int = 10,
     **overrides: Any,
 ) -> Pairing:
     """Pair `drafter` (any backend) with `target`; keyword overrides go into `DecodeConfig`.
@@ -433,7 +445,10 @@ def pair(
     into the pairing's adapter (see distill/trainer.py; `train` sets its knobs, `adapter` the LoRA
     shape); only a PyTorch drafter can learn. It may draft through a faster llama.cpp copy of itself
     (backends.py). `proposer`: where each round's proposal comes from, in place of the drafter's
-    model drafts and retrieved ones (decode/contract.py; docs/architecture.md has the recipe)."""
+    model drafts and retrieved ones (decode/contract.py; docs/architecture.md has the recipe).
+    `share=True` (with `learn=True`, for a `RemoteTarget` whose server runs `--share-adapters`)
+    averages the adapter with the other devices' through the server, every `share_every` requests
+    learned from; only the adapter's tensors leave the device (distill/sharing.py)."""
     from .runtime.backends import drafting_copy
 
     if config is not None and overrides:
@@ -449,4 +464,6 @@ def pair(
         adapter=adapter,
         store=store,
         proposer=proposer,
+        share=share,
+        share_every=share_every,
     )

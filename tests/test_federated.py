@@ -140,3 +140,72 @@ def test_an_adapter_larger_than_a_request_body_is_taken(tiny_target, tmp_path):
     with TestClient(create_app(tiny_target, config)) as http:
         remote = RemoteTarget("http://testserver", api_key="k1", client=http, tokenizer=tiny_target.tokenizer)
         assert remote.upload_adapter(big, requests=3) == {"version": 0, "uploaded": 1}
+
+
+def _shared_pairings(draft_tokenizer, tiny_target, tmp_path, http_clients):
+    drafter = TorchDrafter(tiny_llama(len(draft_tokenizer), seed=2), draft_tokenizer, "tiny")
+    pairs = []
+    for i, http in enumerate(http_clients):
+        remote = RemoteTarget(
+            "http://testserver", api_key=f"k{i + 1}", client=http, tokenizer=tiny_target.tokenizer
+        )
+        pairs.append(
+            drafter.pair(
+                remote,
+                k=4,
+                user=f"device-{i}",
+                learn=True,
+                share=True,
+                share_every=1,
+                adapter=AdapterConfig(rank=2, alpha=4),
+                store=ProfileStore(tmp_path / f"device-{i}"),
+                train=TrainConfig(interval=10_000, cpu_share=0),
+            )
+        )
+    return drafter, pairs
+
+
+def test_pairings_that_share_average_their_adapters_through_the_server_and_keep_their_own(
+    draft_tokenizer, tiny_target, tmp_path
+):
+    """`share=True`: two devices of one target start from the same adapter, each uploads its own
+    (only tensors and a count), the server's average becomes version 1, and a device re-bases on it
+    keeping its residual; every output stays the target's."""
+    from fastapi.testclient import TestClient
+
+    config = ServerConfig(api_key=("k1", "k2"), adapters_dir=str(tmp_path / "shared"), adapter_min_keys=2)
+    app = create_app(tiny_target, config)
+    with TestClient(app) as h1, TestClient(app) as h2:
+        drafter, (one, two) = _shared_pairings(draft_tokenizer, tiny_target, tmp_path, [h1, h2])
+        start = {k: v.clone() for k, v in one.sharing.base.items()}
+        assert all(torch.equal(start[k], two.sharing.base[k]) for k in start)  # alike on every device
+        first = next(k for k in sorted(start) if "lora_B" in k)
+
+        def moved(pairing, by):
+            state = adapter_state(drafter.trainable, pairing.adapter)
+            load_adapter_state(drafter.trainable, pairing.adapter, {**state, first: state[first] + by})
+
+        moved(one, 1.0)
+        moved(two, 3.0)
+        assert one.sharing.sync() == 0 and two.sharing.sync() == 0  # the second upload made v1
+        assert one.sharing.sync() == 1  # re-based: v1 (start + 2) + its own residual (+1)
+        mine = adapter_state(drafter.trainable, one.adapter)[first]
+        assert torch.allclose(mine, start[first] + 3.0)
+        assert torch.allclose(one.sharing.base[first], start[first] + 2.0)
+        prompt = "Question: Tom has 3 apples"
+        assert one.generate(prompt, max_new_tokens=12).token_ids == target_greedy(tiny_target, prompt, 12)
+        one.sharing.wait()  # (the sync every request started in the background)
+        assert one.sharing.last_error is None and one.sharing.uploads == 3
+
+
+def test_share_needs_a_learning_pairing_of_a_remote_target(draft_tokenizer, tiny_target, tmp_path):
+    drafter = TorchDrafter(tiny_llama(len(draft_tokenizer), seed=2), draft_tokenizer, "tiny")
+    with pytest.raises(ValueError, match="not a RemoteTarget"):
+        drafter.pair(tiny_target, learn=True, share=True, store=ProfileStore(tmp_path))
+    from fastapi.testclient import TestClient
+
+    config = ServerConfig(api_key="k1", adapters_dir=str(tmp_path / "shared"))
+    with TestClient(create_app(tiny_target, config)) as http:
+        remote = RemoteTarget("http://testserver", api_key="k1", client=http, tokenizer=tiny_target.tokenizer)
+        with pytest.raises(ValueError, match="learn=True"):
+            drafter.pair(remote, share=True)
