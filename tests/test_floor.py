@@ -235,3 +235,20 @@ def test_a_first_round_under_the_floor_proposes_nothing_and_is_booked_where_time
     assert firsts[0][:2] == (0, True) and firsts[0][2][0][0] >= 1  # untimed: the second round's
     assert firsts[1][:2] == (0, True) and firsts[1][2] == [(0, False)]  # timed: the first round's
     assert firsts[2][0] > 0  # no step known: no floor yet, the first round proposes
+
+
+def test_a_stretch_alone_after_a_proposal_books_its_first_steps_excess_to_the_drafts():
+    """After a round that proposed, the engine's first one-token step costs more (a longer shape
+    verified, a trimmed state: ~6 ms on OpenVINO): that excess is the drafts' cost; the step is
+    measured from the stretch's other tokens. After a round that proposed nothing, no charge."""
+    ledger = Floor().begin(STEP)
+    ledger.book(1, 2 * STEP, True)
+    before = ledger.saved
+    ledger.alone(16, 0.030 + 15 * STEP, first=0.030)
+    assert ledger.step == pytest.approx(STEP)
+    assert ledger.saved == pytest.approx(before - (0.030 - STEP)) and ledger.drafted == pytest.approx(
+        ledger.saved
+    )
+    again = ledger.saved
+    ledger.alone(16, 0.030 + 15 * STEP, first=0.030)  # (the last round proposed nothing)
+    assert ledger.saved == pytest.approx(again)

@@ -48,7 +48,7 @@ class FloorKnobs:
     may explore); `aside`: tokens the target decodes alone, in one go, each time the balance cannot
     cover a draft; `least`: the smallest share of `explore` that losing requests bring it to."""
 
-    explore: float = 0.01
+    explore: float = 0.02
     horizon: int = 128
     aside: int = 16
     least: float = 1 / 16
@@ -76,6 +76,7 @@ class Ledger:
         self.measured = False  # `step` is this request's decoding alone, not an estimate
         self.read: float | None = None  # seconds the drafter takes to read a token it has not seen
         self.unread = 0  # committed tokens the drafter has not read yet (the prompt, to begin with)
+        self.proposed = False  # the last round booked proposed tokens
 
     def seen(self, step: float) -> None:
         """A newer estimate of the step (the cost model's one-token verify), kept until decoding
@@ -103,6 +104,7 @@ class Ledger:
         gained = committed * self.step - seconds
         self.saved += gained
         self.tokens += committed
+        self.proposed = proposed
         if proposed:
             self.drafted += gained
 
@@ -112,13 +114,23 @@ class Ledger:
             self.saved -= seconds
             self.drafted -= seconds
 
-    def alone(self, committed: int, seconds: float | None) -> None:
+    def alone(self, committed: int, seconds: float | None, first: float | None = None) -> None:
         """The target decoded `committed` tokens alone in `seconds`: the step as measured now (None:
-        the stretch also read the prompt, so it measures no step)."""
+        the stretch also read the prompt, so it measures no step). `first`: its first token's
+        seconds, apart: after a round that proposed, the engine's first one-token step costs more
+        (it had verified a longer shape, or trimmed its state), and that excess over the step is the
+        drafts' cost, booked to them; the step is measured from the other tokens."""
         if committed < 1 or (seconds is not None and seconds <= 0):
             return
-        if seconds is not None:
+        if seconds is not None and first is not None and committed > 1 and 0 < first < seconds:
+            self.step, self.measured = (seconds - first) / (committed - 1), True
+            if self.proposed and self.on:
+                excess = max(0.0, first - self.step)
+                self.saved -= excess
+                self.drafted -= excess
+        elif seconds is not None:
             self.step, self.measured = seconds / committed, True
+        self.proposed = False
         self.unread += committed
         self.tokens += committed  # booked at exactly its own step: no gain, no loss
 

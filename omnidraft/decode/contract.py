@@ -126,6 +126,7 @@ class Booking(NamedTuple):
     drafted: bool = False
     alone: bool = False
     measures: bool = True
+    first: float | None = None  # an alone stretch's first token's seconds
 
 
 @dataclass

@@ -37,13 +37,14 @@ def run(
         remaining = max_new_tokens - spec.produced
         rnd = spec.propose(remaining)
         if rnd is None:  # no draft now (the server's budget, or the floor): the target decodes alone
-            n, began, new = spec.aside(remaining), time.perf_counter(), []
+            n, began, new, first = spec.aside(remaining), time.perf_counter(), [], None
             for ids, record in decode_alone(cast("DecodingSession", tsession), n):  # (may_decode)
                 new += ids
+                first = record.t_verify if first is None else first
                 yield ids, record
             if len(new) < n or n == remaining or (new and new[-1] in eos_ids):
                 return
-            spec.decoded(new, began)
+            spec.decoded(new, began, first)
             continue
         context, asked = len(tsession.ids), time.perf_counter()
         relax = relaxation(s.config, spec.request.rule, rnd.proposal)

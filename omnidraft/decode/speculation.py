@@ -140,9 +140,10 @@ class Speculation:
         alone before the next round (the rest, unless the floor stood aside for a stretch)."""
         return min(remaining, self.s.floor.knobs.aside) if self.request.ledger.aside else remaining
 
-    def decoded(self, new: list[int], began: float) -> None:
-        """The target decoded `new` alone from `began` (perf_counter seconds): the proposer follows
-        the committed text, and the floor measures the target's step from it."""
+    def decoded(self, new: list[int], began: float, first: float | None = None) -> None:
+        """The target decoded `new` alone from `began` (perf_counter seconds; `first`: the seconds
+        of its first token): the proposer follows the committed text, and the floor measures the
+        target's step from it."""
         req = self.request
         self.proposer.settle(self.state, Round.copied([]), Outcome(new, 0))
         req.produced += len(new)
@@ -151,7 +152,12 @@ class Speculation:
         if prefill is None:  # the stretch read the prompt too: its time is no step
             req.booking = Booking(len(new), began, alone=True, measures=False)
         else:
-            req.booking = Booking(len(new) - (1 if prefill else 0), began + prefill, alone=True)
+            req.booking = Booking(
+                len(new) - (1 if prefill else 0),
+                began + prefill,
+                alone=True,
+                first=None if prefill else first,
+            )
         self.rounds += 1
 
     def _book(self, now: float) -> None:
@@ -162,7 +168,7 @@ class Speculation:
             return
         done, req.booking = req.booking, None
         if done.alone:
-            req.ledger.alone(done.committed, now - done.began if done.measures else None)
+            req.ledger.alone(done.committed, now - done.began if done.measures else None, done.first)
             return
         if 1 in self.s.cost.verify:  # (a one-token verify extrapolated from longer ones misleads)
             req.ledger.seen(self.s.cost.verify_cost(1))
