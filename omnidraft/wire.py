@@ -87,14 +87,26 @@ class _Message(BaseModel):
         return self
 
 
+class ServerLoad(_Message):
+    """How loaded the server is now, as it advertises it (`/v1/info`): `sessions` verifying lately
+    (the rows of its steps), `step_s` the mean seconds of an engine step since the last answer
+    (None: no step since, or an engine that does not count them), and `draft_budget` the draft
+    tokens a streaming session's next proposal may hold at this load (None: no measured costs)."""
+
+    sessions: int
+    step_s: float | None = None
+    draft_budget: int | None = None
+
+
 class InfoReply(_Message):
-    """What a device needs to pair with the server's target."""
+    """What a device needs to pair with the server's target, and its load now."""
 
     name: str
     vocab_size: int
     fingerprint: str
     eos_ids: list[int]
     drafts_in_engine: bool = False  # the engine verifies a streaming session's proposals (`/speculate`)
+    load: ServerLoad | None = None
 
 
 class OpenRequest(_Message):

@@ -544,3 +544,22 @@ def test_a_remote_target_takes_its_key_from_the_servers_variable_and_a_401_says_
         RemoteTarget("http://testserver", client=http)
     monkeypatch.setenv("OMNIDRAFT_API_KEY", f"{KEY}, another")
     assert RemoteTarget("http://testserver", client=http).name
+
+
+def test_the_server_advertises_its_load(tiny_drafter, tiny_target):
+    """`/v1/info` says the sessions verifying lately, the mean engine step since it last answered
+    and the draft budget a stream gets (None: no measured costs); `RemoteTarget.load()` reads it."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(tiny_target, ServerConfig(api_key=KEY))) as http:
+        remote = _remote(http)
+        first = remote.load()
+        assert first is not None and first.sessions == 0 and first.draft_budget is None
+        ids = tiny_target.tokenizer(PROMPTS[0])["input_ids"]
+        session = remote.begin(ids)  # held open: a session verifying lately
+        for _ in range(3):
+            session.verify(torch.zeros(0, dtype=torch.long), Rule())
+        now = remote.load()
+        assert now.sessions == 1 and now.step_s is not None and now.step_s > 0
+        assert remote.load().step_s is None  # no step since the last answer
+        session.close()

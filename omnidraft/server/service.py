@@ -28,6 +28,7 @@ from ..wire import (
     OpenReply,
     OpenRequest,
     PromptGenerateRequest,
+    ServerLoad,
     VerifyReply,
     VerifyRequest,
 )
@@ -78,6 +79,7 @@ class Service(TextRoutes, SpeculateRoutes):
         self.drafts = DraftBudget(own, lambda: 1, MAX_PROPOSAL - 1) if own else self.budget
         self.streams = can.drafts_in_engine or own is not None
         self.gate, self._gate_lock = DraftGate(), threading.Lock()  # streaming sessions' drafts, measured
+        self._counted: tuple[int, float] | None = None  # the engine's counters at the last `load()`
         self.context: int | None = target.context_length  # None: unbounded
         with tempfile.TemporaryDirectory() as tmp:
             target.tokenizer.save_pretrained(tmp)
@@ -92,6 +94,22 @@ class Service(TextRoutes, SpeculateRoutes):
             fingerprint=self.target.token_bytes.fingerprint,
             eos_ids=sorted(self.target.eos_ids),
             drafts_in_engine=self.streams,
+            load=self.load(),
+        )
+
+    def load(self) -> ServerLoad:
+        """The load the server advertises (wire.ServerLoad): sessions verifying lately, the mean
+        engine step since the last call, and the draft budget a streaming session gets now."""
+        counters = self.metrics.engine()
+        step_s = None
+        with self.table_lock:
+            last, self._counted = self._counted, counters
+        if last is not None and counters[0] > last[0]:
+            step_s = (counters[1] - last[1]) / (counters[0] - last[0])
+        return ServerLoad(
+            sessions=self._active_sessions(),
+            step_s=step_s,
+            draft_budget=self.drafts() if self.drafts is not None else None,
         )
 
     def open(self, request: OpenRequest, key: int = 0) -> OpenReply:

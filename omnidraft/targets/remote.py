@@ -40,6 +40,7 @@ from ..wire import (
     OpenReply,
     OpenRequest,
     PromptGenerateRequest,
+    ServerLoad,
     SparseRow,
     VerifyReply,
     VerifyRequest,
@@ -143,6 +144,12 @@ class RemoteTarget(TargetBase):
     def _call(self, method: str, path: str, message: Any = None) -> Any:
         content = message.model_dump_json(exclude_none=True) if message is not None else None
         return call_json(self.http, self.url, method, path, content, self.retries)
+
+    def load(self) -> ServerLoad | None:
+        """The server's load now, as it advertises it (`/v1/info`: sessions verifying lately, its
+        mean engine step, the draft budget a streaming session gets); None from a server that does
+        not say."""
+        return InfoReply.model_validate(self._call("GET", "/v1/info")).load
 
     def upload_adapter(self, state: dict[str, Any], requests: int) -> dict[str, int]:
         """Send this device's LoRA adapter (its tensors, as `Pairing.save_adapter` keeps them) and
