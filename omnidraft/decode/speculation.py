@@ -72,6 +72,15 @@ class Speculation:
     def produced(self) -> int:
         return self.request.produced
 
+    @property
+    def reads_prompt(self) -> bool:
+        """Whether the next round's target call also reads the prompt (the request's first)."""
+        return self.rounds == 0 and self._prefills
+
+    def _prefill_s(self) -> float | None:
+        """The seconds the session's first call spent reading the prompt, where it times that apart."""
+        return getattr(self.request.session, "prefill_s", None)
+
     def propose(self, remaining: int, *, limit: int | None = None, k: int | None = None) -> Round | None:
         """The next round's proposal with `remaining` tokens to go; None when the target's server
         takes no draft now (it should decode the rest alone). `limit` caps the proposal (an engine's
@@ -80,7 +89,7 @@ class Speculation:
         started, req = time.perf_counter(), self.request
         self.policy.begin_round(req, started)
         self._book(started)
-        plan = self.policy.plan(req, remaining, floor=k is None, first=self.rounds == 0 and self._prefills)
+        plan = self.policy.plan(req, remaining, floor=k is None, first=self.reads_prompt)
         if plan is None and limit is None:
             return None
         plan = plan or RoundPlan(0, 0, False, False)
@@ -107,7 +116,7 @@ class Speculation:
         now = time.perf_counter() if now is None else now
         first = self.rounds == 0
         self.proposer.settle(self.state, rnd, Outcome(new, accepted))
-        seconds = None if first and self._prefills else now - rnd.started
+        seconds = None if self.reads_prompt else now - rnd.started
         self.policy.settle_read(req, plan, rnd, len(new), seconds)
         req.produced += len(new)
         if first:
@@ -130,7 +139,7 @@ class Speculation:
             read = rnd.drafted - rnd.started
             self.s.read_prompt(req.ledger, len(req.drafter_ids), read)
             req.ledger.unread = 0
-        prefill = getattr(req.session, "prefill_s", None)
+        prefill = self._prefill_s()
         if prefill is not None:
             began = rnd.started + read + prefill
             req.booking = Booking(committed - 1, began, len(rnd.proposal) > 0, bool(rnd.draft.ids))
@@ -148,7 +157,7 @@ class Speculation:
         self.proposer.settle(self.state, Round.copied([]), Outcome(new, 0))
         req.produced += len(new)
         req.idle, req.pending = True, None
-        prefill = getattr(req.session, "prefill_s", None) if self.rounds == 0 and self._prefills else 0.0
+        prefill = self._prefill_s() if self.reads_prompt else 0.0
         if prefill is None:  # the stretch read the prompt too: its time is no step
             req.booking = Booking(len(new), began, alone=True, measures=False)
         else:

@@ -72,7 +72,7 @@ class AdapterSharing:
         try:
             version, shared = self.target.shared_adapter()
         except Exception as exc:  # noqa: BLE001 - unreachable now: start alone, sync later
-            version, shared, self.last_error = 0, None, f"{type(exc).__name__}: {exc}"[:300]
+            version, shared, self.last_error = 0, None, _reason(exc)
         own = self._state()
         if shared is not None and set(shared) == set(own):
             self.version, self.base = version, shared
@@ -97,7 +97,7 @@ class AdapterSharing:
         try:
             self.sync()
         except Exception as exc:  # noqa: BLE001 - a thread has nobody to raise to: kept, tried again later
-            self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            self.last_error = _reason(exc)
 
     def sync(self) -> int:
         """Pull the shared adapter and re-base on it when its version is new, then upload the
@@ -108,11 +108,12 @@ class AdapterSharing:
             learner.wait()
         version, shared = self.target.shared_adapter()
         if shared is not None and version != self.version:
-            own = self._state()
-            if set(shared) != set(own):
-                raise ValueError(f"the server's shared adapter v{version} is not this adapter's shape")
-            base = self.base or shared
-            self._load({k: shared[k].float() + own[k] - base[k].float() for k in own})
+            with self.pairing.drafter.lock:  # (read and re-based in one hold: no learner step between)
+                own = self._state()
+                if set(shared) != set(own):
+                    raise ValueError(f"the server's shared adapter v{version} is not this adapter's shape")
+                base = self.base or shared
+                self._load({k: shared[k].float() + own[k] - base[k].float() for k in own})
             self.version, self.base = version, shared
         with self._lock:
             requests, self.learned = max(1, self.learned), 0
@@ -126,6 +127,11 @@ class AdapterSharing:
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
+
+
+def _reason(exc: Exception) -> str:
+    """What `last_error` keeps of a failed exchange."""
+    return f"{type(exc).__name__}: {exc}"[:300]
 
 
 def common_start(state: dict[str, torch.Tensor], target: str) -> dict[str, torch.Tensor]:
