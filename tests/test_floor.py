@@ -20,27 +20,31 @@ COMPUTE_BOUND = {m: STEP * (1 + 0.9 * (m - 1)) for m in range(1, 10)}  # verifyi
 FLAT = {m: STEP * (1 + 0.05 * (m - 1)) for m in range(1, 10)}  # verifying m costs ~one step
 
 
-def simulate(curve: dict[int, float], accept: float, n: int = 128, draft: float = 0.2 * STEP):
-    """One request of `n` tokens under the floor: each round drafts 4 tokens (at `draft` seconds
+def simulate(
+    curve: dict[int, float], accept: float, n: int = 128, draft: float = 0.2 * STEP, ends: int | None = None
+):
+    """One request of at most `n` tokens under the floor (a reply that ends, by its EOS, after `ends`
+    of them: the floor cannot know that beforehand): each round drafts 4 tokens (at `draft` seconds
     each) of which the first `accept` share is accepted; where the floor stands aside, the target
     decodes `aside` tokens at STEP. Returns (seconds, seconds alone, rounds that drafted)."""
     cost = CostModel(verify=curve)
     cost.observe(4, 4 * draft, 5, curve[5])
     ledger = Floor().begin(STEP)
     produced, seconds, drafted = 0, 0.0, 0
-    while produced < n:
+    n_out = n if ends is None else ends
+    while produced < n_out:
         remaining = n - produced
         k, m = ledger.cap(cost, 4, min(4, remaining - 1), remaining)
         if ledger.aside or m == 0:
-            got = min(Floor().knobs.aside, remaining)
+            got = min(Floor().knobs.aside, remaining, n_out - produced)
             ledger.alone(got, got * STEP)
             produced, seconds = produced + got, seconds + got * STEP
             continue
         took = k * draft + cost.verify_cost(m + 1)
-        committed = min(remaining, 1 + int(accept * m))
+        committed = min(remaining, 1 + int(accept * m), n_out - produced)
         ledger.book(committed, took, True)
         produced, seconds, drafted = produced + committed, seconds + took, drafted + 1
-    return seconds, n * STEP, drafted
+    return seconds, n_out * STEP, drafted
 
 
 @pytest.mark.parametrize("accept", [0.0, 0.25, 0.5])
@@ -48,6 +52,26 @@ def test_drafts_that_lose_cost_at_most_the_exploring_share(accept):
     seconds, alone, drafted = simulate(COMPUTE_BOUND, accept)
     assert seconds <= alone * (1 + FloorKnobs().explore) + 1e-9
     assert drafted <= 3  # it stood aside as soon as the balance was spent
+
+
+@pytest.mark.parametrize("ends", [3, 16, 21, 40])
+def test_a_reply_that_ends_early_loses_at_most_the_share_of_its_own_time(ends):
+    """The allowance is counted over the tokens produced so far, not over `max_new_tokens`: a reply
+    whose EOS comes early loses no more than `explore` of its own time alone (of `horizon` tokens,
+    for one shorter than that)."""
+    knobs = FloorKnobs()
+    assert knobs.horizon <= 16  # (counted over 128 tokens, a 21-token reply read 0.84x)
+    seconds, alone, _ = simulate(COMPUTE_BOUND, 0.0, ends=ends)
+    assert seconds <= alone + knobs.explore * STEP * max(ends, knobs.horizon) + 1e-9
+
+
+def test_the_targets_read_of_the_prompt_counts_in_the_allowance():
+    """Where the session times its read of the prompt, that read is part of the request's time alone,
+    so a long prompt lets the first rounds explore more."""
+    ledger = Floor().begin(STEP)
+    bare = ledger.allowance(100)
+    ledger.prefill = 40 * STEP
+    assert ledger.allowance(100) == pytest.approx(bare + FloorKnobs().explore * 40 * STEP)
 
 
 def test_drafts_that_pay_are_not_capped():
@@ -100,7 +124,7 @@ def test_a_model_draft_that_must_first_read_the_prompt_waits_retrieved_tokens_do
     assert first.saved == pytest.approx(-125 * STEP) and floor.read == pytest.approx(0.5 * STEP)
     second = floor.begin(STEP, unread=250)
     assert second.cap(cost, 4, 4, 128) == (0, 4) and not second.aside  # retrieved tokens only
-    second.book(3, 2 * STEP, True, drafted=False)
+    second.book(3, 0.5 * STEP, True, drafted=False)  # retrieved tokens that paid
     assert second.unread == 253
     second.unread = 2  # caught up but two tokens
     assert second.cap(cost, 4, 4, 128) == (4, 4)
@@ -198,6 +222,7 @@ def test_the_prompts_read_is_never_taken_for_the_targets_step(tiny_drafter, tiny
     assert pair.generate(prompt, max_new_tokens=40).token_ids == ref  # (stretches of 16)
     ledger = ledgers[-1]
     assert ledger.measured and ledger.step < 0.6 / 16  # measured by a later stretch, or the first's rest
+    assert (ledger.prefill >= 0.6) == timed  # the timed read counts in the request's time alone
 
 
 def test_a_first_round_under_the_floor_proposes_nothing_and_is_booked_where_timed(

@@ -6,8 +6,10 @@ the round committed (`step` seconds a token, the engine's own decoding step as m
 request's `Ledger` sums the difference: `saved` grows with rounds that paid and shrinks with rounds
 that lost. A round may propose only what the balance covers if all of it is rejected: its worst
 case (drafting, then verifying the proposal, to commit a single token) less one step must not exceed
-`saved` plus the allowance, a share `explore` of the request's time alone. So a request's time is
-at most (1 + `explore`) times its time alone, whatever its drafts do, and a request whose drafts
+`saved` plus the allowance, a share `explore` of the request's time alone so far (the target's
+read of the prompt where its session times it, and a step for each token committed; at least
+`horizon` tokens, so the first rounds may probe). So a request's time is at most (1 + `explore`)
+times its time alone, whatever its drafts do and wherever its reply ends, and a request whose drafts
 lose stops drafting as soon as the balance is spent: the target then decodes alone, and drafting
 comes back only as the allowance grows with the tokens decoded (a probe, whose cost is bounded too).
 
@@ -45,11 +47,12 @@ class Costs(Protocol):
 class FloorKnobs:
     """`explore`: the share of a request's time alone that its drafts may lose; `horizon`: the
     tokens that share is counted over before the request has produced as many (so its first rounds
-    may explore); `aside`: tokens the target decodes alone, in one go, each time the balance cannot
-    cover a draft; `least`: the smallest share of `explore` that losing requests bring it to."""
+    may probe; a reply that ends sooner may lose that much more, docs/floor.md); `aside`: tokens
+    the target decodes alone, in one go, each time the balance cannot cover a draft; `least`: the
+    smallest share of `explore` that losing requests bring it to."""
 
     explore: float = 0.02
-    horizon: int = 128
+    horizon: int = 16
     aside: int = 16
     least: float = 1 / 16
 
@@ -77,6 +80,7 @@ class Ledger:
         self.read: float | None = None  # seconds the drafter takes to read a token it has not seen
         self.unread = 0  # committed tokens the drafter has not read yet (the prompt, to begin with)
         self.proposed = False  # the last round booked proposed tokens
+        self.prefill = 0.0  # seconds the target took to read the prompt, where its session timed it
 
     def seen(self, step: float) -> None:
         """A newer estimate of the step (the cost model's one-token verify), kept until decoding
@@ -85,11 +89,13 @@ class Ledger:
             self.step = step
 
     def allowance(self, remaining: int) -> float:
-        """Seconds exploring may still lose, with `remaining` tokens to go at most."""
+        """Seconds exploring may still lose, with `remaining` tokens to go at most: a share of the
+        request's time alone so far, not of what it may still produce (a reply may end at its next
+        token), and of `horizon` tokens before it has produced as many."""
         if self.step is None:
             return 0.0
         counted = max(self.tokens, min(self.tokens + remaining, self.knobs.horizon))
-        return self.explore * self.step * counted
+        return self.explore * (self.prefill + self.step * counted)
 
     def balance(self, remaining: int) -> float:
         return self.saved + self.allowance(remaining)

@@ -141,6 +141,7 @@ class Speculation:
             req.ledger.unread = 0
         prefill = self._prefill_s()
         if prefill is not None:
+            req.ledger.prefill = prefill
             began = rnd.started + read + prefill
             req.booking = Booking(committed - 1, began, len(rnd.proposal) > 0, bool(rnd.draft.ids))
 
@@ -158,6 +159,8 @@ class Speculation:
         req.produced += len(new)
         req.idle, req.pending = True, None
         prefill = self._prefill_s() if self.reads_prompt else 0.0
+        if prefill:
+            req.ledger.prefill = prefill
         if prefill is None:  # the stretch read the prompt too: its time is no step
             req.booking = Booking(len(new), began, alone=True, measures=False)
         else:
