@@ -44,6 +44,19 @@ def test_the_fastest_candidate_is_chosen_once_a_machine_and_a_failing_one_never(
     assert engines[4:] == ["broken"]  # the timings are kept; a failure is not, so it is tried again
 
 
+@pytest.mark.parametrize("slow_rate, chosen", [(29.5, "slow"), (25.0, "fast")])
+def test_an_engine_that_verifies_flat_is_taken_within_a_tie_of_the_fastest(
+    engines, monkeypatch, slow_rate, chosen
+):
+    """Within `TIE` of the fastest alone, the engine whose verify costs about a step (OpenVINO's)
+    is loaded: a request on it is within the floor of the fastest, and drafts can pay there."""
+    monkeypatch.setattr(fastest, "candidates", lambda spec: ["fast", "slow"])
+    monkeypatch.setattr(fastest, "FLAT_VERIFY", ("slow",))
+    rates = {"slow": slow_rate, "fast": 30.0}
+    monkeypatch.setattr(fastest, "request_rate", lambda target: rates[engines[-1]])
+    assert fastest.fastest_engine(f"tiny-{slow_rate}", lambda name: ENGINES[name].load("tiny", {})) == chosen
+
+
 def test_a_single_candidate_is_taken_untimed_and_a_named_engine_as_named(engines, monkeypatch):
     monkeypatch.setattr(fastest, "candidates", lambda spec: ["slow"])
     assert fastest.fastest_engine("tiny", lambda name: ENGINES[name].load("tiny", {})) == "slow"
@@ -62,6 +75,8 @@ def test_a_model_directory_runs_on_pytorch_and_openvino_needs_an_exporter_or_ir(
     assert fastest.candidates(str(tmp_path)) == ["openvino"]
     monkeypatch.setattr(fastest, "_gpu", lambda: True)
     assert fastest.candidates(str(tmp_path)) == ["openvino", "torch"]
+    monkeypatch.setenv("OMNIDRAFT_OPENVINO_PYTHON", "python")  # an exporter: int8 and int4 exports tried
+    assert fastest.candidates(str(tmp_path / "hf-model")) == ["openvino", "openvino-int4", "torch"]
 
 
 def test_a_request_alone_is_timed_on_the_target_itself(tiny_target):

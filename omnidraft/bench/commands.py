@@ -339,7 +339,7 @@ ENGINE_BENCHES: dict[str, Callable[[argparse.Namespace], None]] = {
 }
 # a serving engine's hybrid bench: devices streaming to `omnidraft serve` across a delaying proxy
 REMOTE_BENCHES: dict[str, Callable[[argparse.Namespace], None]] = {
-    name: bench_network for name in ("vllm", "openvino", "llama.cpp")
+    name: bench_network for name in ("vllm", "openvino", "openvino-int4", "llama.cpp")
 }
 
 

@@ -25,11 +25,15 @@ if TYPE_CHECKING:
 __all__ = ["demo_engine", "run_demo", "verdict", "workloads"]
 
 
-ENGINES = {"llama.cpp": "llama.cpp", "openvino": "OpenVINO"}  # in-process engines: their names on screen
+ENGINES = {
+    "llama.cpp": "llama.cpp",
+    "openvino": "OpenVINO",
+    "openvino-int4": "OpenVINO (int4)",
+}  # in-process engines: their names on screen
 
 
 def demo_engine(target_spec: str, choice: str = "auto") -> str:
-    """ "llama.cpp", "openvino" or "torch": `choice`, or for "auto" the engine that serves
+    """ "llama.cpp", "openvino", "openvino-int4" or "torch": `choice`, or for "auto" the engine that serves
     `target_spec` alone fastest here (the one `load_target` picks)."""
     if choice != "auto":
         return choice

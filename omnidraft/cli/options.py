@@ -179,7 +179,7 @@ def _demo_args(sub: Any) -> None:
     d.add_argument("--repeats", type=at_least_one, default=3, help="runs a side per request (median)")
     d.add_argument(
         "--target-backend",
-        choices=["auto", "llama.cpp", "openvino", "torch"],
+        choices=["auto", "llama.cpp", "openvino", "openvino-int4", "torch"],
         default="auto",
         help="the engine the target runs on and is compared with (auto: the fastest here for its weights)",
     )

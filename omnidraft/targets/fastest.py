@@ -6,11 +6,15 @@ each serve one request alone (a prompt of `PROMPT` tokens, `NEW` new tokens, gre
 per machine, model and engine build and remembered (runtime/measured.py); the fastest is loaded.
 A request's time, prefill included, because engines differ there too: OpenVINO reads a long
 prompt faster than llama.cpp, llama.cpp decodes the shipped GGUFs faster (docs/openvino.md).
-A pairing then drafts only where that engine lets drafts pay (adaptive/floor.py).
+A pairing then drafts only where that engine lets drafts pay (adaptive/floor.py). Where engines
+are within `TIE` of the fastest, the one whose verify of a few tokens costs about one step
+(`FLAT_VERIFY`: OpenVINO's, against llama.cpp's CPU kernels' several) is loaded: a request on it is
+never slower than the fastest alone beyond that, and drafts can pay there.
 
 Which engines are tried: llama.cpp for a preset or .gguf file its build runs here; OpenVINO where
 its runtime is installed and either `spec` is an exported IR directory or an exporter is named
-(`$OMNIDRAFT_OPENVINO_PYTHON`: an export takes minutes once); PyTorch on a GPU, or on a CPU where
+(`$OMNIDRAFT_OPENVINO_PYTHON`: an export takes a minute or two once; then with int8 and with int4
+weights, whose speeds differ by host: docs/openvino.md); PyTorch on a GPU, or on a CPU where
 nothing else can run `spec`.
 """
 
@@ -34,6 +38,8 @@ __all__ = ["candidates", "fastest_engine", "llama_runs", "request_rate"]
 log = logging.getLogger("omnidraft")
 
 PROMPT, NEW = 200, 48  # the request each engine is timed on
+TIE = 0.97  # engines at least this share of the fastest's rate count as fast as it
+FLAT_VERIFY = ("openvino", "openvino-int4")  # engines whose verify of a few tokens costs about a step
 TEXT = (
     "The committee met on Tuesday to discuss the budget for the coming year. After a long debate "
     "about the roads, the schools and the library, the members agreed to a plan. "
@@ -45,24 +51,26 @@ def candidates(spec: str) -> list[str]:
     found = []
     if llama_runs(spec):
         found.append("llama.cpp")
-    if importlib.util.find_spec("openvino") is not None and (
-        (Path(spec).expanduser() / "openvino_model.xml").is_file()
-        or os.environ.get("OMNIDRAFT_OPENVINO_PYTHON")
-    ):
-        found.append("openvino")
+    if importlib.util.find_spec("openvino") is not None:
+        if (Path(spec).expanduser() / "openvino_model.xml").is_file():
+            found.append("openvino")
+        elif os.environ.get("OMNIDRAFT_OPENVINO_PYTHON"):
+            found += ["openvino", "openvino-int4"]
     if not found or _gpu():
         found.append("torch")
     return found
 
 
 def fastest_engine(spec: str, load: Callable[[str], Target]) -> str:
-    """The candidate engine that served the timed request fastest (the only one, untimed);
-    `load(name)` loads `spec` on engine `name`."""
+    """The candidate engine that served the timed request fastest (the only one, untimed), or one
+    within `TIE` of it that verifies flat; `load(name)` loads `spec` on engine `name`."""
     names = candidates(spec)
     if len(names) == 1:
         return names[0]
     rates = {name: _rate(spec, name, load) for name in names}
     best = max(rates, key=rates.__getitem__)
+    flat = [n for n in names if n in FLAT_VERIFY and rates[n] > 0 and rates[n] >= TIE * rates[best]]
+    best = max(flat, key=rates.__getitem__) if flat else best
     log.debug(
         "%s: a request alone takes %s here: the target runs on %s",
         spec,

@@ -132,6 +132,12 @@ def _openvino(spec: str, options: Mapping[str, Any]) -> Target:
     return OpenVINOTarget.load(spec)
 
 
+def _openvino_int4(spec: str, options: Mapping[str, Any]) -> Target:
+    from .openvino_target import OpenVINOTarget
+
+    return OpenVINOTarget.load(spec, weights="int4")
+
+
 for _builtin in (
     Engine("torch", "PyTorch in this process (fp32 on a CPU; --device, --dtype)", _torch),
     Engine("llama.cpp", "llama.cpp on the preset's or .gguf file's own weights (--slots, --n-ctx)", _llama),
@@ -146,6 +152,12 @@ for _builtin in (
         "OpenVINO in this process, a preset exported once to int8 IR (pip install 'omnidraft[openvino]'; "
         "the export needs OMNIDRAFT_OPENVINO_PYTHON)",
         _openvino,
+    ),
+    Engine(
+        "openvino-int4",
+        "OpenVINO in this process, a preset exported once to int4 IR (the GGUFs' size; the export needs "
+        "OMNIDRAFT_OPENVINO_PYTHON)",
+        _openvino_int4,
     ),
     Engine(
         "auto",
