@@ -51,10 +51,10 @@ def test_an_engine_that_verifies_flat_is_taken_within_a_tie_of_the_fastest(
     """Within `TIE` of the fastest alone, the engine whose verify costs about a step (OpenVINO's)
     is loaded: a request on it is within the floor of the fastest, and drafts can pay there."""
     monkeypatch.setattr(fastest, "candidates", lambda spec: ["fast", "slow"])
-    monkeypatch.setattr(fastest, "FLAT_VERIFY", ("slow",))
     rates = {"slow": slow_rate, "fast": 30.0}
     monkeypatch.setattr(fastest, "request_rate", lambda target: rates[engines[-1]])
-    assert fastest.fastest_engine(f"tiny-{slow_rate}", lambda name: ENGINES[name].load("tiny", {})) == chosen
+    load = lambda name: ENGINES[name].load("tiny", {})  # noqa: E731
+    assert fastest.fastest_engine(f"tiny-{slow_rate}", load, flat=("slow",)) == chosen
 
 
 def test_a_single_candidate_is_taken_untimed_and_a_named_engine_as_named(engines, monkeypatch):
@@ -65,6 +65,11 @@ def test_a_single_candidate_is_taken_untimed_and_a_named_engine_as_named(engines
     assert engines == ["fast"]
     with pytest.raises(ValueError, match="no target engine 'nope'"):
         od.load_target("tiny", engine="nope")
+
+
+def test_openvino_is_registered_as_verifying_flat_and_llama_cpp_not():
+    assert ENGINES["openvino"].verifies_flat and ENGINES["openvino-int4"].verifies_flat
+    assert not ENGINES["llama.cpp"].verifies_flat
 
 
 def test_a_model_directory_runs_on_pytorch_and_openvino_needs_an_exporter_or_ir(tmp_path, monkeypatch):

@@ -7,9 +7,9 @@ per machine, model and engine build and remembered (runtime/measured.py); the fa
 A request's time, prefill included, because engines differ there too: OpenVINO reads a long
 prompt faster than llama.cpp, llama.cpp decodes the shipped GGUFs faster (docs/openvino.md).
 A pairing then drafts only where that engine lets drafts pay (adaptive/floor.py). Where engines
-are within `TIE` of the fastest, the one whose verify of a few tokens costs about one step
-(`FLAT_VERIFY`: OpenVINO's, against llama.cpp's CPU kernels' several) is loaded: a request on it is
-never slower than the fastest alone beyond that, and drafts can pay there.
+are within `TIE` of the fastest, the one whose verify of a few tokens costs about one step (an
+engine registered `verifies_flat`: OpenVINO, against llama.cpp's CPU kernels' several) is loaded:
+a request on it is never slower than the fastest alone beyond that, and drafts can pay there.
 
 Which engines are tried: llama.cpp for a preset or .gguf file its build runs here; OpenVINO where
 its runtime is installed and either `spec` is an exported IR directory or an exporter is named
@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, cast
+from typing import TYPE_CHECKING, Callable, Collection, cast
 
 from ..runtime.measured import remembered
 
@@ -39,7 +39,6 @@ log = logging.getLogger("omnidraft")
 
 PROMPT, NEW = 200, 48  # the request each engine is timed on
 TIE = 0.97  # engines at least this share of the fastest's rate count as fast as it
-FLAT_VERIFY = ("openvino", "openvino-int4")  # engines whose verify of a few tokens costs about a step
 TEXT = (
     "The committee met on Tuesday to discuss the budget for the coming year. After a long debate "
     "about the roads, the schools and the library, the members agreed to a plan. "
@@ -61,16 +60,17 @@ def candidates(spec: str) -> list[str]:
     return found
 
 
-def fastest_engine(spec: str, load: Callable[[str], Target]) -> str:
+def fastest_engine(spec: str, load: Callable[[str], Target], flat: Collection[str] = ()) -> str:
     """The candidate engine that served the timed request fastest (the only one, untimed), or one
-    within `TIE` of it that verifies flat; `load(name)` loads `spec` on engine `name`."""
+    within `TIE` of it among `flat` (engines whose verify of a few tokens costs about a step);
+    `load(name)` loads `spec` on engine `name`."""
     names = candidates(spec)
     if len(names) == 1:
         return names[0]
     rates = {name: _rate(spec, name, load) for name in names}
     best = max(rates, key=rates.__getitem__)
-    flat = [n for n in names if n in FLAT_VERIFY and rates[n] > 0 and rates[n] >= TIE * rates[best]]
-    best = max(flat, key=rates.__getitem__) if flat else best
+    tied = [n for n in names if n in flat and rates[n] > 0 and rates[n] >= TIE * rates[best]]
+    best = max(tied, key=rates.__getitem__) if tied else best
     log.debug(
         "%s: a request alone takes %s here: the target runs on %s",
         spec,

@@ -37,13 +37,16 @@ __all__ = [
 class Engine:
     """A target engine: `name` (what --engine and --target-backend take), `summary` (one line of
     help), `load(spec, options)` -> a target, and optionally its own `bench` and `bench_remote`
-    commands (each given the bench's parsed arguments)."""
+    commands (each given the bench's parsed arguments); `verifies_flat`: a verify of a few tokens
+    costs it about one step, so drafts can pay on it (`auto` prefers it within a tie of the fastest,
+    targets/fastest.py)."""
 
     name: str
     summary: str
     load: Callable[[str, Mapping[str, Any]], Target]
     bench: Callable[[argparse.Namespace], None] | None = None
     bench_remote: Callable[[argparse.Namespace], None] | None = None
+    verifies_flat: bool = False
 
 
 ENGINES: dict[str, Engine] = {}
@@ -119,23 +122,23 @@ def resolved(spec: str, name: str, options: Mapping[str, Any]) -> str:
         return name
     from .fastest import fastest_engine
 
-    return fastest_engine(spec, lambda candidate: ENGINES[candidate].load(spec, options))
+    flat = [name for name, e in ENGINES.items() if e.verifies_flat]
+    return fastest_engine(spec, lambda candidate: ENGINES[candidate].load(spec, options), flat=flat)
 
 
 def _auto(spec: str, options: Mapping[str, Any]) -> Target:
     return load_target(spec, "auto", **options)
 
 
-def _openvino(spec: str, options: Mapping[str, Any]) -> Target:
-    from .openvino_target import OpenVINOTarget
+def _openvino(weights: str) -> Callable[[str, Mapping[str, Any]], Target]:
+    """The loader of OpenVINO with `weights` ("int8", "int4")."""
 
-    return OpenVINOTarget.load(spec)
+    def load(spec: str, options: Mapping[str, Any]) -> Target:
+        from .openvino_target import OpenVINOTarget
 
+        return OpenVINOTarget.load(spec, weights=weights)
 
-def _openvino_int4(spec: str, options: Mapping[str, Any]) -> Target:
-    from .openvino_target import OpenVINOTarget
-
-    return OpenVINOTarget.load(spec, weights="int4")
+    return load
 
 
 for _builtin in (
@@ -151,13 +154,15 @@ for _builtin in (
         "openvino",
         "OpenVINO in this process, a preset exported once to int8 IR (pip install 'omnidraft[openvino]'; "
         "the export needs OMNIDRAFT_OPENVINO_PYTHON)",
-        _openvino,
+        _openvino("int8"),
+        verifies_flat=True,
     ),
     Engine(
         "openvino-int4",
         "OpenVINO in this process, a preset exported once to int4 IR (the GGUFs' size; the export needs "
         "OMNIDRAFT_OPENVINO_PYTHON)",
-        _openvino_int4,
+        _openvino("int4"),
+        verifies_flat=True,
     ),
     Engine(
         "auto",
