@@ -188,3 +188,89 @@ def test_the_vllm_engines_own_measured_costs_make_a_step_profile(tmp_path, monke
     assert profile.cost(1, 4) == pytest.approx(104.0) and profile.cost(16, 64) == pytest.approx(600.0)
     with pytest.raises(SystemExit, match="no vllm-verify-costs measured for other"):
         from_vllm_measurements("other")
+
+
+def test_a_run_replayed_request_by_request_sends_each_devices_share_in_turn():
+    """With `requests`, device d sends requests d, d + devices, ... one after another: alone on a
+    server whose step costs 10 ms, RTT 100 ms, two requests of 3 and 5 tokens from one device, each
+    prompt read in 0.3 s: the first is heard at 0.05 + 0.3 + 2 steps + 0.05 = 0.42 s, the second
+    sent then and heard 0.44 s later."""
+    from omnidraft.device_sim.streaming import simulate_streaming
+
+    server = DeviceProfile(name="s", source="t", drafter_ms=0.0, target_ms=(10.0,), prefill_ms_per_token=0.0)
+    steps = lambda rows, tokens: 10.0  # noqa: E731 - a flat step
+    one = simulate_streaming(
+        server, DEVICE, step_ms=steps, rtt_ms=100, acceptance=0.0, budget=0, requests=((3, 0.3), (5, 0.3))
+    )
+    assert one.device_ms_per_token == (pytest.approx(420 / 3), pytest.approx(440 / 5))
+    assert one.server_tok_s == pytest.approx(8 / 0.86)
+    # two devices: both prompts read in turn (every row waits), then their rows share each step
+    two = simulate_streaming(
+        server,
+        DEVICE,
+        step_ms=steps,
+        rtt_ms=100,
+        devices=2,
+        acceptance=0.0,
+        budget=0,
+        requests=((3, 0.3), (5, 0.3)),
+    )
+    assert two.device_ms_per_token == (pytest.approx(720 / 3), pytest.approx(740 / 5))
+    assert two.server_tok_s == pytest.approx(8 / 0.74)
+    # drafts that are always right need fewer steps, never more
+    right = simulate_streaming(
+        server, DEVICE, step_ms=steps, rtt_ms=100, acceptance=1.0, budget=4, requests=((3, 0.3), (5, 0.3))
+    )
+    assert right.server_tok_s >= one.server_tok_s
+    with pytest.raises(ValueError, match="every request needs tokens"):
+        simulate_streaming(server, DEVICE, rtt_ms=1, requests=((0, 0.1),))
+
+
+def test_the_check_replays_a_bench_request_by_request_and_fits_the_acceptance_to_one_row(capsys, tmp_path):
+    """Rows that list their requests are replayed one by one: each prompt read in its one-device
+    time to first token less the round trip (2 devices: both reads queue, then both decode); with
+    no --acceptance it is fitted to the one-device drafting row, which the model then meets."""
+    from omnidraft.device_sim.capacity import against_bench, fit_acceptance
+    from omnidraft.device_sim.hardware import load_profiles
+
+    def row(n: int, name: str, tok_s: float, ttfts: list[float]) -> dict:
+        head = {"rtt_ms": 50.0, "devices": n, "row": name, "requests": 2, "tokens": 64, "tok_s": tok_s}
+        return head | {"request_s_per_token_p50": 0.2, "request_tokens": [32, 32], "request_ttft_s": ttfts}
+
+    rows = [
+        row(1, "server alone", 5.0, [0.55, 0.45]),
+        row(1, "device drafting", 9.0, [0.55, 0.45]),
+        row(2, "server alone", 9.0, [0.6, 1.0]),
+    ]
+    profile = "this-machine:vllm-1cpu:qwen2.5-coder-0.5b"
+    vllm = load_profiles().devices[profile]
+    alone, _, two = against_bench(rows, vllm, vllm, acceptance=0.5, seeds=1)
+    step = vllm.target_cost(1) / 1000
+    # one device: sent, 25 ms to the server, its read (0.5 s), 31 steps, 25 ms back; then the next
+    first, second = 0.05 + 0.5 + 31 * step, 0.05 + 0.4 + 31 * step
+    assert alone["predicted_tok_s"] == pytest.approx(64 / (first + second), abs=1e-3)
+    assert alone["predicted_s_per_token_p50"] == pytest.approx((first + second) / 2 / 32, abs=1e-3)
+    # two devices: the reads take turns (0.5 then 0.4 s), then both rows decode in shared steps
+    both = vllm.target_cost(2) / 1000
+    assert two["predicted_tok_s"] == pytest.approx(64 / (0.05 + 0.9 + 31 * both), abs=1e-3)
+    fitted = fit_acceptance(rows, vllm, vllm, seeds=1)
+    (met,) = [
+        e
+        for e in against_bench(rows, vllm, vllm, acceptance=fitted, seeds=1)
+        if e["row"] == "device drafting"
+    ]
+    assert 0 < fitted < 1 and abs(met["error_tok_s"]) < 0.05  # (one seed: its rate moves in steps)
+    (tmp_path / "bench.json").write_text(json.dumps(rows))
+    device_sim(
+        [
+            "capacity-check",
+            str(tmp_path / "bench.json"),
+            "--server",
+            profile,
+            "--device",
+            profile,
+            "--seeds",
+            "1",
+        ]
+    )
+    assert f"acceptance {fitted} a token: fitted to the one-device drafting row" in capsys.readouterr().out

@@ -249,6 +249,8 @@ def summarize_row(runs: list[Timed], wall: float, reference: list[list[int]] | N
         "worst_request_s_per_token": max(per_request),
         "request_s_per_token": per_request,
         "request_s_per_token_p50": statistics.median(per_request),
+        "request_tokens": [len(r.tokens) for r in runs],
+        "request_ttft_s": [r.times[0] - r.sent if r.times else None for r in runs],
         "identical": sum(r.tokens == ref for r, ref in zip(runs, reference)) if reference else None,
     }
 

@@ -102,7 +102,12 @@ def _capacity_args(sub: argparse._SubParsersAction) -> None:
     v.add_argument("bench")
     v.add_argument("--server", required=True, help="the server's profile (its target_ms)")
     v.add_argument("--device", required=True, help="the device's profile (its drafter_ms)")
-    v.add_argument("--acceptance", type=float, required=True, help="the device's per-token acceptance")
+    v.add_argument(
+        "--acceptance",
+        type=float,
+        default=None,
+        help="the device's per-token acceptance (default: fitted to the one-device drafting row)",
+    )
     v.add_argument("--budget", type=int, default=6, help="draft tokens the server takes a row and step")
     v.add_argument("--seeds", type=int, default=8)
     v.add_argument(
@@ -314,22 +319,24 @@ def _capacity(args: argparse.Namespace, devices: dict[str, DeviceProfile]) -> No
 
 
 def _capacity_check(args: argparse.Namespace, devices: dict[str, DeviceProfile]) -> None:
-    from .capacity import against_bench, read_step_profile
+    from .capacity import against_bench, fit_acceptance, read_step_profile
 
     for name in (args.server, args.device):
         if name not in devices:
             raise SystemExit(f"unknown device profile {name!r}; known: {', '.join(sorted(devices))}")
     try:
         measured = json.loads(Path(args.bench).read_text())
-        rows = against_bench(
-            measured,
-            devices[args.server],
-            devices[args.device],
-            acceptance=args.acceptance,
-            budget=args.budget,
-            seeds=args.seeds,
-            step=read_step_profile(args.steps) if args.steps else None,
-        )
+        kw = {
+            "budget": args.budget,
+            "seeds": args.seeds,
+            "step": read_step_profile(args.steps) if args.steps else None,
+        }
+        server, device = devices[args.server], devices[args.device]
+        acceptance = args.acceptance
+        if acceptance is None:
+            acceptance = fit_acceptance(measured, server, device, **kw)
+            print(f"acceptance {acceptance} a token: fitted to the one-device drafting row")
+        rows = against_bench(measured, server, device, acceptance=acceptance, **kw)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"{args.bench}: not the JSON of `omnidraft bench --remote`: {exc}") from None
     print(

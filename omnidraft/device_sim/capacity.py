@@ -43,6 +43,7 @@ __all__ = [
     "Workload",
     "against_bench",
     "capacity",
+    "fit_acceptance",
     "capacity_table",
     "load",
     "read_step_profile",
@@ -321,15 +322,21 @@ def against_bench(
 ) -> list[dict[str, Any]]:
     """The streaming model's prediction of each "server alone" and "device drafting" row of
     `omnidraft bench --remote` (its JSON rows), beside what was measured: the server's tokens/s and
-    the median request's seconds a token. Each row's own time to first token is added to its
-    requests (the model does not price prefill); a device's requests run one after another, so the
-    server's rate is devices x tokens over a request's mean time. `step`: a batched step profile
-    for the server's steps (default: `server`'s, as if compute-bound)."""
+    the median request's seconds a token. Where the rows list their requests' lengths and times to
+    first token (`request_tokens`, `request_ttft_s`), the model replays them request by request,
+    each device sending its share one after another as the bench's devices do, each prompt read by
+    the server in its time to first token with one device, less the round trip (no other request
+    queued before it: `_requests`); otherwise every device asks for the mean length at once, the
+    row's time to first token added. `step`: a batched step profile for the server's steps
+    (default: `server`'s, as if compute-bound)."""
+    reads = _prompt_reads(measured)
     out = []
     for row in measured:
         if row.get("row") not in ("server alone", "device drafting"):
             continue
-        n, tokens = int(row["devices"]), max(2, round(row["tokens"] / row["requests"]))
+        n = int(row["devices"])
+        requests = _requests(row, reads)
+        tokens = max(2, round(row["tokens"] / row["requests"]))
         runs = [
             simulate_streaming(
                 server,
@@ -342,13 +349,17 @@ def against_bench(
                 tokens=tokens,
                 shared_cpu=shared_cpu,
                 seed=seed,
-                ttft_s=float(row.get("ttft_s") or 0.0),
+                ttft_s=0.0 if requests else float(row.get("ttft_s") or 0.0),
+                requests=requests,
             )
             for seed in range(seeds)
         ]
         per_token = [ms / 1000 for r in runs for ms in r.device_ms_per_token]
-        request_s = tokens * sum(per_token) / len(per_token)
-        predicted = {"tok_s": n * tokens / request_s, "s_per_token_p50": median(per_token)}
+        if requests:
+            rate = sum(r.server_tok_s for r in runs) / len(runs)
+        else:
+            rate = n * tokens / (tokens * sum(per_token) / len(per_token))
+        predicted = {"tok_s": rate, "s_per_token_p50": median(per_token)}
         got = {"tok_s": row["tok_s"], "s_per_token_p50": row.get("request_s_per_token_p50")}
         entry: dict[str, Any] = {"rtt_ms": row["rtt_ms"], "devices": n, "row": row["row"]}
         for key in predicted:
@@ -357,3 +368,50 @@ def against_bench(
             entry[f"error_{key}"] = round(predicted[key] / got[key] - 1, 3) if got[key] else None
         out.append(entry)
     return out
+
+
+def _prompt_reads(measured: list[dict[str, Any]]) -> list[float]:
+    """Per prompt (in the order sent), the server's seconds to read it: the least time to first
+    token of the one-device rows, less their round trip."""
+    reads: list[float] = []
+    for row in measured:
+        if row.get("row") in ("server alone", "device drafting") and int(row.get("devices", 0)) == 1:
+            rtt = float(row["rtt_ms"]) / 1000
+            for j, t in enumerate(row.get("request_ttft_s") or []):
+                if t is None:
+                    continue
+                read = max(0.0, float(t) - rtt)
+                reads[j : j + 1] = [min(reads[j], read)] if j < len(reads) else [read]
+    return reads
+
+
+def _requests(row: dict[str, Any], reads: list[float]) -> tuple[tuple[int, float], ...]:
+    """A bench row's requests as (tokens, seconds the server reads its prompt in), in the order
+    sent: a one-device row's own (nothing queued before its requests; a prompt the server has seen
+    reads faster from its prefix cache), another row's the least of the one-device rows'; () where
+    the rows do not list them."""
+    lengths = row.get("request_tokens")
+    if int(row["devices"]) == 1:
+        reads = _prompt_reads([row])
+    if not lengths or len(lengths) > len(reads):
+        return ()
+    return tuple((int(n), reads[j]) for j, n in enumerate(lengths) if n > 0)
+
+
+def fit_acceptance(
+    measured: list[dict[str, Any]], server: DeviceProfile, device: DeviceProfile, **kw: Any
+) -> float:
+    """The per-token acceptance at which `against_bench` (same keywords) predicts the one-device
+    "device drafting" row's server tokens/s as measured (bisection: the rate grows with it); the
+    other rows are then predictions."""
+    rows = [r for r in measured if r.get("row") == "device drafting" and int(r.get("devices", 0)) == 1]
+    if not rows:
+        raise ValueError("no one-device 'device drafting' row to fit the acceptance to")
+    low, high = 0.0, 1.0
+    for _ in range(12):
+        mid = (low + high) / 2
+        fit = [e for e in against_bench(rows, server, device, acceptance=mid, **kw) if e["devices"] == 1]
+        if not fit or fit[0]["error_tok_s"] is None:
+            raise ValueError("the one-device 'device drafting' row has no measured tokens/s")
+        low, high = (mid, high) if fit[0]["error_tok_s"] < 0 else (low, mid)
+    return round((low + high) / 2, 3)

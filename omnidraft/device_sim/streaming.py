@@ -18,8 +18,15 @@ proposal drafted after committed position m is right up to the first wrong guess
 server decoding alone commits one token per row a step. `ttft_s`, the time to a request's first
 token (its prefill, measured), is added to every request in both modes; or, with `prompt`, each
 request's prompt is read in the server's steps, `chunk` tokens a step (0: all at once), its row
-adding those tokens to the step's cost and its first token coming with the last piece. Pure Python, no torch,
-seeded.
+adding those tokens to the step's cost and its first token coming with the last piece.
+
+`requests` replays a run request by request instead: each (tokens, seconds the server takes to
+read its prompt) in order, device d sending requests d, d + devices, ... one after another (as the
+bench's devices do). A request reaches the server half a round trip after it is sent; between two
+steps the server reads it, every other row waiting (a compute-bound server: the read's work delays
+the others' steps as much), which gives its first token; the device sends its next request when it
+hears its last. Each request's time is its device's, from sending to hearing the last token.
+Pure Python, no torch, seeded.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ __all__ = ["StreamResult", "Streaming", "simulate_streaming"]
 @dataclass
 class _Stream:
     right: list[bool]  # per generated position: whether the device's guess there is right
+    tokens: int  # tokens the request asks for
+    prefill: float = 0.0  # seconds the server takes to read its prompt (`requests`)
+    active: bool = True  # its row is in the server's steps (or was: see `done`)
+    sent: float = 0.0  # when its device sent it
     committed: int = 0  # tokens the server has committed
     unread: int = 0  # prompt tokens the server has yet to read
     heard: int = 0  # tokens the device has heard of
@@ -92,6 +103,7 @@ class Streaming:
     ttft_s: float = 0.0
     prompt: int = 0
     chunk: int = 0
+    requests: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if (
@@ -110,6 +122,8 @@ class Streaming:
                 f"got {self.devices}, {self.tokens}, {self.first}, {self.budget}, {self.acceptance}, "
                 f"{self.rtt_ms}, {self.ttft_s}"
             )
+        if any(n < 1 or t < 0 for n, t in self.requests):
+            raise ValueError(f"every request needs tokens >= 1 and a prompt's read >= 0 s: {self.requests}")
 
 
 def simulate_streaming(
@@ -138,9 +152,13 @@ class _Simulation:
         self.server, self.device, self.sc = server, device, sc
         self.step_ms = step_ms or (lambda rows, tokens: server.target_cost(tokens))
         rng = random.Random(sc.seed)
+        asked = sc.requests or tuple((sc.tokens, sc.ttft_s) for _ in range(sc.devices))
         self.streams = [
-            _Stream([rng.random() < sc.acceptance for _ in range(sc.tokens + 64)]) for _ in range(sc.devices)
+            _Stream([rng.random() < sc.acceptance for _ in range(n + 64)], n, t, active=not sc.requests)
+            for n, t in asked
         ]
+        self.queue = [list(range(d, len(asked), sc.devices)) for d in range(sc.devices)]
+        self.reading: list[int] = []  # requests at the server whose prompts it has yet to read
         self.half, self.order = sc.rtt_ms / 2000, 0
         self.events: list[tuple[float, int, str, int, tuple[int, int]]] = []
         self.cpu_free = [0.0] * (1 if sc.shared_cpu else sc.devices)  # when each device CPU is next free
@@ -152,11 +170,11 @@ class _Simulation:
     def draft(self, i: int, now: float) -> None:
         """Device i drafts on (or starts over) after what it heard; each piece is sent when drafted."""
         s, sc = self.streams[i], self.sc
-        ahead = min(3 * sc.budget + 2, sc.tokens - s.heard)
+        ahead = min(3 * sc.budget + 2, s.tokens - s.heard)
         fresh = s.heard > s.at + s.length or (s.heard > s.at and not all(s.right[s.at : s.heard]))
         if fresh or s.length == 0:
             s.at, s.length = s.heard, 0
-        cpu = 0 if sc.shared_cpu else i
+        cpu = 0 if sc.shared_cpu else i % sc.devices
         start = max(now, self.cpu_free[cpu])
         while s.at + s.length - s.heard < ahead:
             n = min(sc.first, ahead - (s.at + s.length - s.heard))
@@ -170,36 +188,69 @@ class _Simulation:
         draft on."""
         while self.events and self.events[0][0] <= now:
             when, _, kind, i, data = heapq.heappop(self.events)
+            s = self.streams[i]
             if kind == "arrive":
-                self.streams[i].arrived.append(data)
+                s.arrived.append(data)
+            elif kind == "send":
+                s.sent = when
+                self.push(when + self.half, "join", i)
+            elif kind == "join":  # at the server: read between two steps
+                self.reading.append(i)
             else:
-                self.streams[i].heard = data[0]
-                self.draft(i, when)
+                s.heard = data[0]
+                if s.committed >= s.tokens and s.heard >= s.tokens:
+                    self.next_request(i, when)
+                else:
+                    self.draft(i, when)
+
+    def next_request(self, i: int, now: float) -> None:
+        """Request i's device heard its last token: it sends its next request (`requests`)."""
+        queue = self.queue[i % self.sc.devices]
+        if self.sc.requests and queue and queue[0] == i:
+            queue.pop(0)
+            if queue:
+                self.push(now, "send", queue[0])
 
     def plan(self) -> list[tuple[int, int]]:
         """(stream, proposed tokens it verifies) of each running stream's row in the next step."""
         plan, sc = [], self.sc
         for i, s in enumerate(self.streams):
-            if s.committed >= sc.tokens:
+            if not s.active or s.committed >= s.tokens:
                 continue
             given = 0
             for at, length in reversed(s.arrived):
                 given = _continues(s, at, length)
                 if given:
                     break
-            plan.append((i, min(given, sc.budget, sc.tokens - s.committed - 1)))
+            plan.append((i, min(given, sc.budget, s.tokens - s.committed - 1)))
         return plan
 
     def run(self) -> StreamResult:
         sc, streams = self.sc, self.streams
-        for i in range(sc.devices):
-            self.draft(i, 0.0)
+        if sc.requests:
+            for queue in self.queue:
+                if queue:
+                    self.push(0.0, "send", queue[0])
+        else:
+            for i in range(sc.devices):
+                self.draft(i, 0.0)
+            for s in streams:
+                s.unread = sc.prompt
         now, steps, committed = 0.0, 0, 0
-        for s in streams:
-            s.unread = sc.prompt
-        while any(s.committed < sc.tokens for s in streams):
+        while any(s.committed < s.tokens for s in streams):
             self.deliver(now)
+            if self.reading:  # a prompt read: every row waits; it gives the request's first token
+                i = self.reading.pop(0)
+                s = streams[i]
+                now += s.prefill
+                s.active, s.committed = True, 1
+                s.done_s = now if s.tokens == 1 else 0.0
+                self.push(now + self.half, "hear", i, (1, 0))
+                continue
             plan = self.plan()
+            if not plan:  # every running request is waiting for its first token: idle until the next event
+                now = self.events[0][0]
+                continue
             reading = {i: min(streams[i].unread, sc.chunk or streams[i].unread) for i, _ in plan}
             fed = sum(reading[i] if streams[i].unread else 1 + given for i, given in plan)
             now += self.step_ms(len(plan), fed) / 1000
@@ -212,13 +263,31 @@ class _Simulation:
                         continue
                     given = 0
                 ok = next((j for j in range(given) if not s.right[s.committed + j]), given)
-                new = min(ok + 1, sc.tokens - s.committed)
+                new = min(ok + 1, s.tokens - s.committed)
                 s.committed += new
                 committed += new
                 s.steps += 1
-                if s.committed >= sc.tokens:
+                if s.committed >= s.tokens:
                     s.done_s = now
                 self.push(now + self.half, "hear", i, (s.committed, 0))
+        return self.result(now, steps, committed)
+
+    def result(self, now: float, steps: int, committed: int) -> StreamResult:
+        sc, streams = self.sc, self.streams
+        if sc.requests:  # each request from its sending to its device hearing the last token
+            seconds = [s.done_s + self.half - s.sent for s in streams]
+            wall = max(s.done_s for s in streams) + self.half
+            committed = sum(s.tokens for s in streams)  # each first token too (the prompt's read gave it)
+            mean = committed / len(streams)
+            read = sum(t for _, t in sc.requests) / len(streams)
+            alone_s = 2 * self.half + read + mean * self.step_ms(sc.devices, sc.devices) / 1000
+            return StreamResult(
+                device_tok_s=sum(s.tokens / t for s, t in zip(streams, seconds)) / len(streams),
+                server_tok_s=committed / wall,
+                steps_per_token=sum(s.steps for s in streams) / committed,
+                alone_tok_s=sc.devices * mean / alone_s,
+                device_ms_per_token=tuple(1000 * t / s.tokens for s, t in zip(streams, seconds)),
+            )
         alone_s = sc.ttft_s + sc.tokens * self.step_ms(sc.devices, sc.devices) / 1000
         return StreamResult(
             device_tok_s=sum(sc.tokens / (sc.ttft_s + s.done_s) for s in streams) / sc.devices,
