@@ -368,7 +368,8 @@ class _NetworkBench:
             for rtt in run.rtts_ms:
                 with _proxy(self.port, rtt) as near:
                     http = httpx.Client(base_url=near, timeout=600)
-                    stream(http, self.ids[0], 8)  # warm-up
+                    for i in self.ids:  # warm-up: every prompt read once (see `omnidraft_rows`)
+                        stream(http, i, 8)
                     for n in run.devices:
                         jobs = [partial(stream, http, i, run.max_new_tokens, run.sampling) for i in self.ids]
                         self.add(rtt, n, row, jobs, counted)
@@ -386,7 +387,11 @@ class _NetworkBench:
             for rtt in run.rtts_ms:
                 with _proxy(self.port, rtt) as near:
                     http = httpx.Client(base_url=near, timeout=600)
-                    _server_alone(http, ids[0], 8)  # warm-up
+                    # warm-up: every prompt read once, so no timed row is the first to read it (the
+                    # engine's first pass over a shape costs more, and vLLM's rows after the first
+                    # would read from its prefix cache what the first read cold)
+                    for i in ids:
+                        _server_alone(http, i, 8)
                     pairs = [
                         drafter.pair(_timed_remote(near, self.tokenizer)) for _ in range(max(run.devices))
                     ]
