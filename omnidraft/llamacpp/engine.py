@@ -40,6 +40,10 @@ PROBE_ROWS = 16  # the most rows the batch-exactness probe tries
 COST_CONTEXT = 200  # tokens of context before the tokens whose costs `row_costs` measures
 # where it tries them: 248 / 256 straddle a stock build's limit (docs/llamacpp.md, tools/llama_wheel.py)
 PROBE_CONTEXTS = (24, 128, 248, 256, 512, 1024, 2048)
+# the probe reads each context in turn, so its cost grows with them (a 2,048-token read is tens of
+# seconds for a 1.5B on two CPU cores): it stops at the first context past this many seconds, and
+# past the last context it probed a call evaluates one token (exact, if slower to verify)
+PROBE_BUDGET_S = 10.0
 
 
 class _Slot:
@@ -225,7 +229,8 @@ class LlamaEngine:
 
     def _probe_limits(self) -> list[list[int]]:
         """[[context, rows]] ascending: `rows` is exact at every probed context up to the next
-        entry's (conservative between probes: the lower of the two ends); past the last, 1."""
+        entry's (conservative between probes: the lower of the two ends); past the last, 1. Longer
+        contexts are probed until `PROBE_BUDGET_S` is spent."""
         text = (
             "def area(radius):\n    return 3.14159 * radius ** 2\n\n# The area of a circle with radius r\n"
             * 200
@@ -234,10 +239,12 @@ class LlamaEngine:
         grid = [c for c in PROBE_CONTEXTS if c + PROBE_ROWS < min(self.n_ctx, len(ids))]
         rows: list[int] = []
         self.reset()
+        started = time.perf_counter()
         for context in grid:  # until no batch is exact; each context extends the last one's cache
             rows.append(self._probe_exact_rows(ids[:context]))
-            if rows[-1] == 1:
+            if rows[-1] == 1 or time.perf_counter() - started > PROBE_BUDGET_S:
                 break
+        grid = grid[: len(rows)]
         self.reset()
         limits = [
             [grid[i + 1] if i + 1 < len(rows) else grid[i], min(rows[i : i + 2])] for i in range(len(rows))

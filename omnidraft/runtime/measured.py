@@ -90,7 +90,7 @@ WHAT = {
     "vllm-verify-costs": ("what a verify of 1-9 tokens costs on vLLM", "under a minute"),
     "vllm-batch-costs": ("what a step of several sequences costs on vLLM", "under a minute"),
     "llama-cpp-smoke": ("whether this llama.cpp build runs the model", "seconds"),
-    "llama-exact-rows": ("how many tokens one llama.cpp call verifies bit-exactly", "a few seconds"),
+    "llama-exact-rows": ("how many tokens one llama.cpp call verifies bit-exactly", "about ten seconds"),
     "llama-row-costs": ("what a verify of several tokens costs on llama.cpp", "a few seconds"),
     "drafter-weights": ("which weight format drafts fastest on llama.cpp", "under a minute"),
     "openvino-margin": ("how far OpenVINO's verify rows are from one-row steps", "seconds"),
