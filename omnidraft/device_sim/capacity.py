@@ -43,8 +43,8 @@ __all__ = [
     "Workload",
     "against_bench",
     "capacity",
-    "fit_acceptance",
     "capacity_table",
+    "fit_acceptance",
     "load",
     "read_step_profile",
 ]
@@ -402,16 +402,16 @@ def fit_acceptance(
     measured: list[dict[str, Any]], server: DeviceProfile, device: DeviceProfile, **kw: Any
 ) -> float:
     """The per-token acceptance at which `against_bench` (same keywords) predicts the one-device
-    "device drafting" row's server tokens/s as measured (bisection: the rate grows with it); the
-    other rows are then predictions."""
+    "device drafting" row's server tokens/s as measured (the first such row: bisection, the rate grows
+    with it); the other rows are then predictions."""
     rows = [r for r in measured if r.get("row") == "device drafting" and int(r.get("devices", 0)) == 1]
     if not rows:
         raise ValueError("no one-device 'device drafting' row to fit the acceptance to")
     low, high = 0.0, 1.0
     for _ in range(12):
         mid = (low + high) / 2
-        fit = [e for e in against_bench(rows, server, device, acceptance=mid, **kw) if e["devices"] == 1]
-        if not fit or fit[0]["error_tok_s"] is None:
+        (fit,) = against_bench(rows[:1], server, device, acceptance=mid, **kw)
+        if fit["error_tok_s"] is None:
             raise ValueError("the one-device 'device drafting' row has no measured tokens/s")
-        low, high = (mid, high) if fit[0]["error_tok_s"] < 0 else (low, mid)
+        low, high = (mid, high) if fit["error_tok_s"] < 0 else (low, mid)
     return round((low + high) / 2, 3)

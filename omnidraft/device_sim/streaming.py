@@ -46,7 +46,7 @@ class _Stream:
     right: list[bool]  # per generated position: whether the device's guess there is right
     tokens: int  # tokens the request asks for
     prefill: float = 0.0  # seconds the server takes to read its prompt (`requests`)
-    active: bool = True  # its row is in the server's steps (or was: see `done`)
+    active: bool = True  # its row is in the server's steps (or was, once `committed` reaches `tokens`)
     sent: float = 0.0  # when its device sent it
     committed: int = 0  # tokens the server has committed
     unread: int = 0  # prompt tokens the server has yet to read
@@ -152,7 +152,7 @@ class _Simulation:
         self.server, self.device, self.sc = server, device, sc
         self.step_ms = step_ms or (lambda rows, tokens: server.target_cost(tokens))
         rng = random.Random(sc.seed)
-        asked = sc.requests or tuple((sc.tokens, sc.ttft_s) for _ in range(sc.devices))
+        asked = sc.requests or tuple((sc.tokens, 0.0) for _ in range(sc.devices))  # (ttft_s: added after)
         self.streams = [
             _Stream([rng.random() < sc.acceptance for _ in range(n + 64)], n, t, active=not sc.requests)
             for n, t in asked

@@ -244,7 +244,6 @@ class LlamaEngine:
             rows.append(self._probe_exact_rows(ids[:context]))
             if rows[-1] == 1 or time.perf_counter() - started > PROBE_BUDGET_S:
                 break
-        grid = grid[: len(rows)]
         self.reset()
         limits = [
             [grid[i + 1] if i + 1 < len(rows) else grid[i], min(rows[i : i + 2])] for i in range(len(rows))
