@@ -11,8 +11,9 @@ OPTIMUM_VENV ?= .venv-optimum
 OPTIMUM_STAMP := $(OPTIMUM_VENV)/.omnidraft-installed
 OPENVINO_VENV ?= .venv-openvino
 OPENVINO_STAMP := $(OPENVINO_VENV)/.omnidraft-installed
-# the suite runs on two pytest-xdist workers, each on its own share of the CPUs (tests/conftest.py),
-# then the tests marked `exclusive` (vLLM's engine binds its own threads) in one process
+# the suite runs on two pytest-xdist workers, each on its own share of the CPUs (tests/conftest.py;
+# an idle one takes from a busy one's queue), then the tests marked `exclusive` (vLLM's engine binds
+# its own threads; the Quickstart's speed, timed) in one process
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast test-install lint bench install clean haproxy
@@ -72,11 +73,11 @@ demo:
 test:
 	$(MAKE) -j3 --no-print-directory $(STAMP) $(OPTIMUM_STAMP) $(OPENVINO_STAMP) haproxy
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not exclusive" --durations=25
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not exclusive" --durations=25
 	$(PY) -m pytest -m exclusive --durations=10
 
-# the README's by-hand install in a fresh venv and home, then every command the README shows there
-# (`make test` runs it too, in its last phase)
+# the README's by-hand install in a fresh venv and home, then every command the README shows there,
+# and the Quickstart's speed (`make test` runs the install on a worker first, the speed in its last phase)
 test-install: $(STAMP)
 	$(PY) -m pytest -m install
 

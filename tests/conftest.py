@@ -17,9 +17,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Real-model tests first (their order kept): the two workers then end on short tests together,
-    rather than one waiting while the other runs the last long one."""
-    items.sort(key=lambda item: item.get_closest_marker("real") is None)
+    """The README's install first (the longest test), then real-model tests (their order kept): the
+    two workers then end on short tests together (`make test` lets an idle one take a busy one's
+    queue: `--dist worksteal`), rather than one waiting while the other runs the last long one."""
+    items.sort(
+        key=lambda item: (item.get_closest_marker("install") is None, item.get_closest_marker("real") is None)
+    )
 
 
 def pin_xdist_worker() -> None:

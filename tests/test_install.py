@@ -1,13 +1,13 @@
 """The README's by-hand install, as a new user runs it: a fresh venv and a fresh home directory, the
-README's own lines, then from a directory outside the checkout its Quickstart (its printed speed
-within 30% of its target's engine decoding alone here, and on the CPU its example line was measured
-on, of that line), every example, `omnidraft doctor`, `omnidraft demo --n 1` and one `omnidraft
-bench` line, each without a crash or a line on stderr the user did not ask for
+README's own lines, then from a directory outside the checkout its Quickstart (twice: once set up,
+it prints nothing on stderr), every example, `omnidraft doctor`, `omnidraft demo --n 1` and one
+`omnidraft bench` line, each without a crash or a line on stderr the user did not ask for
 (one-time work says once what it does; the cloud example's server prints its start line).
 
-`make test` runs it by itself, after the other tests (both cores, nothing beside it: the speed is
-compared). The llama.cpp wheel the README's first line builds is the one `make` built from nothing
-with the same tool and command (copied into the fresh home); everything else starts from nothing."""
+`make test` runs it first on one of its two pinned workers, beside the other tests; the Quickstart's
+speed is compared where nothing runs beside it, by tests/test_quickstart_speed.py. The llama.cpp
+wheel the README's first line builds is the one `make` built from nothing with the same tool and
+command (copied into the fresh home); everything else starts from nothing."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from .conftest import unasked_output
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = Path(os.environ.get("WHEELS", Path.home() / ".cache" / "omnidraft" / "wheels"))
 
-pytestmark = [pytest.mark.install, pytest.mark.exclusive]
+pytestmark = pytest.mark.install
 
 
 def readme_install_lines() -> list[str]:
@@ -45,46 +45,6 @@ def readme_quickstart() -> tuple[str, float]:
     shown = re.search(r'"128 tokens in [\d.]+ s \(([\d.]+) tok/s\)', code)
     assert shown, "the Quickstart's example line must show 128 tokens and a speed"
     return code, float(shown.group(1))
-
-
-# the CPU the Quickstart's example line was measured on: its model name and family (an AMD EPYC of
-# family 26, Zen 5; the same name of family 25, Zen 3 without AVX-512, decodes the 1.5B ~40% slower)
-QUICKSTART_MACHINE = ("AMD EPYC", "26")
-
-
-def readme_machine() -> bool:
-    """Whether this machine has the CPU the Quickstart's example line was measured on."""
-    fields: dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    name, family = QUICKSTART_MACHINE
-    return fields.get("model name", "").startswith(name) and fields.get("cpu family") == family
-
-
-ALONE = """
-import sys, time
-import omnidraft as od
-target = od.load_target(sys.argv[1])
-ids = target.tokenizer(sys.argv[2])["input_ids"]
-session = target.begin(ids)
-started = time.perf_counter()
-out = list(session.decode(128))
-print(len(out) / (time.perf_counter() - started))
-"""
-
-
-def engine_alone_speed(python: Path, work: Path, env: dict[str, str], code: str) -> float:
-    """Tokens a second of the Quickstart's target decoding its prompt alone on the engine
-    `load_target` picks here, in the same environment."""
-    spec = re.search(r'od\.load_target\("([^"]+)"\)', code).group(1)
-    prompt = re.search(r'generate\("([^"]+)"', code).group(1).encode().decode("unicode_escape")
-    (work / "alone.py").write_text(ALONE)
-    run = subprocess.run(
-        [str(python), "alone.py", spec, prompt], cwd=work, env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return float(run.stdout.strip().splitlines()[-1])
 
 
 def quiet(run: subprocess.CompletedProcess[str], what: str, progress: str | None = None) -> None:
@@ -119,23 +79,13 @@ def test_the_readmes_by_hand_install_runs_every_command_it_shows_quietly(tmp_pat
     work = tmp_path / "work"  # a user's own directory, not the checkout
     work.mkdir()
 
-    code, shown = readme_quickstart()
+    code, _ = readme_quickstart()
     (work / "quickstart.py").write_text(code)
     first = subprocess.run([str(python), "quickstart.py"], cwd=work, env=env, capture_output=True, text=True)
     quiet(first, "the Quickstart, first run")
     again = subprocess.run([str(python), "quickstart.py"], cwd=work, env=env, capture_output=True, text=True)
-    assert again.returncode == 0 and not again.stderr.strip(), again.stderr[
-        -3000:
-    ]  # nothing once it is set up
-    speed = float(re.search(r"128 tokens in [\d.]+ s \(([\d.]+) tok/s\)", again.stdout).group(1))
-    alone = engine_alone_speed(python, work, env, code)
-    assert 0.7 * alone <= speed <= 1.3 * alone, (
-        f"the Quickstart ran at {speed} tok/s, its target's engine alone here at {alone}"
-    )
-    if readme_machine():
-        assert 0.7 * shown <= speed <= 1.3 * shown, (
-            f"the Quickstart ran at {speed} tok/s, the README shows {shown}"
-        )
+    assert again.returncode == 0 and not again.stderr.strip(), again.stderr[-3000:]  # nothing once set up
+    assert re.search(r"128 tokens in [\d.]+ s \([\d.]+ tok/s\)", again.stdout), again.stdout
 
     for example, args, shows in (  # every example a user runs alone, and what it prints
         ("local_pairing.py", ["def add(a, b):"], ("def add(a, b):", "8 tokens in ")),
