@@ -274,3 +274,36 @@ def test_the_check_replays_a_bench_request_by_request_and_fits_the_acceptance_to
         ]
     )
     assert f"acceptance {fitted} a token: fitted to the one-device drafting row" in capsys.readouterr().out
+
+
+def test_the_servers_own_budget_shrinks_with_its_rows_as_the_server_computes_it():
+    """`server_costs`: each step takes from a row the draft budget the server computes
+    (server/budget.py) for the step's rows: on a compute-bound server (a step costs what one
+    sequence of all its tokens costs, past one row's 4) one row drafts 3 (4 tokens a step), four rows
+    draft nothing, exactly
+    as the server alone; the device drafts ahead by what the server last said."""
+    from omnidraft.device_sim.streaming import FIRST_BUDGET, simulate_streaming
+    from omnidraft.server.budget import draft_budget
+    from omnidraft.targets.remote_stream import FIRST_BUDGET as DEVICES_FIRST
+
+    assert FIRST_BUDGET == DEVICES_FIRST
+    bound = StepProfile(
+        name="bound",
+        source="test",
+        rows=(1, 16),
+        tokens=(1, 4, 8),
+        ms=((100.0, 105.0, 400.0), (1600.0, 6400.0, 12800.0)),
+    )
+    costs = bound.server_costs()
+    assert costs[:3] == ((1, 0.1), (4, 0.105), (8, 0.4)) and dict(costs)[64] == 6.4
+    assert draft_budget(dict(costs), 0.8, 1, 8) == 3 and draft_budget(dict(costs), 0.8, 4, 8) == 0
+    server = DeviceProfile(name="s", source="t", drafter_ms=0.0, target_ms=(100.0,), prefill_ms_per_token=0.0)
+    run = lambda devices, **kw: simulate_streaming(  # noqa: E731
+        server, DEVICE, step_ms=bound.cost, rtt_ms=50, devices=devices, acceptance=0.8, tokens=64, **kw
+    )
+    four_alone = run(4, budget=0)
+    four = run(4, budget=8, server_costs=costs)
+    assert four.server_tok_s == pytest.approx(four_alone.server_tok_s)  # the server hands them over
+    assert run(1, budget=8, server_costs=costs).server_tok_s > run(1, budget=0).server_tok_s
+    with pytest.raises(ValueError, match="a server's budget needs one row"):
+        StepProfile(name="x", source="t", rows=(2,), tokens=(1,), ms=((1.0,),)).server_costs()

@@ -113,6 +113,12 @@ def _capacity_args(sub: argparse._SubParsersAction) -> None:
     v.add_argument(
         "--steps", default=None, help="the server's batched step profile JSON (default: --server's)"
     )
+    v.add_argument(
+        "--server-budget",
+        action="store_true",
+        help="each step takes the draft budget the server computes from --steps for its rows, "
+        "as `omnidraft serve` does (--budget its ceiling)",
+    )
 
 
 def _scenarios(args, cat):
@@ -330,6 +336,7 @@ def _capacity_check(args: argparse.Namespace, devices: dict[str, DeviceProfile])
             "budget": args.budget,
             "seeds": args.seeds,
             "step": read_step_profile(args.steps) if args.steps else None,
+            "server_budget": args.server_budget,
         }
         server, device = devices[args.server], devices[args.device]
         acceptance = args.acceptance

@@ -89,6 +89,21 @@ class StepProfile:
         by_rows = [_between(self.tokens, list(r), per_row) for r in self.ms]
         return _between(self.rows, by_rows, rows)
 
+    def server_costs(self) -> tuple[tuple[int, float], ...]:
+        """The step costs a server's draft budget reads (server/budget.py: seconds by the tokens a
+        step holds): one row's steps by its tokens, then each other row count's by all its tokens."""
+        costs = (
+            {t: ms / 1000 for t, ms in zip(self.tokens, self.ms[self.rows.index(1)])}
+            if 1 in self.rows
+            else {}
+        )
+        for r, row in zip(self.rows, self.ms):
+            if r > 1:
+                costs.update({r * t: ms / 1000 for t, ms in zip(self.tokens, row)})
+        if 1 not in costs:
+            raise ValueError(f"step profile {self.name!r}: a server's budget needs one row of one token")
+        return tuple(sorted(costs.items()))
+
     @classmethod
     def compute_bound(cls, device: DeviceProfile, rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> StepProfile:
         """Where a step costs what one sequence as long as all its tokens costs (a CPU here)."""
@@ -319,6 +334,7 @@ def against_bench(
     seeds: int = 8,
     shared_cpu: bool = True,
     step: StepProfile | None = None,
+    server_budget: bool = False,
 ) -> list[dict[str, Any]]:
     """The streaming model's prediction of each "server alone" and "device drafting" row of
     `omnidraft bench --remote` (its JSON rows), beside what was measured: the server's tokens/s and
@@ -328,7 +344,11 @@ def against_bench(
     the server in its time to first token with one device, less the round trip (no other request
     queued before it: `_requests`); otherwise every device asks for the mean length at once, the
     row's time to first token added. `step`: a batched step profile for the server's steps
-    (default: `server`'s, as if compute-bound)."""
+    (default: `server`'s, as if compute-bound); `server_budget`: each step takes the draft budget
+    the server computes from `step`'s costs for its rows (`budget` its ceiling), not `budget`."""
+    if server_budget and step is None:
+        raise ValueError("the server's own budget is computed from a step profile: pass one")
+    costs = step.server_costs() if server_budget and step is not None else ()
     reads = _prompt_reads(measured)
     out = []
     for row in measured:
@@ -351,6 +371,7 @@ def against_bench(
                 seed=seed,
                 ttft_s=0.0 if requests else float(row.get("ttft_s") or 0.0),
                 requests=requests,
+                server_costs=costs,
             )
             for seed in range(seeds)
         ]

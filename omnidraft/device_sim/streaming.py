@@ -36,6 +36,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..server.budget import draft_budget
 from .hardware import DeviceProfile
 
 __all__ = ["StreamResult", "Streaming", "simulate_streaming"]
@@ -84,13 +85,19 @@ def _continues(stream: _Stream, at: int, length: int) -> int:
     return at + length - c
 
 
+FIRST_BUDGET = 4  # a device's budget before the server says one (targets/remote_stream.py's)
+
+
 @dataclass(frozen=True)
 class Streaming:
     """One streaming scenario (see the module doc): `devices` streams of `tokens` tokens each, all
     starting at once, `rtt_ms` apart from the server; each device's guess right with probability
     `acceptance`; the server takes up to `budget` proposed tokens a row and step; a device drafts
     `first` tokens at a time; `shared_cpu`: every device on one CPU; `ttft_s`: each request's time
-    to its first token; `seed`: the guesses' random seed."""
+    to its first token; `seed`: the guesses' random seed; `server_costs`: the server's own step costs
+    ((tokens, seconds) pairs, as server/budget.py reads them): where given, each step takes from a
+    row at most the draft budget the server computes from them for that step's rows (`draft_budget`
+    at `acceptance`, `budget` its ceiling), as a server does under load."""
 
     rtt_ms: float
     devices: int = 1
@@ -104,6 +111,7 @@ class Streaming:
     prompt: int = 0
     chunk: int = 0
     requests: tuple[tuple[int, float], ...] = ()
+    server_costs: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if (
@@ -162,6 +170,8 @@ class _Simulation:
         self.half, self.order = sc.rtt_ms / 2000, 0
         self.events: list[tuple[float, int, str, int, tuple[int, int]]] = []
         self.cpu_free = [0.0] * (1 if sc.shared_cpu else sc.devices)  # when each device CPU is next free
+        # the budget the server last said (a device drafts ahead by it; before a step says one, its first)
+        self.advertised = min(FIRST_BUDGET, sc.budget) if sc.server_costs else sc.budget
 
     def push(self, when: float, kind: str, i: int, data: tuple[int, int] = (0, 0)) -> None:
         heapq.heappush(self.events, (when, self.order, kind, i, data))
@@ -170,7 +180,7 @@ class _Simulation:
     def draft(self, i: int, now: float) -> None:
         """Device i drafts on (or starts over) after what it heard; each piece is sent when drafted."""
         s, sc = self.streams[i], self.sc
-        ahead = min(3 * sc.budget + 2, s.tokens - s.heard)
+        ahead = min(3 * self.advertised + 2, s.tokens - s.heard)
         fresh = s.heard > s.at + s.length or (s.heard > s.at and not all(s.right[s.at : s.heard]))
         if fresh or s.length == 0:
             s.at, s.length = s.heard, 0
@@ -214,15 +224,19 @@ class _Simulation:
     def plan(self) -> list[tuple[int, int]]:
         """(stream, proposed tokens it verifies) of each running stream's row in the next step."""
         plan, sc = [], self.sc
-        for i, s in enumerate(self.streams):
-            if not s.active or s.committed >= s.tokens:
-                continue
+        running = [i for i, s in enumerate(self.streams) if s.active and s.committed < s.tokens]
+        cap = sc.budget
+        if sc.server_costs and cap:
+            cap = draft_budget(dict(sc.server_costs), sc.acceptance, max(1, len(running)), cap)
+            self.advertised = cap
+        for i in running:
+            s = self.streams[i]
             given = 0
             for at, length in reversed(s.arrived):
                 given = _continues(s, at, length)
                 if given:
                     break
-            plan.append((i, min(given, sc.budget, s.tokens - s.committed - 1)))
+            plan.append((i, min(given, cap, s.tokens - s.committed - 1)))
         return plan
 
     def run(self) -> StreamResult:
