@@ -114,6 +114,22 @@ def test_the_step_measured_decoding_alone_is_kept_for_the_next_request():
     assert ledger.step == pytest.approx(0.03) and floor.begin(STEP).step == pytest.approx(0.03)
 
 
+def test_a_round_in_a_slow_stretch_is_booked_against_the_least_recent_step():
+    """docs/openvino.md: a request's stretches alone measured its step at 57 to 95 ms; booked against
+    the last one, rounds in a slow stretch booked gains a quieter step would not have given. The
+    least of the last `recent` (3) stretches is booked; a step that stays up (a longer context)
+    is taken once it has for as many stretches."""
+    ledger = Floor().begin(0.057)
+    ledger.alone(16, 16 * 0.057)
+    ledger.alone(16, 16 * 0.095)
+    assert ledger.step == pytest.approx(0.057)
+    ledger.book(2, 0.150, True)  # two tokens in 150 ms: a loss against 57 ms a token, not a gain
+    assert ledger.saved == pytest.approx(2 * 0.057 - 0.150) and ledger.drafted < 0
+    ledger.alone(16, 16 * 0.095)
+    ledger.alone(16, 16 * 0.095)
+    assert ledger.step == pytest.approx(0.095)
+
+
 def test_a_model_draft_that_must_first_read_the_prompt_waits_retrieved_tokens_do_not():
     """The drafter's read of tokens it has not seen (a long prompt) counts in a model draft's worst
     case; a retrieved proposal needs no drafter forward, so the balance still covers it."""
@@ -136,7 +152,8 @@ def test_without_a_measured_step_nothing_is_capped():
 
 
 @pytest.mark.parametrize(
-    "knobs", [dict(explore=1.0), dict(explore=-0.1), dict(horizon=0), dict(aside=0), dict(least=0.0)]
+    "knobs",
+    [dict(explore=1.0), dict(explore=-0.1), dict(horizon=0), dict(aside=0), dict(least=0.0), dict(recent=0)],
 )
 def test_bad_knobs_are_refused_naming_the_field(knobs):
     with pytest.raises(ValueError, match=next(iter(knobs))):

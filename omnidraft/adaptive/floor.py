@@ -49,18 +49,24 @@ class FloorKnobs:
     tokens that share is counted over before the request has produced as many (so its first rounds
     may probe; a reply that ends sooner may lose that much more, docs/floor.md); `aside`: tokens
     the target decodes alone, in one go, each time the balance cannot cover a draft; `least`: the
-    smallest share of `explore` that losing requests bring it to."""
+    smallest share of `explore` that losing requests bring it to; `recent`: a round is booked
+    against the least step of the last `recent` stretches the request decoded alone (a step that
+    moves, as a loaded machine's does, books no gain a quieter step would not have given; a
+    context that grows moves it on within a few stretches)."""
 
     explore: float = 0.02
     horizon: int = 16
     aside: int = 16
     least: float = 1 / 16
+    recent: int = 3
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore < 1.0:
             raise ValueError(f"explore must be in [0, 1), got {self.explore}")
-        if self.horizon < 1 or self.aside < 1:
-            raise ValueError(f"horizon and aside must be >= 1, got {self.horizon} and {self.aside}")
+        if self.horizon < 1 or self.aside < 1 or self.recent < 1:
+            raise ValueError(
+                f"horizon, aside and recent must be >= 1, got {self.horizon}, {self.aside} and {self.recent}"
+            )
         if not 0.0 < self.least <= 1.0:
             raise ValueError(f"least must be in (0, 1], got {self.least}")
 
@@ -81,6 +87,7 @@ class Ledger:
         self.unread = 0  # committed tokens the drafter has not read yet (the prompt, to begin with)
         self.proposed = False  # the last round booked proposed tokens
         self.prefill = 0.0  # seconds the target took to read the prompt, where its session timed it
+        self.stretches: list[float] = []  # the step of each stretch this request decoded alone
 
     def seen(self, step: float) -> None:
         """A newer estimate of the step (the cost model's one-token verify), kept until decoding
@@ -129,16 +136,23 @@ class Ledger:
         if committed < 1 or (seconds is not None and seconds <= 0):
             return
         if seconds is not None and first is not None and committed > 1 and 0 < first < seconds:
-            self.step, self.measured = (seconds - first) / (committed - 1), True
+            step = self._measured((seconds - first) / (committed - 1))
             if self.proposed and self.on:
-                excess = max(0.0, first - self.step)
+                excess = max(0.0, first - step)
                 self.saved -= excess
                 self.drafted -= excess
         elif seconds is not None:
-            self.step, self.measured = seconds / committed, True
+            self._measured(seconds / committed)
         self.proposed = False
         self.unread += committed
         self.tokens += committed  # booked at exactly its own step: no gain, no loss
+
+    def _measured(self, step: float) -> float:
+        """A stretch decoded alone took `step` a token: the step is now the least of the recent ones
+        (returned)."""
+        self.stretches.append(step)
+        self.step, self.measured = min(self.stretches[-self.knobs.recent :]), True
+        return self.step
 
     def cap(self, costs: Costs, k: int, limit: int, remaining: int) -> tuple[int, int]:
         """(k, limit): the model draft length and proposal limit whose worst case the balance
