@@ -332,7 +332,6 @@ def against_bench(
     acceptance: float,
     budget: int = 6,
     seeds: int = 8,
-    shared_cpu: bool = True,
     step: StepProfile | None = None,
     server_budget: bool = False,
 ) -> list[dict[str, Any]]:
@@ -367,7 +366,7 @@ def against_bench(
                 acceptance=acceptance,
                 budget=budget if row["row"] == "device drafting" else 0,
                 tokens=tokens,
-                shared_cpu=shared_cpu,
+                shared_cpu=True,  # the bench's devices share one core
                 seed=seed,
                 ttft_s=0.0 if requests else float(row.get("ttft_s") or 0.0),
                 requests=requests,
