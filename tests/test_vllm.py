@@ -4,6 +4,7 @@ sampling, refused rules and bad input to the server."""
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -74,6 +75,20 @@ def test_the_tail_rule_reads_only_computed_rows():
     assert tail_rows(prompt_len=70, num_cached=32, base=64)  # row base - 1 = 63 was computed
     assert not tail_rows(prompt_len=70, num_cached=64, base=64)  # row 63 came from the cache: not readable
     assert not tail_rows(prompt_len=70, num_cached=0, base=0)
+
+
+def test_on_the_cpu_an_engine_loads_its_compiled_graph_from_the_cache(monkeypatch):
+    """vLLM's CPU build fails to load its own AOT-compiled graphs (every start compiled again):
+    engine_defaults turns that mode off where the caller has not chosen, and leaves a choice made."""
+    from omnidraft.targets import vllm_engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv(vllm_engine.AOT_ENV, raising=False)
+    vllm_engine.engine_defaults({})
+    assert os.environ[vllm_engine.AOT_ENV] == "0"
+    monkeypatch.setenv(vllm_engine.AOT_ENV, "1")
+    vllm_engine.engine_defaults({})
+    assert os.environ[vllm_engine.AOT_ENV] == "1"
 
 
 def test_verifies_with_accepts_and_rejections_give_vllms_own_greedy_output(vllm_target):

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 GATHER_S = 0.02  # how long a step may wait for the next requests of sessions that were just answered
 ACTIVE_S = 1.0  # a session answered within this long is one the loop waits for
 CANCEL_POLL_S = 0.05  # how often a waiting request looks whether its client left
+AOT_ENV = "VLLM_USE_AOT_COMPILE"  # vLLM's own switch; off on the CPU (engine_defaults)
 EAGER_ENV = "OMNIDRAFT_VLLM_EAGER"  # "1": engines run eager unless their caller says otherwise
 DEFAULT_MAX_LOGPROBS = 64  # top log-probabilities a request may ask for (distillation's top-k included)
 
@@ -112,6 +113,10 @@ def engine_defaults(engine_args: dict[str, Any]) -> dict[str, Any]:
     args.setdefault("long_prefill_token_threshold", 512 if torch.cuda.is_available() else 64)
     if not torch.cuda.is_available():
         args.setdefault("block_size", 32)  # the CPU attention backend's block size is a multiple of 32
+        # vLLM's CPU build saves its AOT-compiled graph and then fails to load it ("'function' object
+        # has no attribute 'finalize_loading'"), so every start compiled again; its inductor cache
+        # loads: an engine restarted on this machine comes up in half the time (docs/vllm.md)
+        os.environ.setdefault(AOT_ENV, "0")
         if "kv_cache_memory_bytes" not in args and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             args["kv_cache_memory_bytes"] = 2 << 30
     return args
