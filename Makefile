@@ -72,8 +72,11 @@ demo:
 # the three venvs and the router install side by side (downloads overlap llama.cpp's compile)
 test:
 	$(MAKE) -j3 --no-print-directory $(STAMP) $(OPTIMUM_STAMP) $(OPENVINO_STAMP) haproxy
-	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not exclusive" --durations=25
+	@# the lint (mypy reads torch's and transformers' types: a minute from nothing) beside the first
+	@# phase, its output after it; either failing fails the target
+	$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
+	  $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not exclusive" --durations=25; tests=$$?; \
+	  wait $$lint; linted=$$?; cat $(VENV)/lint.log; test $$tests -eq 0 -a $$linted -eq 0
 	$(PY) -m pytest -m exclusive --durations=10
 
 # the README's by-hand install in a fresh venv and home, then every command the README shows there,

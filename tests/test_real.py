@@ -72,16 +72,19 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("target_name", ["qwen2.5-coder-0.5b", "gemma3-270m", "qwen2.5-coder-1.5b"])
+@pytest.mark.parametrize("target_name", ["qwen2.5-coder-0.5b", "gemma3-270m"])
 def test_real_pairs_are_token_identical_to_target_greedy(drafter, target_name):
     """On the kernels measured fastest on this machine, with a fixed k and with the defaults (draft
-    length from measured costs, rounds that decode with the target alone included)."""
+    length from measured costs, rounds that decode with the target alone included). The 1.5B on
+    PyTorch (fp32, 6 GB read a token: three minutes of CI here) shares every code path with the
+    0.5B: its default pairing is checked on the copy-heavy edit below, its own engines in
+    test_llamacpp.py and the install test's Quickstart."""
     target = real_target(target_name)
     assert target.model.kernel_plan is not None  # the chosen kernels, as the benchmark's baseline runs them
     fixed, default = drafter.pair(target, k=5, stop_confidence=0.3), drafter.pair(target)
     accepted: list[float] = []
     default.policy.probe_every = default.policy.wait = 2  # visit both kinds of round within a short test
-    for prompt in PROMPTS if target_name.endswith(("0.5b", "270m")) else PROMPTS[:1]:  # the 1.5B: code
+    for prompt in PROMPTS:
         reference = target_greedy(target, prompt, 40)
         out = fixed.generate(prompt, max_new_tokens=40)
         assert out.token_ids == reference, prompt
