@@ -76,9 +76,9 @@ PROMPTS = [
 def test_real_pairs_are_token_identical_to_target_greedy(drafter, target_name):
     """On the kernels measured fastest on this machine, with a fixed k and with the defaults (draft
     length from measured costs, rounds that decode with the target alone included). The 1.5B on
-    PyTorch (fp32, 6 GB read a token: three minutes of CI here) shares every code path with the
-    0.5B: its default pairing is checked on the copy-heavy edit below, its own engines in
-    test_llamacpp.py and the install test's Quickstart."""
+    PyTorch (fp32: 6 GB of weights read for every token, the slowest real test) shares every code
+    path with the 0.5B: its default pairing is checked on the copy-heavy edit below, its own
+    engines in test_llamacpp.py and the install test's Quickstart."""
     target = real_target(target_name)
     assert target.model.kernel_plan is not None  # the chosen kernels, as the benchmark's baseline runs them
     fixed, default = drafter.pair(target, k=5, stop_confidence=0.3), drafter.pair(target)

@@ -115,7 +115,7 @@ def engine_defaults(engine_args: dict[str, Any]) -> dict[str, Any]:
         args.setdefault("block_size", 32)  # the CPU attention backend's block size is a multiple of 32
         # vLLM's CPU build saves its AOT-compiled graph and then fails to load it ("'function' object
         # has no attribute 'finalize_loading'"), so every start compiled again; its inductor cache
-        # loads: an engine restarted on this machine comes up in half the time (docs/vllm.md)
+        # loads, so an engine restarted on this machine skips the compilation (docs/vllm.md)
         os.environ.setdefault(AOT_ENV, "0")
         if "kv_cache_memory_bytes" not in args and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             args["kv_cache_memory_bytes"] = 2 << 30
