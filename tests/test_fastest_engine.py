@@ -98,3 +98,9 @@ def test_serve_defaults_to_the_fastest_engine_and_says_which(engines, monkeypatc
     monkeypatch.setattr(fastest, "request_rate", lambda target: {"slow": 1.0, "fast": 2.0}[engines[-1]])
     assert run_cli(["serve", "--target", "tiny", "--no-auth"]) == 0
     assert "on fast (the fastest engine here)" in capsys.readouterr().err
+
+
+def test_each_engines_timing_is_kept_against_its_build_int4_included():
+    """A timing is a function of the engine's build: OpenVINO with int4 weights is OpenVINO's."""
+    assert fastest._build("openvino-int4") == fastest._build("openvino") != "?"
+    assert fastest._build("no-such-engine") == "?"

@@ -142,9 +142,19 @@ def _gpu() -> bool:
     return bool(torch.cuda.is_available())
 
 
+# each engine's Python module (int4 weights run on the same OpenVINO build)
+_ENGINE_MODULES = {
+    "llama.cpp": "llama_cpp",
+    "openvino": "openvino",
+    "openvino-int4": "openvino",
+    "torch": "torch",
+    "vllm": "vllm",
+}
+
+
 def _build(name: str) -> str:
     """The engine's build, part of what a timing is a function of."""
-    module = {"llama.cpp": "llama_cpp", "openvino": "openvino", "torch": "torch", "vllm": "vllm"}.get(name)
+    module = _ENGINE_MODULES.get(name)
     if module is None or importlib.util.find_spec(module) is None:
         return "?"
     from importlib.metadata import PackageNotFoundError, version
