@@ -280,8 +280,7 @@ def test_the_servers_own_budget_shrinks_with_its_rows_as_the_server_computes_it(
     """`server_costs`: each step takes from a row the draft budget the server computes
     (server/budget.py) for the step's rows: on a compute-bound server (a step costs what one
     sequence of all its tokens costs, past one row's 4) one row drafts 3 (4 tokens a step), four rows
-    draft nothing, exactly
-    as the server alone; the device drafts ahead by what the server last said."""
+    draft nothing, exactly as the server alone; the device drafts ahead by what the server last said."""
     from omnidraft.device_sim.streaming import FIRST_BUDGET, simulate_streaming
     from omnidraft.server.budget import draft_budget
     from omnidraft.targets.remote_stream import FIRST_BUDGET as DEVICES_FIRST

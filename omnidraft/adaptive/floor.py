@@ -25,6 +25,7 @@ forwards a token, whatever the wall time), so its pairings are not floored.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,7 +88,7 @@ class Ledger:
         self.unread = 0  # committed tokens the drafter has not read yet (the prompt, to begin with)
         self.proposed = False  # the last round booked proposed tokens
         self.prefill = 0.0  # seconds the target took to read the prompt, where its session timed it
-        self.stretches: list[float] = []  # the step of each stretch this request decoded alone
+        self.stretches: deque[float] = deque(maxlen=self.knobs.recent)  # the recent stretches' steps
 
     def seen(self, step: float) -> None:
         """A newer estimate of the step (the cost model's one-token verify), kept until decoding
@@ -151,7 +152,7 @@ class Ledger:
         """A stretch decoded alone took `step` a token: the step is now the least of the recent ones
         (returned)."""
         self.stretches.append(step)
-        self.step, self.measured = min(self.stretches[-self.knobs.recent :]), True
+        self.step, self.measured = min(self.stretches), True
         return self.step
 
     def cap(self, costs: Costs, k: int, limit: int, remaining: int) -> tuple[int, int]:

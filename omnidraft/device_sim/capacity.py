@@ -92,14 +92,9 @@ class StepProfile:
     def server_costs(self) -> tuple[tuple[int, float], ...]:
         """The step costs a server's draft budget reads (server/budget.py: seconds by the tokens a
         step holds): one row's steps by its tokens, then each other row count's by all its tokens."""
-        costs = (
-            {t: ms / 1000 for t, ms in zip(self.tokens, self.ms[self.rows.index(1)])}
-            if 1 in self.rows
-            else {}
-        )
-        for r, row in zip(self.rows, self.ms):
-            if r > 1:
-                costs.update({r * t: ms / 1000 for t, ms in zip(self.tokens, row)})
+        costs: dict[int, float] = {}
+        for r, row in sorted(zip(self.rows, self.ms)):  # more rows than one override its totals
+            costs.update({r * t: ms / 1000 for t, ms in zip(self.tokens, row)})
         if 1 not in costs:
             raise ValueError(f"step profile {self.name!r}: a server's budget needs one row of one token")
         return tuple(sorted(costs.items()))

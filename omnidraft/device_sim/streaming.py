@@ -172,6 +172,7 @@ class _Simulation:
         self.cpu_free = [0.0] * (1 if sc.shared_cpu else sc.devices)  # when each device CPU is next free
         # the budget the server last said (a device drafts ahead by it; before a step says one, its first)
         self.advertised = min(FIRST_BUDGET, sc.budget) if sc.server_costs else sc.budget
+        self.server_costs = dict(sc.server_costs)  # (as draft_budget reads them, at every step)
 
     def push(self, when: float, kind: str, i: int, data: tuple[int, int] = (0, 0)) -> None:
         heapq.heappush(self.events, (when, self.order, kind, i, data))
@@ -226,8 +227,8 @@ class _Simulation:
         plan, sc = [], self.sc
         running = [i for i, s in enumerate(self.streams) if s.active and s.committed < s.tokens]
         cap = sc.budget
-        if sc.server_costs and cap:
-            cap = draft_budget(dict(sc.server_costs), sc.acceptance, max(1, len(running)), cap)
+        if self.server_costs and cap:
+            cap = draft_budget(self.server_costs, sc.acceptance, max(1, len(running)), cap)
             self.advertised = cap
         for i in running:
             s = self.streams[i]
